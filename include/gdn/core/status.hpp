@@ -1,0 +1,57 @@
+// Status type of the core: no exceptions below the binding edge, every failure carries a reason.
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <utility>
+
+namespace gdn {
+
+enum class StatusCode {
+  kSuccess,
+  kInvalidArgument,  // malformed input: shape, dtype, stride, device or index out of range
+  kUnsupported,      // well-formed, but outside what this build / path implements
+  kCudaError,        // a CUDA runtime call failed
+};
+
+constexpr std::string_view to_string(StatusCode code) noexcept {
+  switch (code) {
+    case StatusCode::kSuccess: return "success";
+    case StatusCode::kInvalidArgument: return "invalid argument";
+    case StatusCode::kUnsupported: return "unsupported";
+    case StatusCode::kCudaError: return "CUDA error";
+  }
+  return "unknown";
+}
+
+class [[nodiscard]] Status {
+ public:
+  Status() = default;
+  Status(StatusCode code, std::string reason) : code_(code), reason_(std::move(reason)) {}
+
+  static Status ok() { return {}; }
+  static Status invalid(std::string reason) {
+    return {StatusCode::kInvalidArgument, std::move(reason)};
+  }
+  static Status unsupported(std::string reason) {
+    return {StatusCode::kUnsupported, std::move(reason)};
+  }
+
+  bool is_ok() const noexcept { return code_ == StatusCode::kSuccess; }
+  explicit operator bool() const noexcept { return is_ok(); }
+  StatusCode code() const noexcept { return code_; }
+  const std::string& reason() const noexcept { return reason_; }
+
+ private:
+  StatusCode code_ = StatusCode::kSuccess;
+  std::string reason_;
+};
+
+}  // namespace gdn
+
+// Propagates a failed Status out of the enclosing function.
+#define GDN_RETURN_IF_ERROR(expr)     \
+  do {                                \
+    ::gdn::Status gdn_status_ = (expr); \
+    if (!gdn_status_.is_ok()) return gdn_status_; \
+  } while (0)

@@ -1,0 +1,298 @@
+// decode_mtp: the params struct, argument validation, row validation and the guard.
+// Contract: docs decode-mtp.md. Host-only (compiles with g++ alone).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "gdn/core/status.hpp"
+#include "gdn/core/support.hpp"
+#include "gdn/core/tensor_view.hpp"
+
+namespace gdn::decode_mtp {
+
+// One call's arguments: non-owning views and scalars. Optional views are left absent (ndim = -1).
+struct Params {
+  TensorView mixed_qkv;            // [L, 2*H*K + HV*V], unit column stride, any row stride
+  TensorView a, b;                 // [L, HV], unit column stride, any row stride
+  TensorView A_log;                // [HV]
+  TensorView dt_bias;              // [HV]
+  TensorView z;                    // [L, HV, V] or absent
+  TensorView norm_weight;          // [V] or absent (then out = o, no norm, no gate)
+  TensorView state;                // [slots, HV, V, K] ("vk") or [slots, HV, K, V] ("kv")
+  TensorView state_indices;        // [N, S] int32/int64, contiguous rows
+  TensorView cu_seqlens;           // [N+1]
+  TensorView num_accepted_tokens;  // [N] or absent (all 1)
+  TensorView out;                  // [L, HV, V], contiguous, written only
+  TensorView error_count;          // optional int32 [1] (device path: invalid rows bump it)
+
+  int64_t num_k_heads = 0;    // H; 0 = derive from the mixed_qkv width
+  float scale = NAN;          // NaN = K^-1/2
+  float l2_eps = 1e-6f;
+  float norm_eps = 1e-6f;
+  GateActivation gate = GateActivation::kSiLU;
+  StateLayout layout = StateLayout::kVK;
+  int64_t first_valid_slot = 0;  // slot ids below this are null
+};
+
+// Sizes derived from (and checked against) the arguments.
+struct Problem {
+  int64_t L = 0, N = 0, S = 0, H = 0, HV = 0, K = 0, V = 0, num_slots = 0;
+  int64_t ratio = 0;  // HV / H, exact
+  float scale = 0.0f;
+  Device device{};
+};
+
+// Validates every shape, dtype, stride and device and derives the problem sizes. Reads no data.
+inline Status check_arguments(const Params& p, Problem* out_problem) {
+  using namespace check;
+  Problem pr;
+  GDN_RETURN_IF_ERROR(present(p.state, "state"));
+  GDN_RETURN_IF_ERROR(ndim(p.state, "state", 4));
+  GDN_RETURN_IF_ERROR(dtype_in(p.state, "state", {DType::kFloat32, DType::kBFloat16, DType::kFloat16}));
+  pr.device = p.state.device;
+  pr.num_slots = p.state.shape[0];
+  pr.HV = p.state.shape[1];
+  const bool vk = p.layout == StateLayout::kVK;
+  pr.V = vk ? p.state.shape[2] : p.state.shape[3];
+  pr.K = vk ? p.state.shape[3] : p.state.shape[2];
+  if (pr.HV <= 0 || pr.K <= 0 || pr.V <= 0)
+    return Status::invalid("state has an empty head or head-dim dimension (shape " +
+                           shape_string(p.state) + ")");
+  GDN_RETURN_IF_ERROR(contiguous_from(p.state, "state", 1));
+  if (p.state.strides[0] < pr.HV * pr.K * pr.V && pr.num_slots > 1)
+    return Status::invalid("state slot stride " + std::to_string(p.state.strides[0]) +
+                           " is smaller than one slot (HV*K*V = " +
+                           std::to_string(pr.HV * pr.K * pr.V) + "): slots would overlap");
+
+  GDN_RETURN_IF_ERROR(present(p.mixed_qkv, "mixed_qkv"));
+  GDN_RETURN_IF_ERROR(ndim(p.mixed_qkv, "mixed_qkv", 2));
+  GDN_RETURN_IF_ERROR(dtype_in(p.mixed_qkv, "mixed_qkv", {DType::kBFloat16, DType::kFloat16, DType::kFloat32}));
+  GDN_RETURN_IF_ERROR(unit_stride(p.mixed_qkv, "mixed_qkv", 1));
+  GDN_RETURN_IF_ERROR(nonnegative_strides(p.mixed_qkv, "mixed_qkv"));
+  pr.L = p.mixed_qkv.shape[0];
+  const int64_t width = p.mixed_qkv.shape[1];
+  const int64_t key_width = width - pr.HV * pr.V;
+  if (key_width <= 0 || key_width % (2 * pr.K) != 0)
+    return Status::invalid("mixed_qkv width " + std::to_string(width) + " is not 2*H*K + HV*V for " +
+                           "HV = " + std::to_string(pr.HV) + ", K = " + std::to_string(pr.K) +
+                           ", V = " + std::to_string(pr.V) + " and an integer H >= 1");
+  pr.H = key_width / (2 * pr.K);
+  if (p.num_k_heads != 0 && p.num_k_heads != pr.H)
+    return Status::invalid("num_k_heads = " + std::to_string(p.num_k_heads) +
+                           " disagrees with the mixed_qkv width, which gives H = " +
+                           std::to_string(pr.H));
+  GDN_RETURN_IF_ERROR(row_stride_at_least(p.mixed_qkv, "mixed_qkv", width));
+  // The ratio must divide exactly: checked before the quotient is used.
+  if (pr.HV % pr.H != 0)
+    return Status::invalid("value heads HV = " + std::to_string(pr.HV) +
+                           " are not a multiple of key heads H = " + std::to_string(pr.H) +
+                           " (HV / H must be an integer)");
+  pr.ratio = pr.HV / pr.H;
+
+  for (auto [view, name] : {std::pair{&p.a, "a"}, std::pair{&p.b, "b"}}) {
+    GDN_RETURN_IF_ERROR(present(*view, name));
+    GDN_RETURN_IF_ERROR(ndim(*view, name, 2));
+    GDN_RETURN_IF_ERROR(dtype_in(*view, name, {DType::kBFloat16, DType::kFloat16, DType::kFloat32}));
+    GDN_RETURN_IF_ERROR(dim(*view, name, 0, pr.L, "L (rows of mixed_qkv)"));
+    GDN_RETURN_IF_ERROR(dim(*view, name, 1, pr.HV, "HV"));
+    GDN_RETURN_IF_ERROR(unit_stride(*view, name, 1));
+    GDN_RETURN_IF_ERROR(nonnegative_strides(*view, name));
+  }
+  for (auto [view, name] : {std::pair{&p.A_log, "A_log"}, std::pair{&p.dt_bias, "dt_bias"}}) {
+    GDN_RETURN_IF_ERROR(present(*view, name));
+    GDN_RETURN_IF_ERROR(ndim(*view, name, 1));
+    GDN_RETURN_IF_ERROR(dtype_in(*view, name, {DType::kFloat32, DType::kBFloat16, DType::kFloat16}));
+    GDN_RETURN_IF_ERROR(dim(*view, name, 0, pr.HV, "HV"));
+    GDN_RETURN_IF_ERROR(contiguous_from(*view, name, 0));
+  }
+  if (p.z.present()) {
+    GDN_RETURN_IF_ERROR(present(p.z, "z"));
+    GDN_RETURN_IF_ERROR(ndim(p.z, "z", 3));
+    GDN_RETURN_IF_ERROR(dtype_in(p.z, "z", {DType::kBFloat16, DType::kFloat16, DType::kFloat32}));
+    GDN_RETURN_IF_ERROR(dim(p.z, "z", 0, pr.L, "L (rows of mixed_qkv)"));
+    GDN_RETURN_IF_ERROR(dim(p.z, "z", 1, pr.HV, "HV"));
+    GDN_RETURN_IF_ERROR(dim(p.z, "z", 2, pr.V, "V"));
+    GDN_RETURN_IF_ERROR(unit_stride(p.z, "z", 2));
+    GDN_RETURN_IF_ERROR(nonnegative_strides(p.z, "z"));
+  }
+  if (p.norm_weight.present()) {
+    GDN_RETURN_IF_ERROR(present(p.norm_weight, "norm_weight"));
+    GDN_RETURN_IF_ERROR(ndim(p.norm_weight, "norm_weight", 1));
+    GDN_RETURN_IF_ERROR(dtype_in(p.norm_weight, "norm_weight", {DType::kFloat32, DType::kBFloat16, DType::kFloat16}));
+    GDN_RETURN_IF_ERROR(dim(p.norm_weight, "norm_weight", 0, pr.V, "V"));
+    GDN_RETURN_IF_ERROR(contiguous_from(p.norm_weight, "norm_weight", 0));
+  }
+  if (p.z.present() && !p.norm_weight.present())
+    return Status::invalid("z (the output gate) was given without norm_weight; the gate is applied "
+                           "inside the gated RMSNorm, so pass norm_weight too or drop z");
+
+  GDN_RETURN_IF_ERROR(present(p.state_indices, "state_indices"));
+  GDN_RETURN_IF_ERROR(ndim(p.state_indices, "state_indices", 2));
+  GDN_RETURN_IF_ERROR(dtype_in(p.state_indices, "state_indices", {DType::kInt32, DType::kInt64}));
+  GDN_RETURN_IF_ERROR(contiguous_from(p.state_indices, "state_indices", 0));
+  pr.N = p.state_indices.shape[0];
+  pr.S = p.state_indices.shape[1];
+  if (pr.S < 1) return Status::invalid("state_indices must have at least one column (S >= 1)");
+
+  GDN_RETURN_IF_ERROR(present(p.cu_seqlens, "cu_seqlens"));
+  GDN_RETURN_IF_ERROR(ndim(p.cu_seqlens, "cu_seqlens", 1));
+  GDN_RETURN_IF_ERROR(dtype_in(p.cu_seqlens, "cu_seqlens", {DType::kInt32, DType::kInt64}));
+  GDN_RETURN_IF_ERROR(dim(p.cu_seqlens, "cu_seqlens", 0, pr.N + 1, "N + 1 (rows of state_indices + 1)"));
+  GDN_RETURN_IF_ERROR(contiguous_from(p.cu_seqlens, "cu_seqlens", 0));
+
+  if (p.num_accepted_tokens.present()) {
+    GDN_RETURN_IF_ERROR(present(p.num_accepted_tokens, "num_accepted_tokens"));
+    GDN_RETURN_IF_ERROR(ndim(p.num_accepted_tokens, "num_accepted_tokens", 1));
+    GDN_RETURN_IF_ERROR(dtype_in(p.num_accepted_tokens, "num_accepted_tokens", {DType::kInt32, DType::kInt64}));
+    GDN_RETURN_IF_ERROR(dim(p.num_accepted_tokens, "num_accepted_tokens", 0, pr.N, "N (rows of state_indices)"));
+    GDN_RETURN_IF_ERROR(contiguous_from(p.num_accepted_tokens, "num_accepted_tokens", 0));
+  }
+
+  GDN_RETURN_IF_ERROR(present(p.out, "out"));
+  GDN_RETURN_IF_ERROR(ndim(p.out, "out", 3));
+  GDN_RETURN_IF_ERROR(dtype_in(p.out, "out", {DType::kBFloat16, DType::kFloat16, DType::kFloat32}));
+  GDN_RETURN_IF_ERROR(dim(p.out, "out", 0, pr.L, "L (rows of mixed_qkv)"));
+  GDN_RETURN_IF_ERROR(dim(p.out, "out", 1, pr.HV, "HV"));
+  GDN_RETURN_IF_ERROR(dim(p.out, "out", 2, pr.V, "V"));
+  GDN_RETURN_IF_ERROR(contiguous_from(p.out, "out", 0));
+
+  if (p.error_count.present()) {
+    GDN_RETURN_IF_ERROR(present(p.error_count, "error_count"));
+    GDN_RETURN_IF_ERROR(dtype_in(p.error_count, "error_count", {DType::kInt32}));
+    if (p.error_count.numel() != 1)
+      return Status::invalid("error_count must hold exactly one int32 element");
+  }
+
+  const std::pair<const TensorView*, const char*> all[] = {
+      {&p.mixed_qkv, "mixed_qkv"}, {&p.a, "a"}, {&p.b, "b"}, {&p.A_log, "A_log"},
+      {&p.dt_bias, "dt_bias"}, {&p.z, "z"}, {&p.norm_weight, "norm_weight"},
+      {&p.state_indices, "state_indices"}, {&p.cu_seqlens, "cu_seqlens"},
+      {&p.num_accepted_tokens, "num_accepted_tokens"}, {&p.out, "out"},
+      {&p.error_count, "error_count"}};
+  for (auto [view, name] : all) GDN_RETURN_IF_ERROR(same_device(*view, name, pr.device));
+
+  if (!(p.l2_eps >= 0.0f) || !(p.norm_eps >= 0.0f))
+    return Status::invalid("l2_eps and norm_eps must be finite and >= 0");
+  pr.scale = std::isnan(p.scale) ? 1.0f / std::sqrt(float(pr.K)) : p.scale;
+  if (!std::isfinite(pr.scale)) return Status::invalid("scale must be finite");
+  if (out_problem) *out_problem = pr;
+  return Status::ok();
+}
+
+// Per-row facts, resolved from host-visible cu_seqlens / num_accepted_tokens / state_indices.
+struct RowInfo {
+  int64_t begin = 0;  // first token row
+  int64_t T = 0;      // tokens
+  int64_t source = 0; // slot the initial state is read from
+};
+
+// Validates one request row; the reason names the row and what is wrong.
+inline Status check_row(const Params& p, const Problem& pr, int64_t i, RowInfo* info) {
+  const int64_t begin = load_index(p.cu_seqlens.data, p.cu_seqlens.dtype, i);
+  const int64_t end = load_index(p.cu_seqlens.data, p.cu_seqlens.dtype, i + 1);
+  const std::string row = "request row " + std::to_string(i) + ": ";
+  if (begin < 0 || end < begin || end > pr.L)
+    return Status::invalid(row + "cu_seqlens[" + std::to_string(i) + "..] = (" +
+                           std::to_string(begin) + ", " + std::to_string(end) +
+                           ") is not a non-decreasing range inside [0, L = " +
+                           std::to_string(pr.L) + "]");
+  const int64_t T = end - begin;
+  info->begin = begin;
+  info->T = T;
+  if (T == 0) return Status::ok();  // padded row: nothing is read or written
+  if (T > pr.S)
+    return Status::invalid(row + "has T = " + std::to_string(T) + " tokens but state_indices has only S = " +
+                           std::to_string(pr.S) + " columns");
+  const int64_t acc = p.num_accepted_tokens.present()
+                          ? load_index(p.num_accepted_tokens.data, p.num_accepted_tokens.dtype, i)
+                          : 1;
+  if (acc < 1 || acc > pr.S)
+    return Status::invalid(row + "num_accepted_tokens = " + std::to_string(acc) +
+                           " is outside [1, S = " + std::to_string(pr.S) + "]");
+  for (int64_t c = 0; c < pr.S; ++c) {
+    const int64_t slot = load_index(p.state_indices.data, p.state_indices.dtype, i * pr.S + c);
+    if (slot >= pr.num_slots)
+      return Status::invalid(row + "state_indices[" + std::to_string(i) + ", " + std::to_string(c) +
+                             "] = " + std::to_string(slot) + " is >= the pool's slot count " +
+                             std::to_string(pr.num_slots));
+  }
+  const int64_t source = load_index(p.state_indices.data, p.state_indices.dtype, i * pr.S + acc - 1);
+  if (source < p.first_valid_slot)
+    return Status::invalid(row + "source slot state_indices[" + std::to_string(i) + ", " +
+                           std::to_string(acc - 1) + "] = " + std::to_string(source) +
+                           " is null (below first_valid_slot = " +
+                           std::to_string(p.first_valid_slot) + ")");
+  info->source = source;
+  return Status::ok();
+}
+
+// Validates every row of a call whose indices are host-visible. Nothing may be written before this
+// succeeds.
+inline Status check_rows(const Params& p, const Problem& pr) {
+  if (p.state_indices.device.type != DeviceType::kCPU ||
+      p.cu_seqlens.device.type != DeviceType::kCPU ||
+      (p.num_accepted_tokens.present() && p.num_accepted_tokens.device.type != DeviceType::kCPU))
+    return Status::invalid("check_rows needs host-visible index arrays");
+  const int64_t total = load_index(p.cu_seqlens.data, p.cu_seqlens.dtype, pr.N);
+  if (total > pr.L)
+    return Status::invalid("cu_seqlens[N] = " + std::to_string(total) + " exceeds L = " +
+                           std::to_string(pr.L) + " rows of mixed_qkv");
+  RowInfo info;
+  for (int64_t i = 0; i < pr.N; ++i) GDN_RETURN_IF_ERROR(check_row(p, pr, i, &info));
+  return Status::ok();
+}
+
+// ---- Guard ---------------------------------------------------------------------------------------
+
+enum class Path : int { kFast, kGeneric, kUnsupported };
+
+inline const char* to_string(Path path) noexcept {
+  switch (path) {
+    case Path::kFast: return "fast";
+    case Path::kGeneric: return "generic";
+    case Path::kUnsupported: return "unsupported";
+  }
+  return "unknown";
+}
+
+struct Support {
+  Path path = Path::kUnsupported;
+  std::string reason;
+};
+
+// "Can this configuration use the fused kernel on this device, and if not, why?" Answers from the
+// supported-set lists only; `cuda_available` is whether this build holds a CUDA kernel image that
+// runs on the target device (the caller probes it).
+inline Support can_use(DeviceType device, int64_t H, int64_t HV, int64_t K, int64_t V, int64_t S,
+                       DType state_dtype, bool cuda_available = false) {
+  if (H <= 0 || HV <= 0 || K <= 0 || V <= 0 || S <= 0)
+    return {Path::kUnsupported, "H, HV, K, V and S must all be positive"};
+  if (HV % H != 0)
+    return {Path::kUnsupported, "HV = " + std::to_string(HV) + " is not a multiple of H = " +
+                                    std::to_string(H) + " (non-integral head ratio)"};
+  if (!StateDTypes::contains(state_dtype))
+    return {Path::kUnsupported,
+            "state dtype " + std::string(gdn::to_string(state_dtype)) + " is not supported"};
+  const int64_t ratio = HV / H;
+  const bool listed = ratio <= 8 && HeadRatios::contains(int(ratio));
+  if (device == DeviceType::kCPU) {
+    if (listed) return {Path::kFast, "CPU kernel specialised for head ratio " + std::to_string(ratio)};
+    return {Path::kGeneric, "head ratio " + std::to_string(ratio) +
+                                " is not compiled in; the CPU kernel runs it with a run-time ratio"};
+  }
+  if (!cuda_available)
+    return {Path::kUnsupported, "this build has no CUDA kernel image for the device"};
+  if (K != V || !CudaHeadDims::contains(int(K)))
+    return {Path::kUnsupported, "CUDA kernel needs K = V = 128, got K = " + std::to_string(K) +
+                                    ", V = " + std::to_string(V)};
+  if (S > kCudaMaxSpecColumns)
+    return {Path::kUnsupported, "CUDA kernel supports S <= " + std::to_string(kCudaMaxSpecColumns) +
+                                    " state columns, got " + std::to_string(S)};
+  if (listed) return {Path::kFast, "CUDA kernel specialised for head ratio " + std::to_string(ratio)};
+  return {Path::kGeneric, "head ratio " + std::to_string(ratio) +
+                              " is not compiled in; the CUDA kernel runs it with a run-time ratio"};
+}
+
+}  // namespace gdn::decode_mtp

@@ -1,0 +1,11 @@
+// Umbrella header of libgdn's host-side API (compiles with any C++20 compiler; no CUDA needed).
+// CUDA kernels: include the .cuh headers (e.g. gdn/decode_mtp/cuda.cuh) from nvcc-compiled code.
+#pragma once
+
+#include "gdn/core/dispatch.hpp"
+#include "gdn/core/dtype.hpp"
+#include "gdn/core/status.hpp"
+#include "gdn/core/support.hpp"
+#include "gdn/core/tensor_view.hpp"
+#include "gdn/decode_mtp/cpu.hpp"
+#include "gdn/decode_mtp/params.hpp"

@@ -1,0 +1,19 @@
+// Host-callable entry points of the compiled CUDA kernels (src/cuda/*.cu). Declared without CUDA
+// headers so the host-compiled binding can call them; cudaStream_t travels as void*.
+#pragma once
+
+#include <string>
+
+#include "gdn/core/status.hpp"
+#include "gdn/decode_mtp/params.hpp"
+
+namespace gdn::cuda_api {
+
+// Number of visible CUDA devices (0 when there is no driver or no device).
+int device_count();
+// Whether this build holds a kernel image that runs on `device`; `why` explains a refusal.
+bool kernels_available(int device, std::string* why);
+// Launches decode_mtp on `stream`. Validates arguments on the host; reads no device memory.
+Status decode_mtp(const decode_mtp::Params& params, void* stream);
+
+}  // namespace gdn::cuda_api

@@ -1,0 +1,102 @@
+// Binding of decode_mtp and its guard.
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "common.hpp"
+#include "cuda_api.hpp"
+#include "gdn/decode_mtp/cpu.hpp"
+#include "gdn/decode_mtp/params.hpp"
+
+namespace gdn::python {
+
+static void decode_mtp(const Array& mixed_qkv, const Array& a, const Array& b, const Array& A_log,
+                       const Array& dt_bias, const Array& state, const Array& state_indices,
+                       const Array& cu_seqlens, const Array& out, const OptArray& z,
+                       const OptArray& norm_weight, const OptArray& num_accepted_tokens,
+                       std::optional<double> scale, double l2_eps, double norm_eps,
+                       const std::string& gate, const std::string& state_layout,
+                       int64_t first_valid_slot, int64_t num_k_heads, const OptArray& error_count,
+                       std::optional<uintptr_t> stream) {
+  decode_mtp::Params p;
+  p.mixed_qkv = to_view(mixed_qkv, "mixed_qkv");
+  p.a = to_view(a, "a");
+  p.b = to_view(b, "b");
+  p.A_log = to_view(A_log, "A_log");
+  p.dt_bias = to_view(dt_bias, "dt_bias");
+  p.state = to_view(state, "state");
+  p.state_indices = to_view(state_indices, "state_indices");
+  p.cu_seqlens = to_view(cu_seqlens, "cu_seqlens");
+  p.out = to_view(out, "out");
+  p.z = to_view(z, "z");
+  p.norm_weight = to_view(norm_weight, "norm_weight");
+  p.num_accepted_tokens = to_view(num_accepted_tokens, "num_accepted_tokens");
+  p.error_count = to_view(error_count, "error_count");
+  p.scale = scale ? float(*scale) : NAN;
+  p.l2_eps = float(l2_eps);
+  p.norm_eps = float(norm_eps);
+  p.gate = parse_gate(gate);
+  p.layout = parse_layout(state_layout);
+  p.first_valid_slot = first_valid_slot;
+  p.num_k_heads = num_k_heads;
+
+  Status status;
+  if (p.state.device.type == DeviceType::kCPU) {
+    nb::gil_scoped_release release;
+    status = decode_mtp::run_cpu(p);
+  } else {
+#ifdef GDN_HAS_CUDA
+    nb::gil_scoped_release release;
+    status = cuda_api::decode_mtp(p, reinterpret_cast<void*>(stream.value_or(0)));
+#else
+    (void)stream;
+    status = Status::unsupported("state is a CUDA array but this build of gdn has no CUDA kernels");
+#endif
+  }
+  throw_if_error(status);
+}
+
+static nb::tuple can_use_decode_mtp(const std::string& device, int64_t H, int64_t HV, int64_t K,
+                                    int64_t V, int64_t S, const std::string& state_dtype,
+                                    int device_index) {
+  DType sd;
+  if (state_dtype == "float32") sd = DType::kFloat32;
+  else if (state_dtype == "bfloat16") sd = DType::kBFloat16;
+  else if (state_dtype == "float16") sd = DType::kFloat16;
+  else throw nb::value_error(("state_dtype must be float32, bfloat16 or float16, got '" + state_dtype + "'").c_str());
+  DeviceType dev;
+  if (device == "cpu") dev = DeviceType::kCPU;
+  else if (device == "cuda") dev = DeviceType::kCUDA;
+  else throw nb::value_error(("device must be 'cpu' or 'cuda', got '" + device + "'").c_str());
+  bool cuda_ok = false;
+  std::string why;
+#ifdef GDN_HAS_CUDA
+  if (dev == DeviceType::kCUDA) cuda_ok = cuda_api::kernels_available(device_index, &why);
+#else
+  (void)device_index;
+#endif
+  decode_mtp::Support s = decode_mtp::can_use(dev, H, HV, K, V, S, sd, cuda_ok);
+  if (dev == DeviceType::kCUDA && !cuda_ok && !why.empty()) s.reason += ": " + why;
+  return nb::make_tuple(std::string(decode_mtp::to_string(s.path)), s.reason);
+}
+
+void bind_decode_mtp(nb::module_& m) {
+  m.def("decode_mtp", &decode_mtp, nb::arg("mixed_qkv").noconvert(), nb::arg("a").noconvert(),
+        nb::arg("b").noconvert(), nb::arg("A_log").noconvert(), nb::arg("dt_bias").noconvert(),
+        nb::arg("state").noconvert(), nb::arg("state_indices").noconvert(),
+        nb::arg("cu_seqlens").noconvert(), nb::arg("out").noconvert(), nb::kw_only(),
+        nb::arg("z").noconvert().none() = nb::none(),
+        nb::arg("norm_weight").noconvert().none() = nb::none(),
+        nb::arg("num_accepted_tokens").noconvert().none() = nb::none(),
+        nb::arg("scale").none() = nb::none(), nb::arg("l2_eps") = 1e-6, nb::arg("norm_eps") = 1e-6,
+        nb::arg("gate") = "silu", nb::arg("state_layout") = "vk", nb::arg("first_valid_slot") = 0,
+        nb::arg("num_k_heads") = 0, nb::arg("error_count").noconvert().none() = nb::none(),
+        nb::arg("stream").none() = nb::none(),
+        "Fused GDN decode / MTP verify: updates `state` in place and writes `out`.");
+  m.def("can_use_decode_mtp", &can_use_decode_mtp, nb::arg("device"), nb::arg("H"), nb::arg("HV"),
+        nb::arg("K") = 128, nb::arg("V") = 128, nb::arg("S") = 1,
+        nb::arg("state_dtype") = "float32", nb::arg("device_index") = 0,
+        "(path, reason): path is 'fast', 'generic' or 'unsupported'.");
+}
+
+}  // namespace gdn::python

@@ -1,0 +1,62 @@
+// gdn._C: the nanobind module. Each operation binds itself in its own bind_*.cpp.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <string>
+#include <vector>
+
+#include "cuda_api.hpp"
+#include "gdn/core/support.hpp"
+
+namespace nb = nanobind;
+
+namespace gdn::python {
+void bind_decode_mtp(nb::module_& m);
+}
+
+NB_MODULE(_C, m) {
+  m.doc() = "libgdn: Gated DeltaNet decode / MTP-verify kernels and metadata builders";
+  m.attr("__version__") = GDN_VERSION;
+#ifdef GDN_HAS_CUDA
+  m.attr("built_with_cuda") = true;
+  m.attr("cuda_architectures") = GDN_CUDA_ARCHS;
+#else
+  m.attr("built_with_cuda") = false;
+  m.attr("cuda_architectures") = "";
+#endif
+
+  m.def("supported_head_ratios", [] {
+    return std::vector<int>(gdn::HeadRatios::values.begin(), gdn::HeadRatios::values.end());
+  }, "Head ratios HV / H compiled as template parameters (others run the generic path).");
+  m.def("supported_state_dtypes", [] {
+    std::vector<std::string> out;
+    for (auto d : gdn::StateDTypes::values) out.emplace_back(gdn::to_string(d));
+    return out;
+  }, "Storage dtypes of the recurrent state.");
+  m.def("cuda_head_dims", [] {
+    return std::vector<int>(gdn::CudaHeadDims::values.begin(), gdn::CudaHeadDims::values.end());
+  }, "Head dims (K = V) of the CUDA kernel.");
+  m.attr("cuda_max_spec_columns") = gdn::kCudaMaxSpecColumns;
+
+  m.def("cuda_device_count", [] {
+#ifdef GDN_HAS_CUDA
+    return gdn::cuda_api::device_count();
+#else
+    return 0;
+#endif
+  }, "Visible CUDA devices (0 without a driver, a device or a CUDA build).");
+  m.def("cuda_kernels_available", [](int device) {
+    std::string why = "this build of gdn has no CUDA kernels";
+#ifdef GDN_HAS_CUDA
+    bool ok = gdn::cuda_api::kernels_available(device, &why);
+    return nb::make_tuple(ok, why);
+#else
+    (void)device;
+    return nb::make_tuple(false, why);
+#endif
+  }, nb::arg("device") = 0,
+     "(available, reason): whether a compiled kernel image runs on this CUDA device.");
+
+  gdn::python::bind_decode_mtp(m);
+}
