@@ -24,5 +24,9 @@ using CudaHeadDims = ValueList<128>;
 // Largest number of state columns S (= num_spec + 1) the CUDA kernel supports. The CPU path has no
 // limit.
 inline constexpr int kCudaMaxSpecColumns = 16;
+// Causal conv1d widths W compiled as template parameters (other widths up to kConvMaxWidth run a
+// run-time-width variant on CUDA; the CPU path takes any width in [2, kConvMaxWidth]).
+using ConvWidths = ValueList<2, 3, 4>;
+inline constexpr int kConvMaxWidth = 8;
 
 }  // namespace gdn
