@@ -173,6 +173,11 @@ inline Status check_arguments(const Params& p, Problem* out_problem) {
       {&p.error_count, "error_count"}};
   for (auto [view, name] : all) GDN_RETURN_IF_ERROR(same_device(*view, name, pr.device));
 
+  // Negative ids are how callers mark null slots; a negative first valid slot would let them index
+  // before the pool.
+  if (p.first_valid_slot < 0)
+    return Status::invalid("first_valid_slot = " + std::to_string(p.first_valid_slot) +
+                           " must be >= 0 (slot ids below it are null)");
   if (!(p.l2_eps >= 0.0f) || !(p.norm_eps >= 0.0f))
     return Status::invalid("l2_eps and norm_eps must be finite and >= 0");
   pr.scale = std::isnan(p.scale) ? 1.0f / std::sqrt(float(pr.K)) : p.scale;
