@@ -3,6 +3,7 @@
 // token's slot and the gated-RMSNorm'd output. Host-only; parallel with OpenMP when enabled.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -39,87 +40,115 @@ inline void l2_normalize(float* x, int64_t n, float eps, float scale) {
   for (int64_t j = 0; j < n; ++j) x[j] *= inv;
 }
 
-// Slot `slot`, head hv of the pool <-> a V x K fp32 matrix (row v holds S[v][:], K contiguous).
+// Row r of head hv in slot `slot`: K elements, contiguous in "vk", strided by V in "kv".
 template <class StateT>
-void load_state(const Params& p, const Problem& pr, int64_t slot, int64_t hv, float* S) {
-  const StateT* src = p.state.ptr<const StateT>() + slot * p.state.strides[0] + hv * pr.K * pr.V;
-  if (p.layout == StateLayout::kVK) {
-    for (int64_t e = 0; e < pr.V * pr.K; ++e) S[e] = to_float(src[e]);
-  } else {
-    for (int64_t k = 0; k < pr.K; ++k)
-      for (int64_t v = 0; v < pr.V; ++v) S[v * pr.K + k] = to_float(src[k * pr.V + v]);
-  }
-}
+struct StateRow {
+  StateT* base;     // element (r = 0, k = 0) of this head
+  int64_t row_step;  // distance between rows r and r + 1
+  int64_t k_step;    // distance between k and k + 1
 
-template <class StateT>
-void store_state(const Params& p, const Problem& pr, int64_t slot, int64_t hv, const float* S) {
-  StateT* dst = p.state.ptr<StateT>() + slot * p.state.strides[0] + hv * pr.K * pr.V;
-  if (p.layout == StateLayout::kVK) {
-    for (int64_t e = 0; e < pr.V * pr.K; ++e) dst[e] = from_float<StateT>(S[e]);
-  } else {
-    for (int64_t k = 0; k < pr.K; ++k)
-      for (int64_t v = 0; v < pr.V; ++v) dst[k * pr.V + v] = from_float<StateT>(S[v * pr.K + k]);
+  static StateRow at(const Params& p, const Problem& pr, int64_t slot, int64_t hv) {
+    StateT* head = p.state.ptr<StateT>() + slot * p.state.strides[0] + hv * pr.K * pr.V;
+    return p.layout == StateLayout::kVK ? StateRow{head, pr.K, 1} : StateRow{head, 1, pr.V};
   }
-}
-
-struct Scratch {
-  std::vector<float> state, q, k, v, o, z;
-  void reserve(const Problem& pr) {
-    state.resize(size_t(pr.V * pr.K));
-    q.resize(size_t(pr.K));
-    k.resize(size_t(pr.K));
-    v.resize(size_t(pr.V));
-    o.resize(size_t(pr.V));
-    z.resize(size_t(pr.V));
+  void load(int64_t r, int64_t K, float* dst) const {
+    const StateT* src = base + r * row_step;
+    if (k_step == 1) {  // "vk": contiguous, vectorisable
+      for (int64_t k = 0; k < K; ++k) dst[k] = to_float(src[k]);
+    } else {
+      for (int64_t k = 0; k < K; ++k) dst[k] = to_float(src[k * k_step]);
+    }
+  }
+  void store(int64_t r, int64_t K, const float* src) const {
+    StateT* dst = base + r * row_step;
+    if (k_step == 1) {
+      for (int64_t k = 0; k < K; ++k) dst[k] = from_float<StateT>(src[k]);
+    } else {
+      for (int64_t k = 0; k < K; ++k) dst[k * k_step] = from_float<StateT>(src[k]);
+    }
   }
 };
 
-// One (request, value head): the recurrence over the request's tokens. kRatio = 0: run-time ratio.
+// Per-thread buffers, sized for the largest request of the call.
+struct Scratch {
+  std::vector<float> row, q, k, v, o, z, alpha, beta;
+  std::vector<int64_t> dest;
+  void reserve(const Problem& pr, int64_t max_T) {
+    dest.resize(size_t(std::max<int64_t>(max_T, 1)));
+    const auto n = [](int64_t x) { return size_t(std::max<int64_t>(x, 1)); };
+    row.resize(n(pr.K));
+    q.resize(n(max_T * pr.K));
+    k.resize(n(max_T * pr.K));
+    v.resize(n(max_T * pr.V));
+    o.resize(n(max_T * pr.V));
+    z.resize(n(pr.V));
+    alpha.resize(n(max_T));
+    beta.resize(n(max_T));
+  }
+};
+
+// One (request, value head). Rows of the state are independent under the delta rule, so each row
+// is read once from the source slot, advanced through all T tokens and written to every token's
+// slot before the next row is touched: the source row is always read before anything overwrites
+// it, even when the source slot is also a destination. kRatio = 0: run-time ratio.
 template <class StateT, int kRatio>
-void run_head(const Params& p, const Problem& pr, const RowInfo& row, int64_t i, int64_t hv,
+void run_head(const Params& p, const Problem& pr, const RowInfo& row_info, int64_t i, int64_t hv,
               Scratch& sc) {
   const int64_t ratio = kRatio == kRuntimeValue ? pr.ratio : kRatio;
   const int64_t h = hv / ratio;  // grouped GVA: value head hv reads key head hv / r
-  const int64_t K = pr.K, V = pr.V;
-  float* S = sc.state.data();
-  float *q = sc.q.data(), *k = sc.k.data(), *vv = sc.v.data(), *o = sc.o.data(), *z = sc.z.data();
+  const int64_t K = pr.K, V = pr.V, T = row_info.T;
 
-  load_state<StateT>(p, pr, row.source, hv, S);  // read completely before any write
-
+  // Per-token inputs: normalised q/k, v and the gates, all fp32.
   const float A = -std::exp(load_float(p.A_log.data, p.A_log.dtype, hv));
   const float dt_bias = load_float(p.dt_bias.data, p.dt_bias.dtype, hv);
-  const bool norm = p.norm_weight.present();
-  for (int64_t t = 0; t < row.T; ++t) {
-    const int64_t l = row.begin + t;
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t l = row_info.begin + t;
     const int64_t qkv_row = l * p.mixed_qkv.strides[0];
+    float* q = sc.q.data() + t * K;
+    float* k = sc.k.data() + t * K;
     load_row(p.mixed_qkv.data, p.mixed_qkv.dtype, qkv_row + h * K, K, q);
     load_row(p.mixed_qkv.data, p.mixed_qkv.dtype, qkv_row + pr.H * K + h * K, K, k);
-    load_row(p.mixed_qkv.data, p.mixed_qkv.dtype, qkv_row + 2 * pr.H * K + hv * V, V, vv);
+    load_row(p.mixed_qkv.data, p.mixed_qkv.dtype, qkv_row + 2 * pr.H * K + hv * V, V,
+             sc.v.data() + t * V);
     l2_normalize(q, K, p.l2_eps, pr.scale);
     l2_normalize(k, K, p.l2_eps, 1.0f);
     const float a = load_float(p.a.data, p.a.dtype, l * p.a.strides[0] + hv);
     const float b = load_float(p.b.data, p.b.dtype, l * p.b.strides[0] + hv);
-    const float alpha = std::exp(A * softplus(a + dt_bias));
-    const float beta = sigmoid(b);
+    sc.alpha[size_t(t)] = std::exp(A * softplus(a + dt_bias));
+    sc.beta[size_t(t)] = sigmoid(b);
+  }
 
-    for (int64_t r = 0; r < V; ++r) {
-      float* Sr = S + r * K;
-      for (int64_t c = 0; c < K; ++c) Sr[c] *= alpha;         // 1 decay
-      const float delta = beta * (vv[r] - dot(Sr, k, K));     // 2 read, 3 delta
-      for (int64_t c = 0; c < K; ++c) Sr[c] += k[c] * delta;  // 4 rank-1 write
-      o[r] = dot(Sr, q, K);                                   // 5 output, updated state
+  // Destination rows per token; a null slot id skips that token's write.
+  for (int64_t t = 0; t < T; ++t)
+    sc.dest[size_t(t)] = load_index(p.state_indices.data, p.state_indices.dtype, i * pr.S + t);
+  const auto source = StateRow<StateT>::at(p, pr, row_info.source, hv);
+  float* Sr = sc.row.data();
+  for (int64_t r = 0; r < V; ++r) {
+    source.load(r, K, Sr);
+    for (int64_t t = 0; t < T; ++t) {
+      const float* k = sc.k.data() + t * K;
+      const float alpha = sc.alpha[size_t(t)];
+      for (int64_t c = 0; c < K; ++c) Sr[c] *= alpha;  // 1 decay
+      const float delta = sc.beta[size_t(t)] * (sc.v[size_t(t * V + r)] - dot(Sr, k, K));  // 2, 3
+      for (int64_t c = 0; c < K; ++c) Sr[c] += k[c] * delta;                             // 4 write
+      sc.o[size_t(t * V + r)] = dot(Sr, sc.q.data() + t * K, K);                         // 5 output
+      const int64_t slot = sc.dest[size_t(t)];
+      if (slot >= p.first_valid_slot) StateRow<StateT>::at(p, pr, slot, hv).store(r, K, Sr);
     }
+  }
 
-    const int64_t dest = load_index(p.state_indices.data, p.state_indices.dtype, i * pr.S + t);
-    if (dest >= p.first_valid_slot) store_state<StateT>(p, pr, dest, hv, S);
-
+  // Gated RMSNorm per token (or the raw o without a norm weight).
+  const bool norm = p.norm_weight.present(), gated = p.z.present();
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t l = row_info.begin + t;
+    const float* o = sc.o.data() + t * V;
     const int64_t out_row = (l * pr.HV + hv) * V;
     if (!norm) {
       for (int64_t r = 0; r < V; ++r) store_float(p.out.data, p.out.dtype, out_row + r, o[r]);
       continue;
     }
     const float rstd = 1.0f / std::sqrt(dot(o, o, V) / float(V) + p.norm_eps);
-    const bool gated = p.z.present();
+    float* z = sc.z.data();
     if (gated) load_row(p.z.data, p.z.dtype, l * p.z.strides[0] + hv * p.z.strides[1], V, z);
     for (int64_t r = 0; r < V; ++r) {
       float y = o[r] * rstd * load_float(p.norm_weight.data, p.norm_weight.dtype, r);
@@ -136,8 +165,10 @@ void run_all(const Params& p, const Problem& pr, const std::vector<RowInfo>& row
 #pragma omp parallel
 #endif
   {
+    int64_t max_T = 0;
+    for (const RowInfo& r : rows) max_T = std::max(max_T, r.T);
     Scratch sc;
-    sc.reserve(pr);
+    sc.reserve(pr, max_T);
 #if defined(_OPENMP)
 #pragma omp for schedule(dynamic, 1)
 #endif
