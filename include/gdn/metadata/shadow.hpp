@@ -1,0 +1,285 @@
+// metadata: the shadow check. A plain per-group builder (one group at a time, every field rebuilt
+// from the step inputs, the way a builder without shared metadata does it) and an exact comparison
+// of its result against the shared plan + fused state rows.
+//
+// The comparison covers exactly the rows the step writes and a graph replay reads: live rows plus
+// padded rows up to padded_rows. The ranges come from the per-group build, never from the buffers
+// under test, so whatever sits in rows outside them cannot change the verdict.
+//
+// This file deliberately shares no code with plan.hpp / state_rows.hpp: it is the independent
+// oracle they are checked against. Host-only (compiles with g++ alone); all arrays host-visible.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "gdn/core/status.hpp"
+#include "gdn/metadata/params.hpp"
+
+namespace gdn::metadata {
+
+// Everything one group's builder produces, over the rows the step writes.
+struct GroupMetadata {
+  int64_t header[kHeaderWords] = {};
+  std::vector<uint8_t> spec_sequence_masks;     // [mask rows written]
+  std::vector<int32_t> non_spec_token_indx;     // [non-spec tokens]
+  std::vector<int32_t> spec_token_indx;         // [spec tokens]
+  std::vector<int32_t> spec_query_start_loc;    // [spec rows written + 1]
+  std::vector<int32_t> non_spec_query_start_loc;
+  std::vector<int32_t> spec_num_accepted;       // [spec rows written]
+  std::vector<int32_t> spec_source_column;
+  std::vector<uint8_t> has_initial_state;       // [non-spec rows written]
+  std::vector<int32_t> spec_state_indices;      // [spec rows written * S]
+  std::vector<int32_t> non_spec_state_indices;  // [non-spec rows written]
+  int64_t unreadable_rows = 0;                  // live rows filled with the pad id
+};
+
+namespace shadow_detail {
+
+inline int32_t at(const TensorView& t, int64_t i) { return t.ptr<const int32_t>()[i]; }
+
+// Block-table entry (request, column) of a host table, or nothing when outside it.
+inline bool table_entry(const TensorView& t, int64_t request, int64_t column, int32_t* value) {
+  if (request < 0 || request >= t.shape[0] || column < 0 || column >= t.shape[1]) return false;
+  *value = t.ptr<const int32_t>()[request * t.strides[0] + column * t.strides[1]];
+  return true;
+}
+
+}  // namespace shadow_detail
+
+// Builds group g's metadata from the step inputs and its (host) block table, independently.
+// Expects inputs the plan accepted; reports only what it cannot read.
+inline Status build_group_reference(const Params& p, int g, GroupMetadata* out) {
+  using shadow_detail::at;
+  if (g < 0 || g >= p.num_groups)
+    return Status::invalid("group " + std::to_string(g) + " is outside [0, num_groups)");
+  const TensorView& table = p.block_tables[g];
+  if (!table.present() || table.ndim != 2 || table.dtype != DType::kInt32 ||
+      table.device.type != DeviceType::kCPU)
+    return Status::invalid("the per-group build needs block_tables[" + std::to_string(g) +
+                           "] as a host int32 [rows, cols] array");
+  for (const TensorView* v : {&p.query_start_loc, &p.seq_lens, &p.num_computed_tokens,
+                              &p.num_draft_tokens, &p.num_accepted_tokens})
+    if (v->present() && v->device.type != DeviceType::kCPU)
+      return Status::invalid("the per-group build needs host copies of the step inputs");
+  GroupMetadata m;
+  const int64_t N = p.query_start_loc.shape[0] - 1;
+  const int64_t S = p.num_spec + 1;
+
+  // Rows: lengths and which ones are verify rows.
+  std::vector<int64_t> len(N);
+  for (int64_t i = 0; i < N; ++i) len[i] = at(p.query_start_loc, i + 1) - at(p.query_start_loc, i);
+  int64_t draft_sum = 0;
+  if (p.num_draft_tokens.present())
+    for (int64_t i = 0; i < N; ++i) draft_sum += std::max(0, at(p.num_draft_tokens, i));
+  std::vector<bool> spec(N, false);
+  if (draft_sum > 0)
+    for (int64_t i = 0; i < N; ++i) spec[i] = at(p.num_draft_tokens, i) >= 0;
+  std::vector<int64_t> spec_rows, non_spec_rows;
+  for (int64_t i = 0; i < N; ++i) (spec[i] ? spec_rows : non_spec_rows).push_back(i);
+
+  // Counts.
+  auto count_len = [&](int64_t want) {
+    return std::count_if(non_spec_rows.begin(), non_spec_rows.end(),
+                         [&](int64_t i) { return len[i] == want; });
+  };
+  int64_t decodes = count_len(1);
+  const int64_t zero = count_len(0);
+  int64_t prefills = int64_t(non_spec_rows.size()) - decodes - zero;
+  if (!spec_rows.empty() && decodes > 0) {
+    prefills += decodes;
+    decodes = 0;
+  }
+  int64_t spec_tokens = 0, non_spec_tokens = 0;
+  for (int64_t i : spec_rows) spec_tokens += len[i];
+  for (int64_t i : non_spec_rows) non_spec_tokens += len[i];
+
+  // Token split: expand the row mask to tokens, then a stable partition (non-spec first).
+  std::vector<bool> token_is_spec;
+  for (int64_t i = 0; i < N; ++i) token_is_spec.insert(token_is_spec.end(), size_t(len[i]), spec[i]);
+  std::vector<int32_t> order(token_is_spec.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_partition(order.begin(), order.end(), [&](int32_t t) { return !token_is_spec[t]; });
+  m.non_spec_token_indx.assign(order.begin(), order.begin() + non_spec_tokens);
+  m.spec_token_indx.assign(order.begin() + non_spec_tokens, order.end());
+
+  const bool padded = p.padded_rows >= 0;
+  const int64_t spec_written = padded ? p.padded_rows : int64_t(spec_rows.size());
+  const int64_t ns_written = padded ? p.padded_rows : int64_t(non_spec_rows.size());
+  const int64_t mask_written = padded ? p.padded_rows : N;
+
+  // Query starts of each kind: running sums of the row lengths, padded rows with 0 tokens.
+  m.spec_query_start_loc.assign(1, 0);
+  for (int64_t j = 0; j < spec_written; ++j)
+    m.spec_query_start_loc.push_back(
+        m.spec_query_start_loc.back() +
+        int32_t(j < int64_t(spec_rows.size()) ? len[spec_rows[j]] : 0));
+  m.non_spec_query_start_loc.assign(1, 0);
+  for (int64_t j = 0; j < ns_written; ++j)
+    m.non_spec_query_start_loc.push_back(
+        m.non_spec_query_start_loc.back() +
+        int32_t(j < int64_t(non_spec_rows.size()) ? len[non_spec_rows[j]] : 0));
+
+  for (int64_t i = 0; i < mask_written; ++i) m.spec_sequence_masks.push_back(i < N && spec[i]);
+
+  // Accepted counts and source columns of the spec rows (padded rows accept 1).
+  for (int64_t j = 0; j < spec_written; ++j) {
+    int32_t acc = 1;
+    if (j < int64_t(spec_rows.size()) && p.num_accepted_tokens.present())
+      acc = at(p.num_accepted_tokens, spec_rows[j]);
+    m.spec_num_accepted.push_back(acc);
+    m.spec_source_column.push_back(acc - 1);
+  }
+  for (int64_t j = 0; j < ns_written; ++j) {
+    bool init = false;
+    if (j < int64_t(non_spec_rows.size())) {
+      const int64_t i = non_spec_rows[j];
+      const int64_t context = p.num_computed_tokens.present() ? at(p.num_computed_tokens, i)
+                                                              : at(p.seq_lens, i) - len[i];
+      init = context > 0;
+    }
+    m.has_initial_state.push_back(init);
+  }
+
+  // This group's state rows: first column 0, or the block holding the last token (align).
+  auto first_column = [&](int64_t i) -> int64_t {
+    if (p.mode == CacheMode::kNone) return 0;
+    const int64_t last_token = int64_t(at(p.seq_lens, i)) - 1;
+    return last_token <= 0 ? 0 : last_token / p.block_size;
+  };
+  int64_t max_column_end = 0;
+  for (int64_t j = 0; j < spec_written; ++j) {
+    std::vector<int32_t> row(size_t(S), p.pad_id);
+    if (j < int64_t(spec_rows.size())) {
+      const int64_t i = spec_rows[j];
+      const int64_t c0 = first_column(i);
+      max_column_end = std::max(max_column_end, c0 + S);
+      bool readable = true;
+      for (int64_t c = 0; c < S; ++c)
+        readable = readable && shadow_detail::table_entry(table, i, c0 + c, &row[size_t(c)]);
+      if (!readable) {
+        std::fill(row.begin(), row.end(), p.pad_id);
+        ++m.unreadable_rows;
+      }
+    }
+    m.spec_state_indices.insert(m.spec_state_indices.end(), row.begin(), row.end());
+  }
+  for (int64_t j = 0; j < ns_written; ++j) {
+    int32_t v = p.pad_id;
+    if (j < int64_t(non_spec_rows.size())) {
+      const int64_t i = non_spec_rows[j];
+      max_column_end = std::max(max_column_end, first_column(i) + 1);
+      if (!shadow_detail::table_entry(table, i, first_column(i), &v)) {
+        v = p.pad_id;
+        ++m.unreadable_rows;
+      }
+    }
+    m.non_spec_state_indices.push_back(v);
+  }
+
+  int64_t* h = m.header;
+  h[kNumRequests] = N;
+  h[kNumPrefills] = prefills;
+  h[kNumPrefillTokens] = non_spec_tokens - decodes;
+  h[kNumDecodes] = decodes;
+  h[kNumDecodeTokens] = decodes;
+  h[kNumSpecDecodes] = int64_t(spec_rows.size());
+  h[kNumSpecDecodeTokens] = spec_tokens;
+  h[kNumActualTokens] = N > 0 ? at(p.query_start_loc, N) : 0;
+  h[kNumNonSpecRows] = int64_t(non_spec_rows.size());
+  h[kNumZeroLengthRows] = zero;
+  h[kSpecRowsWritten] = spec_written;
+  h[kNonSpecRowsWritten] = ns_written;
+  h[kMaskRowsWritten] = mask_written;
+  h[kMaxColumnEnd] = max_column_end;
+  h[kNumSpecColumns] = S;
+  h[kPaddedRows] = padded ? p.padded_rows : -1;
+  *out = std::move(m);
+  return Status::ok();
+}
+
+// Result of a shadow check: `mismatches` values differ; `message` names the first one.
+struct ShadowReport {
+  int64_t mismatches = 0;
+  std::string message;
+  bool ok() const noexcept { return mismatches == 0; }
+};
+
+namespace shadow_detail {
+
+struct Comparer {
+  ShadowReport* report;
+  int group;
+  void value(const char* field, int64_t row, int64_t column, int64_t fused, int64_t expected) {
+    if (fused == expected) return;
+    if (report->mismatches++ > 0) return;
+    report->message = "group " + std::to_string(group) + ", field " + field + ", row " +
+                      std::to_string(row) +
+                      (column >= 0 ? ", column " + std::to_string(column) : std::string()) +
+                      ": shared/fused = " + std::to_string(fused) +
+                      ", per-group = " + std::to_string(expected);
+  }
+  template <class T, class U>
+  void vector(const char* field, const T* fused, const std::vector<U>& expected) {
+    for (size_t r = 0; r < expected.size(); ++r)
+      value(field, int64_t(r), -1, int64_t(fused[r]), int64_t(expected[r]));
+  }
+};
+
+}  // namespace shadow_detail
+
+// Compares the shared plan (p.plan, host) and the fused state rows (p.spec_state_indices,
+// p.non_spec_state_indices, host) against a per-group build of every group, exactly, on the rows
+// the step writes. `p` holds host views of the step inputs and block tables (device arrays must
+// be copied first; device-gathered accepted counts need a host copy of num_accepted_tokens).
+inline Status shadow_check(const Params& p, ShadowReport* report) {
+  GDN_RETURN_IF_ERROR(check_state_rows_arguments(p, DeviceType::kCPU));
+  *report = ShadowReport{};
+  const Layout l = p.layout();
+  const int32_t* w = p.plan.ptr<const int32_t>();
+  const int64_t S = p.num_spec + 1;
+  for (int g = 0; g < p.num_groups; ++g) {
+    GroupMetadata m;
+    GDN_RETURN_IF_ERROR(build_group_reference(p, g, &m));
+    const int64_t spec_written = m.header[kSpecRowsWritten];
+    const int64_t ns_written = m.header[kNonSpecRowsWritten];
+    if (spec_written > p.spec_state_indices.shape[1] ||
+        ns_written > p.non_spec_state_indices.shape[1] || spec_written > p.max_rows ||
+        ns_written > p.max_rows ||
+        int64_t(m.spec_token_indx.size() + m.non_spec_token_indx.size()) > p.max_tokens)
+      return Status::invalid("the step writes more rows or tokens than the buffers under check hold");
+    shadow_detail::Comparer cmp{report, g};
+    for (int f = 0; f < kHeaderWords; ++f)
+      cmp.value((std::string("header.") + header_field_name(f)).c_str(), 0, -1,
+                w[l.header + f], m.header[f]);
+    cmp.vector("spec_sequence_masks",
+               reinterpret_cast<const uint8_t*>(w + l.spec_sequence_masks),
+               m.spec_sequence_masks);
+    cmp.vector("non_spec_token_indx", w + l.token_split, m.non_spec_token_indx);
+    cmp.vector("spec_token_indx", w + l.token_split + m.non_spec_token_indx.size(),
+               m.spec_token_indx);
+    cmp.vector("spec_query_start_loc", w + l.spec_query_start_loc, m.spec_query_start_loc);
+    cmp.vector("non_spec_query_start_loc", w + l.non_spec_query_start_loc,
+               m.non_spec_query_start_loc);
+    cmp.vector("spec_num_accepted", w + l.spec_num_accepted, m.spec_num_accepted);
+    cmp.vector("spec_source_column", w + l.spec_source_column, m.spec_source_column);
+    cmp.vector("has_initial_state", reinterpret_cast<const uint8_t*>(w + l.has_initial_state),
+               m.has_initial_state);
+    const int32_t* spec = p.spec_state_indices.ptr<const int32_t>() + g * p.spec_state_indices.strides[0];
+    for (int64_t j = 0; j < spec_written; ++j)
+      for (int64_t c = 0; c < S; ++c)
+        cmp.value("spec_state_indices", j, c, spec[j * S + c], m.spec_state_indices[j * S + c]);
+    const int32_t* ns =
+        p.non_spec_state_indices.ptr<const int32_t>() + g * p.non_spec_state_indices.strides[0];
+    cmp.vector("non_spec_state_indices", ns, m.non_spec_state_indices);
+  }
+  if (!report->ok())
+    report->message = "shadow check: " + report->message + " (" +
+                      std::to_string(report->mismatches) + " mismatching values in total)";
+  return Status::ok();
+}
+
+}  // namespace gdn::metadata

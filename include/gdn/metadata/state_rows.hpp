@@ -1,0 +1,181 @@
+// metadata: the state rows of all G KV-cache groups in one pass. For group g and spec row j of
+// request i: spec_state_indices[g, j, c] = block_table_g[i, start_j + c], c in [0, S); for
+// non-spec row j: non_spec_state_indices[g, j] = block_table_g[i, start_j]. Request i and start_j
+// come from the plan buffer, so the pass never knows the cache mode.
+//
+// The pass is driven by a small table of (pointer, row stride, rows, columns) per group, shared by
+// the CPU loop here and the CUDA kernel (state_rows.cuh). A row whose columns would fall outside
+// its table is never read: it is filled with the pad id and counted. Rows in [live, written) are
+// padding (pad id). Counts come from the plan header, so the same launch replays correctly inside
+// a CUDA graph after the plan buffer is refreshed.
+// Host-only (compiles with g++ alone); the shared helpers are also device functions under nvcc.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "gdn/core/status.hpp"
+#include "gdn/metadata/params.hpp"
+
+#if defined(__CUDACC__)
+#define GDN_METADATA_HD __host__ __device__
+#else
+#define GDN_METADATA_HD
+#endif
+
+namespace gdn::metadata {
+
+struct GroupTable {
+  const int32_t* data = nullptr;
+  int64_t row_stride = 0;  // in elements
+  int32_t num_rows = 0;
+  int32_t num_cols = 0;
+};
+
+// Everything one state-row pass needs, passed by value (it is also the CUDA kernel argument).
+struct StateRowsArgs {
+  GroupTable tables[kMaxGroups];
+  int32_t* plan = nullptr;  // plan buffer (accepted counts are written into it when gathered)
+  int64_t spec_request = 0, spec_start = 0, non_spec_request = 0, non_spec_start = 0;
+  int64_t spec_num_accepted = 0, spec_source_column = 0;  // word offsets (Layout)
+  int32_t* spec_out = nullptr;      // [G, spec_group_stride / S, S]
+  int64_t spec_group_stride = 0;
+  int32_t* non_spec_out = nullptr;  // [G, non_spec_group_stride]
+  int64_t non_spec_group_stride = 0;
+  const int32_t* accepted = nullptr;  // per-request accepted counts to gather, or null
+  int64_t accepted_len = 0;
+  int32_t* error_count = nullptr;
+  int32_t num_groups = 0;
+  int32_t S = 1;
+  int32_t pad_id = 0;
+  int32_t launch_rows = 0;
+};
+
+// Rows the step writes (from the plan header), clamped to what the pass covers.
+struct RowCounts {
+  int32_t spec_live, spec_written, non_spec_live, non_spec_written;
+  int32_t overflow;  // rows the plan asks for beyond launch_rows (reported, never written)
+};
+
+GDN_METADATA_HD inline int32_t clamp_rows(int32_t v, int32_t hi) {
+  return v < 0 ? 0 : (v > hi ? hi : v);
+}
+
+GDN_METADATA_HD inline RowCounts read_row_counts(const StateRowsArgs& a) {
+  const int32_t* h = a.plan;
+  RowCounts r;
+  const int32_t spec_req = h[kSpecRowsWritten] < 0 ? 0 : h[kSpecRowsWritten];
+  const int32_t ns_req = h[kNonSpecRowsWritten] < 0 ? 0 : h[kNonSpecRowsWritten];
+  r.spec_written = clamp_rows(spec_req, a.launch_rows);
+  r.non_spec_written = clamp_rows(ns_req, a.launch_rows);
+  r.spec_live = clamp_rows(h[kNumSpecDecodes], r.spec_written);
+  r.non_spec_live = clamp_rows(h[kNumNonSpecRows], r.non_spec_written);
+  r.overflow = (spec_req - r.spec_written) + (ns_req - r.non_spec_written);
+  return r;
+}
+
+// Whether columns [start, start + width) of row `request` lie inside the table.
+GDN_METADATA_HD inline bool row_readable(const GroupTable& t, int32_t request, int32_t start,
+                                         int32_t width) {
+  return request >= 0 && request < t.num_rows && start >= 0 && start <= t.num_cols - width;
+}
+
+// Gathers the accepted count of spec row j (live rows) or writes the padding values (acc = 1).
+// Returns 1 when the row's request or count is out of range (the count is copied as is).
+GDN_METADATA_HD inline int32_t gather_accepted(const StateRowsArgs& a, int32_t j, bool live) {
+  int32_t acc = 1, bad = 0;
+  if (live) {
+    const int32_t request = a.plan[a.spec_request + j];
+    if (request >= 0 && request < a.accepted_len) {
+      acc = a.accepted[request];
+      bad = (acc < 1 || acc > a.S);
+    } else {
+      bad = 1;
+    }
+  }
+  a.plan[a.spec_num_accepted + j] = acc;
+  a.plan[a.spec_source_column + j] = acc - 1;
+  return bad;
+}
+
+// Builds the argument table from validated params (`plan` is the buffer the pass reads).
+inline StateRowsArgs make_state_rows_args(const Params& p) {
+  StateRowsArgs a;
+  const Layout l = p.layout();
+  for (int g = 0; g < p.num_groups; ++g) {
+    const TensorView& t = p.block_tables[g];
+    a.tables[g].data = t.ptr<const int32_t>();
+    a.tables[g].row_stride = t.shape[0] > 1 ? t.strides[0] : t.shape[1];
+    a.tables[g].num_rows = int32_t(std::min<int64_t>(t.shape[0], INT32_MAX));
+    a.tables[g].num_cols = int32_t(std::min<int64_t>(t.shape[1], INT32_MAX));
+  }
+  a.plan = p.plan.ptr<int32_t>();
+  a.spec_request = l.spec_request;
+  a.spec_start = l.spec_start;
+  a.non_spec_request = l.non_spec_request;
+  a.non_spec_start = l.non_spec_start;
+  a.spec_num_accepted = l.spec_num_accepted;
+  a.spec_source_column = l.spec_source_column;
+  a.spec_out = p.spec_state_indices.ptr<int32_t>();
+  a.spec_group_stride = p.spec_state_indices.shape[0] > 1 ? p.spec_state_indices.strides[0]
+                                                          : p.spec_state_indices.shape[1] *
+                                                                p.spec_state_indices.shape[2];
+  a.non_spec_out = p.non_spec_state_indices.ptr<int32_t>();
+  a.non_spec_group_stride = p.non_spec_state_indices.shape[0] > 1
+                                ? p.non_spec_state_indices.strides[0]
+                                : p.non_spec_state_indices.shape[1];
+  if (p.num_accepted_tokens.present() && p.num_accepted_tokens.device == p.plan.device) {
+    a.accepted = p.num_accepted_tokens.ptr<const int32_t>();
+    a.accepted_len = int32_t(std::min<int64_t>(p.num_accepted_tokens.shape[0], INT32_MAX));
+  }
+  a.error_count = p.error_count.present() ? p.error_count.ptr<int32_t>() : nullptr;
+  a.num_groups = p.num_groups;
+  a.S = int32_t(p.num_state_columns());
+  a.pad_id = p.pad_id;
+  a.launch_rows = int32_t(p.launch_rows > 0 ? p.launch_rows : p.max_rows);
+  return a;
+}
+
+// The CPU pass: one loop over the group table. Returns the number of unreadable rows (group x row
+// pairs filled with the pad id because their columns fall outside the table, plus spec rows whose
+// gathered accepted count is out of range); also added to p.error_count when given.
+inline Status run_state_rows_cpu(const Params& p, int64_t* num_errors = nullptr) {
+  GDN_RETURN_IF_ERROR(check_state_rows_arguments(p, DeviceType::kCPU));
+  const StateRowsArgs a = make_state_rows_args(p);
+  const RowCounts rc = read_row_counts(a);
+  const int32_t S = a.S;
+  int64_t errors = rc.overflow;
+  if (a.accepted)
+    for (int32_t j = 0; j < rc.spec_written; ++j) errors += gather_accepted(a, j, j < rc.spec_live);
+  const int32_t* spec_request = a.plan + a.spec_request;
+  const int32_t* spec_start = a.plan + a.spec_start;
+  const int32_t* ns_request = a.plan + a.non_spec_request;
+  const int32_t* ns_start = a.plan + a.non_spec_start;
+  for (int32_t g = 0; g < a.num_groups; ++g) {
+    const GroupTable& t = a.tables[g];
+    int32_t* out = a.spec_out + g * a.spec_group_stride;
+    for (int32_t j = 0; j < rc.spec_written; ++j, out += S) {
+      if (j < rc.spec_live && row_readable(t, spec_request[j], spec_start[j], S)) {
+        const int32_t* src = t.data + spec_request[j] * t.row_stride + spec_start[j];
+        std::copy(src, src + S, out);
+      } else {
+        errors += j < rc.spec_live;
+        std::fill(out, out + S, a.pad_id);
+      }
+    }
+    int32_t* ns_out = a.non_spec_out + g * a.non_spec_group_stride;
+    for (int32_t j = 0; j < rc.non_spec_written; ++j) {
+      if (j < rc.non_spec_live && row_readable(t, ns_request[j], ns_start[j], 1)) {
+        ns_out[j] = t.data[ns_request[j] * t.row_stride + ns_start[j]];
+      } else {
+        errors += j < rc.non_spec_live;
+        ns_out[j] = a.pad_id;
+      }
+    }
+  }
+  if (a.error_count) *a.error_count += int32_t(errors);
+  if (num_errors) *num_errors = errors;
+  return Status::ok();
+}
+
+}  // namespace gdn::metadata
