@@ -2,6 +2,8 @@
 // CUDA kernels: include the .cuh headers (e.g. gdn/decode_mtp/cuda.cuh) from nvcc-compiled code.
 #pragma once
 
+#include "gdn/conv/cpu.hpp"
+#include "gdn/conv/params.hpp"
 #include "gdn/core/dispatch.hpp"
 #include "gdn/core/dtype.hpp"
 #include "gdn/core/status.hpp"

@@ -17,12 +17,14 @@ from ._C import (
     supported_state_dtypes,
 )
 from ._api import decode_mtp
+from .conv import causal_conv1d_update
 
 __version__ = _C.__version__
 
 __all__ = [
     "__version__",
     "can_use_decode_mtp",
+    "causal_conv1d_update",
     "cmake_dir",
     "cuda_device_count",
     "cuda_kernels_available",

@@ -50,3 +50,6 @@ def _(mixed_qkv, a, b, A_log, dt_bias, state, state_indices, cu_seqlens, out, z=
       norm_weight=None, num_accepted_tokens=None, scale=None, l2_eps=1e-6, norm_eps=1e-6,
       gate="silu", state_layout="vk", first_valid_slot=0) -> None:
     return None
+
+
+from . import _ops_conv  # noqa: E402,F401  (torch.ops.gdn.causal_conv1d_update)

@@ -13,6 +13,7 @@ namespace nb = nanobind;
 
 namespace gdn::python {
 void bind_decode_mtp(nb::module_& m);
+void bind_conv(nb::module_& m);
 }
 
 NB_MODULE(_C, m) {
@@ -59,4 +60,5 @@ NB_MODULE(_C, m) {
      "(available, reason): whether a compiled kernel image runs on this CUDA device.");
 
   gdn::python::bind_decode_mtp(m);
+  gdn::python::bind_conv(m);
 }

@@ -1,0 +1,105 @@
+"""causal_conv1d_update: the GDN layer's depthwise causal conv for decode and speculative verify.
+
+Math and buffer rule: docs gdn-math.md §2.2 and §3.3. Also a float64 NumPy reference of the same
+call, :func:`causal_conv1d_update_reference`, for tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from . import _C
+from ._api import _stream_of
+
+
+def causal_conv1d_update(
+    x: Any,
+    weight: Any,
+    conv_state: Any,
+    conv_state_indices: Any,
+    cu_seqlens: Any,
+    out: Any,
+    *,
+    num_accepted_tokens: Any = None,
+    activation: str = "silu",
+    state_layout: str = "channels_major",
+    first_valid_slot: int = 0,
+    error_count: Any = None,
+    stream: Optional[int] = None,
+) -> None:
+    """Depthwise causal conv1d (width W, no bias, SiLU) with speculative rollback of the conv state.
+
+    Arguments (N requests, L token rows, D channels):
+
+    - ``x`` [L, D]: raw (pre-conv) q|k|v inputs; request i owns rows
+      ``cu_seqlens[i]:cu_seqlens[i+1]`` (T_i tokens). Unit column stride, any row stride.
+    - ``weight`` [D, W]: conv taps, ``weight[c, W-1]`` multiplies the current token.
+    - ``conv_state``: the slot pool of raw-input histories, updated in place;
+      ``state_layout="channels_major"``: [slots, D, Lbuf]; ``"tokens_major"``: [slots, Lbuf, D],
+      with Lbuf = W - 1 + num_spec. Inner two dims contiguous; the slot stride may be larger.
+    - ``conv_state_indices`` [N]: each request's slot (any stride, e.g. ``state_indices[:, 0]``).
+    - ``out`` [L, D]: the activated conv output; may be ``x`` itself (in place).
+    - ``num_accepted_tokens`` [N] (default all 1): the previous step's accepted count acc; the
+      window is read at buffer offset acc - 1, and the buffer is rewritten so that the next call's
+      offset acc' - 1 sees exactly the last W - 1 accepted inputs.
+
+    Rows with T = 0, and rows whose slot is null (below ``first_valid_slot``), are skipped: neither
+    the pool nor their ``out`` rows are written (with ``out is x`` those rows keep their raw input).
+    Host arrays: the whole call is validated first and an invalid row (T > num_spec + 1, acc
+    outside [1, num_spec + 1], slot >= pool size, bad ``cu_seqlens``) raises ``ValueError``
+    naming the row, before anything is written. CUDA arrays: invalid rows write no state, get
+    zero outputs and increment ``error_count`` (int32 [1]) when given. CUDA launches go to
+    ``stream`` (default: torch's current stream for torch tensors).
+    """
+    _C.causal_conv1d_update(
+        x, weight, conv_state, conv_state_indices, cu_seqlens, out,
+        num_accepted_tokens=num_accepted_tokens, activation=activation,
+        state_layout=state_layout, first_valid_slot=first_valid_slot, error_count=error_count,
+        stream=_stream_of(conv_state, stream),
+    )
+
+
+def causal_conv1d_update_reference(
+    x, weight, conv_state, conv_state_indices, cu_seqlens, *, num_accepted_tokens=None,
+    activation="silu", state_layout="channels_major", first_valid_slot=0, state_dtype=None,
+):
+    """Float64 reference of :func:`causal_conv1d_update` (gdn-math.md §7, conv pre-step).
+
+    Returns ``(out [L, D] float64, new_state float64)``; rows no valid request covers are NaN.
+    ``state_dtype`` (a NumPy-compatible rounding function or None) models a 16-bit pool: raw inputs
+    entering the buffer are passed through it, as the kernels store them.
+    """
+    xs = np.asarray(x, dtype=np.float64)
+    w = np.asarray(weight, dtype=np.float64)
+    pool = np.asarray(conv_state, dtype=np.float64).copy()
+    if state_layout == "tokens_major":
+        pool = pool.transpose(0, 2, 1).copy()  # work in [slots, D, Lbuf]
+    D, W = w.shape
+    Lbuf = pool.shape[2]
+    S = Lbuf - W + 2
+    idx = np.asarray(conv_state_indices, dtype=np.int64)
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    N = idx.shape[0]
+    acc = np.ones(N, np.int64) if num_accepted_tokens is None else np.asarray(num_accepted_tokens, np.int64)
+    rnd = (lambda v: v) if state_dtype is None else state_dtype
+    out = np.full(xs.shape, np.nan)
+    for i in range(N):
+        T = int(cu[i + 1] - cu[i])
+        slot = int(idx[i])
+        if T == 0 or slot < first_valid_slot:
+            continue
+        assert T <= S and 1 <= acc[i] <= S and slot < pool.shape[0], f"invalid row {i}"
+        off = int(acc[i]) - 1
+        hist = pool[slot, :, off: off + W - 1].copy()          # [D, W-1]
+        new = xs[cu[i]: cu[i + 1]].T                            # [D, T]
+        frame = np.concatenate([hist, rnd(new)], axis=1)        # taps over stored values
+        for t in range(T):
+            s = (w[:, : W - 1] * frame[:, t: t + W - 1]).sum(1) + w[:, W - 1] * new[:, t]
+            out[cu[i] + t] = s / (1.0 + np.exp(-s)) if activation == "silu" else s
+        pool[slot, :, : W - 2] = hist[:, 1:]
+        pool[slot, :, W - 2: W - 2 + T] = rnd(new)
+    if state_layout == "tokens_major":
+        pool = pool.transpose(0, 2, 1)
+    return out, pool
