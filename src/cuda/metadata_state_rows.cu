@@ -1,0 +1,61 @@
+// Host entry points of the metadata builder's CUDA part (declared in cuda_api_metadata.hpp).
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "cuda_api_metadata.hpp"
+#include "gdn/metadata/plan.hpp"
+#include "gdn/metadata/state_rows.cuh"
+
+// The kernel is compiled once here for every library user.
+template __global__ void gdn::metadata::cuda_detail::state_rows_kernel<
+    gdn::metadata::cuda_detail::kStateRowThreads>(const __grid_constant__ gdn::metadata::StateRowsArgs);
+
+namespace gdn::cuda_api {
+namespace {
+
+Status cuda_error(const char* what, cudaError_t err) {
+  return Status(StatusCode::kCudaError, std::string("metadata: ") + what + ": " +
+                                            cudaGetErrorString(err));
+}
+
+// Runs `body` with `device` current, restoring the caller's device afterwards.
+template <class F>
+Status on_device(int device, F&& body) {
+  int previous = -1;
+  if (cudaGetDevice(&previous) != cudaSuccess) return cuda_error("no usable CUDA device", cudaGetLastError());
+  if (previous != device && cudaSetDevice(device) != cudaSuccess)
+    return cuda_error(("cannot select CUDA device " + std::to_string(device)).c_str(),
+                      cudaGetLastError());
+  Status status = body();
+  if (previous != device) cudaSetDevice(previous);
+  return status;
+}
+
+}  // namespace
+
+Status metadata_state_rows(const metadata::Params& params, void* stream) {
+  if (params.plan.device.type != DeviceType::kCUDA)
+    return Status::invalid("metadata_state_rows: the CUDA pass needs the device plan buffer, "
+                           "plan is on " + to_string(params.plan.device));
+  return on_device(params.plan.device.index, [&] {
+    return metadata::launch_state_rows_cuda(params, static_cast<cudaStream_t>(stream));
+  });
+}
+
+Status metadata_step(const metadata::Params& params, const TensorView& device_plan, void* stream) {
+  metadata::Params pass = params;
+  pass.plan = device_plan;
+  // Everything is validated before the host plan is written.
+  GDN_RETURN_IF_ERROR(metadata::check_state_rows_arguments(pass, DeviceType::kCUDA));
+  GDN_RETURN_IF_ERROR(metadata::plan(params));
+  return on_device(device_plan.device.index, [&]() -> Status {
+    const size_t bytes = size_t(params.layout().total_words) * sizeof(int32_t);
+    const cudaError_t err = cudaMemcpyAsync(device_plan.data, params.plan.data, bytes,
+                                            cudaMemcpyHostToDevice, static_cast<cudaStream_t>(stream));
+    if (err != cudaSuccess) return cuda_error("plan copy to the device failed", err);
+    return metadata::launch_state_rows_cuda(pass, static_cast<cudaStream_t>(stream));
+  });
+}
+
+}  // namespace gdn::cuda_api

@@ -1,0 +1,22 @@
+// Host-callable CUDA entry points of the metadata builder (src/cuda/metadata_state_rows.cu).
+// Declared without CUDA headers so the host-compiled binding can call them; cudaStream_t travels
+// as void*. None of them synchronises or allocates.
+#pragma once
+
+#include "gdn/core/status.hpp"
+#include "gdn/core/tensor_view.hpp"
+#include "gdn/metadata/params.hpp"
+
+namespace gdn::cuda_api {
+
+// One launch filling every group's state rows from the device plan buffer `params.plan`, on
+// `stream`, on the device that holds the arrays.
+Status metadata_state_rows(const metadata::Params& params, void* stream);
+
+// One whole step: the plan on the host into `params.plan` (a host buffer, pinned for a truly
+// asynchronous copy), one cudaMemcpyAsync of it into `device_plan` (same layout), then the
+// state-row launch reading `device_plan`. The host buffer must not be rewritten before the copy
+// has executed (keep two and alternate, or wait on an event recorded after this call).
+Status metadata_step(const metadata::Params& params, const TensorView& device_plan, void* stream);
+
+}  // namespace gdn::cuda_api
