@@ -131,10 +131,11 @@ inline Status check_arguments(const Params& p, Problem* out_problem) {
   GDN_RETURN_IF_ERROR(present(p.state_indices, "state_indices"));
   GDN_RETURN_IF_ERROR(ndim(p.state_indices, "state_indices", 2));
   GDN_RETURN_IF_ERROR(dtype_in(p.state_indices, "state_indices", {DType::kInt32, DType::kInt64}));
-  GDN_RETURN_IF_ERROR(contiguous_from(p.state_indices, "state_indices", 0));
   pr.N = p.state_indices.shape[0];
   pr.S = p.state_indices.shape[1];
+  // Before the layout check, which cannot judge an array without columns.
   if (pr.S < 1) return Status::invalid("state_indices must have at least one column (S >= 1)");
+  GDN_RETURN_IF_ERROR(contiguous_from(p.state_indices, "state_indices", 0));
 
   GDN_RETURN_IF_ERROR(present(p.cu_seqlens, "cu_seqlens"));
   GDN_RETURN_IF_ERROR(ndim(p.cu_seqlens, "cu_seqlens", 1));
