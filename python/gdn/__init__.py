@@ -18,6 +18,7 @@ from ._C import (
 )
 from ._api import decode_mtp
 from .conv import causal_conv1d_update
+from . import metadata
 
 __version__ = _C.__version__
 
@@ -30,6 +31,7 @@ __all__ = [
     "cuda_kernels_available",
     "decode_mtp",
     "include_dir",
+    "metadata",
     "supported_head_ratios",
     "supported_state_dtypes",
 ]

@@ -53,3 +53,4 @@ def _(mixed_qkv, a, b, A_log, dt_bias, state, state_indices, cu_seqlens, out, z=
 
 
 from . import _ops_conv  # noqa: E402,F401  (torch.ops.gdn.causal_conv1d_update)
+from . import _ops_metadata  # noqa: E402,F401  (torch.ops.gdn.metadata_*)

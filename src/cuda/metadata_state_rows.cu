@@ -43,19 +43,37 @@ Status metadata_state_rows(const metadata::Params& params, void* stream) {
   });
 }
 
+Status metadata_copy_plan(const TensorView& host_plan, const TensorView& device_plan,
+                          int64_t words, void* stream) {
+  if (host_plan.device.type != DeviceType::kCPU || device_plan.device.type != DeviceType::kCUDA)
+    return Status::invalid("metadata_copy_plan copies a host plan buffer into a CUDA one");
+  if (words < 0 || host_plan.numel() < words || device_plan.numel() < words)
+    return Status::invalid("metadata_copy_plan: " + std::to_string(words) +
+                           " words do not fit both plan buffers");
+  return on_device(device_plan.device.index, [&]() -> Status {
+    const cudaError_t err =
+        cudaMemcpyAsync(device_plan.data, host_plan.data, size_t(words) * sizeof(int32_t),
+                        cudaMemcpyHostToDevice, static_cast<cudaStream_t>(stream));
+    if (err != cudaSuccess) return cuda_error("plan copy to the device failed", err);
+    return Status::ok();
+  });
+}
+
+Status synchronize_stream(void* stream) {
+  const cudaError_t err = cudaStreamSynchronize(static_cast<cudaStream_t>(stream));
+  if (err != cudaSuccess) return cuda_error("stream synchronisation failed", err);
+  return Status::ok();
+}
+
 Status metadata_step(const metadata::Params& params, const TensorView& device_plan, void* stream) {
   metadata::Params pass = params;
   pass.plan = device_plan;
   // Everything is validated before the host plan is written.
   GDN_RETURN_IF_ERROR(metadata::check_state_rows_arguments(pass, DeviceType::kCUDA));
   GDN_RETURN_IF_ERROR(metadata::plan(params));
-  return on_device(device_plan.device.index, [&]() -> Status {
-    const size_t bytes = size_t(params.layout().total_words) * sizeof(int32_t);
-    const cudaError_t err = cudaMemcpyAsync(device_plan.data, params.plan.data, bytes,
-                                            cudaMemcpyHostToDevice, static_cast<cudaStream_t>(stream));
-    if (err != cudaSuccess) return cuda_error("plan copy to the device failed", err);
-    return metadata::launch_state_rows_cuda(pass, static_cast<cudaStream_t>(stream));
-  });
+  GDN_RETURN_IF_ERROR(
+      metadata_copy_plan(params.plan, device_plan, params.layout().total_words, stream));
+  return metadata_state_rows(pass, stream);
 }
 
 }  // namespace gdn::cuda_api

@@ -14,6 +14,7 @@ namespace nb = nanobind;
 namespace gdn::python {
 void bind_decode_mtp(nb::module_& m);
 void bind_conv(nb::module_& m);
+void bind_metadata(nb::module_& m);
 }
 
 NB_MODULE(_C, m) {
@@ -61,4 +62,5 @@ NB_MODULE(_C, m) {
 
   gdn::python::bind_decode_mtp(m);
   gdn::python::bind_conv(m);
+  gdn::python::bind_metadata(m);
 }
