@@ -25,16 +25,17 @@ def metadata_plan(
     num_spec: int,
     max_rows: int,
     max_tokens: int,
-    mode: str = "none",
+    cache_mode: str = "none",
     block_size: int = 0,
     padded_rows: int = -1,
     pad_id: int = 0,
 ) -> None:
-    """torch op form of :func:`gdn.metadata.plan` (host tensors; ``padded_rows`` -1: none)."""
+    """torch op form of :func:`gdn.metadata.plan` (host tensors; ``cache_mode`` is its ``mode``;
+    ``padded_rows`` -1: none)."""
     _metadata.plan(
         plan, query_start_loc, seq_lens, num_draft_tokens=num_draft_tokens,
         num_accepted_tokens=num_accepted_tokens, num_computed_tokens=num_computed_tokens,
-        num_spec=num_spec, max_rows=max_rows, max_tokens=max_tokens, mode=mode,
+        num_spec=num_spec, max_rows=max_rows, max_tokens=max_tokens, mode=cache_mode,
         block_size=block_size, padded_rows=None if padded_rows < 0 else padded_rows,
         pad_id=pad_id,
     )
@@ -42,7 +43,7 @@ def metadata_plan(
 
 @metadata_plan.register_fake
 def _(plan, query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens, num_computed_tokens,
-      num_spec, max_rows, max_tokens, mode="none", block_size=0, padded_rows=-1,
+      num_spec, max_rows, max_tokens, cache_mode="none", block_size=0, padded_rows=-1,
       pad_id=0) -> None:
     return None
 

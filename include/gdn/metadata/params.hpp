@@ -216,10 +216,11 @@ inline Status check_state_rows_arguments(const Params& p, DeviceType device) {
     GDN_RETURN_IF_ERROR(check::present(t, name.c_str()));
     GDN_RETURN_IF_ERROR(check::ndim(t, name.c_str(), 2));
     GDN_RETURN_IF_ERROR(check::dtype_in(t, name.c_str(), {DType::kInt32}));
+    GDN_RETURN_IF_ERROR(check::same_device(t, name.c_str(), dev));
+    if (t.numel() == 0) continue;  // an empty table: every row is unreadable (strides are moot)
     GDN_RETURN_IF_ERROR(check::unit_stride(t, name.c_str(), 1));
     GDN_RETURN_IF_ERROR(check::nonnegative_strides(t, name.c_str()));
     GDN_RETURN_IF_ERROR(check::row_stride_at_least(t, name.c_str(), t.shape[1]));
-    GDN_RETURN_IF_ERROR(check::same_device(t, name.c_str(), dev));
   }
   const TensorView& spec = p.spec_state_indices;
   GDN_RETURN_IF_ERROR(check::present(spec, "spec_state_indices"));

@@ -1,0 +1,622 @@
+"""gdn.metadata: the classification cases of vLLM's GDN builder tests, the shared plan + one-pass
+state rows against the tests' own per-group builder (NumPy, written independently of the C++
+code) on random steps (hypothesis), graph padding, bounds, errors, the shadow check, the torch
+ops, and decode_mtp fed straight from the builder. CUDA tests skip without a GPU."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import pytest
+
+import gdn
+from gdn import metadata as M
+
+torch = pytest.importorskip("torch")
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+CUDA = torch.cuda.is_available() and gdn.cuda_device_count() > 0 and gdn._C.built_with_cuda
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device and a CUDA build of gdn")
+
+I32 = np.int32
+
+
+# ---- the tests' own per-group builder --------------------------------------------------------------
+
+
+def per_group_reference(step: Dict[str, Any], table: np.ndarray) -> Dict[str, Any]:
+    """One group's metadata built the way a per-group builder does it: boolean masks,
+    repeat + stable argsort for the token split, cumulative sums, fancy-index gathers."""
+    qsl, seq_lens = step["qsl"], step["seq_lens"]
+    drafts, acc, computed = step["drafts"], step["acc"], step["computed"]
+    S = step["num_spec"] + 1
+    pad, padded = step["pad_id"], step["padded_rows"]
+    N = len(qsl) - 1
+    qlen = np.diff(qsl)
+    if drafts is None or drafts[drafts >= 0].sum() == 0:
+        mask = np.zeros(N, bool)
+    else:
+        mask = drafts >= 0
+    ns_len = qlen[~mask]
+    decodes = int((ns_len == 1).sum())
+    zero = int((ns_len == 0).sum())
+    prefills = int((~mask).sum()) - decodes - zero
+    if mask.any() and decodes:
+        prefills, decodes = prefills + decodes, 0
+    order = np.argsort(np.repeat(mask, qlen), kind="stable")
+    n_ns_tok = int(ns_len.sum())
+    context = computed if computed is not None else seq_lens - qlen
+    if step["mode"] == "align":
+        start = np.maximum((seq_lens.astype(np.int64) - 1) // step["block_size"], 0)
+    else:
+        start = np.zeros(N, np.int64)
+
+    def pad_to(a, n, value):
+        return np.concatenate([a, np.full(n - len(a), value, a.dtype)]) if n > len(a) else a
+
+    spec_idx, ns_idx = np.flatnonzero(mask), np.flatnonzero(~mask)
+    n_spec_rows = len(spec_idx) if padded is None else padded
+    n_ns_rows = len(ns_idx) if padded is None else padded
+    n_mask = N if padded is None else padded
+
+    # State rows: columns [start, start + S) / start; a row outside the table is padded.
+    rows, cols = table.shape
+    spec_cols = start[spec_idx, None] + np.arange(S)
+    ok = (spec_idx < rows) & (spec_cols[:, -1] < cols) if len(spec_idx) else np.zeros(0, bool)
+    spec_state = np.full((len(spec_idx), S), pad, I32)
+    spec_state[ok] = table[spec_idx[ok, None], spec_cols[ok]]
+    ns_ok = (ns_idx < rows) & (start[ns_idx] < cols)
+    ns_state = np.full(len(ns_idx), pad, I32)
+    ns_state[ns_ok] = table[ns_idx[ns_ok], start[ns_idx][ns_ok]]
+    spec_acc = acc[mask] if acc is not None else np.ones(len(spec_idx), I32)
+    return dict(
+        counts=dict(
+            num_requests=N, num_prefills=prefills, num_prefill_tokens=n_ns_tok - decodes,
+            num_decodes=decodes, num_decode_tokens=decodes, num_spec_decodes=len(spec_idx),
+            num_spec_decode_tokens=int(qlen[mask].sum()), num_actual_tokens=int(qsl[-1]),
+            num_non_spec_rows=len(ns_idx), num_zero_length_rows=zero,
+            spec_rows_written=n_spec_rows, non_spec_rows_written=n_ns_rows,
+            mask_rows_written=n_mask, num_spec_columns=S,
+            padded_rows=-1 if padded is None else padded,
+        ),
+        unreadable=int((~ok).sum() + (~ns_ok).sum()),
+        spec_sequence_masks=pad_to(mask, n_mask, False),
+        non_spec_token_indx=order[:n_ns_tok].astype(I32),
+        spec_token_indx=order[n_ns_tok:].astype(I32),
+        spec_query_start_loc=pad_to(
+            np.concatenate([[0], np.cumsum(qlen[mask])]).astype(I32), n_spec_rows + 1,
+            int(qlen[mask].sum())),
+        non_spec_query_start_loc=pad_to(
+            np.concatenate([[0], np.cumsum(ns_len)]).astype(I32), n_ns_rows + 1, n_ns_tok),
+        spec_num_accepted=pad_to(spec_acc.astype(I32), n_spec_rows, 1),
+        spec_source_column=pad_to(spec_acc.astype(I32) - 1, n_spec_rows, 0),
+        has_initial_state=pad_to(context[~mask] > 0, n_ns_rows, False),
+        spec_state_indices=pad_to(spec_state.reshape(-1), n_spec_rows * S, pad).reshape(-1, S),
+        non_spec_state_indices=pad_to(ns_state, n_ns_rows, pad),
+    )
+
+
+SHARED_FIELDS = ("spec_sequence_masks", "non_spec_token_indx", "spec_token_indx",
+                 "spec_query_start_loc", "non_spec_query_start_loc", "spec_num_accepted",
+                 "spec_source_column", "has_initial_state")
+
+
+def as_np(x) -> np.ndarray:
+    return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+
+
+def expect_matches_reference(md: M.StepMetadata, step: Dict[str, Any], tables) -> None:
+    G = len(tables)
+    for g in range(G):
+        ref = per_group_reference(step, as_np(tables[g]))
+        counts = md.counts()
+        for name, value in ref["counts"].items():
+            assert counts[name] == value, (g, name, counts[name], value)
+        for name in SHARED_FIELDS:
+            np.testing.assert_array_equal(as_np(getattr(md, name)), ref[name], err_msg=name)
+        np.testing.assert_array_equal(as_np(md.spec_state_indices[g]), ref["spec_state_indices"],
+                                      err_msg=f"group {g} spec_state_indices")
+        np.testing.assert_array_equal(as_np(md.non_spec_state_indices[g]),
+                                      ref["non_spec_state_indices"],
+                                      err_msg=f"group {g} non_spec_state_indices")
+
+
+def make_step(rows: List[Tuple[int, int]], num_spec: int, *, context: int = 5,
+              acc: Optional[List[int]] = None, mode: str = "none", block_size: int = 16,
+              padded_rows: Optional[int] = None, pad_id: int = 0) -> Dict[str, Any]:
+    T = np.array([t for t, _ in rows], I32)
+    return dict(
+        qsl=np.concatenate([[0], np.cumsum(T)]).astype(I32),
+        seq_lens=(T + context).astype(I32),
+        drafts=np.array([d for _, d in rows], I32),
+        acc=np.array(acc if acc is not None else [1] * len(rows), I32),
+        computed=np.full(len(rows), context, I32),
+        num_spec=num_spec, mode=mode, block_size=block_size, padded_rows=padded_rows,
+        pad_id=pad_id,
+    )
+
+
+def make_tables(G: int, rows: int, cols: int, *, lib=np, rng=None) -> List[Any]:
+    rng = rng or np.random.default_rng(0)
+    tabs = [rng.integers(1, 1 << 20, size=(rows, cols)).astype(I32) for _ in range(G)]
+    return tabs if lib is np else [torch.from_numpy(t) for t in tabs]
+
+
+def step_args(step: Dict[str, Any], convert=lambda a: a) -> Dict[str, Any]:
+    c = lambda a: None if a is None else convert(a)  # noqa: E731
+    return dict(num_draft_tokens=c(step["drafts"]), num_accepted_tokens=c(step["acc"]),
+                num_computed_tokens=c(step["computed"]), padded_rows=step["padded_rows"])
+
+
+def run_builder(step, tables, *, max_rows=None, max_tokens=None, shadow=True, **kw):
+    N = len(step["qsl"]) - 1
+    rows = max(N, step["padded_rows"] or 0, 1) + 2
+    b = M.Builder(tables, num_spec=step["num_spec"], max_rows=max_rows or rows,
+                  max_tokens=max_tokens or int(step["qsl"][-1]) + 3, mode=step["mode"],
+                  block_size=step["block_size"], pad_id=step["pad_id"], shadow=shadow, **kw)
+    md = b.step(step["qsl"], step["seq_lens"], **step_args(step))
+    return b, md
+
+
+# ---- classification (the cases of vLLM's builder tests) -------------------------------------------
+
+CASES = {
+    # name: (rows (tokens, drafts), num_spec, expected counts)
+    "mixed decode + spec -> decode reclassified": (
+        [(3, 2), (1, -1), (3, 2)], 2,
+        dict(num_prefills=1, num_prefill_tokens=1, num_decodes=0, num_spec_decodes=2,
+             num_spec_decode_tokens=6)),
+    "pure spec": (
+        [(3, 2), (2, 1), (3, 2)], 2,
+        dict(num_prefills=0, num_decodes=0, num_spec_decodes=3, num_spec_decode_tokens=8)),
+    "pure decode": (
+        [(1, -1)] * 4, 3,
+        dict(num_prefills=0, num_decodes=4, num_decode_tokens=4, num_spec_decodes=0)),
+    "spec + prefill": (
+        [(2, 1), (7, -1), (2, 1)], 1,
+        dict(num_prefills=1, num_prefill_tokens=7, num_decodes=0, num_spec_decodes=2,
+             num_spec_decode_tokens=4)),
+    "prefill + decode + spec": (
+        [(5, -1), (1, -1), (4, 3), (2, 1)], 3,
+        dict(num_prefills=2, num_prefill_tokens=6, num_decodes=0, num_spec_decodes=2)),
+    "several decodes reclassified": (
+        [(1, -1), (2, 1), (1, -1), (1, -1), (2, 1)], 1,
+        dict(num_prefills=3, num_prefill_tokens=3, num_decodes=0, num_spec_decodes=2)),
+    "zero-length padding excluded (with spec)": (
+        [(3, 2), (0, -1), (3, 2), (0, -1)], 2,
+        dict(num_prefills=0, num_decodes=0, num_spec_decodes=2, num_zero_length_rows=2,
+             num_non_spec_rows=2)),
+    "zero-length padding excluded (no spec)": (
+        [(1, -1), (4, -1), (0, -1), (1, -1), (0, -1)], 2,
+        dict(num_prefills=1, num_prefill_tokens=4, num_decodes=2, num_zero_length_rows=2)),
+    "all-zero drafts is not a spec step": (
+        [(1, 0), (1, 0), (1, -1)], 2,
+        dict(num_prefills=0, num_decodes=3, num_spec_decodes=0)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_classification(name):
+    rows, num_spec, expected = CASES[name]
+    step = make_step(rows, num_spec)
+    tables = make_tables(2, len(rows), num_spec + 2)
+    _, md = run_builder(step, tables)
+    counts = md.counts()
+    for key, value in expected.items():
+        assert counts[key] == value, (key, counts[key], value)
+    expect_matches_reference(md, step, tables)
+
+
+def test_plan_free_function_and_views_on_numpy():
+    step = make_step([(2, 1), (7, -1), (2, 1)], 1, acc=[2, 1, 1])
+    words = M.plan_words(8, 32)
+    buf = np.full(words, -5, I32)
+    M.plan(buf, step["qsl"], step["seq_lens"], num_draft_tokens=step["drafts"],
+           num_accepted_tokens=step["acc"], num_computed_tokens=step["computed"], num_spec=1,
+           max_rows=8, max_tokens=32)
+    view = M.PlanView(M._field_views(buf, 8, 32), buf[: len(M.HEADER_FIELDS)])
+    np.testing.assert_array_equal(view.non_spec_token_indx, np.arange(2, 9))
+    np.testing.assert_array_equal(view.spec_token_indx, [0, 1, 9, 10])
+    np.testing.assert_array_equal(view.spec_query_start_loc, [0, 2, 4])
+    np.testing.assert_array_equal(view.spec_num_accepted, [2, 1])
+    np.testing.assert_array_equal(view.spec_source_column, [1, 0])
+    np.testing.assert_array_equal(view.spec_sequence_masks, [True, False, True])
+    np.testing.assert_array_equal(view.spec_request_index, [0, 2])
+    assert view.num_spec_decodes == 2 and view.num_prefills == 1
+
+
+# ---- property test: shared + fused == independent per-group builds -------------------------------
+
+
+@st.composite
+def random_steps(draw):
+    G = draw(st.integers(1, 6))
+    S = draw(st.integers(1, 16))
+    mode = draw(st.sampled_from(["none", "align"]))
+    N = draw(st.integers(0, 20))
+    spec_allowed = draw(st.booleans()) or draw(st.booleans())
+    rows = []
+    for _ in range(N):
+        kind = draw(st.sampled_from(["spec", "spec", "decode", "prefill", "zero"])
+                    if spec_allowed else st.sampled_from(["decode", "decode", "prefill", "zero"]))
+        if kind == "spec":
+            d = draw(st.integers(0, S - 1))
+            rows.append((draw(st.sampled_from([d + 1, d + 1, d + 1, 0, S])), d))
+        else:
+            rows.append(({"decode": 1, "prefill": draw(st.integers(2, 12)), "zero": 0}[kind], -1))
+    T = np.array([t for t, _ in rows], I32)
+    context = np.array(draw(st.lists(st.integers(0, 60), min_size=N, max_size=N)), I32)
+    padded = draw(st.one_of(st.none(), st.integers(N, N + 6)))
+    step = dict(
+        qsl=np.concatenate([[0], np.cumsum(T)]).astype(I32),
+        seq_lens=(T + context).astype(I32),
+        drafts=np.array([d for _, d in rows], I32),
+        acc=np.array(draw(st.lists(st.integers(1, S), min_size=N, max_size=N)), I32),
+        computed=context if draw(st.booleans()) else None,
+        num_spec=S - 1, mode=mode, block_size=draw(st.integers(1, 16)), padded_rows=padded,
+        pad_id=draw(st.sampled_from([0, -1])),
+    )
+    seed = draw(st.integers(0, 2**31))
+    rng = np.random.default_rng(seed)
+    # Align mode sometimes runs past a table's last column; tables may differ in width and rows.
+    tables = []
+    for _ in range(G):
+        cols = S + int(rng.integers(0, 3)) if mode == "none" else S + int(rng.integers(0, 6))
+        tables.append(rng.integers(1, 1 << 20, size=(N + int(rng.integers(0, 3)), cols)).astype(I32))
+    return step, tables
+
+
+@settings(max_examples=150, deadline=None)
+@given(random_steps())
+def test_shared_fused_equals_per_group_builds(case):
+    step, tables = case
+    b, md = run_builder(step, tables)  # also runs the C++ shadow check
+    expect_matches_reference(md, step, tables)
+    expected_errors = sum(per_group_reference(step, t)["unreadable"] for t in tables)
+    assert int(b.error_count[0]) == expected_errors
+
+
+# ---- padding, replays, bounds -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pad_id", [0, -1])
+def test_padding_follows_the_contract(pad_id):
+    step = make_step([(3, 2), (2, 1), (3, 2)], 2, acc=[2, 3, 1], padded_rows=6, pad_id=pad_id)
+    tables = make_tables(3, 3, 4, lib=torch)
+    b, md = run_builder(step, tables, max_rows=8)
+    assert md.spec_rows == 6
+    np.testing.assert_array_equal(md.spec_query_start_loc, [0, 3, 5, 8, 8, 8, 8])
+    np.testing.assert_array_equal(md.spec_num_accepted, [2, 3, 1, 1, 1, 1])
+    np.testing.assert_array_equal(md.spec_sequence_masks, [1, 1, 1, 0, 0, 0])
+    assert (md.spec_state_indices[:, 3:] == pad_id).all()
+    assert (md.non_spec_state_indices == pad_id).all()
+    # Persistent, zero-initialised buffers: the rows past padded_rows were never written.
+    assert (b.spec_state_indices[:, 6:] == 0).all()
+
+
+def test_buffers_are_persistent_and_replays_give_the_new_rows():
+    tables = make_tables(3, 10, 5, lib=torch)
+    b = M.Builder(tables, num_spec=2, max_rows=10, max_tokens=40, shadow=True)
+    ptrs = (b.spec_state_indices.data_ptr(), b.non_spec_state_indices.data_ptr())
+    s1 = make_step([(3, 2)] * 7, 2, padded_rows=8)
+    md1 = b.step(s1["qsl"], s1["seq_lens"], **step_args(s1))
+    expect_matches_reference(md1, s1, tables)
+    s2 = make_step([(1, 0), (3, 2)], 2, padded_rows=8, acc=[3, 2])
+    md2 = b.step(s2["qsl"], s2["seq_lens"], **step_args(s2))
+    expect_matches_reference(md2, s2, tables)
+    assert (b.spec_state_indices.data_ptr(), b.non_spec_state_indices.data_ptr()) == ptrs
+
+
+def test_columns_past_the_table_are_padded_and_reported():
+    # vLLM #42084: align mode, many spec tokens. Table widths differ per group.
+    step = make_step([(16, 15), (16, 15), (1, -1)], 15, mode="align", block_size=32, pad_id=-1)
+    step["seq_lens"] = np.array([40, 20, 200], I32)  # starts 1, 0 and 6
+    tables = [np.arange(3 * 16, dtype=I32).reshape(3, 16) + 1000 * g for g in range(2)]
+    tables.append(np.arange(3 * 20, dtype=I32).reshape(3, 20) + 5000)
+    b, md = run_builder(step, tables)
+    assert int(b.error_count[0]) == 2  # request 0 in the two 16-column groups
+    assert (md.spec_state_indices[0, 0] == -1).all() and (md.spec_state_indices[1, 0] == -1).all()
+    np.testing.assert_array_equal(md.spec_state_indices[2, 0], 5000 + np.arange(1, 17))
+    expect_matches_reference(md, step, tables)
+
+
+def test_errors_name_the_argument_and_write_nothing():
+    step = make_step([(3, 2), (1, -1)], 2)
+    b = M.Builder(make_tables(1, 4, 4), num_spec=2, max_rows=4, max_tokens=16)
+    before = b.host_plans[0].copy()
+    bad = [
+        (dict(num_draft_tokens=np.array([3, -1], I32)), "num_draft_tokens[0]"),
+        (dict(num_accepted_tokens=np.array([0, 1], I32)), "num_accepted_tokens[0]"),
+        (dict(num_draft_tokens=np.array([2], I32)), "num_draft_tokens"),
+        (dict(padded_rows=1), "padded_rows"),
+        (dict(padded_rows=5), "padded_rows"),
+        (dict(num_computed_tokens=np.array([1, 2], np.int64)), "num_computed_tokens"),
+    ]
+    for override, needle in bad:
+        kw = step_args(step)
+        kw.update(override)
+        with pytest.raises(ValueError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+            b.step(step["qsl"], step["seq_lens"], **kw)
+        np.testing.assert_array_equal(b.host_plans[0], before)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        b.step(np.array([1, 3, 4], I32), step["seq_lens"])
+    with pytest.raises(ValueError, match="block_tables"):
+        M.Builder([np.zeros((4, 4), np.int64)], num_spec=2, max_rows=4, max_tokens=16)
+    with pytest.raises(ValueError, match="block_tables must hold"):
+        M.Builder([np.zeros((4, 4), I32)] * 9, num_spec=2, max_rows=4, max_tokens=16)
+    with pytest.raises(ValueError, match="mode"):
+        M.Builder(make_tables(1, 4, 4), num_spec=2, max_rows=4, max_tokens=16, mode="prefix")
+
+
+# ---- the shadow check --------------------------------------------------------------------------------
+
+
+def shadow_of(b: M.Builder, step, plan=None, spec=None, non_spec=None) -> str:
+    return M.shadow_check(
+        as_np(b.host_plans[0] if plan is None else plan), [as_np(t) for t in b.block_tables],
+        as_np(b.spec_state_indices if spec is None else spec),
+        as_np(b.non_spec_state_indices if non_spec is None else non_spec),
+        step["qsl"], step["seq_lens"], num_draft_tokens=step["drafts"],
+        num_accepted_tokens=step["acc"], num_computed_tokens=step["computed"],
+        num_spec=b.num_spec, max_rows=b.max_rows, max_tokens=b.max_tokens, mode=step["mode"],
+        block_size=step["block_size"], padded_rows=step["padded_rows"], pad_id=step["pad_id"],
+    )
+
+
+def poison_unused(b: M.Builder, md: M.StepMetadata, rng) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Copies of the buffers with every word outside the step's rows replaced by garbage."""
+    plan, spec, ns = (as_np(x).copy() for x in (b.host_plans[0], b.spec_state_indices,
+                                                   b.non_spec_state_indices))
+    lay = M.layout(b.max_rows, b.max_tokens)
+    keep = np.zeros(len(plan), bool)
+    used = {"header": len(M.HEADER_FIELDS), "token_split": md.num_actual_tokens,
+            "spec_query_start_loc": md.spec_rows + 1, "non_spec_query_start_loc": md.non_spec_rows + 1}
+    for f in ("spec_request", "spec_start", "spec_num_accepted", "spec_source_column"):
+        used[f] = md.spec_rows
+    for f in ("non_spec_request", "non_spec_start"):
+        used[f] = md.non_spec_rows
+    for f, n in used.items():
+        keep[lay[f][0] : lay[f][0] + n] = True
+    bool_start = lay["spec_sequence_masks"][0]
+    garbage = rng.integers(-(2**31), 2**31 - 1, size=len(plan)).astype(I32)
+    region = (~keep) & (np.arange(len(plan)) < bool_start)
+    plan[region] = garbage[region]
+    as_bytes = plan.view(np.uint8)
+    for f, n in (("spec_sequence_masks", md.counts()["mask_rows_written"]),
+                 ("has_initial_state", md.non_spec_rows)):
+        lo = lay[f][0] * 4
+        hi = lo + 4 * ((lay[f][1] + 3) // 4)
+        as_bytes[lo + n : hi] = rng.integers(0, 256, size=hi - lo - n)
+    spec[:, md.spec_rows :] = rng.integers(-(2**31), 2**31 - 1, size=spec[:, md.spec_rows :].shape)
+    ns[:, md.non_spec_rows :] = rng.integers(-(2**31), 2**31 - 1, size=ns[:, md.non_spec_rows :].shape)
+    return plan, spec, ns
+
+
+def test_shadow_names_an_injected_mismatch_whatever_the_unused_rows_hold():
+    rng = np.random.default_rng(11)
+    step = make_step([(3, 2), (5, -1), (2, 1)], 2, padded_rows=5)
+    tables = make_tables(3, 3, 4, rng=rng)
+    b, md = run_builder(step, tables, max_rows=8)
+    assert shadow_of(b, step) == ""
+    plan, spec, ns = poison_unused(b, md, rng)
+    assert shadow_of(b, step, plan, spec, ns) == ""  # garbage outside the rows: same verdict
+    for poisoned in (False, True):
+        p, s, n = (plan.copy(), spec.copy(), ns.copy()) if poisoned else (
+            as_np(b.host_plans[0]).copy(), b.spec_state_indices.copy(), b.non_spec_state_indices.copy())
+        s[2, 1, 2] += 1
+        msg = shadow_of(b, step, p, s, n)
+        assert "group 2, field spec_state_indices, row 1, column 2" in msg, msg
+        assert f"shared/fused = {s[2, 1, 2]}, per-group = {s[2, 1, 2] - 1}" in msg, msg
+        s[2, 1, 2] -= 1
+        n[1, 4] = 77  # a padded row a replay reads
+        assert "group 1, field non_spec_state_indices, row 4" in shadow_of(b, step, p, s, n)
+        n[1, 4] = 0
+        lay = M.layout(b.max_rows, b.max_tokens)
+        p[lay["spec_num_accepted"][0] + 3] = 2  # a padded row must accept 1
+        msg = shadow_of(b, step, p, s, n)
+        assert "field spec_num_accepted, row 3: shared/fused = 2, per-group = 1" in msg, msg
+
+
+def test_builder_shadow_switch_raises_on_a_mismatch(monkeypatch):
+    step = make_step([(3, 2), (3, 2)], 2)
+    tables = make_tables(2, 2, 3)
+    b, _ = run_builder(step, tables)
+    # Corrupt the fused pass: a native builder whose state rows land in a different buffer.
+    real = b._native
+
+    class Corrupting:
+        def step(self, *args):
+            out = real.step(*args)
+            b.spec_state_indices[1, 0, 0] += 1
+            return out
+
+    b._native = Corrupting()
+    with pytest.raises(RuntimeError, match="group 1, field spec_state_indices, row 0, column 0"):
+        b.step(step["qsl"], step["seq_lens"], **step_args(step))
+    monkeypatch.setenv("GDN_METADATA_SHADOW", "1")
+    assert M.Builder(tables, num_spec=2, max_rows=4, max_tokens=8).shadow
+
+
+# ---- torch ops --------------------------------------------------------------------------------------
+
+
+def op_case(device="cpu"):
+    step = make_step([(3, 2), (1, -1), (2, 1)], 2, acc=[2, 1, 3], padded_rows=4)
+    R, T, G = 6, 16, 3
+    plan = torch.zeros(M.plan_words(R, T), dtype=torch.int32)
+    t = lambda a: torch.from_numpy(a)  # noqa: E731
+    torch.ops.gdn.metadata_plan(plan, t(step["qsl"]), t(step["seq_lens"]), t(step["drafts"]),
+                                t(step["acc"]), t(step["computed"]), 2, R, T, "none", 0, 4, 0)
+    tables = [t(x).to(device) for x in make_tables(G, 3, 4)]
+    return step, plan.to(device), tables, R, T, G
+
+
+def test_torch_ops_match_the_reference_and_pass_opcheck():
+    step, plan, tables, R, T, G = op_case()
+    spec = torch.full((G, R, 3), -9, dtype=torch.int32)
+    ns = torch.full((G, R), -9, dtype=torch.int32)
+    err = torch.zeros(1, dtype=torch.int32)
+    torch.ops.gdn.metadata_state_rows(plan, tables, spec, ns, 2, R, T, 0, 4, None, err)
+    for g in range(G):
+        ref = per_group_reference(step, tables[g].numpy())
+        np.testing.assert_array_equal(spec[g, :4].numpy(), ref["spec_state_indices"])
+        np.testing.assert_array_equal(ns[g, :4].numpy(), ref["non_spec_state_indices"])
+    assert (spec[:, 4:] == -9).all()
+    from torch.library import opcheck
+
+    opcheck(torch.ops.gdn.metadata_state_rows.default,
+            (plan, tables, spec, ns, 2, R, T, 0, 4, None, err))
+    t = lambda a: torch.from_numpy(a)  # noqa: E731
+    opcheck(torch.ops.gdn.metadata_plan.default,
+            (plan.clone(), t(step["qsl"]), t(step["seq_lens"]), t(step["drafts"]), t(step["acc"]),
+             None, 2, R, T, "align", 4, -1, -1))
+
+
+# ---- decode_mtp fed straight from the builder ----------------------------------------------------------
+
+
+def decode_case(rng, device="cpu", K=16):
+    H, HV, V, slots, num_spec = 1, 2, K, 64, 2
+    S = num_spec + 1
+    step = make_step([(3, 2), (4, -1), (2, 1), (1, 0)], num_spec, acc=[2, 1, 3, 1], padded_rows=6,
+                     pad_id=0)
+    L = int(step["qsl"][-1])
+    tables = [rng.permutation(np.arange(1, slots))[: 4 * 5].reshape(4, 5).astype(I32)
+              for _ in range(3)]
+    f = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32)).to(device)  # noqa: E731
+    arrays = dict(mixed_qkv=f(L, 2 * H * K + HV * V), a=f(L, HV), b=f(L, HV), A_log=f(HV),
+                  dt_bias=f(HV), state=f(slots, HV, V, K))
+    return step, [torch.from_numpy(t).to(device) for t in tables], arrays, S
+
+
+def test_decode_mtp_takes_the_builder_outputs_directly():
+    rng = np.random.default_rng(5)
+    step, tables, x, S = decode_case(rng)
+    b, md = run_builder(step, tables, max_rows=8)
+    tok = torch.as_tensor(md.spec_token_indx).long()
+    for g in range(len(tables)):
+        # Straight from the builder (padded rows carry no token and are skipped).
+        state_a = x["state"].clone()
+        out_a = torch.full((len(tok), 2, 16), float("nan"))
+        gdn.decode_mtp(x["mixed_qkv"][tok], x["a"][tok], x["b"][tok], x["A_log"], x["dt_bias"],
+                       state_a, out=out_a, first_valid_slot=1, **md.decode_mtp_args(g))
+        # By hand, from the step: spec requests 0, 2, 3 read columns 0..S-1 of their table row.
+        spec_req = [0, 2, 3]
+        qlen = np.diff(step["qsl"])
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(qlen[spec_req])]), dtype=torch.int32)
+        state_b = x["state"].clone()
+        out_b = torch.full_like(out_a, float("nan"))
+        gdn.decode_mtp(x["mixed_qkv"][tok], x["a"][tok], x["b"][tok], x["A_log"], x["dt_bias"],
+                       state_b, tables[g][spec_req, :S].contiguous(), cu, out_b,
+                       num_accepted_tokens=torch.tensor([2, 3, 1], dtype=torch.int32),
+                       first_valid_slot=1)
+        assert torch.equal(out_a, out_b) and torch.equal(state_a, state_b)
+        assert not torch.isnan(out_a).any()
+
+
+# ---- CUDA ---------------------------------------------------------------------------------------------
+
+
+def cuda_step_args(step, accepted_on_device: bool):
+    kw = step_args(step)
+    if accepted_on_device and kw["num_accepted_tokens"] is not None:
+        kw["num_accepted_tokens"] = torch.from_numpy(kw["num_accepted_tokens"]).cuda()
+    return kw
+
+
+@needs_cuda
+@settings(max_examples=40, deadline=None)
+@given(random_steps(), st.booleans())
+def test_cuda_builder_equals_per_group_builds(case, accepted_on_device):
+    step, tables = case
+    dev_tables = [torch.from_numpy(t).cuda() for t in tables]
+    N = len(step["qsl"]) - 1
+    b = M.Builder(dev_tables, num_spec=step["num_spec"], max_rows=N + 8,
+                  max_tokens=int(step["qsl"][-1]) + 3, mode=step["mode"],
+                  block_size=step["block_size"], pad_id=step["pad_id"], shadow=True)
+    md = b.step(step["qsl"], step["seq_lens"], **cuda_step_args(step, accepted_on_device))
+    torch.cuda.synchronize()
+    assert md.spec_state_indices.is_cuda and md.spec_query_start_loc.is_cuda
+    expect_matches_reference(md, step, tables)
+    assert int(b.error_count[0]) == sum(per_group_reference(step, t)["unreadable"] for t in tables)
+
+
+@needs_cuda
+def test_cuda_graph_replay_with_new_inputs_gives_the_new_rows():
+    rng = np.random.default_rng(3)
+    G, S, B = 6, 5, 16
+    tables_np = [rng.integers(1, 1 << 20, size=(B, 12)).astype(I32) for _ in range(G)]
+    tables = [torch.from_numpy(t).cuda() for t in tables_np]
+    b = M.Builder(tables, num_spec=S - 1, max_rows=32, max_tokens=32 * S, mode="align",
+                  block_size=8)
+    acc_dev = torch.ones(B, dtype=torch.int32, device="cuda")
+    first = make_step([(S, S - 1)] * B, S - 1, padded_rows=B, mode="align", block_size=8)
+    b.prepare(first["qsl"], first["seq_lens"], **step_args(first))
+    b.launch(B, num_accepted_tokens=acc_dev)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        b.launch(B, num_accepted_tokens=acc_dev)
+    for replay in range(5):
+        n = int(rng.integers(1, B + 1))
+        rows = [(int(d) + 1, int(d)) for d in rng.integers(0, S, size=n)]
+        acc = rng.integers(1, S + 1, size=n).astype(I32)
+        step = make_step(rows, S - 1, acc=list(acc), padded_rows=B, mode="align", block_size=8)
+        step["seq_lens"] = rng.integers(1, 50, size=n).astype(I32) + np.diff(step["qsl"])
+        step["computed"] = None
+        acc_dev[:n].copy_(torch.from_numpy(acc))
+        kw = step_args(step)
+        kw["num_accepted_tokens"] = None  # gathered on the device by the captured launch
+        b.prepare(step["qsl"], step["seq_lens"], **kw)
+        graph.replay()
+        torch.cuda.synchronize()
+        md = M.StepMetadata(b, M.PlanView(b._views, b.device_plan[:16].cpu().numpy()))
+        expect_matches_reference(md, step, tables_np)
+
+
+@needs_cuda
+def test_cuda_torch_op_is_one_launch_for_all_groups():
+    step, plan, tables, R, T, G = op_case("cuda")
+    spec = torch.full((G, R, 3), -9, dtype=torch.int32, device="cuda")
+    ns = torch.full((G, R), -9, dtype=torch.int32, device="cuda")
+    err = torch.zeros(1, dtype=torch.int32, device="cuda")
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.ops.gdn.metadata_state_rows(plan, tables, spec, ns, 2, R, T, 0, 4, None, err)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and "state_rows" in e.name]
+    assert len(kernels) == 1, [e.name for e in prof.events()]
+    for g in range(G):
+        ref = per_group_reference(step, tables[g].cpu().numpy())
+        np.testing.assert_array_equal(spec[g, :4].cpu().numpy(), ref["spec_state_indices"])
+
+
+@needs_cuda
+def test_cuda_decode_mtp_takes_the_builder_outputs_directly():
+    K = 128
+    if gdn.can_use_decode_mtp("cuda", 1, 2, K, K, 3)[0] == "unsupported":
+        pytest.skip("this build has no CUDA decode_mtp kernel for K = V = 128")
+    rng = np.random.default_rng(6)
+    step, tables, x, S = decode_case(rng, device="cuda", K=K)
+    _, md = run_builder(step, tables, max_rows=8)
+    tok = md.spec_token_indx.long()
+    out = torch.full((len(tok), 2, K), float("nan"), device="cuda")
+    state = x["state"].clone()
+    gdn.decode_mtp(x["mixed_qkv"][tok], x["a"][tok], x["b"][tok], x["A_log"], x["dt_bias"],
+                   state, out=out, first_valid_slot=1, **md.decode_mtp_args(0))
+    # The same step on the CPU, from a CPU builder.
+    cpu = {k: v.cpu() for k, v in x.items()}
+    _, md_cpu = run_builder(step, [t.cpu() for t in tables], max_rows=8)
+    out_cpu = torch.full((len(tok), 2, K), float("nan"))
+    state_cpu = cpu["state"].clone()
+    t = md_cpu.spec_token_indx.long()
+    gdn.decode_mtp(cpu["mixed_qkv"][t], cpu["a"][t], cpu["b"][t], cpu["A_log"], cpu["dt_bias"],
+                   state_cpu, out=out_cpu, first_valid_slot=1, **md_cpu.decode_mtp_args(0))
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.cpu(), out_cpu, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(state.cpu(), state_cpu, rtol=1e-4, atol=1e-5)
