@@ -10,10 +10,11 @@
 
 namespace gdn::python {
 
-static void decode_mtp(const Array& mixed_qkv, const Array& a, const Array& b, const Array& A_log,
-                       const Array& dt_bias, const Array& state, const Array& state_indices,
-                       const Array& cu_seqlens, const Array& out, const OptArray& z,
-                       const OptArray& norm_weight, const OptArray& num_accepted_tokens,
+static void decode_mtp(const ConstArray& mixed_qkv, const ConstArray& a, const ConstArray& b,
+                       const ConstArray& A_log, const ConstArray& dt_bias, const Array& state,
+                       const ConstArray& state_indices, const ConstArray& cu_seqlens,
+                       const Array& out, const OptConstArray& z, const OptConstArray& norm_weight,
+                       const OptConstArray& num_accepted_tokens,
                        std::optional<double> scale, double l2_eps, double norm_eps,
                        const std::string& gate, const std::string& state_layout,
                        int64_t first_valid_slot, int64_t num_k_heads, const OptArray& error_count,

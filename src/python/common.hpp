@@ -19,6 +19,10 @@ namespace gdn::python {
 namespace nb = nanobind;
 using Array = nb::ndarray<>;
 using OptArray = std::optional<nb::ndarray<>>;
+// Arrays the operation only reads: read-only arrays (e.g. a NumPy array with writeable=False) are
+// accepted too.
+using ConstArray = nb::ndarray<nb::ro>;
+using OptConstArray = std::optional<ConstArray>;
 
 inline DType to_dtype(nb::dlpack::dtype t, const char* name) {
   using code = nb::dlpack::dtype_code;
@@ -36,13 +40,15 @@ inline DType to_dtype(nb::dlpack::dtype t, const char* name) {
                             .c_str());
 }
 
-inline TensorView to_view(const Array& a, const char* name) {
+template <class... Ts>
+inline TensorView to_view(const nb::ndarray<Ts...>& a, const char* name) {
   if (a.ndim() > size_t(TensorView::kMaxDims))
     throw nb::value_error((std::string(name) + " has " + std::to_string(a.ndim()) +
                            " dimensions; at most 4 are supported")
                               .c_str());
   TensorView v;
-  v.data = a.data();
+  // Read-only arrays only ever back views the operation reads.
+  v.data = const_cast<void*>(static_cast<const void*>(a.data()));
   v.dtype = to_dtype(a.dtype(), name);
   v.ndim = int(a.ndim());
   for (int d = 0; d < v.ndim; ++d) {
@@ -61,7 +67,8 @@ inline TensorView to_view(const Array& a, const char* name) {
   return v;
 }
 
-inline TensorView to_view(const OptArray& a, const char* name) {
+template <class... Ts>
+inline TensorView to_view(const std::optional<nb::ndarray<Ts...>>& a, const char* name) {
   return a ? to_view(*a, name) : TensorView{};
 }
 
