@@ -153,25 +153,29 @@ inline Status run_state_rows_cpu(const Params& p, int64_t* num_errors = nullptr)
   const int32_t* ns_start = a.plan + a.non_spec_start;
   for (int32_t g = 0; g < a.num_groups; ++g) {
     const GroupTable& t = a.tables[g];
+    // Plain element loops: S is small, and a library copy per row costs more than the row.
     int32_t* out = a.spec_out + g * a.spec_group_stride;
-    for (int32_t j = 0; j < rc.spec_written; ++j, out += S) {
-      if (j < rc.spec_live && row_readable(t, spec_request[j], spec_start[j], S)) {
+    int32_t j = 0;
+    for (; j < rc.spec_live; ++j, out += S) {
+      if (row_readable(t, spec_request[j], spec_start[j], S)) {
         const int32_t* src = t.data + spec_request[j] * t.row_stride + spec_start[j];
-        std::copy(src, src + S, out);
+        for (int32_t c = 0; c < S; ++c) out[c] = src[c];
       } else {
-        errors += j < rc.spec_live;
-        std::fill(out, out + S, a.pad_id);
+        ++errors;
+        for (int32_t c = 0; c < S; ++c) out[c] = a.pad_id;
       }
     }
+    for (int64_t k = 0; k < int64_t(rc.spec_written - j) * S; ++k) out[k] = a.pad_id;
     int32_t* ns_out = a.non_spec_out + g * a.non_spec_group_stride;
-    for (int32_t j = 0; j < rc.non_spec_written; ++j) {
-      if (j < rc.non_spec_live && row_readable(t, ns_request[j], ns_start[j], 1)) {
+    for (j = 0; j < rc.non_spec_live; ++j) {
+      if (row_readable(t, ns_request[j], ns_start[j], 1)) {
         ns_out[j] = t.data[ns_request[j] * t.row_stride + ns_start[j]];
       } else {
-        errors += j < rc.non_spec_live;
+        ++errors;
         ns_out[j] = a.pad_id;
       }
     }
+    for (; j < rc.non_spec_written; ++j) ns_out[j] = a.pad_id;
   }
   if (a.error_count) *a.error_count += int32_t(errors);
   if (num_errors) *num_errors = errors;
