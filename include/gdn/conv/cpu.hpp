@@ -1,6 +1,6 @@
 // causal_conv1d_update on the CPU: the whole call is validated first (an invalid row fails the call
-// before anything is written), then every (request, channel) slides its W-tap window over the
-// request's tokens. Host-only; parallel with OpenMP when enabled.
+// before anything is written), then every (request, block of channels) slides its W-tap window
+// over the request's tokens. Host-only; parallel with OpenMP when enabled (large calls only).
 #pragma once
 
 #include <algorithm>
@@ -13,46 +13,94 @@
 namespace gdn::conv {
 namespace cpu_detail {
 
-// The value a float takes once stored in (and read back from) an array of dtype t.
-inline float round_to(DType t, float v) noexcept {
-  switch (t) {
-    case DType::kBFloat16: return to_float(to_bf16(v));
-    case DType::kFloat16: return to_float(to_f16(v));
-    default: return v;
+// Channels handled together: every per-channel loop below runs over a block of this many
+// contiguous channels (vectorisable); the block's window lives on the stack.
+inline constexpr int64_t kBlock = 256;
+
+template <class T>
+void gather_typed(const T* src, int64_t stride, int64_t n, float* dst) {
+  if (stride == 1) {
+    for (int64_t k = 0; k < n; ++k) dst[k] = to_float(src[k]);
+  } else {
+    for (int64_t k = 0; k < n; ++k) dst[k] = to_float(src[k * stride]);
   }
 }
 
-inline float activate(Activation act, float v) noexcept {
-  return act == Activation::kSiLU ? v / (1.0f + std::exp(-v)) : v;
+template <class T>
+void scatter_typed(T* dst, int64_t stride, int64_t n, const float* src) {
+  if (stride == 1) {
+    for (int64_t k = 0; k < n; ++k) dst[k] = from_float<T>(src[k]);
+  } else {
+    for (int64_t k = 0; k < n; ++k) dst[k * stride] = from_float<T>(src[k]);
+  }
 }
 
-// One (request, channel): read the accepted window, shift the buffer, convolve the new tokens.
-inline void run_channel(const Params& p, const Problem& pr, const RowInfo& row, int64_t c) {
+// n elements p[offset + k * stride] of a run-time-typed floating array <-> fp32 (one switch per
+// span, not per element).
+inline void gather(const void* p, DType t, int64_t offset, int64_t stride, int64_t n, float* dst) {
+  switch (t) {
+    case DType::kBFloat16: gather_typed(static_cast<const bf16_t*>(p) + offset, stride, n, dst); break;
+    case DType::kFloat16: gather_typed(static_cast<const f16_t*>(p) + offset, stride, n, dst); break;
+    default: gather_typed(static_cast<const float*>(p) + offset, stride, n, dst); break;
+  }
+}
+
+inline void scatter(void* p, DType t, int64_t offset, int64_t stride, int64_t n, const float* src) {
+  switch (t) {
+    case DType::kBFloat16: scatter_typed(static_cast<bf16_t*>(p) + offset, stride, n, src); break;
+    case DType::kFloat16: scatter_typed(static_cast<f16_t*>(p) + offset, stride, n, src); break;
+    default: scatter_typed(static_cast<float*>(p) + offset, stride, n, src); break;
+  }
+}
+
+// The values n floats take once stored in (and read back from) an array of dtype t.
+inline void round_to(DType t, const float* src, int64_t n, float* dst) {
+  switch (t) {
+    case DType::kBFloat16: for (int64_t k = 0; k < n; ++k) dst[k] = to_float(to_bf16(src[k])); break;
+    case DType::kFloat16: for (int64_t k = 0; k < n; ++k) dst[k] = to_float(to_f16(src[k])); break;
+    default: for (int64_t k = 0; k < n; ++k) dst[k] = src[k]; break;
+  }
+}
+
+// One request, channels [c0, c0 + n): read the accepted window, shift the buffer, convolve the
+// new tokens. Per element the sum runs over the taps in ascending order, as on every path.
+inline void run_block(const Params& p, const Problem& pr, const RowInfo& row, int64_t c0, int64_t n) {
   const int64_t W = pr.W;
-  float w[kConvMaxWidth];
-  for (int64_t j = 0; j < W; ++j)
-    w[j] = load_float(p.weight.data, p.weight.dtype, c * p.weight.strides[0] + j);
+  // Buffer position `pos` of channels c0.. : base offset and the stride between channels.
+  const int64_t channel_stride = p.layout == StateLayout::kChannelsMajor ? pr.buffer_len : 1;
   const auto at = [&](int64_t pos) {
-    return state_offset(p.layout, pr.slot_stride, pr.D, pr.buffer_len, row.slot, c, pos);
+    return state_offset(p.layout, pr.slot_stride, pr.D, pr.buffer_len, row.slot, c0, pos);
   };
-  // window[0..W-2]: the W-1 previous inputs as stored, oldest first. Read completely before the
-  // buffer is rewritten (the old and new windows overlap).
-  float window[kConvMaxWidth];
-  for (int64_t j = 0; j < W - 1; ++j)
-    window[j] = load_float(p.conv_state.data, p.conv_state.dtype, at(row.offset + j));
+  float w[kConvMaxWidth][kBlock];
+  float storage[kConvMaxWidth][kBlock];  // window slots, oldest first, rotated through `window`
+  float x[kBlock], acc[kBlock];
+  float* window[kConvMaxWidth];
+  for (int64_t j = 0; j < W; ++j)
+    gather(p.weight.data, p.weight.dtype, c0 * p.weight.strides[0] + j, p.weight.strides[0], n, w[j]);
+  // Read the whole accepted window before the buffer is rewritten (old and new windows overlap).
+  for (int64_t j = 0; j < W - 1; ++j) {
+    window[j] = storage[j];
+    gather(p.conv_state.data, p.conv_state.dtype, at(row.offset + j), channel_stride, n, window[j]);
+  }
+  window[W - 1] = storage[W - 1];  // free slot for the newest input
   for (int64_t j = 0; j + 1 < W - 1; ++j)
-    store_float(p.conv_state.data, p.conv_state.dtype, at(j), window[j + 1]);
+    scatter(p.conv_state.data, p.conv_state.dtype, at(j), channel_stride, n, window[j + 1]);
   for (int64_t t = 0; t < row.T; ++t) {
     const int64_t l = row.begin + t;
-    // Read before out is written: out may be x itself.
-    const float xv = load_float(p.x.data, p.x.dtype, l * p.x.strides[0] + c);
-    float acc = 0.0f;
-    for (int64_t j = 0; j < W - 1; ++j) acc += w[j] * window[j];
-    acc += w[W - 1] * xv;
-    store_float(p.out.data, p.out.dtype, l * p.out.strides[0] + c, activate(p.activation, acc));
-    store_float(p.conv_state.data, p.conv_state.dtype, at(W - 2 + t), xv);
+    gather(p.x.data, p.x.dtype, l * p.x.strides[0] + c0, 1, n, x);  // before out: may be x itself
+    for (int64_t c = 0; c < n; ++c) acc[c] = 0.0f;
+    for (int64_t j = 0; j < W - 1; ++j)
+      for (int64_t c = 0; c < n; ++c) acc[c] += w[j][c] * window[j][c];
+    for (int64_t c = 0; c < n; ++c) acc[c] += w[W - 1][c] * x[c];
+    if (p.activation == Activation::kSiLU)
+      for (int64_t c = 0; c < n; ++c) acc[c] = acc[c] / (1.0f + std::exp(-acc[c]));
+    scatter(p.out.data, p.out.dtype, l * p.out.strides[0] + c0, 1, n, acc);
+    scatter(p.conv_state.data, p.conv_state.dtype, at(W - 2 + t), channel_stride, n, x);
+    // Shift: the oldest slot takes the new input as the buffer stores it.
+    float* oldest = window[0];
     for (int64_t j = 0; j + 1 < W - 1; ++j) window[j] = window[j + 1];
-    window[W - 2] = round_to(p.conv_state.dtype, xv);
+    window[W - 2] = oldest;
+    round_to(p.conv_state.dtype, x, n, window[W - 2]);
   }
 }
 
@@ -74,8 +122,9 @@ inline Status run_cpu(const Params& p) {
     (void)check_row(p, pr, i, &info, &action);
     if (action == RowAction::kRun) rows.push_back(info);
   }
-  // Tasks of up to 256 channels of one request keep the parallel loop balanced for small N.
-  constexpr int64_t kChannelsPerTask = 256;
+  // Tasks of one request's block of channels keep the parallel loop balanced for small N; small
+  // calls stay on one thread (a parallel region costs more than they do).
+  constexpr int64_t kChannelsPerTask = cpu_detail::kBlock;
   const int64_t blocks = (pr.D + kChannelsPerTask - 1) / kChannelsPerTask;
   const int64_t tasks = int64_t(rows.size()) * blocks;
 #if defined(_OPENMP)
@@ -84,8 +133,7 @@ inline Status run_cpu(const Params& p) {
   for (int64_t task = 0; task < tasks; ++task) {
     const RowInfo& row = rows[size_t(task / blocks)];
     const int64_t c0 = (task % blocks) * kChannelsPerTask;
-    const int64_t c1 = std::min(pr.D, c0 + kChannelsPerTask);
-    for (int64_t c = c0; c < c1; ++c) cpu_detail::run_channel(p, pr, row, c);
+    cpu_detail::run_block(p, pr, row, c0, std::min(kChannelsPerTask, pr.D - c0));
   }
   return Status::ok();
 }

@@ -1,0 +1,327 @@
+"""The model behind ``python -m gdn demo``: a tiny hybrid GDN language model with random weights,
+its state caches (per layer pools, per KV-cache-group block tables) and the decode path that runs
+plain decoding (T = 1) and speculative verification (T = num_spec + 1) through the same code.
+
+Per token the model computes (pre-norm residual stack, no attention layers):
+
+    h = embed[token]
+    for each GDN layer:  h = h + out_proj( decode_mtp( conv( in_proj( rms_norm(h) ) ) ) )
+    logits = lm_head( rms_norm(h) )
+
+The GDN part of every layer runs batched over all requests and tokens of a step:
+``gdn.causal_conv1d_update`` (conv state with speculative rollback) then ``gdn.decode_mtp`` (gated
+delta rule with one state slot per verify position, gated RMSNorm). Slots come from the metadata
+builder (``gdn.metadata``): one shared plan per step and one pass that fills every group's state
+rows.
+
+The dense layers (in/out projections, norms, lm_head) run batched over all token rows, yet give
+bit-identical results for any batch shape: their arithmetic never rounds (see ``exact_linear``).
+So a verified token and the same token decoded alone produce the same bits, and "speculative ==
+plain" is a check of the GDN kernels and the metadata, not of rounding luck.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+import gdn
+
+NULL_BLOCK = 0  # block 0 of every pool is the null block (vLLM convention): first_valid_slot = 1
+
+
+@dataclass
+class ModelConfig:
+    vocab: int = 256
+    hidden: int = 128
+    layers: int = 4
+    groups: int = 2
+    H: int = 2           # key heads
+    HV: int = 4          # value heads
+    head_dim: int = 32   # K = V
+    conv_width: int = 4
+    layer_strength: float = 0.2  # scale of the GDN layers' residual contribution
+    seed: int = 0
+
+    @property
+    def K(self) -> int:
+        return self.head_dim
+
+    @property
+    def V(self) -> int:
+        return self.head_dim
+
+    @property
+    def conv_dim(self) -> int:  # D = 2*H*K + HV*V
+        return 2 * self.H * self.K + self.HV * self.V
+
+    @property
+    def proj_dim(self) -> int:  # in_proj output: [q|k|v (D) | z (HV*V) | b (HV) | a (HV)]
+        return self.conv_dim + self.HV * self.V + 2 * self.HV
+
+    def group_of(self, layer: int) -> int:
+        return layer % self.groups
+
+    def describe(self) -> str:
+        return (f"vocab {self.vocab}, hidden {self.hidden}, {self.layers} GDN layers (H={self.H}, "
+                f"HV={self.HV}, K=V={self.K}, conv width {self.conv_width}) in {self.groups} "
+                f"KV-cache groups; int8-valued dense weights (exact float64 accumulation), fp32 "
+                f"GDN parameters and state")
+
+    def check(self) -> None:
+        if self.groups < 2 or self.groups > self.layers:
+            raise ValueError(f"groups must be in [2, layers = {self.layers}], got {self.groups}")
+        if self.HV % self.H:
+            raise ValueError(f"value heads HV = {self.HV} must be a multiple of key heads H = {self.H}")
+        for name, v in (("hidden", self.hidden), ("HV * head_dim", self.HV * self.head_dim)):
+            if v > 2 ** 11:
+                raise ValueError(f"{name} = {v} exceeds 2048, the exact-accumulation bound of "
+                                 "the dense layers")
+
+
+# ---- dense arithmetic that does not depend on the batch shape --------------------------------------
+#
+# A GEMM may sum in a different order for a different number of rows. Here no order can matter:
+# inputs are rounded to bf16 (8 significant bits), clamped to |x| <= 255 and flushed to zero below
+# 2^LO; weights are integers in [-127, 127] times 2^-p. Every product is then a multiple of
+# 2^(LO-7-p) below 2^(8+7-p) in magnitude, and any partial sum of K <= 2^MAX_LOG2_K products stays
+# below 2^53 such units: it is exactly representable in float64, so every summation order gives
+# the exact result. Casting that to float32 is deterministic.
+
+_LINEAR_LO = -16   # inputs of a projection: flushed below 2^-16
+_NORM_LO = -6      # inputs of an RMS norm: sum of squares needs 2 * (8 - LO) + log2(K) <= 39
+MAX_LOG2_K = 11    # both bounds hold for K <= 2048
+
+
+def _bounded_bf16(x: torch.Tensor, lo: int) -> torch.Tensor:
+    x = x.clamp(-255.0, 255.0).to(torch.bfloat16).to(torch.float64)
+    return torch.where(x.abs() < 2.0 ** lo, torch.zeros_like(x), x)
+
+
+def exact_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [rows, K] (any float dtype) @ weight [K, out] (float64, int8-valued times 2^-p), exact in
+    float64, returned as float32."""
+    return (_bounded_bf16(x, _LINEAR_LO) @ weight).to(torch.float32)
+
+
+def exact_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMS norm over the last dim with an exact sum of squares (float64 result)."""
+    q = _bounded_bf16(x, _NORM_LO)
+    mean_square = (q * q).sum(-1, keepdim=True) / q.shape[-1]
+    return q * torch.rsqrt(mean_square + eps) * weight
+
+
+def int8_weight(shape, std: float, g: torch.Generator) -> torch.Tensor:
+    """Gaussian weights of standard deviation ~std, stored as int8 values times 2^-p (float64)."""
+    p = math.floor(math.log2(127.0 / (4.0 * std)))
+    w = torch.round(torch.randn(*shape, generator=g) * std * 2.0 ** p).clamp(-127, 127)
+    return (w * 2.0 ** -p).to(torch.float64)
+
+
+class TinyHybridGDN:
+    """Random weights (seeded), on `device`: fp32 embedding, GDN parameters and state; dense
+    projections int8-valued (float64 storage, exact accumulation)."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device):
+        cfg.check()
+        self.cfg = cfg
+        self.device = device
+        g = torch.Generator().manual_seed(cfg.seed)
+
+        def rnd(*shape, scale=1.0):
+            return (scale * torch.randn(*shape, generator=g)).to(device)
+
+        d, D = cfg.hidden, cfg.conv_dim
+        self.embed = rnd(cfg.vocab, d)
+        self.final_norm = torch.ones(d, dtype=torch.float64, device=device)
+        self.lm_head = int8_weight((d, cfg.vocab), d ** -0.5, g).to(device)
+        self.layers = []
+        for _ in range(cfg.layers):
+            self.layers.append(dict(
+                norm=torch.ones(d, dtype=torch.float64, device=device),
+                in_proj=int8_weight((d, cfg.proj_dim), d ** -0.5, g).to(device),
+                conv_w=rnd(D, cfg.conv_width, scale=0.5),
+                # Decay: A = exp(A_log) in [1, 8]; dt_bias around softplus^-1 of small steps.
+                A_log=torch.log(torch.empty(cfg.HV).uniform_(1.0, 8.0, generator=g)).to(device),
+                dt_bias=rnd(cfg.HV, scale=0.5) - 2.0,
+                gnorm=torch.ones(cfg.V, device=device),
+                out_proj=int8_weight((cfg.HV * cfg.V, d),
+                                     cfg.layer_strength * (cfg.HV * cfg.V) ** -0.5, g).to(device),
+            ))
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return exact_linear(exact_rms_norm(h, self.final_norm), self.lm_head)
+
+    def draft_next(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The drafter: the target's embedding -> final norm -> lm_head path without the GDN
+        layers (a bigram model sharing the target's weights). Cheap and batched; its output only
+        decides how many tokens get accepted, never which tokens are emitted."""
+        return self.logits(self.embed[tokens]).argmax(-1)
+
+
+class GDNCache:
+    """State of one decoding run: per layer an SSM state pool [blocks, HV, V, K] and a conv pool
+    ([blocks, D, W-1+num_spec] or its transpose), per KV-cache group a block table [N, columns].
+    Block 0 is the null block; each group hands every request its own random blocks."""
+
+    def __init__(self, model: TinyHybridGDN, num_requests: int, num_spec: int, conv_layout: str,
+                 seed: int):
+        cfg, dev = model.cfg, model.device
+        self.num_spec, self.S, self.conv_layout = num_spec, num_spec + 1, conv_layout
+        self.num_blocks = 1 + num_requests * self.S
+        lbuf = cfg.conv_width - 1 + num_spec
+        conv_shape = ((self.num_blocks, cfg.conv_dim, lbuf) if conv_layout == "channels_major"
+                      else (self.num_blocks, lbuf, cfg.conv_dim))
+        # Fresh requests start from zero state (no prefix): zero pools.
+        self.ssm = [torch.zeros(self.num_blocks, cfg.HV, cfg.V, cfg.K, device=dev)
+                    for _ in range(cfg.layers)]
+        self.conv = [torch.zeros(*conv_shape, device=dev) for _ in range(cfg.layers)]
+        g = torch.Generator().manual_seed(seed)
+        # Tables wider than S (spare columns), so the builder must pick the right ones.
+        cols = self.S + 2
+        self.block_tables: List[torch.Tensor] = []
+        for _ in range(cfg.groups):
+            ids = torch.randperm(self.num_blocks - 1, generator=g)[: num_requests * self.S] + 1
+            table = torch.full((num_requests, cols), -1, dtype=torch.int32)
+            table[:, : self.S] = ids.view(num_requests, self.S).to(torch.int32)
+            self.block_tables.append(table.to(dev))
+
+
+class Timer:
+    """Time per category. Host regions use wall time; with `device_events` the GDN kernels are
+    bracketed with CUDA events (resolved lazily), so their share is device time."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.totals: Dict[str, float] = defaultdict(float)
+        self._pending = []
+
+    @contextmanager
+    def host(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.totals[name] += time.perf_counter() - t0
+
+    @contextmanager
+    def kernel(self, name: str):
+        if not self.cuda:
+            with self.host(name):
+                yield
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        try:
+            yield
+        finally:
+            end.record()
+            self._pending.append((name, start, end))
+
+    def add_event_pairs(self, pairs) -> None:
+        self._pending.extend(pairs)
+
+    def resolve(self) -> None:
+        if self._pending:
+            torch.cuda.synchronize()
+            for name, start, end in self._pending:
+                self.totals[name] += start.elapsed_time(end) / 1000.0
+            self._pending.clear()
+
+
+@dataclass
+class StepSlots:
+    """Where a step's GDN kernels read and write, per group (device views into the metadata
+    builder's persistent buffers)."""
+    cu_seqlens: torch.Tensor                     # [R + 1] token offsets of the rows
+    state_indices: List[torch.Tensor]            # per group [R, S] (decode_mtp)
+    conv_indices: List[torch.Tensor]             # per group [R] (column 0 of state_indices)
+    num_accepted_tokens: Optional[torch.Tensor]  # [R] or None (all 1)
+
+
+class DecodePath:
+    """Runs token rows through the model with persistent buffers (stable addresses, so the
+    verify step can be captured in a CUDA graph)."""
+
+    def __init__(self, model: TinyHybridGDN, cache: GDNCache, max_rows: int):
+        cfg, dev = model.cfg, model.device
+        self.model, self.cache, self.max_rows = model, cache, max_rows
+        self.tokens = torch.zeros(max_rows, dtype=torch.long, device=dev)
+        self.h = torch.zeros(max_rows, cfg.hidden, device=dev)
+        self.proj = torch.zeros(max_rows, cfg.proj_dim, device=dev)
+        self.core = torch.zeros(max_rows, cfg.HV, cfg.V, device=dev)
+        self.pred = torch.zeros(max_rows, dtype=torch.long, device=dev)
+        self.error_count = (torch.zeros(1, dtype=torch.int32, device=dev)
+                            if dev.type == "cuda" else None)
+
+    def forward(self, rows: int, slots: StepSlots, timer: Timer, event_log=None) -> None:
+        """Target forward over token rows [0, rows) of self.tokens; writes self.pred[:rows]
+        (greedy next token after each row). `event_log`, when given, receives (name, start, end)
+        CUDA events instead of `timer` (used while capturing a graph)."""
+        m, cfg = self.model, self.model.cfg
+        D, HVV = cfg.conv_dim, cfg.HV * cfg.V
+        h = self.h[:rows]
+        torch.index_select(m.embed, 0, self.tokens[:rows], out=h)
+        for li, layer in enumerate(m.layers):
+            g = cfg.group_of(li)
+            proj = self.proj[:rows]
+            proj.copy_(exact_linear(exact_rms_norm(h, layer["norm"]), layer["in_proj"]))
+            mixed_qkv = proj[:, :D]
+            z = proj[:, D:D + HVV].unflatten(1, (cfg.HV, cfg.V))
+            b = proj[:, D + HVV:D + HVV + cfg.HV]
+            a = proj[:, D + HVV + cfg.HV:]
+            with self._region(timer, event_log, "conv"):
+                # In place: the post-conv activations overwrite the raw q|k|v columns.
+                gdn.causal_conv1d_update(
+                    mixed_qkv, layer["conv_w"], self.cache.conv[li], slots.conv_indices[g],
+                    slots.cu_seqlens, mixed_qkv, num_accepted_tokens=slots.num_accepted_tokens,
+                    state_layout=self.cache.conv_layout, first_valid_slot=NULL_BLOCK + 1,
+                    error_count=self.error_count)
+            with self._region(timer, event_log, "decode_mtp"):
+                gdn.decode_mtp(
+                    mixed_qkv, a, b, layer["A_log"], layer["dt_bias"], self.cache.ssm[li],
+                    slots.state_indices[g], slots.cu_seqlens, self.core[:rows], z=z,
+                    norm_weight=layer["gnorm"], num_accepted_tokens=slots.num_accepted_tokens,
+                    first_valid_slot=NULL_BLOCK + 1, error_count=self.error_count)
+            h.add_(exact_linear(self.core[:rows].view(rows, HVV), layer["out_proj"]))
+        torch.argmax(m.logits(h), dim=-1, out=self.pred[:rows])
+
+    @staticmethod
+    @contextmanager
+    def _region(timer: Optional[Timer], event_log, name: str):
+        if event_log is None:
+            if timer is None:  # not timed (a graph capture without event support)
+                yield
+                return
+            with timer.kernel(name):
+                yield
+            return
+        start = torch.cuda.Event(enable_timing=True, external=True)
+        end = torch.cuda.Event(enable_timing=True, external=True)
+        start.record()
+        yield
+        end.record()
+        event_log.append((name, start, end))
+
+    def check_device_errors(self) -> None:
+        if self.error_count is not None and int(self.error_count.item()) != 0:
+            raise RuntimeError(f"GDN kernels reported {int(self.error_count.item())} invalid rows")
+
+
+def tokens_per_second(tokens: int, seconds: float) -> str:
+    return f"{tokens / seconds:,.0f} tok/s" if seconds > 0 else "n/a"
+
+
+def fmt_seconds(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+__all__ = ["ModelConfig", "TinyHybridGDN", "exact_linear", "exact_rms_norm", "GDNCache", "Timer", "StepSlots", "DecodePath",
+           "NULL_BLOCK", "tokens_per_second", "fmt_seconds"]

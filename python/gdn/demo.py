@@ -1,0 +1,529 @@
+"""python -m gdn demo: speculative decoding with a tiny hybrid GDN language model, checked token for
+token against plain greedy decoding of the same model.
+
+A batch of requests with different prompt lengths is decoded twice with the same random-weight
+model (vocab, embedding, a stack of GDN layers split into KV-cache groups, final norm, lm_head):
+
+1. plain greedy decoding: every step feeds one token per request (T = 1);
+2. MTP-style speculation: a cheap drafter proposes num_spec tokens per request, the target verifies
+   T = num_spec + 1 tokens per request in one step, and greedy acceptance keeps the drafts that
+   match the target's own choices plus one token from the target.
+
+Prompts are prefilled through the same decode path, one token per step. Every step builds its
+metadata with gdn.metadata (one shared plan + one pass filling all groups' state rows) and runs,
+in every GDN layer, gdn.causal_conv1d_update and gdn.decode_mtp over all requests at once.
+The demo prints PASS when every request's generated tokens are identical in both runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+EPILOG = """\
+what is compared:
+  Both runs use the same model and weights. Greedy speculative decoding emits exactly the tokens
+  plain greedy decoding emits, as long as a verified token is computed exactly as it would be
+  when decoded alone: decode_mtp writes the state after every verify position and the conv
+  update keeps the raw inputs so the next step continues from the accepted prefix (bit for bit
+  on the CPU with fp32 state). The check is strict: token for token, every request.
+
+time breakdown:
+  metadata   host time of gdn.metadata's step (plan + state rows of all groups, one pass/launch)
+  conv       gdn.causal_conv1d_update (all layers)       } CPU: wall time; CUDA: device time
+  decode_mtp gdn.decode_mtp (all layers)                 } (CUDA events, also inside graphs)
+  rest       everything else: the dense layers, the drafter, acceptance, host/device copies.
+             The dense layers use int8-valued weights, bf16-valued inputs and float64
+             accumulation that never rounds, so batched GEMMs give the same bits for any
+             batch shape and both runs do identical arithmetic
+
+examples:
+  python -m gdn demo                          # CPU, default sizes, under a minute on 2 cores
+  python -m gdn demo --device cuda --graphs   # GPU, verify step replayed from a CUDA graph
+  python -m gdn demo --requests 16 --num-spec 2 --new-tokens 96
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m gdn demo", description=__doc__, epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    run = p.add_argument_group("run")
+    run.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                     help="where the model and the GDN kernels run (default: cpu). cuda needs a "
+                          "CUDA build of gdn and a GPU; its decode_mtp kernel needs head dim 128")
+    run.add_argument("--graphs", action="store_true",
+                     help="(cuda) capture the target's verify step once in a CUDA graph and "
+                          "replay it every step; metadata is built before each replay into the "
+                          "builder's persistent buffers the graph reads")
+    run.add_argument("--seed", type=int, default=0,
+                     help="seed of the weights, the prompts and the block tables (default: 0)")
+    run.add_argument("--no-progress", action="store_true",
+                     help="do not draw the progress bars")
+    work = p.add_argument_group("workload")
+    work.add_argument("--requests", type=int, default=8,
+                      help="requests decoded together in one batch (default: 8)")
+    work.add_argument("--min-prompt", type=int, default=4,
+                      help="shortest prompt, in tokens (default: 4)")
+    work.add_argument("--max-prompt", type=int, default=24,
+                      help="longest prompt, in tokens; prompt lengths are spread over "
+                           "[min, max] (default: 24)")
+    work.add_argument("--new-tokens", type=int, default=64,
+                      help="tokens generated per request (default: 64)")
+    work.add_argument("--num-spec", type=int, default=3,
+                      help="draft tokens proposed per request and step; the target verifies "
+                           "T = num_spec + 1 tokens per request (default: 3)")
+    model = p.add_argument_group("model")
+    model.add_argument("--vocab", type=int, default=256, help="vocabulary size (default: 256)")
+    model.add_argument("--hidden", type=int, default=128,
+                       help="residual width, at most 2048 (default: 128)")
+    model.add_argument("--layers", type=int, default=4, help="GDN layers (default: 4)")
+    model.add_argument("--groups", type=int, default=2,
+                       help="KV-cache groups the layers are split into (layer l -> group l %% G), "
+                            "each with its own state pools and block table; >= 2 (default: 2)")
+    model.add_argument("--heads", type=int, default=2, help="key heads H (default: 2)")
+    model.add_argument("--value-heads", type=int, default=4,
+                       help="value heads HV, a multiple of H (default: 4, ratio 2)")
+    model.add_argument("--head-dim", type=int, default=None,
+                       help="K = V per head (default: 32 on cpu, 128 on cuda, which its "
+                            "decode_mtp kernel needs)")
+    model.add_argument("--layer-strength", type=float, default=0.2,
+                       help="scale of the GDN layers' residual contribution; the drafter skips "
+                            "the layers, so a smaller value means more accepted drafts "
+                            "(default: 0.2)")
+    model.add_argument("--conv-layout", choices=["channels_major", "tokens_major"],
+                       default="channels_major",
+                       help="conv state buffer layout: [slots, D, W-1+num_spec] or "
+                            "[slots, W-1+num_spec, D] (default: channels_major)")
+    return p
+
+
+# ---- progress -------------------------------------------------------------------------------------
+
+
+class Progress:
+    """A one-line progress bar on stderr (redrawn at most 10 times a second)."""
+
+    def __init__(self, label: str, total: int, enabled: bool):
+        self.label, self.total, self.enabled = label, max(total, 1), enabled
+        self.done, self._last = 0, 0.0
+        self._tty = sys.stderr.isatty()
+
+    def update(self, done: int, force: bool = False) -> None:
+        self.done = min(done, self.total)
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if not force and now - self._last < 0.1:
+            return
+        self._last = now
+        width = 30
+        filled = int(width * self.done / self.total)
+        bar = "#" * filled + "-" * (width - filled)
+        line = f"{self.label:<13} [{bar}] {self.done}/{self.total} tokens"
+        if self._tty:
+            sys.stderr.write("\r" + line)
+            sys.stderr.flush()
+        elif force:  # not a terminal: only the final state, once
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled and self._tty:
+            self.update(self.done, force=True)
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+        elif self.enabled:
+            self.update(self.done, force=True)
+
+
+# ---- one decoding run -----------------------------------------------------------------------------
+
+
+@dataclass
+class RunStats:
+    prefill_steps: int = 0
+    prefill_seconds: float = 0.0
+    decode_steps: int = 0
+    decode_seconds: float = 0.0
+    decode_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    breakdown: Dict[str, float] = field(default_factory=dict)
+
+
+class Engine:
+    """One decoding run: its own caches, metadata builder and decode path."""
+
+    def __init__(self, model, num_requests: int, num_spec: int, conv_layout: str, seed: int):
+        import torch
+
+        import gdn
+        from gdn._demo_model import NULL_BLOCK, DecodePath, GDNCache
+
+        self.torch = torch
+        self.model, self.N, self.num_spec, self.T = model, num_requests, num_spec, num_spec + 1
+        self.cache = GDNCache(model, num_requests, num_spec, conv_layout, seed)
+        self.max_tokens = num_requests * self.T
+        # The metadata builder: persistent buffers for all groups, one plan + one pass per step.
+        self.builder = gdn.metadata.Builder(
+            self.cache.block_tables, num_spec=num_spec, max_rows=num_requests,
+            max_tokens=self.max_tokens, pad_id=NULL_BLOCK)
+        self.path = DecodePath(model, self.cache, self.max_tokens)
+        self.graph = None
+        self.graph_events: List = []
+        self.graph_slots = None
+
+    def _host(self, values) -> np.ndarray:
+        return np.asarray(values, dtype=np.int32)
+
+    def non_spec_step(self, feed: Sequence[Optional[int]], context: Sequence[int], timer):
+        """One step of T = 1 rows: request i feeds token feed[i] (None: a zero-length row).
+        Returns the greedy next token of every request that fed one (None elsewhere)."""
+        from gdn._demo_model import StepSlots
+
+        torch = self.torch
+        T = [0 if t is None else 1 for t in feed]
+        qsl = self._host(np.concatenate([[0], np.cumsum(T)]))
+        with timer.host("metadata"):
+            md = self.builder.step(qsl, self._host(np.add(context, T)),
+                                   num_computed_tokens=self._host(context))
+        rows = int(qsl[-1])
+        if rows == 0:
+            return [None] * len(feed)
+        active = [t for t in feed if t is not None]
+        self.path.tokens[:rows].copy_(torch.tensor(active, dtype=torch.long))
+        G = self.model.cfg.groups
+        # All rows are non-spec rows here: row j of the non-spec fields is request j.
+        slots = StepSlots(
+            cu_seqlens=md.non_spec_query_start_loc,
+            state_indices=[md.non_spec_state_indices[g].unsqueeze(1) for g in range(G)],
+            conv_indices=[md.non_spec_state_indices[g] for g in range(G)],
+            num_accepted_tokens=None)
+        self.path.forward(rows, slots, timer)
+        pred = self.path.pred[:rows].tolist()
+        out, k = [], 0
+        for t in feed:
+            out.append(None if t is None else pred[k])
+            k += t is not None
+        return out
+
+    def _spec_slots(self, md):
+        from gdn._demo_model import StepSlots
+
+        G = self.model.cfg.groups
+        return StepSlots(
+            cu_seqlens=md.spec_query_start_loc,
+            state_indices=[md.spec_state_indices[g] for g in range(G)],
+            conv_indices=[md.spec_state_indices[g][:, 0] for g in range(G)],  # conv slot: column 0
+            num_accepted_tokens=md.spec_num_accepted)
+
+    def verify_step(self, live: List[int], tokens, acc: np.ndarray, context: np.ndarray, timer):
+        """One verify step: live requests (indices, in order) each verify T tokens (`tokens`
+        [len(live), T] on the device: last token + drafts). Returns the target's greedy choice
+        after every verified position, [len(live), T] on the host."""
+        torch = self.torch
+        N, T = self.N, self.T
+        is_live = np.zeros(N, bool)
+        is_live[live] = True
+        q = np.where(is_live, T, 0)
+        qsl = self._host(np.concatenate([[0], np.cumsum(q)]))
+        with timer.host("metadata"):
+            # Padded to the full batch, so every step has the same shapes (what a graph needs).
+            md = self.builder.step(
+                qsl, self._host(context + q), num_draft_tokens=self._host(np.where(is_live, self.num_spec, -1)),
+                num_accepted_tokens=self._host(np.where(is_live, acc, 1)),
+                num_computed_tokens=self._host(context), padded_rows=N)
+        # Spec row j is the j-th live request; its tokens are rows j*T .. j*T+T-1 (finished
+        # requests are zero-length rows, so the spec token order is the step's token order).
+        assert md.num_spec_decodes == len(live) and md.num_spec_decode_tokens == len(live) * T
+        assert list(md.host.spec_request_index[: len(live)].tolist()) == list(live)
+        rows = len(live) * T
+        self.path.tokens[:rows].copy_(tokens.reshape(-1))
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.path.forward(rows, self._spec_slots(md), timer)
+        pred = self.path.pred[:rows].view(len(live), T).cpu().numpy()
+        if self.graph is not None:
+            for name, start, end in self.graph_events:  # events recorded inside the graph
+                timer.totals[name] += start.elapsed_time(end) / 1000.0
+        return pred
+
+    def capture_verify_graph(self, context: np.ndarray) -> str:
+        """Captures the target's verify forward over the full padded batch in a CUDA graph. The
+        capture-time metadata has no live rows (every row padded, nothing to read or write), so
+        the warm-up run leaves the caches untouched. Returns how the verify step is timed."""
+        from gdn._demo_model import Timer
+
+        torch = self.torch
+        N, T = self.N, self.T
+        md = self.builder.step(self._host(np.zeros(N + 1)), self._host(context),
+                               num_draft_tokens=self._host(np.full(N, -1)),
+                               num_computed_tokens=self._host(context), padded_rows=N)
+        slots = self._spec_slots(md)  # full-capacity views: the same addresses every step
+        assert int(slots.cu_seqlens.numel()) == N + 1
+        rows = N * T
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.path.forward(rows, slots, Timer(torch.device("cuda")))
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        for timed in (True, False):
+            try:
+                graph, events = torch.cuda.CUDAGraph(), []
+                with torch.cuda.graph(graph):
+                    self.path.forward(rows, slots, None, event_log=events if timed else None)
+                self.graph, self.graph_events = graph, events
+                return ("kernel times from CUDA events inside the graph" if timed else
+                        "kernel times unavailable inside the graph (counted in 'rest')")
+            except (RuntimeError, TypeError):
+                if not timed:
+                    raise
+                torch.cuda.synchronize()
+        return ""
+
+
+def prefill(engine: Engine, prompts: List[List[int]], timer, stats: RunStats, progress) -> List[int]:
+    """Runs every prompt through the decode path, one token per step. Returns each request's
+    first generated token (the greedy choice after its last prompt token)."""
+    first: List[Optional[int]] = [None] * len(prompts)
+    t0 = time.perf_counter()
+    for s in range(max(len(p) for p in prompts)):
+        feed = [p[s] if s < len(p) else None for p in prompts]
+        context = [min(s, len(p)) for p in prompts]
+        pred = engine.non_spec_step(feed, context, timer)
+        for i, p in enumerate(prompts):
+            if s == len(p) - 1:
+                first[i] = pred[i]
+        stats.prefill_steps += 1
+    progress.update(len(prompts))
+    stats.prefill_seconds = time.perf_counter() - t0
+    return [int(t) for t in first]
+
+
+def run_plain(model, prompts, new_tokens, args, progress) -> Tuple[List[List[int]], RunStats]:
+    from gdn._demo_model import Timer
+
+    stats = RunStats()
+    engine = Engine(model, len(prompts), 0, args.conv_layout, args.seed + 1)  # T = 1 pools
+    timer = Timer(model.device)
+    out = [[t] for t in prefill(engine, prompts, timer, stats, progress)]
+    _sync(model)
+    timer = Timer(model.device)
+    t0 = time.perf_counter()
+    while True:
+        feed = [o[-1] if len(o) < new_tokens else None for o in out]
+        if all(f is None for f in feed):
+            break
+        context = [len(p) + len(o) - 1 for p, o in zip(prompts, out)]
+        pred = engine.non_spec_step(feed, context, timer)
+        for o, t in zip(out, pred):
+            if t is not None:
+                o.append(int(t))
+        stats.decode_steps += 1
+        progress.update(sum(len(o) for o in out))
+    _sync(model)
+    stats.decode_seconds = time.perf_counter() - t0
+    stats.decode_tokens = sum(len(o) - 1 for o in out)
+    engine.path.check_device_errors()
+    timer.resolve()
+    stats.breakdown = dict(timer.totals)
+    return out, stats
+
+
+def run_speculative(model, prompts, new_tokens, args, progress) -> Tuple[List[List[int]], RunStats, str]:
+    import torch
+
+    from gdn._demo_model import Timer
+
+    stats = RunStats()
+    N, ns = len(prompts), args.num_spec
+    engine = Engine(model, N, ns, args.conv_layout, args.seed + 2)
+    timer = Timer(model.device)
+    out = [[t] for t in prefill(engine, prompts, timer, stats, progress)]
+    graph_note = ""
+    context = np.array([len(p) + len(o) - 1 for p, o in zip(prompts, out)], np.int64)
+    if args.graphs:
+        graph_note = engine.capture_verify_graph(context)
+    _sync(model)
+    timer = Timer(model.device)
+    acc = np.ones(N, np.int64)  # after prefill every request continues from column 0
+    t0 = time.perf_counter()
+    while True:
+        live = [i for i in range(N) if len(out[i]) < new_tokens]
+        if not live:
+            break
+        with timer.host("drafter"):
+            last = torch.tensor([out[i][-1] for i in live], dtype=torch.long, device=model.device)
+            tokens = torch.empty(len(live), ns + 1, dtype=torch.long, device=model.device)
+            tokens[:, 0] = last
+            for j in range(ns):
+                tokens[:, j + 1] = model.draft_next(tokens[:, j])
+        pred = engine.verify_step(live, tokens, acc, context, timer)
+        with timer.host("acceptance"):
+            drafts = tokens[:, 1:].cpu().numpy()
+            for k, i in enumerate(live):
+                n = 0
+                while n < ns and drafts[k, n] == pred[k, n]:
+                    n += 1
+                emitted = [int(t) for t in drafts[k, :n]] + [int(pred[k, n])]
+                out[i].extend(emitted[: new_tokens - len(out[i])])
+                stats.drafted += ns
+                stats.accepted += n
+                acc[i] = n + 1
+                context[i] += n + 1
+        stats.decode_steps += 1
+        progress.update(sum(len(o) for o in out))
+    _sync(model)
+    stats.decode_seconds = time.perf_counter() - t0
+    stats.decode_tokens = sum(len(o) - 1 for o in out)
+    engine.path.check_device_errors()
+    timer.resolve()
+    stats.breakdown = dict(timer.totals)
+    return out, stats, graph_note
+
+
+def _sync(model) -> None:
+    if model.device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> List[List[int]]:
+    rng = np.random.default_rng(seed)
+    lengths = np.linspace(lo, hi, n).round().astype(int) if n > 1 else np.array([hi])
+    rng.shuffle(lengths)
+    return [rng.integers(0, vocab, size=int(L)).tolist() for L in lengths]
+
+
+def breakdown_line(stats: RunStats) -> str:
+    total = stats.decode_seconds
+    b = stats.breakdown
+    parts = [(name, b.get(name, 0.0)) for name in ("metadata", "conv", "decode_mtp")]
+    rest = max(total - sum(v for _, v in parts), 0.0)
+    line = " | ".join(f"{name} {100 * v / total:.1f} %" for name, v in parts)
+    extra = [(n, b[n]) for n in ("drafter", "acceptance") if n in b]
+    inside = ", ".join(f"{n} {100 * v / total:.1f} %" for n, v in extra)
+    return f"{line} | rest {100 * rest / total:.1f} %" + (
+        f" (dense layers and copies; of which {inside})" if inside else " (dense layers and copies)")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(list(argv) if argv is not None else None)
+    try:
+        import torch
+    except ImportError:
+        print("python -m gdn demo needs torch (pip install torch)", file=sys.stderr)
+        return 2
+    import gdn
+    from gdn._demo_model import ModelConfig, TinyHybridGDN, fmt_seconds, tokens_per_second
+
+    if args.device == "cuda":
+        if not (torch.cuda.is_available() and gdn._C.built_with_cuda and gdn.cuda_device_count() > 0):
+            print("--device cuda needs a GPU and a CUDA build of gdn "
+                  f"(torch sees {torch.cuda.device_count() if torch.cuda.is_available() else 0} "
+                  f"GPUs; gdn built with CUDA: {gdn._C.built_with_cuda})", file=sys.stderr)
+            return 2
+        ok, why = gdn.cuda_kernels_available(torch.cuda.current_device())
+        if not ok:
+            print(f"--device cuda: {why}", file=sys.stderr)
+            return 2
+    elif args.graphs:
+        print("--graphs needs --device cuda", file=sys.stderr)
+        return 2
+    if args.min_prompt < 1 or args.max_prompt < args.min_prompt:
+        print("need 1 <= --min-prompt <= --max-prompt", file=sys.stderr)
+        return 2
+    if args.new_tokens < 1 or args.requests < 1 or args.num_spec < 1:
+        print("--new-tokens, --requests and --num-spec must be >= 1", file=sys.stderr)
+        return 2
+    head_dim = args.head_dim or (128 if args.device == "cuda" else 32)
+    cfg = ModelConfig(vocab=args.vocab, hidden=args.hidden, layers=args.layers, groups=args.groups,
+                      H=args.heads, HV=args.value_heads, head_dim=head_dim,
+                      layer_strength=args.layer_strength, seed=args.seed)
+    device = torch.device(args.device)
+    try:
+        model = TinyHybridGDN(cfg, device)
+    except ValueError as e:
+        print(f"invalid model: {e}", file=sys.stderr)
+        return 2
+    if args.device == "cuda":
+        path, why = gdn.can_use_decode_mtp("cuda", H=cfg.H, HV=cfg.HV, K=cfg.K, V=cfg.V,
+                                           S=args.num_spec + 1)
+        if path == "unsupported":
+            print(f"decode_mtp cannot run this model on CUDA: {why}", file=sys.stderr)
+            return 2
+    prompts = make_prompts(args.requests, args.min_prompt, args.max_prompt, cfg.vocab, args.seed)
+    new = args.new_tokens
+    T = args.num_spec + 1
+
+    where = (f"cuda ({torch.cuda.get_device_name(device)}), CUDA graphs {'on' if args.graphs else 'off'}"
+             if args.device == "cuda" else f"cpu ({torch.get_num_threads()} threads)")
+    print("gdn demo: speculative decoding with a tiny hybrid GDN language model (random weights)")
+    print(f"  device      : {where}")
+    print(f"  model       : {cfg.describe()}")
+    print(f"  batch       : {args.requests} requests, prompts {min(map(len, prompts))}.."
+          f"{max(map(len, prompts))} tokens (prefilled through the decode path, T = 1), "
+          f"{new} new tokens each, greedy")
+    print(f"  speculation : drafter = the target's embedding -> lm_head path without the GDN "
+          f"layers; num_spec {args.num_spec}, T = {T} tokens verified per request and step")
+    print(f"  per step    : gdn.metadata (1 plan + 1 state-row pass for {cfg.groups} groups), then per "
+          f"layer gdn.causal_conv1d_update ({args.conv_layout}) + gdn.decode_mtp over all requests")
+    sys.stdout.flush()
+
+    show = not args.no_progress
+    total = args.requests * new
+    bar = Progress("plain greedy", total, show)
+    plain, ps = run_plain(model, prompts, new, args, bar)
+    bar.close()
+    bar = Progress("speculative", total, show)
+    spec, ss, graph_note = run_speculative(model, prompts, new, args, bar)
+    bar.close()
+
+    mismatches = []
+    for i, (a, b) in enumerate(zip(plain, spec)):
+        if a != b:
+            k = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            mismatches.append(f"request {i}: first difference at generated token {k} "
+                              f"(plain {a[k:k + 4]}, speculative {b[k:k + 4]})")
+
+    print()
+    print(f"plain greedy : prefill {ps.prefill_steps} steps ({fmt_seconds(ps.prefill_seconds)}); "
+          f"decode {ps.decode_steps} steps, {ps.decode_tokens} tokens in "
+          f"{fmt_seconds(ps.decode_seconds)} = {tokens_per_second(ps.decode_tokens, ps.decode_seconds)}")
+    speedup = (ss.decode_tokens / ss.decode_seconds) / (ps.decode_tokens / ps.decode_seconds) \
+        if ss.decode_seconds > 0 and ps.decode_seconds > 0 else float("nan")
+    print(f"speculative  : prefill {ss.prefill_steps} steps ({fmt_seconds(ss.prefill_seconds)}); "
+          f"decode {ss.decode_steps} verify steps, {ss.decode_tokens} tokens in "
+          f"{fmt_seconds(ss.decode_seconds)} = {tokens_per_second(ss.decode_tokens, ss.decode_seconds)}"
+          f" ({speedup:.2f}x plain)")
+    rate = ss.accepted / ss.drafted if ss.drafted else 0.0
+    print(f"acceptance   : {ss.accepted} of {ss.drafted} drafts accepted ({100 * rate:.1f} %); "
+          f"{1 + ss.accepted / max(ss.drafted / args.num_spec, 1):.2f} tokens per request per "
+          f"verify step (at most {T})")
+    print(f"time, speculative decode: {breakdown_line(ss)}")
+    if graph_note:
+        print(f"              ({graph_note})")
+    print(f"time, plain decode      : {breakdown_line(ps)}")
+    if mismatches:
+        print(f"check: {len(mismatches)} of {args.requests} requests differ from plain greedy decoding:")
+        for m in mismatches:
+            print("  " + m)
+        print("FAIL (speculative != plain decoding)")
+        return 1
+    print(f"check: all {args.requests} requests generated exactly the plain greedy tokens "
+          f"({sum(len(s) for s in spec)} tokens compared, token for token)")
+    print("PASS (speculative == plain decoding)")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
