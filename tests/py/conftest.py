@@ -6,12 +6,12 @@ import os
 import zlib
 
 import pytest
-import torch
 
 
 @pytest.fixture
-def gen(request) -> torch.Generator:
+def gen(request):
     """A torch.Generator seeded from the test id (XOR GDN_TEST_SEED, default 0): fresh data for
     every test, reproducible run to run; set GDN_TEST_SEED to draw other data."""
+    torch = pytest.importorskip("torch")
     seed = zlib.crc32(request.node.nodeid.encode()) ^ int(os.environ.get("GDN_TEST_SEED", "0"))
     return torch.Generator().manual_seed(seed)

@@ -30,7 +30,7 @@ class RefResult:
     out: torch.Tensor                 # [L, HV, V] float64, NaN on rows no request covers
     pool: torch.Tensor                # the state pool after the call, float64, caller's layout
     written: Dict[int, Tuple[int, int]]  # slot -> (request, token) that wrote it last
-    states: Dict[Tuple[int, int], torch.Tensor]  # (request, token) -> state after it, caller's layout
+    states: Dict[Tuple[int, int], torch.Tensor]  # (request, token) -> state after it
 
 
 def decode_mtp_ref(mixed_qkv, a, b, A_log, dt_bias, state, state_indices, cu_seqlens, *, z=None,
@@ -85,7 +85,8 @@ def decode_mtp_ref(mixed_qkv, a, b, A_log, dt_bias, state, state_indices, cu_seq
         beta = torch.sigmoid(B_[rows])
         Mt = torch.stack([M[i] for i in reqs])                            # [n, HV, K, V]
         P = eye - beta[..., None, None] * k[..., :, None] * k[..., None, :]  # I - beta k k^T
-        Mt = alpha[..., None, None] * (P @ Mt) + beta[..., None, None] * k[..., :, None] * v[..., None, :]
+        write = beta[..., None, None] * k[..., :, None] * v[..., None, :]  # beta k v^T
+        Mt = alpha[..., None, None] * (P @ Mt) + write
         o = (Mt * q[..., :, None]).sum(-2)                                # o = M^T q, [n, HV, V]
         if w is not None:
             o = o * torch.rsqrt((o * o).mean(-1, keepdim=True) + norm_eps) * w
@@ -127,7 +128,8 @@ def assert_rounded_state(got: torch.Tensor, ref64: torch.Tensor, what: str) -> N
     # elements that are small through cancellation.
     allowed = _ULP[dtype] * ref64.abs() + 1e-5 * ref64.pow(2).mean().sqrt()
     worst = ((g - wv).abs() / allowed).max().item()
-    assert same >= 0.99, f"{what}: only {same:.4f} of the stored {dtype} values equal RNE(reference)"
+    assert same >= 0.99, \
+        f"{what}: only {same:.4f} of the stored {dtype} values equal RNE(reference)"
     assert worst <= 1.0, f"{what}: a stored {dtype} state element is more than one ulp off"
 
 
@@ -139,7 +141,7 @@ PARAM = ("A_log", "dt_bias", "norm_weight")
 
 @dataclasses.dataclass
 class Case:
-    """One decode_mtp call: tensors (possibly strided views) plus the backing buffers they live in."""
+    """One decode_mtp call: tensors (possibly strided views) and the buffers they live in."""
 
     mixed_qkv: torch.Tensor
     a: torch.Tensor
@@ -196,16 +198,17 @@ def make_case(gen: torch.Generator, *, H: int = 1, HV: int = 2, K: int = 32, V: 
               norm: str = "zw", index_dtypes=(torch.int32, torch.int32, torch.int32),
               first_valid_slot: int = 0, strided: bool = False, null_dests: bool = True,
               extra_rows: int = 0, first_row: int = 0, spare_slots: int = 3,
-              use_acc: bool = True, padded_ids: str = "null", scale=None, l2_eps: float = 1e-6, norm_eps: float = 1e-6,
+              use_acc: bool = True, padded_ids: str = "null", scale=None,
+              l2_eps: float = 1e-6, norm_eps: float = 1e-6,
               state_std: float = 0.3, A_log_range=(-2.5, 1.0), a_mean: float = 0.0,
               qk_scale: float = 1.0) -> Case:
     """A random, valid call. `T` lists the tokens of every request (0 = padded row); `acc` its
     num_accepted_tokens (random in 1..S when None); padded rows get null slot ids, or with
-    `padded_ids="valid"` slots of their own that must stay untouched. `norm`: "zw" (z and norm weight), "w" (norm
-    weight only) or "none". `strided` builds every argument that may be strided as a view: mixed_qkv
-    a column slice of a wider tensor, a and b halves of one [L, 2HV] tensor, z with padded row and
-    head strides, the state a slot-padded view of a bigger pool, out an offset view with guard
-    rows."""
+    `padded_ids="valid"` slots of their own that must stay untouched. `norm`: "zw" (z and norm
+    weight), "w" (norm weight only) or "none". `strided` builds every argument that may be strided
+    as a view: mixed_qkv a column slice of a wider tensor, a and b halves of one [L, 2HV] tensor,
+    z with padded row and head strides, the state a slot-padded view of a bigger pool, out an
+    offset view with guard rows."""
     dt = {name: act for name in ACT}
     dt.update({name: torch.float32 for name in PARAM})
     dt.update(dtypes or {})
@@ -285,15 +288,16 @@ def make_case(gen: torch.Generator, *, H: int = 1, HV: int = 2, K: int = 32, V: 
         pool_buffer=pool_buffer, out_buffer=out_buffer, H=H, T=list(T), acc=acc)
 
 
-def check_case(case: Case, *, out_tol: float, state_tol: float = 1e-5) -> RefResult:
-    """Runs the library on `case` (out poisoned first) and checks it against the reference:
+def check_case(case: Case, *, out_tol: float, state_tol: float = 1e-5, fn=None) -> RefResult:
+    """Runs `fn` (default gdn.decode_mtp) on `case`, out poisoned first, and checks it against the
+    reference:
     every covered output row within `out_tol` rel L2; every written slot within `state_tol` rel L2
     (fp32 state) or one RNE rounding of the reference (16-bit state); every other byte of the pool
     buffer unchanged; nothing outside `out` written."""
     ref = case.reference()
     before = case.pool_buffer.clone()
     case.poison_out()
-    case.run()
+    case.run(fn)
     _compare(case, ref, before, out_tol=out_tol, state_tol=state_tol)
     return ref
 

@@ -12,10 +12,12 @@ import textwrap
 
 import numpy as np
 import pytest
-import torch
 
 import gdn
-from reference_torch import make_case
+
+torch = pytest.importorskip("torch")
+
+from reference_torch import make_case  # noqa: E402 (needs torch)
 
 
 def _python(*code: str, args=(), timeout: float = 120) -> subprocess.CompletedProcess:
@@ -120,7 +122,8 @@ def test_decode_mtp_refuses_non_integral_ratio(gen, H, HV):
     """The function agrees with the guard: the same configurations fail validation."""
     K = V = 8
     case = make_case(gen, H=H, HV=HV, K=K, V=V, S=1, T=(1,), acc=(1,))
-    with pytest.raises(ValueError, match=f"value heads HV = {HV} are not a multiple of key heads H = {H}"):
+    message = f"value heads HV = {HV} are not a multiple of key heads H = {H}"
+    with pytest.raises(ValueError, match=message):
         case.run()
 
 
@@ -134,7 +137,8 @@ def test_guard_rejects_bad_sizes_and_names():
 
 
 def test_guard_cuda():
-    usable = gdn._C.built_with_cuda and gdn.cuda_device_count() > 0 and gdn.cuda_kernels_available(0)[0]
+    usable = (gdn._C.built_with_cuda and gdn.cuda_device_count() > 0
+              and gdn.cuda_kernels_available(0)[0])
     fast = gdn.can_use_decode_mtp("cuda", 16, 48, 128, 128, 4, "bfloat16")
     odd_dim = gdn.can_use_decode_mtp("cuda", 16, 32, 64, 64, 4, "float32")
     deep = gdn.can_use_decode_mtp("cuda", 16, 32, 128, 128, 17, "float32")

@@ -10,11 +10,13 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 import gdn
-from reference_torch import (F64, assert_rounded_state, check_case, decode_mtp_ref, make_case,
-                             rel_l2)
+
+torch = pytest.importorskip("torch")
+
+from reference_torch import (  # noqa: E402 (needs torch)
+    F64, check_case, decode_mtp_ref, make_case, rel_l2)
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32, I64 = torch.int32, torch.int64
@@ -39,12 +41,37 @@ def state_bar(state_dtype) -> float:
 RATIOS = [(2, 2), (2, 4), (2, 6), (1, 4), (1, 8), (2, 10), (1, 6)]
 
 
+@pytest.mark.parametrize("state_dtype", [FP32, BF16, FP16], ids=["state_fp32", "state_bf16",
+                                                                  "state_fp16"])
 @pytest.mark.parametrize("layout", ["vk", "kv"])
 @pytest.mark.parametrize("H,HV", RATIOS, ids=[f"r{hv // h}" for h, hv in RATIOS])
-def test_head_ratios(gen, H, HV, layout):
-    case = make_case(gen, H=H, HV=HV, K=32, V=32, S=4, T=(1, 4, 0, 3, 2), layout=layout)
-    ref = check_case(case, out_tol=FP32_BAR)
+def test_head_ratios(gen, H, HV, layout, state_dtype):
+    # Rotate the activation dtype so that every ratio meets every activation dtype and every
+    # (state, activation) dtype pair occurs.
+    dtypes = [FP32, BF16, FP16]
+    act = dtypes[(HV // H + (layout == "kv") + dtypes.index(state_dtype)) % 3]
+    case = make_case(gen, H=H, HV=HV, K=32, V=32, S=4, T=(1, 4, 0, 3, 2), layout=layout, act=act,
+                     state_dtype=state_dtype)
+    ref = check_case(case, out_tol=out_bar(act), state_tol=state_bar(state_dtype))
     assert len(ref.written) >= 5  # a real workload: several slots written
+
+
+def test_many_requests_and_heads(gen):
+    """Enough (request, head) tasks to spread over every thread."""
+    T = [int(t) for t in torch.randint(0, 5, (24,), generator=gen)]
+    case = make_case(gen, H=4, HV=16, K=32, V=32, S=4, T=T, act=BF16)
+    check_case(case, out_tol=OUT16_BAR)
+
+
+@pytest.mark.parametrize("layout", ["vk", "kv"])
+def test_source_slot_is_also_token_0_destination(gen, layout):
+    """The initial state is read completely before anything is written: with row [s, x, s, y] and
+    acc = 3, token 0 overwrites the source slot s before token 2 needs the rest of the row."""
+    case = make_case(gen, H=1, HV=2, K=32, V=32, S=4, T=(4, 2), acc=(3, 1), layout=layout,
+                     null_dests=False)
+    case.state_indices[0, 0] = case.state_indices[0, 2]
+    ref = check_case(case, out_tol=FP32_BAR)
+    assert ref.written[int(case.state_indices[0, 2])] == (0, 2)
 
 
 @pytest.mark.parametrize("act", [FP32, BF16, FP16], ids=["act_fp32", "act_bf16", "act_fp16"])
@@ -278,7 +305,7 @@ def test_numpy_arrays(gen):
         assert rel_l2(case.state[slot], ref.pool[slot]) <= FP32_BAR
 
 
-# ---- speculative equivalence (decode-mtp.md §6, gdn-math.md §4) ----------------------------------
+# ---- speculative equivalence (decode-mtp.md §6, gdn-math.md §4) -------------------------------
 
 def _one_token_at_a_time(case, i, start):
     """Request i's tokens, one call each (T = 1, S = 1), on a private one-slot pool that starts
@@ -358,12 +385,16 @@ def test_chained_steps_with_random_acceptance_equal_sequential_decoding(gen, lay
             acc[i] = n_acc
 
 
-@pytest.mark.parametrize("layout", ["vk", "kv"])
-@pytest.mark.parametrize("state_dtype", [FP32, BF16, FP16], ids=["fp32", "bf16", "fp16"])
-def test_three_chained_steps_against_float64(gen, state_dtype, layout):
+@pytest.mark.parametrize("state_dtype,layout,K", [
+    (FP32, "vk", 32), (FP32, "kv", 32), (BF16, "vk", 32), (BF16, "kv", 32), (FP16, "vk", 32),
+    (FP16, "kv", 32), (BF16, "vk", 128), (FP16, "kv", 128)],
+    ids=["fp32-vk", "fp32-kv", "bf16-vk", "bf16-kv", "fp16-vk", "fp16-kv", "bf16-vk-128",
+         "fp16-kv-128"])
+def test_three_chained_steps_against_float64(gen, state_dtype, layout, K):
     """Three verify steps with random acceptance, the library storing its state in `state_dtype`,
-    the reference keeping float64 throughout: every state written in the last step within the bar."""
-    H, HV, K, V, S, N = 1, 4, 32, 32, 4, 3
+    the reference keeping float64 throughout: every state written in the last step within the
+    bar."""
+    H, HV, V, S, N = 1, 4 if K < 128 else 2, K, 4, 3
     rng = random.Random(int(torch.randint(0, 2**31, (), generator=gen)))
     case = make_case(gen, H=H, HV=HV, K=K, V=V, S=S, T=(1,) * N, acc=(1,) * N,
                      state_dtype=state_dtype, layout=layout, null_dests=False)

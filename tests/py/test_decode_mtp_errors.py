@@ -11,10 +11,12 @@ import ctypes
 
 import numpy as np
 import pytest
-import torch
 
 import gdn
-from reference_torch import Case, make_case
+
+torch = pytest.importorskip("torch")
+
+from reference_torch import Case, make_case  # noqa: E402 (needs torch)
 
 H, HV, K, V, S = 2, 4, 16, 16, 3
 L = 3 + 2 + 1
@@ -80,8 +82,8 @@ def _opt(**kw):
     return change
 
 
-def _wide(x, cols_extra=3):
-    """x copied into a wider buffer, returned as a view with a non-unit column stride."""
+def _wide(x):
+    """x copied into a buffer twice as wide, returned as a view with column stride 2."""
     buf = torch.empty(x.shape[:-1] + (2 * x.shape[-1],), dtype=x.dtype)
     buf[..., ::2] = x
     return buf[..., ::2]
@@ -97,120 +99,157 @@ def _qkv_width(width):
     return _set("mixed_qkv", lambda c: torch.randn(L, width))
 
 
-ROW_ERRORS = {
-    # (change, expected message)
-    "T_greater_than_S": (_cu([0, 3, 5, 9]), r"request row 2: has T = 4 tokens .* S = 3"),
-    "acc_zero": (_acc([1, 3, 0]), r"request row 2: num_accepted_tokens = 0 is outside \[1, S = 3\]"),
-    "acc_negative": (_acc([1, 3, -1]), r"request row 2: num_accepted_tokens = -1"),
-    "acc_greater_than_S": (_acc([1, 3, 4]), r"request row 2: num_accepted_tokens = 4"),
-    "source_slot_null": (_idx(2, 1, lambda c: -1),
-                         r"request row 2: source slot state_indices\[2, 1\] = -1 is null"),
-    "source_slot_below_first_valid": (  # base case built with first_valid_slot = 1
-        _idx(2, 1, lambda c: 0),
-        r"request row 2: source slot state_indices\[2, 1\] = 0 is null \(below first_valid_slot = 1\)"),
-    "dest_slot_past_pool": (_idx(2, 0, lambda c: c.state.shape[0]),
-                            r"request row 2: state_indices\[2, 0\] = \d+ is >= the pool's slot count"),
-    "unused_column_past_pool": (_idx(2, 2, lambda c: 10**6),
-                                r"request row 2: state_indices\[2, 2\] = 1000000 is >="),
-    "cu_seqlens_not_monotone": (_cu([0, 3, 2, 6]), r"request row 1: cu_seqlens\[1\.\.\] = \(3, 2\)"),
-    "cu_seqlens_negative": (_cu([-1, 3, 5, 6]), r"request row 0: cu_seqlens"),
-    "cu_seqlens_past_L": (_cu([0, 3, 5, 7]), r"cu_seqlens\[N\] = 7 exceeds L = 6"),
-    "cu_seqlens_middle_past_L": (_cu([0, 3, 8, 6]), r"request row 1: cu_seqlens\[1\.\.\] = \(3, 8\)"),
-}
+def _error(name, change, match):
+    return pytest.param(change, match, id=name)
 
 
-@pytest.mark.parametrize("name", list(ROW_ERRORS))
-def test_invalid_row(gen, name):
-    change, match = ROW_ERRORS[name]
+ROW_ERRORS = [
+    _error("T_greater_than_S", _cu([0, 3, 5, 9]),
+           r"request row 2: has T = 4 tokens .* S = 3"),
+    _error("acc_zero", _acc([1, 3, 0]),
+           r"request row 2: num_accepted_tokens = 0 is outside \[1, S = 3\]"),
+    _error("acc_negative", _acc([1, 3, -1]),
+           r"request row 2: num_accepted_tokens = -1"),
+    _error("acc_greater_than_S", _acc([1, 3, 4]),
+           r"request row 2: num_accepted_tokens = 4"),
+    _error("source_slot_null", _idx(2, 1, lambda c: -1),
+           r"request row 2: source slot state_indices\[2, 1\] = -1 is null"),
+    _error("source_slot_below_first_valid", _idx(2, 1, lambda c: 0),  # first_valid_slot = 1
+           r"request row 2: source slot state_indices\[2, 1\] = 0 is null "
+           r"\(below first_valid_slot = 1\)"),
+    _error("dest_slot_past_pool", _idx(2, 0, lambda c: c.state.shape[0]),
+           r"request row 2: state_indices\[2, 0\] = \d+ is >= the pool's slot count"),
+    _error("unused_column_past_pool", _idx(2, 2, lambda c: 10**6),
+           r"request row 2: state_indices\[2, 2\] = 1000000 is >="),
+    _error("cu_seqlens_not_monotone", _cu([0, 3, 2, 6]),
+           r"request row 1: cu_seqlens\[1\.\.\] = \(3, 2\)"),
+    _error("cu_seqlens_negative", _cu([-1, 3, 5, 6]),
+           r"request row 0: cu_seqlens"),
+    _error("cu_seqlens_past_L", _cu([0, 3, 5, 7]),
+           r"cu_seqlens\[N\] = 7 exceeds L = 6"),
+    _error("cu_seqlens_middle_past_L", _cu([0, 3, 8, 6]),
+           r"request row 1: cu_seqlens\[1\.\.\] = \(3, 8\)"),
+]
+
+
+@pytest.mark.parametrize("change,match", ROW_ERRORS)
+def test_invalid_row(gen, request, change, match):
+    name = request.node.callspec.id
     case = base_case(gen, extra_rows=3 if name == "T_greater_than_S" else 0,
                      first_valid_slot=1 if name == "source_slot_below_first_valid" else 0)
     change(case)
     expect_error(case, match)
 
 
-ARGUMENT_ERRORS = {
+ARGUMENT_ERRORS = [
     # dtypes
-    "state_indices_int16": (_set("state_indices", lambda c: c.state_indices.to(torch.int16)),
-                            r"state_indices has an unsupported dtype"),
-    "cu_seqlens_float": (_set("cu_seqlens", lambda c: c.cu_seqlens.float()),
-                         r"cu_seqlens has dtype float32"),
-    "num_accepted_tokens_bool": (_set("num_accepted_tokens", lambda c: torch.ones(3, dtype=torch.bool)),
-                                 r"num_accepted_tokens has dtype bool"),
-    "state_float64": (_set("state", lambda c: c.state.double()), r"state has dtype float64"),
-    "state_uint8": (_set("state", lambda c: c.state.view(torch.uint8)), r"state has an unsupported dtype"),
-    "mixed_qkv_float64": (_set("mixed_qkv", lambda c: c.mixed_qkv.double()), r"mixed_qkv has dtype float64"),
-    "a_int32": (_set("a", lambda c: c.a.int()), r"^a has dtype int32"),
-    "b_float64": (_set("b", lambda c: c.b.double()), r"^b has dtype float64"),
-    "z_float64": (_set("z", lambda c: c.z.double()), r"^z has dtype float64"),
-    "out_float64": (_new_out(lambda c: torch.empty(L, HV, V, dtype=torch.float64)),
-                    r"^out has dtype float64"),
-    "A_log_float64": (_set("A_log", lambda c: c.A_log.double()), r"A_log has dtype float64"),
-    "dt_bias_int64": (_set("dt_bias", lambda c: c.dt_bias.long()), r"dt_bias has dtype int64"),
-    "norm_weight_float64": (_set("norm_weight", lambda c: c.norm_weight.double()),
-                            r"norm_weight has dtype float64"),
+    _error("state_indices_int16", _set("state_indices", lambda c: c.state_indices.short()),
+           r"state_indices has an unsupported dtype"),
+    _error("cu_seqlens_float", _set("cu_seqlens", lambda c: c.cu_seqlens.float()),
+           r"cu_seqlens has dtype float32"),
+    _error("num_accepted_tokens_bool",
+           _set("num_accepted_tokens", lambda c: torch.ones(3, dtype=torch.bool)),
+           r"num_accepted_tokens has dtype bool"),
+    _error("state_float64", _set("state", lambda c: c.state.double()),
+           r"state has dtype float64"),
+    _error("state_uint8", _set("state", lambda c: c.state.view(torch.uint8)),
+           r"state has an unsupported dtype"),
+    _error("mixed_qkv_float64", _set("mixed_qkv", lambda c: c.mixed_qkv.double()),
+           r"mixed_qkv has dtype float64"),
+    _error("a_int32", _set("a", lambda c: c.a.int()), r"^a has dtype int32"),
+    _error("b_float64", _set("b", lambda c: c.b.double()), r"^b has dtype float64"),
+    _error("z_float64", _set("z", lambda c: c.z.double()), r"^z has dtype float64"),
+    _error("out_float64", _new_out(lambda c: torch.empty(L, HV, V, dtype=torch.float64)),
+           r"^out has dtype float64"),
+    _error("A_log_float64", _set("A_log", lambda c: c.A_log.double()),
+           r"A_log has dtype float64"),
+    _error("dt_bias_int64", _set("dt_bias", lambda c: c.dt_bias.long()),
+           r"dt_bias has dtype int64"),
+    _error("norm_weight_float64", _set("norm_weight", lambda c: c.norm_weight.double()),
+           r"norm_weight has dtype float64"),
     # shapes
-    "a_HV_plus_1_columns": (_set("a", lambda c: torch.randn(L, HV + 1)), r"^a dimension 1 must be HV = 4"),
-    "b_extra_row": (_set("b", lambda c: torch.randn(L + 1, HV)), r"^b dimension 0 must be L"),
-    "out_wrong_V": (_new_out(lambda c: torch.empty(L, HV, V + 1)), r"^out dimension 2 must be V = 16"),
-    "out_wrong_HV": (_new_out(lambda c: torch.empty(L, HV - 1, V)), r"^out dimension 1 must be HV"),
-    "out_wrong_L": (_new_out(lambda c: torch.empty(L - 1, HV, V)), r"^out dimension 0 must be L"),
-    "state_indices_1d": (_set("state_indices", lambda c: c.state_indices.reshape(-1)),
-                         r"state_indices must have 2 dimensions"),
-    "state_indices_no_columns": (_set("state_indices", lambda c: c.state_indices[:, :0].contiguous()),
-                                 r"state_indices must have at least one column"),
-    "state_3d": (_set("state", lambda c: c.state[0]), r"state must have 4 dimensions"),
-    "state_5d": (_set("state", lambda c: c.state[None]), r"state has 5 dimensions; at most 4"),
-    "z_wrong_V": (_set("z", lambda c: torch.randn(L, HV, V + 1)), r"^z dimension 2 must be V"),
-    "z_2d": (_set("z", lambda c: torch.randn(L, HV * V)), r"^z must have 3 dimensions"),
-    "A_log_wrong_length": (_set("A_log", lambda c: torch.randn(HV + 1)), r"A_log dimension 0 must be HV"),
-    "dt_bias_2d": (_set("dt_bias", lambda c: c.dt_bias[None]), r"dt_bias must have 1 dimensions"),
-    "norm_weight_wrong_length": (_set("norm_weight", lambda c: torch.randn(V - 1)),
-                                 r"norm_weight dimension 0 must be V"),
-    "cu_seqlens_wrong_length": (_set("cu_seqlens", lambda c: c.cu_seqlens[:-1].contiguous()),
-                                r"cu_seqlens dimension 0 must be N \+ 1"),
-    "num_accepted_tokens_wrong_length": (_acc([1, 1]), r"num_accepted_tokens dimension 0 must be N"),
-    "mixed_qkv_width": (_qkv_width(2 * H * K + HV * V - 1), r"mixed_qkv width 127 is not 2\*H\*K \+ HV\*V"),
-    "mixed_qkv_width_too_small": (_qkv_width(HV * V), r"mixed_qkv width 64 is not 2\*H\*K \+ HV\*V"),
-    "head_ratio_not_integral": (_qkv_width(2 * 3 * K + HV * V),  # H = 3, HV = 4: 4 // 3 = 1 is listed
-                                r"value heads HV = 4 are not a multiple of key heads H = 3"),
-    "num_k_heads_mismatch": (None, r"num_k_heads = 1 disagrees with the mixed_qkv width, which gives H = 2"),
+    _error("a_HV_plus_1_columns", _set("a", lambda c: torch.randn(L, HV + 1)),
+           r"^a dimension 1 must be HV = 4"),
+    _error("b_extra_row", _set("b", lambda c: torch.randn(L + 1, HV)),
+           r"^b dimension 0 must be L"),
+    _error("out_wrong_V", _new_out(lambda c: torch.empty(L, HV, V + 1)),
+           r"^out dimension 2 must be V = 16"),
+    _error("out_wrong_HV", _new_out(lambda c: torch.empty(L, HV - 1, V)),
+           r"^out dimension 1 must be HV"),
+    _error("out_wrong_L", _new_out(lambda c: torch.empty(L - 1, HV, V)),
+           r"^out dimension 0 must be L"),
+    _error("state_indices_1d", _set("state_indices", lambda c: c.state_indices.reshape(-1)),
+           r"state_indices must have 2 dimensions"),
+    _error("state_indices_no_columns",
+           _set("state_indices", lambda c: c.state_indices[:, :0].contiguous()),
+           r"state_indices must have at least one column"),
+    _error("state_3d", _set("state", lambda c: c.state[0]), r"state must have 4 dimensions"),
+    _error("state_5d", _set("state", lambda c: c.state[None]),
+           r"state has 5 dimensions; at most 4"),
+    _error("z_wrong_V", _set("z", lambda c: torch.randn(L, HV, V + 1)),
+           r"^z dimension 2 must be V"),
+    _error("z_2d", _set("z", lambda c: torch.randn(L, HV * V)), r"^z must have 3 dimensions"),
+    _error("A_log_wrong_length", _set("A_log", lambda c: torch.randn(HV + 1)),
+           r"A_log dimension 0 must be HV"),
+    _error("dt_bias_2d", _set("dt_bias", lambda c: c.dt_bias[None]),
+           r"dt_bias must have 1 dimensions"),
+    _error("norm_weight_wrong_length", _set("norm_weight", lambda c: torch.randn(V - 1)),
+           r"norm_weight dimension 0 must be V"),
+    _error("cu_seqlens_wrong_length", _set("cu_seqlens", lambda c: c.cu_seqlens[:-1].clone()),
+           r"cu_seqlens dimension 0 must be N \+ 1"),
+    _error("num_accepted_tokens_wrong_length", _acc([1, 1]),
+           r"num_accepted_tokens dimension 0 must be N"),
+    _error("mixed_qkv_width", _qkv_width(2 * H * K + HV * V - 1),
+           r"mixed_qkv width 127 is not 2\*H\*K \+ HV\*V"),
+    _error("mixed_qkv_width_too_small", _qkv_width(HV * V),
+           r"mixed_qkv width 64 is not 2\*H\*K \+ HV\*V"),
+    _error("head_ratio_not_integral", _qkv_width(2 * 3 * K + HV * V),  # H = 3: 4 // 3 is listed
+           r"value heads HV = 4 are not a multiple of key heads H = 3"),
+    _error("num_k_heads_mismatch", None,
+           r"num_k_heads = 1 disagrees with the mixed_qkv width, which gives H = 2"),
     # strides
-    "mixed_qkv_column_stride": (_set("mixed_qkv", lambda c: _wide(c.mixed_qkv)),
-                                r"mixed_qkv must have unit stride on dimension 1, got stride 2"),
-    "mixed_qkv_overlapping_rows": (_set("mixed_qkv", lambda c: c.mixed_qkv.as_strided(
-        c.mixed_qkv.shape, (10, 1))), r"mixed_qkv row stride 10 is smaller than the row size"),
-    "a_column_stride": (_set("a", lambda c: _wide(c.a)), r"^a must have unit stride on dimension 1"),
-    "z_V_stride": (_set("z", lambda c: _wide(c.z)), r"^z must have unit stride on dimension 2"),
-    "out_not_contiguous": (_new_out(lambda c: c.out.transpose(1, 2).contiguous().transpose(1, 2)),
-                           r"^out must be contiguous"),
-    "state_inner_not_contiguous": (_set("state", lambda c: c.state.transpose(2, 3)),
-                                   r"state must be contiguous in dimensions 1\.\.3"),
-    "state_overlapping_slots": (_set("state", _overlapping_state),
-                                r"state slot stride 1023 is smaller than one slot \(HV\*K\*V = 1024\)"),
-    "state_indices_not_contiguous": (_set("state_indices", lambda c: _wide(c.state_indices)),
-                                     r"state_indices must be contiguous"),
-    "cu_seqlens_not_contiguous": (_set("cu_seqlens", lambda c: _wide(c.cu_seqlens)),
-                                  r"cu_seqlens must be contiguous"),
-    "A_log_not_contiguous": (_set("A_log", lambda c: _wide(c.A_log)), r"A_log must be contiguous"),
+    _error("mixed_qkv_column_stride", _set("mixed_qkv", lambda c: _wide(c.mixed_qkv)),
+           r"mixed_qkv must have unit stride on dimension 1, got stride 2"),
+    _error("mixed_qkv_overlapping_rows",
+           _set("mixed_qkv", lambda c: c.mixed_qkv.as_strided(c.mixed_qkv.shape, (10, 1))),
+           r"mixed_qkv row stride 10 is smaller than the row size"),
+    _error("a_column_stride", _set("a", lambda c: _wide(c.a)),
+           r"^a must have unit stride on dimension 1"),
+    _error("z_V_stride", _set("z", lambda c: _wide(c.z)),
+           r"^z must have unit stride on dimension 2"),
+    _error("out_not_contiguous",
+           _new_out(lambda c: c.out.transpose(1, 2).contiguous().transpose(1, 2)),
+           r"^out must be contiguous"),
+    _error("state_inner_not_contiguous", _set("state", lambda c: c.state.transpose(2, 3)),
+           r"state must be contiguous in dimensions 1\.\.3"),
+    _error("state_overlapping_slots", _set("state", _overlapping_state),
+           r"state slot stride 1023 is smaller than one slot \(HV\*K\*V = 1024\)"),
+    _error("state_indices_not_contiguous", _set("state_indices", lambda c: _wide(c.state_indices)),
+           r"state_indices must be contiguous"),
+    _error("cu_seqlens_not_contiguous", _set("cu_seqlens", lambda c: _wide(c.cu_seqlens)),
+           r"cu_seqlens must be contiguous"),
+    _error("A_log_not_contiguous", _set("A_log", lambda c: _wide(c.A_log)),
+           r"A_log must be contiguous"),
     # options
-    "z_without_norm_weight": (_set("norm_weight", lambda c: None),
-                              r"z \(the output gate\) was given without norm_weight"),
-    "bad_gate": (_opt(gate="relu"), r"gate must be 'silu' or 'sigmoid', got 'relu'"),
-    "bad_state_layout": (_opt(state_layout="VK"), r"state_layout must be 'vk' or 'kv', got 'VK'"),
-    "negative_first_valid_slot": (_opt(first_valid_slot=-1), r"first_valid_slot = -1 must be >= 0"),
-    "negative_l2_eps": (_opt(l2_eps=-1e-6), r"l2_eps and norm_eps must be finite and >= 0"),
-    "nan_norm_eps": (_opt(norm_eps=float("nan")), r"l2_eps and norm_eps"),
-    "infinite_scale": (_opt(scale=float("inf")), r"scale must be finite"),
-    "error_count_two_elements": (_opt(error_count=torch.zeros(2, dtype=torch.int32)),
-                                 r"error_count must hold exactly one int32 element"),
-    "error_count_int64": (_opt(error_count=torch.zeros(1, dtype=torch.int64)),
-                          r"error_count has dtype int64"),
-}
+    _error("z_without_norm_weight", _set("norm_weight", lambda c: None),
+           r"z \(the output gate\) was given without norm_weight"),
+    _error("bad_gate", _opt(gate="relu"), r"gate must be 'silu' or 'sigmoid', got 'relu'"),
+    _error("bad_state_layout", _opt(state_layout="VK"),
+           r"state_layout must be 'vk' or 'kv', got 'VK'"),
+    _error("negative_first_valid_slot", _opt(first_valid_slot=-1),
+           r"first_valid_slot = -1 must be >= 0"),
+    _error("negative_l2_eps", _opt(l2_eps=-1e-6), r"l2_eps and norm_eps must be finite and >= 0"),
+    _error("nan_norm_eps", _opt(norm_eps=float("nan")), r"l2_eps and norm_eps"),
+    _error("infinite_scale", _opt(scale=float("inf")), r"scale must be finite"),
+    _error("error_count_two_elements", _opt(error_count=torch.zeros(2, dtype=torch.int32)),
+           r"error_count must hold exactly one int32 element"),
+    _error("error_count_int64", _opt(error_count=torch.zeros(1, dtype=torch.int64)),
+           r"error_count has dtype int64"),
+]
 
 
-@pytest.mark.parametrize("name", list(ARGUMENT_ERRORS))
-def test_invalid_argument(gen, name):
-    change, match = ARGUMENT_ERRORS[name]
+@pytest.mark.parametrize("change,match", ARGUMENT_ERRORS)
+def test_invalid_argument(gen, change, match):
     case = base_case(gen)
     if change is None:  # num_k_heads is a keyword of gdn.decode_mtp only
         expect_error(case, match, call=lambda: case.run(num_k_heads=1))
@@ -281,7 +320,8 @@ def test_argument_on_another_device(gen, name):
     case = base_case(gen)
     fake = _FakeCudaArray(getattr(case, name))
     args, kw = list(case.args()), case.kwargs()
-    names = ["mixed_qkv", "a", "b", "A_log", "dt_bias", "state", "state_indices", "cu_seqlens", "out"]
+    names = ["mixed_qkv", "a", "b", "A_log", "dt_bias", "state", "state_indices", "cu_seqlens",
+             "out"]
     if name in names:
         args[names.index(name)] = fake.capsule
     else:
