@@ -231,7 +231,8 @@ def run_point(G: int, N: int, S: int, device: str, kind: str = "spec", mode: str
     row["vllm_style_us"] = 1e6 * host_time(vllm_step, budget * 2, repeats)
     if device == "cuda":
         torch.cuda.synchronize()
-        row.update(device_part(b, step, kw, tables, vllm_step, N, quick))
+        if not quick or S == 5:  # a time-limited run measures the device part at S = 5 only
+            row.update(device_part(b, step, kw, tables, vllm_step, N, quick))
     return row
 
 

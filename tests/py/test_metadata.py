@@ -618,5 +618,7 @@ def test_cuda_decode_mtp_takes_the_builder_outputs_directly():
     gdn.decode_mtp(cpu["mixed_qkv"][t], cpu["a"][t], cpu["b"][t], cpu["A_log"], cpu["dt_bias"],
                    state_cpu, out=out_cpu, first_valid_slot=1, **md_cpu.decode_mtp_args(0))
     torch.cuda.synchronize()
-    torch.testing.assert_close(out.cpu(), out_cpu, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(state.cpu(), state_cpu, rtol=1e-4, atol=1e-5)
+    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    assert not torch.isnan(out).any()
+    assert rel(out.cpu().double(), out_cpu.double()) <= 1e-5
+    assert rel(state.cpu().double(), state_cpu.double()) <= 1e-5
