@@ -284,8 +284,7 @@ std::string spec_vs_sequential(conv::StateLayout layout, DType state_dtype, DTyp
     for (int64_t i = 0; i < N; ++i) spec.acc[size_t(i)] = int32_t(acc[size_t(i)]);
     for (int64_t e = 0; e < spec.x.count; ++e) spec.x.set(e, n01(rng));
     spec.poison_out();
-    Status s = run(spec);
-    if (!s.is_ok()) return "verify call failed: " + s.reason();
+    if (const Status vs = run(spec); !vs.is_ok()) return "verify call failed: " + vs.reason();
     for (int64_t i = 0; i < N; ++i) {
       const int64_t n_acc = 1 + int64_t(rng() % uint32_t(S));  // accepted drafts + 1
       for (int64_t t = 0; t < n_acc; ++t) {
@@ -294,8 +293,7 @@ std::string spec_vs_sequential(conv::StateLayout layout, DType state_dtype, DTyp
         for (int64_t r = 0; r < N; ++r) plain.cu[size_t(r + 1)] = int32_t(r >= i ? 1 : 0);
         for (int64_t ch = 0; ch < D; ++ch) plain.x.set(ch, spec.x.get(l * spec.x_stride + ch));
         plain.poison_out();
-        s = run(plain);
-        if (!s.is_ok()) return "plain call failed: " + s.reason();
+        if (const Status ps = run(plain); !ps.is_ok()) return "plain call failed: " + ps.reason();
         for (int64_t ch = 0; ch < D; ++ch)
           if (!spec.out.bits_equal(l * spec.out_stride + ch, plain.out, ch))
             return "step " + std::to_string(step) + " request " + std::to_string(i) + " token " +
