@@ -130,3 +130,15 @@ def test_torch_compile_fullgraph(gen, backend):
         assert torch.isfinite(case.out[rows]).all()
         assert torch.equal(case.out[rows], out_e[rows])
         assert torch.equal(case.state, state_e)
+
+
+@pytest.mark.parametrize("fn", [gdn.decode_mtp, torch.ops.gdn.decode_mtp],
+                         ids=["function", "torch_op"])
+def test_model_parameters_are_accepted(gen, fn):
+    """A_log, dt_bias and norm_weight are usually nn.Parameters (requires_grad) of a model."""
+    case = _case(gen, "fp32_vk_silu")
+    o1, p1 = _run_copy(case, fn)
+    for name in ("A_log", "dt_bias", "norm_weight"):
+        setattr(case, name, torch.nn.Parameter(getattr(case, name)))
+    o2, p2 = _run_copy(case, fn)
+    assert torch.equal(o1, o2) and torch.equal(p1, p2)
