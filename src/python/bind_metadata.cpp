@@ -32,6 +32,28 @@ CacheMode parse_mode(const std::string& s) {
   throw nb::value_error(("mode must be 'none' or 'align', got '" + s + "'").c_str());
 }
 
+// Like to_view, but page-locked host memory (DLPack kDLCUDAHost: torch reports pinned CPU tensors
+// so) is a host array here: the plan and the CPU pass read it directly.
+TensorView view_of(const Array& a, const char* name) {
+  if (a.device_type() != nb::device::cuda_host::value) return to_view(a, name);
+  if (a.ndim() > size_t(TensorView::kMaxDims))
+    throw nb::value_error((std::string(name) + " has too many dimensions").c_str());
+  TensorView v;
+  v.data = a.data();
+  v.dtype = to_dtype(a.dtype(), name);
+  v.ndim = int(a.ndim());
+  for (int d = 0; d < v.ndim; ++d) {
+    v.shape[d] = int64_t(a.shape(size_t(d)));
+    v.strides[d] = int64_t(a.stride(size_t(d)));
+  }
+  v.device = {DeviceType::kCPU, 0};
+  return v;
+}
+
+TensorView view_of(const OptArray& a, const char* name) {
+  return a ? view_of(*a, name) : TensorView{};
+}
+
 void* stream_ptr(std::optional<uintptr_t> stream) {
   return reinterpret_cast<void*>(stream.value_or(0));
 }
@@ -53,11 +75,11 @@ Params base_params(int64_t num_spec, int64_t max_rows, int64_t max_tokens, const
 void set_step_inputs(Params& p, const Array& query_start_loc, const Array& seq_lens,
                      const OptArray& num_draft_tokens, const OptArray& num_accepted_tokens,
                      const OptArray& num_computed_tokens, std::optional<int64_t> padded_rows) {
-  p.query_start_loc = to_view(query_start_loc, "query_start_loc");
-  p.seq_lens = to_view(seq_lens, "seq_lens");
-  p.num_draft_tokens = to_view(num_draft_tokens, "num_draft_tokens");
-  p.num_accepted_tokens = to_view(num_accepted_tokens, "num_accepted_tokens");
-  p.num_computed_tokens = to_view(num_computed_tokens, "num_computed_tokens");
+  p.query_start_loc = view_of(query_start_loc, "query_start_loc");
+  p.seq_lens = view_of(seq_lens, "seq_lens");
+  p.num_draft_tokens = view_of(num_draft_tokens, "num_draft_tokens");
+  p.num_accepted_tokens = view_of(num_accepted_tokens, "num_accepted_tokens");
+  p.num_computed_tokens = view_of(num_computed_tokens, "num_computed_tokens");
   p.padded_rows = padded_rows.value_or(-1);
 }
 
@@ -70,7 +92,7 @@ void set_tables(Params& p, const std::vector<Array>& block_tables) {
   p.num_groups = int(block_tables.size());
   for (size_t g = 0; g < block_tables.size(); ++g) {
     const std::string name = "block_tables[" + std::to_string(g) + "]";
-    p.block_tables[g] = to_view(block_tables[g], name.c_str());
+    p.block_tables[g] = view_of(block_tables[g], name.c_str());
   }
 }
 
@@ -105,7 +127,7 @@ void plan_fn(const Array& plan, const Array& query_start_loc, const Array& seq_l
              int64_t max_tokens, const std::string& mode, int64_t block_size,
              std::optional<int64_t> padded_rows, int64_t pad_id) {
   Params p = base_params(num_spec, max_rows, max_tokens, mode, block_size, pad_id);
-  p.plan = to_view(plan, "plan");
+  p.plan = view_of(plan, "plan");
   set_step_inputs(p, query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens,
                   num_computed_tokens, padded_rows);
   nb::gil_scoped_release release;
@@ -119,12 +141,12 @@ std::optional<int64_t> state_rows_fn(const Array& plan, const std::vector<Array>
                                      int64_t launch_rows, const OptArray& num_accepted_tokens,
                                      const OptArray& error_count, std::optional<uintptr_t> stream) {
   Params p = base_params(num_spec, max_rows, max_tokens, "none", 0, pad_id);
-  p.plan = to_view(plan, "plan");
+  p.plan = view_of(plan, "plan");
   set_tables(p, block_tables);
-  p.spec_state_indices = to_view(spec_state_indices, "spec_state_indices");
-  p.non_spec_state_indices = to_view(non_spec_state_indices, "non_spec_state_indices");
-  p.num_accepted_tokens = to_view(num_accepted_tokens, "num_accepted_tokens");
-  p.error_count = to_view(error_count, "error_count");
+  p.spec_state_indices = view_of(spec_state_indices, "spec_state_indices");
+  p.non_spec_state_indices = view_of(non_spec_state_indices, "non_spec_state_indices");
+  p.num_accepted_tokens = view_of(num_accepted_tokens, "num_accepted_tokens");
+  p.error_count = view_of(error_count, "error_count");
   p.launch_rows = launch_rows;
   nb::gil_scoped_release release;
   return run_state_rows(p, stream_ptr(stream));
@@ -139,10 +161,10 @@ std::string shadow_check_fn(const Array& plan, const std::vector<Array>& block_t
                             int64_t block_size, std::optional<int64_t> padded_rows,
                             int64_t pad_id) {
   Params p = base_params(num_spec, max_rows, max_tokens, mode, block_size, pad_id);
-  p.plan = to_view(plan, "plan");
+  p.plan = view_of(plan, "plan");
   set_tables(p, block_tables);
-  p.spec_state_indices = to_view(spec_state_indices, "spec_state_indices");
-  p.non_spec_state_indices = to_view(non_spec_state_indices, "non_spec_state_indices");
+  p.spec_state_indices = view_of(spec_state_indices, "spec_state_indices");
+  p.non_spec_state_indices = view_of(non_spec_state_indices, "non_spec_state_indices");
   set_step_inputs(p, query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens,
                   num_computed_tokens, padded_rows);
   nb::gil_scoped_release release;
@@ -200,22 +222,22 @@ class MetadataBuilder {
       : keep_(block_tables) {
     base_ = base_params(num_spec, max_rows, max_tokens, mode, block_size, pad_id);
     set_tables(base_, block_tables);
-    base_.spec_state_indices = to_view(spec_state_indices, "spec_state_indices");
-    base_.non_spec_state_indices = to_view(non_spec_state_indices, "non_spec_state_indices");
+    base_.spec_state_indices = view_of(spec_state_indices, "spec_state_indices");
+    base_.non_spec_state_indices = view_of(non_spec_state_indices, "non_spec_state_indices");
     keep_.push_back(spec_state_indices);
     keep_.push_back(non_spec_state_indices);
     if (error_count) {
-      base_.error_count = to_view(*error_count, "error_count");
+      base_.error_count = view_of(*error_count, "error_count");
       keep_.push_back(*error_count);
     }
     if (host_plans.empty()) throw nb::value_error("host_plans must hold at least one host buffer");
     for (size_t k = 0; k < host_plans.size(); ++k) {
-      host_plans_.push_back(to_view(host_plans[k], "host_plans[k]"));
+      host_plans_.push_back(view_of(host_plans[k], "host_plans[k]"));
       keep_.push_back(host_plans[k]);
     }
     cuda_ = device_plan.has_value();
     if (cuda_) {
-      device_plan_ = to_view(*device_plan, "device_plan");
+      device_plan_ = view_of(*device_plan, "device_plan");
       keep_.push_back(*device_plan);
 #ifndef GDN_HAS_CUDA
       throw nb::value_error("device_plan given but this build of gdn has no CUDA kernels");
@@ -271,7 +293,7 @@ class MetadataBuilder {
     Params p = base_;
     p.plan = cuda_ ? device_plan_ : host_plans_[0];
     p.launch_rows = launch_rows;
-    p.num_accepted_tokens = to_view(num_accepted_tokens, "num_accepted_tokens");
+    p.num_accepted_tokens = view_of(num_accepted_tokens, "num_accepted_tokens");
     nb::gil_scoped_release release;
     return run_state_rows(p, stream_ptr(stream));
   }
