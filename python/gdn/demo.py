@@ -177,6 +177,7 @@ class Engine:
         self.path = DecodePath(model, self.cache, self.max_tokens)
         self.graph = None
         self.graph_events: List = []
+        self.graph_note = ""
         self.graph_slots = None
 
     def _host(self, values) -> np.ndarray:
@@ -250,9 +251,16 @@ class Engine:
         else:
             self.path.forward(rows, self._spec_slots(md), timer)
         pred = self.path.pred[:rows].view(len(live), T).cpu().numpy()
-        if self.graph is not None:
-            for name, start, end in self.graph_events:  # events recorded inside the graph
-                timer.totals[name] += start.elapsed_time(end) / 1000.0
+        if self.graph is not None and self.graph_events:
+            try:  # events recorded inside the graph
+                times = [(name, start.elapsed_time(end) / 1000.0)
+                         for name, start, end in self.graph_events]
+            except RuntimeError:
+                self.graph_events = []
+                self.graph_note = "kernel times unreadable from the graph's events (counted in 'rest')"
+            else:
+                for name, seconds in times:
+                    timer.totals[name] += seconds
         return pred
 
     def capture_verify_graph(self, context: np.ndarray) -> str:
@@ -281,8 +289,10 @@ class Engine:
                 with torch.cuda.graph(graph):
                     self.path.forward(rows, slots, None, event_log=events if timed else None)
                 self.graph, self.graph_events = graph, events
-                return ("kernel times from CUDA events inside the graph" if timed else
-                        "kernel times unavailable inside the graph (counted in 'rest')")
+                self.graph_note = ("conv / decode_mtp times from CUDA events inside the graph"
+                                   if timed else "kernel times unavailable inside the graph "
+                                   "(counted in 'rest')")
+                return self.graph_note
             except (RuntimeError, TypeError):
                 if not timed:
                     raise
@@ -348,10 +358,9 @@ def run_speculative(model, prompts, new_tokens, args, progress) -> Tuple[List[Li
     engine = Engine(model, N, ns, args.conv_layout, args.seed + 2)
     timer = Timer(model.device)
     out = [[t] for t in prefill(engine, prompts, timer, stats, progress)]
-    graph_note = ""
     context = np.array([len(p) + len(o) - 1 for p, o in zip(prompts, out)], np.int64)
     if args.graphs:
-        graph_note = engine.capture_verify_graph(context)
+        engine.capture_verify_graph(context)
     _sync(model)
     timer = Timer(model.device)
     acc = np.ones(N, np.int64)  # after prefill every request continues from column 0
@@ -387,7 +396,7 @@ def run_speculative(model, prompts, new_tokens, args, progress) -> Tuple[List[Li
     engine.path.check_device_errors()
     timer.resolve()
     stats.breakdown = dict(timer.totals)
-    return out, stats, graph_note
+    return out, stats, engine.graph_note
 
 
 def _sync(model) -> None:
