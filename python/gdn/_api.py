@@ -8,7 +8,8 @@ from . import _C
 
 
 def _stream_of(x: Any, stream: Optional[int]) -> Optional[int]:
-    """The CUDA stream to launch on: the one given, else torch's current stream for torch tensors."""
+    """The CUDA stream to launch on: the one given, else torch's current stream for torch tensors,
+    else CuPy's current stream for CuPy arrays (None: the legacy default stream)."""
     if stream is not None:
         return int(stream)
     device = getattr(x, "device", None)
@@ -16,6 +17,11 @@ def _stream_of(x: Any, stream: Optional[int]) -> Optional[int]:
         import torch
 
         return torch.cuda.current_stream(device).cuda_stream
+    if type(x).__module__.split(".")[0] == "cupy":
+        import cupy
+
+        with x.device:
+            return int(cupy.cuda.get_current_stream().ptr)
     return None
 
 

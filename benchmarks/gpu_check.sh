@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# One script for a GPU machine (H200): build the extension and the C++ tests, run ctest (labels gpu
+# and cpu) and the whole pytest suite, run compute-sanitizer (memcheck, racecheck) on the decode_mtp
+# GPU tests, then the decode_mtp benchmark. Logs, results JSON and plot go to $OUT.
+#
+#   STAGES="build test sanitize bench" benchmarks/gpu_check.sh     (default: all four)
+#   BENCH_ARGS="--quick --sweep-split" STAGES="build bench" benchmarks/gpu_check.sh
+#
+# Environment: OUT (default ./gpu_out), JOBS (16), GDN_CUDA_ARCHITECTURES (90a), GDN_GIT_SHA
+# (recorded in the results), BENCH_ARGS. GoogleTest comes from .deps/gtest (scripts/stage_gtest.sh)
+# when the system has none; Python wheels in .whl (e.g. fla-core, einops) are installed into a
+# private directory for the benchmark's baseline.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+STAGES=${STAGES:-"build test sanitize bench"}
+OUT=${OUT:-$root/gpu_out}
+JOBS=${JOBS:-16}
+ARCHS=${GDN_CUDA_ARCHITECTURES:-90a}
+BUILD=$root/build/gpu
+mkdir -p "$OUT"
+export GDN_GIT_SHA=${GDN_GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+export PYTHONUNBUFFERED=1
+status=0
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+stage() { echo "=== $1 ($(date +%T))"; }
+
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/gdn_site .whl/*.whl && export PYTHONPATH=/tmp/gdn_site${PYTHONPATH:+:$PYTHONPATH}
+fi
+gtest_args=()
+if [ -d .deps/gtest ]; then
+  gtest_args=(-DGTest_DIR="$root/.deps/gtest/lib/x86_64-linux-gnu/cmake/GTest")
+fi
+
+if has build; then
+  stage build
+  {
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    nvcc --version | tail -2
+    time (GDN_BUILD_JOBS=$JOBS scripts/dev_build.sh "$BUILD" -DGDN_ENABLE_CUDA=ON \
+      -DGDN_CUDA_ARCHITECTURES="$ARCHS" -DCMAKE_CUDA_ARCHITECTURES="$ARCHS" "${gtest_args[@]}")
+  } > "$OUT/build.log" 2>&1 || { status=1; echo "build FAILED"; }
+  grep -E "error|FAILED|PYTHONPATH|^real" "$OUT/build.log" | grep -v "nodiscard" | tail -20
+fi
+export PYTHONPATH=$BUILD/pkg${PYTHONPATH:+:$PYTHONPATH}
+
+if has test; then
+  stage test
+  {
+    ctest --test-dir "$BUILD" -L "gpu|cpu" --output-on-failure -j "$JOBS" --no-tests=error
+    echo "ctest exit $?"
+    xdist=()
+    python3 -c "import xdist" 2>/dev/null && xdist=(-n 8)
+    python3 -m pytest tests/py -q -rs "${xdist[@]}" -p no:cacheprovider
+    echo "pytest exit $?"
+  } > "$OUT/test.log" 2>&1
+  grep -qE "^ctest exit 0$" "$OUT/test.log" && grep -qE "^pytest exit 0$" "$OUT/test.log" || status=1
+  grep -E "tests passed|tests failed|passed|failed|error|exit [0-9]" "$OUT/test.log" | tail -15
+fi
+
+if has sanitize; then
+  stage sanitize
+  {
+    for tool in memcheck racecheck; do
+      echo "--- compute-sanitizer --tool $tool (gdn_gpu_tests, DecodeMtp*)"
+      compute-sanitizer --tool "$tool" --error-exitcode 3 \
+        "$BUILD/tests/cpp/gdn_gpu_tests" --gtest_filter='DecodeMtp*' 2>&1 | tail -25
+      echo "$tool exit ${PIPESTATUS[0]}"
+    done
+    echo "--- compute-sanitizer --tool memcheck (pytest, device-index and strided cases)"
+    compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest -q -p no:cacheprovider \
+      tests/py/test_decode_mtp_cuda.py -k "hostile or strided_views or split or every_T" 2>&1 | tail -8
+    echo "pytest-memcheck exit ${PIPESTATUS[0]}"
+  } > "$OUT/sanitize.log" 2>&1
+  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|exit [0-9]|passed|failed" "$OUT/sanitize.log"
+  grep -qE "exit [1-9]" "$OUT/sanitize.log" && status=1
+fi
+
+if has bench; then
+  stage bench
+  # shellcheck disable=SC2086
+  python3 benchmarks/bench_decode_mtp.py ${BENCH_ARGS:-} --json "$OUT/decode_mtp_h200.json" \
+    --png "$OUT/decode_mtp_h200.png" > "$OUT/bench.log" 2>&1 || status=1
+  tail -n 60 "$OUT/bench.log"
+fi
+stage "done (status $status)"
+exit $status
