@@ -173,7 +173,7 @@ inline Expected reference(const Case& c) {
     const int64_t T = c.cu[size_t(i + 1)] - c.cu[size_t(i)];
     const int64_t slot = c.slots_[size_t(i)];
     if (T == 0 || slot < g.first_valid_slot) continue;
-    const int64_t off = (g.acc.empty() ? 1 : g.acc[size_t(i)]) - 1;
+    const int64_t off = (c.acc.empty() ? 1 : c.acc[size_t(i)]) - 1;  // the arrays the call reads
     for (int64_t ch = 0; ch < g.D; ++ch) {
       std::vector<double> frame;   // stored values, oldest first
       std::vector<double> raw;     // raw inputs of this call

@@ -215,6 +215,27 @@ TEST(ConvErrors, ArgumentsAreNamed) {
                    "error_count");
 }
 
+// Repeated calls on one pool with inputs, slots and accepted counts rewritten in between (what a
+// graph replay sees): each call matches the reference of its own inputs.
+TEST(Conv, RepeatedCallsWithRewrittenInputs) {
+  Config g = random_rows(Config{}, 6, 41);
+  g.T.assign(6, g.num_spec + 1);
+  Case c(g);
+  std::mt19937 rng(3);
+  std::normal_distribution<float> n01;
+  for (int call = 0; call < 4; ++call) {
+    for (int64_t e = 0; e < c.x.count; ++e) c.x.set(e, n01(rng));
+    for (int64_t i = 0; i < c.N; ++i) c.acc[size_t(i)] = int32_t(1 + rng() % uint32_t(g.num_spec + 1));
+    std::vector<int64_t> perm(size_t(g.slots));
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    for (int64_t i = 0; i < c.N; ++i) c.set_slot(i, perm[size_t(i)]);
+    c.poison_out();
+    SCOPED_TRACE("call " + std::to_string(call));
+    expect_matches_reference(c);
+  }
+}
+
 TEST(Conv, LayoutsAgreeBitForBit) {
   // The same buffers in both layouts give identical outputs and identical buffers.
   Config g = random_rows(Config{}, 5, 21);
