@@ -161,12 +161,19 @@ void run_head(const Params& p, const Problem& pr, const RowInfo& row_info, int64
 template <class StateT, int kRatio>
 void run_all(const Params& p, const Problem& pr, const std::vector<RowInfo>& rows) {
   const int64_t tasks = pr.N * pr.HV;
+  int64_t max_T = 0, tokens = 0;
+  for (const RowInfo& r : rows) {
+    max_T = std::max(max_T, r.T);
+    tokens += r.T;
+  }
+  // Threads only pay off beyond ~1M state element-updates; below that, waking a team costs more
+  // than it saves (and a lot more on an oversubscribed machine).
+  const bool parallel = tokens * pr.HV * pr.K * pr.V >= (int64_t(1) << 20) && tasks > 1;
+  (void)parallel;
 #if defined(_OPENMP)
-#pragma omp parallel
+#pragma omp parallel if (parallel)
 #endif
   {
-    int64_t max_T = 0;
-    for (const RowInfo& r : rows) max_T = std::max(max_T, r.T);
     Scratch sc;
     sc.reserve(pr, max_T);
 #if defined(_OPENMP)
