@@ -7,7 +7,7 @@
 #   BENCH_ARGS="--quick --sweep-split" STAGES="build bench" benchmarks/gpu_check.sh
 #
 # Environment: OUT (default ./gpu_out), JOBS (16), GDN_CUDA_ARCHITECTURES (90a), GDN_GIT_SHA
-# (recorded in the results), BENCH_ARGS. GoogleTest comes from .deps/gtest (scripts/stage_gtest.sh)
+# (recorded in the results), BENCH_ARGS, PYTEST_ARGS (default tests/py), PYTEST_TIMEOUT (400 s). GoogleTest comes from .deps/gtest (scripts/stage_gtest.sh)
 # when the system has none; Python wheels in .whl (e.g. fla-core, einops) are installed into a
 # private directory for the benchmark's baseline.
 set -uo pipefail
@@ -53,7 +53,9 @@ if has test; then
     echo "ctest exit $?"
     xdist=()
     python3 -c "import xdist" 2>/dev/null && xdist=(-n 8)
-    python3 -m pytest tests/py -q -rs "${xdist[@]}" -p no:cacheprovider
+    # shellcheck disable=SC2086
+    timeout "${PYTEST_TIMEOUT:-400}" python3 -m pytest ${PYTEST_ARGS:-tests/py} -q -rs \
+      "${xdist[@]}" -p no:cacheprovider
     echo "pytest exit $?"
   } > "$OUT/test.log" 2>&1
   grep -qE "^ctest exit 0$" "$OUT/test.log" && grep -qE "^pytest exit 0$" "$OUT/test.log" || status=1
