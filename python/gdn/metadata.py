@@ -303,12 +303,19 @@ class Builder:
 
     ``block_tables``: one int32 [rows_g, cols_g] array per group (the engine's persistent block
     tables; their addresses are imported once). NumPy arrays or torch CPU tensors give a CPU
-    builder; torch CUDA tensors a CUDA builder, which plans into pinned host staging buffers
-    (``staging_slots``, used in turn; before a slot is reused the builder waits for the copy
-    issued from it, which has normally long finished), copies the plan to the device with one
-    ``cudaMemcpyAsync`` and fills all groups' state rows with one launch, all on ``stream``
-    (default: torch's current stream). Buffers are zero-initialised and sized for ``max_rows``
-    requests and ``max_tokens`` tokens.
+    builder; torch CUDA tensors a CUDA builder, which plans into a host staging buffer, copies it
+    to the device plan buffer with one ``cudaMemcpyAsync`` and fills all groups' state rows with
+    one launch, all on ``stream`` (default: torch's current stream). Buffers are
+    zero-initialised and sized for ``max_rows`` requests and ``max_tokens`` tokens.
+
+    ``staging``: ``"pinned"`` (default) plans into page-locked buffers (``staging_slots`` of
+    them, used in turn; before a slot is reused the builder waits on an event recorded after the
+    copy issued from it, which has normally long finished), so the copy is truly asynchronous;
+    ``"pageable"`` plans into one ordinary host buffer, which the driver stages before the copy
+    call returns (no events, no ring; the copy may wait for a free staging buffer).
+
+    The block tables, ``num_spec``, ``pad_id`` and the capacity are fixed for the builder's
+    life: a CUDA graph that captured :meth:`launch` bakes them in.
     """
 
     def __init__(
@@ -321,6 +328,7 @@ class Builder:
         mode: str = "none",
         block_size: int = 0,
         pad_id: int = 0,
+        staging: str = "pinned",
         staging_slots: int = 2,
         shadow: Optional[bool] = None,
     ):
@@ -341,6 +349,7 @@ class Builder:
         S = self.num_spec + 1
         G, R = self.num_groups, self.max_rows
         words = plan_words(self.max_rows, self.max_tokens)
+        self._events: List[Any] = []  # pinned CUDA staging: one event per slot
         self._torch = _is_torch(tables[0])
         self._cuda = self._torch and tables[0].device.type == "cuda"
         if self._torch:
@@ -353,13 +362,22 @@ class Builder:
             self.non_spec_state_indices = zeros(G, R)
             self.error_count = zeros(1)
             if self._cuda:
+                if staging not in ("pinned", "pageable"):
+                    raise ValueError(f"staging must be 'pinned' or 'pageable', got {staging!r}")
+                pinned = staging == "pinned"
                 self.device_plan = zeros(words)
                 self.host_plans = [
-                    torch.zeros(words, dtype=torch.int32, pin_memory=True)
-                    for _ in range(max(1, staging_slots))
+                    torch.zeros(words, dtype=torch.int32, pin_memory=pinned)
+                    for _ in range(max(1, staging_slots) if pinned else 1)
                 ]
-                self._events: List[Any] = [torch.cuda.Event() for _ in self.host_plans]
+                self._events = [torch.cuda.Event() for _ in self.host_plans] if pinned else []
                 self._recorded = [False] * len(self.host_plans)
+                raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+                index = dev.index if dev.index is not None else torch.cuda.current_device()
+                self._current_stream = (
+                    (lambda: raw(index)) if raw is not None
+                    else (lambda: torch.cuda.current_stream(dev).cuda_stream)
+                )
             else:
                 self.device_plan = None
                 self.host_plans = [torch.zeros(words, dtype=torch.int32)]
@@ -388,20 +406,23 @@ class Builder:
     def _next_slot(self) -> int:
         k = self._slot
         self._slot = (k + 1) % len(self.host_plans)
-        if self._cuda and self._recorded[k]:
+        if self._events and self._recorded[k]:
             self._events[k].synchronize()  # the copy from this slot has executed (normally long ago)
         return k
 
+    def _stream(self, stream: Optional[int]) -> Optional[int]:
+        if stream is not None:
+            return int(stream)
+        return self._current_stream() if self._cuda else None
+
     def _record(self, k: int, stream: Optional[int]) -> None:
-        if self._cuda:
+        if self._events:
             import torch
 
-            s = (
-                torch.cuda.current_stream(self.device)
-                if stream is None
-                else torch.cuda.ExternalStream(int(stream), device=self.device)
-            )
-            self._events[k].record(s)
+            if stream is None:
+                self._events[k].record()  # torch's current stream
+            else:
+                self._events[k].record(torch.cuda.ExternalStream(int(stream), device=self.device))
             self._recorded[k] = True
 
     def step(
@@ -418,10 +439,9 @@ class Builder:
         """Plans the step (host arrays, see :func:`plan`; ``num_accepted_tokens`` may live on the
         device, then the launch gathers it) and fills every group's state rows in one pass."""
         k = self._next_slot()
-        s = _stream_of(self.spec_state_indices, stream)
         self._native.step(
             k, query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens,
-            num_computed_tokens, padded_rows, s,
+            num_computed_tokens, padded_rows, self._stream(stream),
         )
         self._record(k, stream)
         md = StepMetadata(self, PlanView(self._host_views[k], self._host_counts[k]))
@@ -446,7 +466,7 @@ class Builder:
         k = self._next_slot()
         self._native.prepare(
             k, query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens,
-            num_computed_tokens, padded_rows, _stream_of(self.spec_state_indices, stream),
+            num_computed_tokens, padded_rows, self._stream(stream),
         )
         self._record(k, stream)
         return StepMetadata(self, PlanView(self._host_views[k], self._host_counts[k]))
@@ -460,9 +480,7 @@ class Builder:
     ) -> Optional[int]:
         """The state-row pass alone (one CUDA launch over ``launch_rows`` rows) reading the device
         plan buffer: capture it in a CUDA graph, then :meth:`prepare` + replay each step."""
-        return self._native.launch(
-            launch_rows, num_accepted_tokens, _stream_of(self.spec_state_indices, stream)
-        )
+        return self._native.launch(launch_rows, num_accepted_tokens, self._stream(stream))
 
     # -- debug ------------------------------------------------------------------------------------
 
@@ -510,5 +528,5 @@ class Builder:
         per-group build; CPU builders only)."""
         return self._native.time_step(
             path, iters, 0, query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens,
-            num_computed_tokens, padded_rows, _stream_of(self.spec_state_indices, stream),
+            num_computed_tokens, padded_rows, self._stream(stream),
         )

@@ -221,6 +221,7 @@ TEST(MetadataCuda, GraphReplayWithNewPlansGivesTheNewRows) {
     s.max_rows = R;
     s.max_tokens = R * 16;
     s.padded_rows = padded;
+    s.pad_id = base.pad_id;  // like the tables and S, a constant of the captured launch
     s.tables = base.tables;
     s.table_rows = base.table_rows;
     s.table_cols = base.table_cols;

@@ -529,14 +529,15 @@ def cuda_step_args(step, accepted_on_device: bool):
 
 @needs_cuda
 @settings(max_examples=40, deadline=None)
-@given(random_steps(), st.booleans())
-def test_cuda_builder_equals_per_group_builds(case, accepted_on_device):
+@given(random_steps(), st.booleans(), st.sampled_from(["pinned", "pageable"]))
+def test_cuda_builder_equals_per_group_builds(case, accepted_on_device, staging):
     step, tables = case
     dev_tables = [torch.from_numpy(t).cuda() for t in tables]
     N = len(step["qsl"]) - 1
     b = M.Builder(dev_tables, num_spec=step["num_spec"], max_rows=N + 8,
                   max_tokens=int(step["qsl"][-1]) + 3, mode=step["mode"],
-                  block_size=step["block_size"], pad_id=step["pad_id"], shadow=True)
+                  block_size=step["block_size"], pad_id=step["pad_id"], shadow=True,
+                  staging=staging)
     md = b.step(step["qsl"], step["seq_lens"], **cuda_step_args(step, accepted_on_device))
     torch.cuda.synchronize()
     assert md.spec_state_indices.is_cuda and md.spec_query_start_loc.is_cuda
