@@ -32,7 +32,7 @@ import platform
 import statistics
 import subprocess
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List
 
 import numpy as np
 import torch
