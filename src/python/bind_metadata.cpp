@@ -32,23 +32,8 @@ CacheMode parse_mode(const std::string& s) {
   throw nb::value_error(("mode must be 'none' or 'align', got '" + s + "'").c_str());
 }
 
-// Like to_view, but page-locked host memory (DLPack kDLCUDAHost: torch reports pinned CPU tensors
-// so) is a host array here: the plan and the CPU pass read it directly.
-TensorView view_of(const Array& a, const char* name) {
-  if (a.device_type() != nb::device::cuda_host::value) return to_view(a, name);
-  if (a.ndim() > size_t(TensorView::kMaxDims))
-    throw nb::value_error((std::string(name) + " has too many dimensions").c_str());
-  TensorView v;
-  v.data = a.data();
-  v.dtype = to_dtype(a.dtype(), name);
-  v.ndim = int(a.ndim());
-  for (int d = 0; d < v.ndim; ++d) {
-    v.shape[d] = int64_t(a.shape(size_t(d)));
-    v.strides[d] = int64_t(a.stride(size_t(d)));
-  }
-  v.device = {DeviceType::kCPU, 0};
-  return v;
-}
+// Page-locked host memory is a host array here too (see to_view): the plan and the CPU pass read it.
+TensorView view_of(const Array& a, const char* name) { return to_view(a, name); }
 
 TensorView view_of(const OptArray& a, const char* name) {
   return a ? view_of(*a, name) : TensorView{};

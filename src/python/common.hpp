@@ -55,7 +55,8 @@ inline TensorView to_view(const nb::ndarray<Ts...>& a, const char* name) {
     v.shape[d] = int64_t(a.shape(size_t(d)));
     v.strides[d] = int64_t(a.stride(size_t(d)));
   }
-  if (a.device_type() == nb::device::cpu::value) {
+  // Page-locked host memory (DLPack kDLCUDAHost: torch's pinned CPU tensors) is host memory.
+  if (a.device_type() == nb::device::cpu::value || a.device_type() == nb::device::cuda_host::value) {
     v.device = {DeviceType::kCPU, 0};
   } else if (a.device_type() == nb::device::cuda::value) {
     v.device = {DeviceType::kCUDA, int(a.device_id())};
