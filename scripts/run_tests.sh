@@ -28,6 +28,9 @@ cmake -S . -B build/ctest -G Ninja -DGDN_BUILD_TESTS=ON -DGDN_CUDA_ARCHITECTURES
 cmake --build build/ctest -j "$jobs"
 echo "C++ tests built in $(( $(date +%s) - start )) s"
 (cd build/ctest && ctest --output-on-failure --no-tests=error -j "$jobs")
+if [ -x build/ctest/tests/cpp/gdn_gpu_tests ]; then  # say why device tests were skipped, if they were
+  build/ctest/tests/cpp/gdn_gpu_tests 2>&1 | grep -A1 -E ": Skipped$" | grep -v -E "Skipped$|^--" | sort | uniq -c || true
+fi
 
 # Python tests, against the installed package (run from the tests dir so the source tree's
 # python/ folder is never imported instead).
