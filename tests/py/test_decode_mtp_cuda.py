@@ -58,7 +58,7 @@ def map_case(case, device):
             return None
         key = x.untyped_storage().data_ptr()
         if key not in storages:
-            raw = torch.empty(0, dtype=torch.uint8).set_(x.untyped_storage())
+            raw = torch.empty(0, dtype=torch.uint8, device=x.device).set_(x.untyped_storage())
             storages[key] = raw.to(device, copy=True)
         return torch.empty(0, dtype=x.dtype, device=device).set_(
             storages[key].untyped_storage(), x.storage_offset(), x.size(), x.stride())
@@ -388,6 +388,43 @@ def test_hostile_indices_touch_nothing_else(gen, index_dtype):
             assert torch.isnan(out[row]).all(), f"token row {row} written by nobody's request"
 
 
+@requires_cuda
+@pytest.mark.parametrize("state_dtype", [FP32, BF16], ids=["state_fp32", "state_bf16"])
+def test_invalid_rows_inside_a_large_batch(gen, state_dtype):
+    """More heads than the grid holds at once: each cluster walks several heads, some of whose
+    requests are invalid (accepted count 0). Valid requests are exact, invalid ones write no state
+    and zero their rows, the counter counts them once."""
+    N, S = 90, 3
+    T = [int(t) for t in torch.randint(1, S + 1, (N,), generator=gen)]
+    case = case128(gen, H=1, HV=2, S=S, T=T, act=BF16, state_dtype=state_dtype)
+    ref = case.reference()
+    before = case.pool_buffer.clone()
+    bad = set(range(1, N, 3))
+    dev = map_case(case, "cuda")
+    for i in bad:
+        dev.num_accepted_tokens[i] = 0
+    errors = torch.zeros(1, dtype=torch.int32, device="cuda")
+    dev.poison_out()
+    dev.run(error_count=errors)
+    torch.cuda.synchronize()
+    assert int(errors) == len(bad)
+    out, pool = dev.out.cpu(), dev.pool_buffer.cpu()
+    cu = case.cu_seqlens.tolist()
+    for i in range(N):
+        rows = list(range(cu[i], cu[i + 1]))
+        if i in bad:
+            assert torch.all(out[rows] == 0), f"request {i}"
+        else:
+            assert rel_l2(out[rows], ref.out[rows]) <= OUT16_BAR, f"request {i}"
+    changed = (pool.view(torch.uint8) != before.view(torch.uint8)).any(-1).nonzero().flatten()
+    expected = {slot for slot, (i, _) in ref.written.items() if i not in bad}
+    assert set(changed.tolist()) <= expected
+    bar = FP32_BAR if state_dtype == FP32 else STATE16_BAR
+    state = pool[:, : case.state[0].numel()].view(case.state.shape)
+    for slot in expected:
+        assert rel_l2(state[slot], ref.pool[slot]) <= bar, f"slot {slot}"
+
+
 # ---- graphs, streams, compile, other array libraries ---------------------------------------------
 
 @requires_cuda
@@ -406,7 +443,7 @@ def test_cuda_graph_capture_and_replay(gen):
         fresh = case128(gen, H=2, HV=8, S=4, T=(4, 1, 3, 2), act=BF16, state_dtype=BF16,
                         acc=case.acc)
         fresh.state_indices = case.state_indices
-        for name in ("mixed_qkv", "a", "b", "z", "state"):
+        for name in ("mixed_qkv", "a", "b", "z", "state", "A_log", "dt_bias", "norm_weight"):
             getattr(dev, name).copy_(getattr(fresh, name).to("cuda"))
         fresh.pool_buffer.copy_(dev.pool_buffer.cpu())
         dev.poison_out()

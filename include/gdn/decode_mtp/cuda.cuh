@@ -30,10 +30,13 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <climits>
 #include <cstdint>
+#include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "gdn/core/dispatch.hpp"
 #include "gdn/core/support.hpp"
@@ -48,9 +51,10 @@ inline constexpr int kWarpsPerHead = kHeadDim / kRowsPerWarp;      // 16
 inline constexpr int kMaxSplit = 8;                                // CTAs per head (cluster size)
 inline constexpr int kMaxThreads = kWarpsPerHead * 32;             // 512, at split 1
 inline constexpr int kEpilogueSlots = kCudaMaxSpecColumns / 4;     // outputs per thread (T*R / 4R)
-// Register cap: the whole slice of a warp (8 rows x 4 columns per lane) plus the per-token
-// working set fits without spills, and 20+ warps per SM keep enough state loads in flight.
-inline constexpr int kMaxRegisters = 96;
+// Register cap: a warp's slice of the current head (8 rows x 4 columns per lane, fp32), the next
+// head's slice in flight and the per-token working set fit without spills; two 256-thread CTAs
+// (split 2) share an SM.
+inline constexpr int kMaxRegisters = 128;
 static_assert(kCudaMaxSpecColumns <= 32, "slot ids of a row are held one per lane");
 static_assert(kCudaMaxSpecColumns % 4 == 0, "epilogue assumes T*R outputs over 4R threads");
 
@@ -79,6 +83,7 @@ struct KernelArgs {
   bool state_vector;  // "vk" and aligned: one vector access per row chunk
   bool qkv_vector;    // q/k chunks of 4 elements are naturally aligned
   bool gate_sigmoid;
+  bool early_dependent_launch;  // the whole grid is resident: let the next launch start early
   float scale, l2_eps, norm_eps;
 };
 
@@ -103,11 +108,68 @@ __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { retu
 template <>
 __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
 
-// Four consecutive state elements (one lane's share of a row), naturally aligned for one access.
+// One lane's share of a state row (4 consecutive K elements) as raw bits: a float4 for fp32, two
+// packed 16-bit pairs for bf16/fp16 (kept packed until used, so a slice in flight costs half the
+// registers). Conversions round to nearest even.
 template <class T>
-struct alignas(4 * sizeof(T)) Vec4 {
-  T v[4];
+struct StateBits;
+template <>
+struct StateBits<float> {
+  using Raw = float4;
+  static __device__ __forceinline__ float4 to_f32(Raw r) { return r; }
+  static __device__ __forceinline__ Raw from_f32(float4 v) { return v; }
+  static __device__ __forceinline__ Raw load_scalar(const float* p, int64_t step) {
+    return make_float4(p[0], p[step], p[2 * step], p[3 * step]);
+  }
+  static __device__ __forceinline__ void store_scalar(float* p, int64_t step, Raw r) {
+    p[0] = r.x; p[step] = r.y; p[2 * step] = r.z; p[3 * step] = r.w;
+  }
 };
+template <class Half>
+struct StateBits16 {
+  using Raw = uint2;
+  static __device__ __forceinline__ float2 unpack(uint32_t w) {
+    if constexpr (std::is_same_v<Half, __nv_bfloat16>) {
+      return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+    } else {
+      __half2 h;
+      memcpy(&h, &w, 4);
+      return __half22float2(h);
+    }
+  }
+  static __device__ __forceinline__ uint32_t pack(float a, float b) {
+    uint32_t w;
+    if constexpr (std::is_same_v<Half, __nv_bfloat16>) {
+      const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+      memcpy(&w, &h, 4);
+    } else {
+      const __half2 h = __floats2half2_rn(a, b);
+      memcpy(&w, &h, 4);
+    }
+    return w;
+  }
+  static __device__ __forceinline__ float4 to_f32(Raw r) {
+    const float2 lo = unpack(r.x), hi = unpack(r.y);
+    return make_float4(lo.x, lo.y, hi.x, hi.y);
+  }
+  static __device__ __forceinline__ Raw from_f32(float4 v) {
+    return make_uint2(pack(v.x, v.y), pack(v.z, v.w));
+  }
+  static __device__ __forceinline__ Raw load_scalar(const Half* p, int64_t step) {
+    const uint16_t* q = reinterpret_cast<const uint16_t*>(p);
+    return make_uint2(uint32_t(q[0]) | (uint32_t(q[step]) << 16),
+                      uint32_t(q[2 * step]) | (uint32_t(q[3 * step]) << 16));
+  }
+  static __device__ __forceinline__ void store_scalar(Half* p, int64_t step, Raw r) {
+    uint16_t* q = reinterpret_cast<uint16_t*>(p);
+    q[0] = uint16_t(r.x); q[step] = uint16_t(r.x >> 16);
+    q[2 * step] = uint16_t(r.y); q[3 * step] = uint16_t(r.y >> 16);
+  }
+};
+template <>
+struct StateBits<__nv_bfloat16> : StateBits16<__nv_bfloat16> {};
+template <>
+struct StateBits<__half> : StateBits16<__half> {};
 
 // ---- Activations of run-time dtype --------------------------------------------------------------
 // Loads are split into a raw-bits phase and a conversion phase, so several loads of different
@@ -224,28 +286,56 @@ __device__ __forceinline__ const float* cluster_peer(const float* p, int rank) {
 #endif
 }
 
-// ---- Shared-memory plan -------------------------------------------------------------------------
+// ---- Programmatic dependent launch (sm_90+) -----------------------------------------------------
+
+// Waits until the grids this launch depends on have completed and their writes are visible (a
+// no-op when launched without the programmatic-serialization attribute).
+__device__ __forceinline__ void wait_for_prior_grids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+// Lets the next launch in the stream start its blocks (they wait for this grid in the call above).
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// ---- Shared memory ------------------------------------------------------------------------------
+
+// One request of a cluster's head range, resolved once per CTA from device-side indices.
+struct RequestMeta {
+  int64_t cu0;     // first token row
+  int64_t source;  // slot of the initial state
+  int64_t lo, hi;  // invalid request: its token rows inside [0, L) (zero-filled)
+  int32_t T;       // tokens
+  int32_t valid;   // 0: invalid (no state written, zero output, counted once)
+  int32_t pad[2];
+  int64_t slot[kCudaMaxSpecColumns];
+};
+inline constexpr int kMetaRequests = 32;  // requests one CTA's head range may span
 
 // Offsets (in floats) of one CTA's shared arrays; S = state columns (T <= S), R = rows of the CTA.
 struct SmemPlan {
-  int qk, v, gates, o, z, ss, rstd, w, total;
+  int meta, qk, v, gates, o, z, ss, rstd, w, total;
   __host__ __device__ SmemPlan(int S, int R, int W) {
-    qk = 0;                 // [S][2][128] normalised q (scaled), k
-    v = qk + S * 2 * kHeadDim;  // [S][R] v of the CTA's rows
-    gates = v + S * R;      // [S][2] alpha, beta
-    o = gates + 2 * S;      // [S][R] core output
-    z = o + S * R;          // [S][R] act(z)
-    ss = z + S * R;         // [S][W] per-warp partial sums of o^2
-    rstd = ss + S * W;      // [S]
-    w = rstd + S;           // [R] norm weight
+    meta = 0;                                              // RequestMeta[kMetaRequests]
+    qk = meta + kMetaRequests * int(sizeof(RequestMeta) / sizeof(float));  // [S][2][128] q, k
+    v = qk + S * 2 * kHeadDim;                             // [S][R] v of the CTA's rows
+    gates = v + S * R;                                     // [S][2] alpha, beta
+    o = gates + 2 * S;                                     // [S][R] core output
+    z = o + S * R;                                         // [S][R] act(z)
+    ss = z + S * R;                                        // [S][W] per-warp partial sums of o^2
+    rstd = ss + S * W;                                     // [S]
+    w = rstd + S;                                          // [R] norm weight
     total = w + R;
   }
 };
+static_assert(sizeof(RequestMeta) % 16 == 0, "keeps the float arrays 16-byte aligned");
 
 // ---- The kernel ---------------------------------------------------------------------------------
 
-// One CTA = rows [rank * R, rank * R + R) of one (request, value head), R = 128 / split.
-// kRatio = kRuntimeValue (0): head ratio taken from args.ratio.
 #if defined(__CUDACC_VER_MAJOR__) && \
     (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 4))
 #define GDN_DECODE_MTP_BOUNDS __maxnreg__(kMaxRegisters)
@@ -254,6 +344,10 @@ struct SmemPlan {
 #endif
 static_assert(kMaxRegisters * kMaxThreads <= 65536, "a CTA of split 1 must fit an SM");
 
+// A cluster of `split` CTAs walks a contiguous range of (request, value head) pairs; CTA `rank`
+// owns rows [rank * R, rank * R + R) of every head, R = 128 / split. While head k computes, the
+// source slice of head k + 1 is already loading (registers). kRatio = kRuntimeValue (0): head
+// ratio taken from args.ratio.
 template <class StateT, int kRatio>
 __global__ void GDN_DECODE_MTP_BOUNDS decode_mtp_kernel(const __grid_constant__ KernelArgs args) {
   extern __shared__ __align__(16) float smem[];
@@ -261,68 +355,108 @@ __global__ void GDN_DECODE_MTP_BOUNDS decode_mtp_kernel(const __grid_constant__ 
   const int R = kHeadDim / split;  // rows of this CTA
   const int W = R / kRowsPerWarp;  // warps of this CTA
   const int S = args.S;
+  const int HV = args.HV;
   const SmemPlan plan(S, R, W);
+  RequestMeta* meta = reinterpret_cast<RequestMeta*>(smem + plan.meta);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int rank = int(blockIdx.x % unsigned(split));
-  const int64_t head = blockIdx.x / unsigned(split);
-  const int hv = int(head % args.HV);
-  const int64_t n = head / args.HV;
+  const int64_t cluster = blockIdx.x / unsigned(split);
+  const int64_t clusters = gridDim.x / unsigned(split);
+  const int64_t heads = args.N * HV;
+  const int64_t hb = heads * cluster / clusters, he = heads * (cluster + 1) / clusters;
   const int ratio = kRatio == kRuntimeValue ? args.ratio : kRatio;
-  const int h = hv / ratio;  // grouped GVA: value head hv reads key head hv / r
-  const int row0 = rank * R;                          // first row of this CTA
-  const int wrow0 = row0 + warp * kRowsPerWarp;       // first row of this warp
-  const int my_row = wrow0 + ((lane >> 2) & 7);       // row this lane holds after a reduction
-  const bool norm = args.norm_weight != nullptr;
-  const bool gated = args.z != nullptr;
-
-  // 1. Row metadata, all loads in flight together; per-head parameters alongside.
-  const int64_t cu0 = load_idx(args.cu_seqlens, args.cu_dtype, n);
-  const int64_t cu1 = load_idx(args.cu_seqlens, args.cu_dtype, n + 1);
-  const int64_t acc = args.num_accepted_tokens
-                          ? load_idx(args.num_accepted_tokens, args.acc_dtype, n)
-                          : int64_t(1);
-  const int64_t my_slot = lane < S ? load_idx(args.state_indices, args.index_dtype, n * S + lane) : 0;
-  const uint32_t A_log_bits = load_bits(args.A_log, args.A_log_dtype, hv);
-  const uint32_t dt_bias_bits = load_bits(args.dt_bias, args.dt_bias_dtype, hv);
+  const int row0 = rank * R;                       // first row of this CTA
+  const int wrow0 = row0 + warp * kRowsPerWarp;    // first row of this warp
+  const int my_row = wrow0 + ((lane >> 2) & 7);    // row this lane holds after a reduction
   const int ep_r = tid % R;   // epilogue: this thread's row within the CTA ...
   const int ep_t0 = tid / R;  // ... and first token (outputs e = tid + j * 4R: token ep_t0 + 4j)
+  const bool norm = args.norm_weight != nullptr;
+  const bool gated = args.z != nullptr;
+  const bool clustered = norm && split > 1;
+  if (hb >= he) return;  // same for every CTA of the cluster
+
+  wait_for_prior_grids();  // nothing below may read what earlier launches write before this
+  if (args.early_dependent_launch) allow_dependent_launch();
+
+  // 1. The requests of this head range: slot ids, token ranges and accepted counts, resolved
+  //    once (one round trip), then checked.
+  const int64_t n_first = hb / HV;
+  const int n_count = int((he - 1) / HV - n_first + 1);  // <= kMetaRequests (host guarantees)
   const uint32_t w_bits = norm && ep_t0 == 0 ? load_bits(args.norm_weight, args.norm_dtype, row0 + ep_r) : 0u;
-
-  // 2. Validity (uniform over the CTA, and over the cluster: all its CTAs read the same row).
-  const bool range_ok = cu0 >= 0 && cu1 >= cu0 && cu1 <= args.L;
-  const int64_t T64 = cu1 - cu0;
-  if (range_ok && T64 == 0) return;  // padded row: nothing read or written
-  const bool slot_too_big = __any_sync(0xffffffffu, lane < S && my_slot >= args.num_slots);
-  const int src_col = int(acc < 1 ? 0 : (acc > S ? S - 1 : acc - 1));
-  const int64_t source = __shfl_sync(0xffffffffu, my_slot, src_col);
-  const bool valid = range_ok && T64 <= S && acc >= 1 && acc <= S && !slot_too_big &&
-                     source >= args.first_valid_slot && source >= 0;
-  if (!valid) {
-    const int64_t lo = cu0 < 0 ? 0 : cu0;
-    const int64_t hi = cu1 > args.L ? args.L : cu1;
-    const int64_t count = hi > lo ? (hi - lo) * R : 0;  // rows of [cu0, cu1) inside [0, L)
-    for (int64_t e = tid; e < count; e += blockDim.x) {
-      const int64_t l = lo + e / R;
-      store_act(args.out, args.out_dtype, (l * args.HV + hv) * kHeadDim + row0 + e % R, 0.0f);
+  for (int base = 0; base < n_count * S; base += blockDim.x) {
+    const int e = base + tid;
+    const bool has_slot = e < n_count * S, has_req = e < n_count;
+    const int64_t slot =
+        has_slot ? load_idx(args.state_indices, args.index_dtype, (n_first + e / S) * S + e % S) : 0;
+    const int64_t c0 = has_req ? load_idx(args.cu_seqlens, args.cu_dtype, n_first + e) : 0;
+    const int64_t c1 = has_req ? load_idx(args.cu_seqlens, args.cu_dtype, n_first + e + 1) : 0;
+    const int64_t acc = has_req && args.num_accepted_tokens
+                            ? load_idx(args.num_accepted_tokens, args.acc_dtype, n_first + e)
+                            : int64_t(1);
+    if (has_slot) meta[e / S].slot[e % S] = slot;
+    if (has_req) {
+      meta[e].cu0 = c0;
+      meta[e].hi = c1;
+      meta[e].source = acc;  // replaced by the slot below
     }
-    if (args.error_count && hv == 0 && rank == 0 && tid == 0) atomicAdd(args.error_count, 1);
-    return;
   }
-  const int T = int(T64);
+  if (norm && ep_t0 == 0) smem[plan.w + ep_r] = bits_to_f32(w_bits, args.norm_dtype);
+  __syncthreads();
+  for (int j = tid; j < n_count; j += blockDim.x) {
+    RequestMeta& m = meta[j];
+    const int64_t c0 = m.cu0, c1 = m.hi, acc = m.source;
+    const bool range_ok = c0 >= 0 && c1 >= c0 && c1 <= args.L;
+    bool ok = range_ok && c1 - c0 <= S && acc >= 1 && acc <= S;
+    for (int c = 0; c < S; ++c) ok = ok && m.slot[c] < args.num_slots;
+    const int64_t source = ok ? m.slot[acc - 1] : -1;
+    ok = ok && source >= args.first_valid_slot && source >= 0;
+    m.T = range_ok ? int(c1 - c0 <= S ? c1 - c0 : S + 1) : S + 1;
+    if (range_ok && c1 == c0) ok = true;  // padded row: valid, nothing to do
+    m.valid = ok;
+    m.source = source;
+    m.lo = c0 < 0 ? 0 : c0;
+    m.hi = c1 > args.L ? args.L : c1;
+  }
+  __syncthreads();
 
-  // 3. Stage every token's inputs in shared memory, in fp32: warp w handles tokens w, w + W, ...
-  //    The first token's loads go out before the state's, the rest overlap the state's latency.
-  const float A = -expf(bits_to_f32(A_log_bits, args.A_log_dtype));
-  const float dt_bias = bits_to_f32(dt_bias_bits, args.dt_bias_dtype);
+  // 2. Per-head pieces.
+  const int64_t head_elems = int64_t(kHeadDim) * kHeadDim;
+  const int64_t row_step = args.state_kv ? 1 : kHeadDim;  // element distance between rows
+  const int64_t col_step = args.state_kv ? kHeadDim : 1;  // ... and between K columns
+  auto live = [&](int64_t k) {  // head k has work (valid, T > 0)
+    const RequestMeta& m = meta[k / HV - n_first];
+    return m.valid && m.T > 0;
+  };
+  // The source slice of head k, complete, into registers (before any store of that head).
+  using Bits = StateBits<StateT>;
+  using Raw = typename Bits::Raw;
+  auto load_state = [&](int64_t k, Raw(&raw)[kRowsPerWarp]) {
+    const RequestMeta& m = meta[k / HV - n_first];
+    const StateT* src = static_cast<const StateT*>(args.state) + m.source * args.slot_stride +
+                        (k % HV) * head_elems;
+    if (args.state_vector) {
+      const StateT* p = src + wrow0 * kHeadDim + 4 * lane;
+#pragma unroll
+      for (int j = 0; j < kRowsPerWarp; ++j) raw[j] = *reinterpret_cast<const Raw*>(p + j * kHeadDim);
+    } else {
+      const StateT* p = src + wrow0 * row_step + 4 * lane * col_step;
+#pragma unroll
+      for (int j = 0; j < kRowsPerWarp; ++j) raw[j] = Bits::load_scalar(p + j * row_step, col_step);
+    }
+  };
+  // Activations of one token of head k (warp w stages tokens w, w + W, ...): raw bits, then
+  // normalised / converted into shared memory.
   struct Staged {
     uint4 q, k;
     uint32_t v[kHeadDim / 32];
-    uint32_t a, b;
+    uint32_t a, b, A_log, dt_bias;
   };
-  auto stage_load = [&](int t) {
+  auto stage_load = [&](int64_t k, int t) {
     Staged st;
-    const int64_t l = cu0 + t;
+    const RequestMeta& m = meta[k / HV - n_first];
+    const int hv = int(k % HV), h = hv / ratio;  // grouped GVA: value head hv reads key head hv / r
+    const int64_t l = m.cu0 + t;
     const int64_t base = l * args.qkv_row_stride;
     st.q = load_bits4(args.mixed_qkv, args.qkv_dtype, base + int64_t(h) * kHeadDim + 4 * lane,
                       args.qkv_vector);
@@ -334,185 +468,191 @@ __global__ void GDN_DECODE_MTP_BOUNDS decode_mtp_kernel(const __grid_constant__ 
       st.v[i] = lane + 32 * i < R ? load_bits(args.mixed_qkv, args.qkv_dtype, vbase + lane + 32 * i) : 0u;
     st.a = load_bits(args.a, args.a_dtype, l * args.a_row_stride + hv);
     st.b = load_bits(args.b, args.b_dtype, l * args.b_row_stride + hv);
+    st.A_log = load_bits(args.A_log, args.A_log_dtype, hv);
+    st.dt_bias = load_bits(args.dt_bias, args.dt_bias_dtype, hv);
     return st;
   };
   auto stage_store = [&](int t, const Staged& st) {
     const float4 q = bits4_to_f32(st.q, args.qkv_dtype);
-    const float4 k = bits4_to_f32(st.k, args.qkv_dtype);
+    const float4 kk4 = bits4_to_f32(st.k, args.qkv_dtype);
     const float qq = warp_sum(q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w);
-    const float kk = warp_sum(k.x * k.x + k.y * k.y + k.z * k.z + k.w * k.w);
+    const float kk = warp_sum(kk4.x * kk4.x + kk4.y * kk4.y + kk4.z * kk4.z + kk4.w * kk4.w);
     const float qinv = args.scale / sqrtf(qq + args.l2_eps);
     const float kinv = 1.0f / sqrtf(kk + args.l2_eps);
     float* qk = smem + plan.qk + t * 2 * kHeadDim + 4 * lane;
     *reinterpret_cast<float4*>(qk) = make_float4(q.x * qinv, q.y * qinv, q.z * qinv, q.w * qinv);
     *reinterpret_cast<float4*>(qk + kHeadDim) =
-        make_float4(k.x * kinv, k.y * kinv, k.z * kinv, k.w * kinv);
+        make_float4(kk4.x * kinv, kk4.y * kinv, kk4.z * kinv, kk4.w * kinv);
 #pragma unroll
     for (int i = 0; i < kHeadDim / 32; ++i)
       if (lane + 32 * i < R) smem[plan.v + t * R + lane + 32 * i] = bits_to_f32(st.v[i], args.qkv_dtype);
     if (lane == 0) {
+      const float A = -expf(bits_to_f32(st.A_log, args.A_log_dtype));
+      const float dt_bias = bits_to_f32(st.dt_bias, args.dt_bias_dtype);
       const float a = bits_to_f32(st.a, args.a_dtype);
       const float b = bits_to_f32(st.b, args.b_dtype);
       smem[plan.gates + 2 * t] = expf(A * softplus(a + dt_bias));
       smem[plan.gates + 2 * t + 1] = sigmoid(b);
     }
   };
-  Staged first;
-  if (warp < T) first = stage_load(warp);
-  uint32_t z_bits[kEpilogueSlots];
+  auto load_z = [&](int64_t k, uint32_t(&z_bits)[kEpilogueSlots]) {
+    const RequestMeta& m = meta[k / HV - n_first];
 #pragma unroll
-  for (int j = 0; j < kEpilogueSlots; ++j) {
-    const int t = ep_t0 + 4 * j;
-    z_bits[j] = gated && t < T ? load_bits(args.z, args.z_dtype,
-                                           (cu0 + t) * args.z_row_stride +
-                                               int64_t(hv) * args.z_head_stride + row0 + ep_r)
-                               : 0u;
-  }
+    for (int j = 0; j < kEpilogueSlots; ++j) {
+      const int t = ep_t0 + 4 * j;
+      z_bits[j] = gated && t < m.T
+                      ? load_bits(args.z, args.z_dtype,
+                                  (m.cu0 + t) * args.z_row_stride + (k % HV) * args.z_head_stride +
+                                      row0 + ep_r)
+                      : 0u;
+    }
+  };
 
-  // 4. The source slice, complete, into registers before any store.
-  const int64_t head_offset = int64_t(hv) * kHeadDim * kHeadDim;
-  const StateT* src = static_cast<const StateT*>(args.state) + source * args.slot_stride + head_offset;
-  Vec4<StateT> raw[kRowsPerWarp];
-  if (args.state_vector) {
-    const StateT* p = src + wrow0 * kHeadDim + 4 * lane;
-#pragma unroll
-    for (int j = 0; j < kRowsPerWarp; ++j) raw[j] = *reinterpret_cast<const Vec4<StateT>*>(p + j * kHeadDim);
-  } else if (args.state_kv) {  // element (row, col) at col * 128 + row
-    const StateT* p = src + wrow0 + 4 * lane * kHeadDim;
-#pragma unroll
-    for (int j = 0; j < kRowsPerWarp; ++j)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) raw[j].v[c] = p[j + c * kHeadDim];
-  } else {  // "vk" without 16-byte alignment
-    const StateT* p = src + wrow0 * kHeadDim + 4 * lane;
-#pragma unroll
-    for (int j = 0; j < kRowsPerWarp; ++j)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) raw[j].v[c] = p[j * kHeadDim + c];
-  }
+  // 3. The walk over the range. The source slice of the next live head is requested before this
+  //    head's tokens run, so its latency hides behind them.
+  Raw raw[kRowsPerWarp];
+  if (live(hb)) load_state(hb, raw);
+  bool peers_reading = false;  // a cluster arrive is pending: peers may read our partials
 
-  if (warp < T) stage_store(warp, first);
-  for (int t = warp + W; t < T; t += W) stage_store(t, stage_load(t));
+  for (int64_t k = hb; k < he; ++k) {
+    const RequestMeta& m = meta[k / HV - n_first];
+    const int hv = int(k % HV);
+    if (!(m.valid && m.T > 0)) {  // same decision in every CTA of the cluster
+      if (!m.valid) {
+        const int64_t count = m.hi > m.lo ? (m.hi - m.lo) * R : 0;
+        for (int64_t e = tid; e < count; e += blockDim.x) {
+          const int64_t l = m.lo + e / R;
+          store_act(args.out, args.out_dtype, (l * HV + hv) * kHeadDim + row0 + e % R, 0.0f);
+        }
+        if (args.error_count && hv == 0 && rank == 0 && tid == 0) atomicAdd(args.error_count, 1);
+      }
+      if (k + 1 < he && live(k + 1)) load_state(k + 1, raw);
+      continue;
+    }
+    const int T = m.T;
 
-  // Epilogue inputs: act(z) of this thread's outputs and the norm weight of its row.
-  if (gated) {
+    // This head's inputs: all loads in flight together, then into shared memory.
+    Staged first;
+    if (warp < T) first = stage_load(k, warp);
+    uint32_t z_bits[kEpilogueSlots];
+    load_z(k, z_bits);
+    float4 s[kRowsPerWarp];
+#pragma unroll
+    for (int j = 0; j < kRowsPerWarp; ++j) s[j] = Bits::to_f32(raw[j]);
+    if (warp < T) stage_store(warp, first);
+    for (int t = warp + W; t < T; t += W) stage_store(t, stage_load(k, t));
+    if (gated) {
+#pragma unroll
+      for (int j = 0; j < kEpilogueSlots; ++j) {
+        const int t = ep_t0 + 4 * j;
+        if (t < T) {
+          const float zv = bits_to_f32(z_bits[j], args.z_dtype);
+          smem[plan.z + t * R + ep_r] = args.gate_sigmoid ? sigmoid(zv) : zv * sigmoid(zv);
+        }
+      }
+    }
+    if (k + 1 < he && live(k + 1)) load_state(k + 1, raw);  // next head's slice, in flight now
+    int64_t my_slot = lane < S ? m.slot[lane] : 0;
+    const int64_t head_offset = int64_t(hv) * head_elems;
+    __syncthreads();  // staged tokens visible
+    if (peers_reading) {  // peers done with our partials of the last head
+      cluster_wait();
+      peers_reading = false;
+    }
+
+    // 4. Tokens.
+    for (int t = 0; t < T; ++t) {
+      const float* qk = smem + plan.qk + t * 2 * kHeadDim + 4 * lane;
+      const float4 kt = *reinterpret_cast<const float4*>(qk + kHeadDim);
+      const float alpha = smem[plan.gates + 2 * t];
+      const float beta = smem[plan.gates + 2 * t + 1];
+      const float v = smem[plan.v + t * R + (my_row - row0)];
+
+      // decay, read u = S k
+      float p[kRowsPerWarp];
+#pragma unroll
+      for (int j = 0; j < kRowsPerWarp; ++j) {
+        s[j].x *= alpha; s[j].y *= alpha; s[j].z *= alpha; s[j].w *= alpha;
+        p[j] = s[j].x * kt.x + s[j].y * kt.y + s[j].z * kt.z + s[j].w * kt.w;
+      }
+      const float u = transpose_reduce8(p, lane);
+      const float delta_mine = beta * (v - u);
+      // rank-1 write S += delta k^T, then the output o = S q of the updated state
+      const float4 qt = *reinterpret_cast<const float4*>(qk);
+#pragma unroll
+      for (int j = 0; j < kRowsPerWarp; ++j) {
+        const float d = __shfl_sync(0xffffffffu, delta_mine, 4 * j);
+        s[j].x += kt.x * d; s[j].y += kt.y * d; s[j].z += kt.z * d; s[j].w += kt.w * d;
+        p[j] = s[j].x * qt.x + s[j].y * qt.y + s[j].z * qt.z + s[j].w * qt.w;
+      }
+      const float o = transpose_reduce8(p, lane);
+
+      // state after token t -> slot state_indices[n, t] (null: skipped)
+      const int64_t dest = __shfl_sync(0xffffffffu, my_slot, t);
+      if (dest >= args.first_valid_slot && dest >= 0) {
+        StateT* dst = static_cast<StateT*>(args.state) + dest * args.slot_stride + head_offset;
+        if (args.state_vector) {
+          StateT* p = dst + wrow0 * kHeadDim + 4 * lane;
+#pragma unroll
+          for (int j = 0; j < kRowsPerWarp; ++j)
+            *reinterpret_cast<Raw*>(p + j * kHeadDim) = Bits::from_f32(s[j]);
+        } else {
+          StateT* p = dst + wrow0 * row_step + 4 * lane * col_step;
+#pragma unroll
+          for (int j = 0; j < kRowsPerWarp; ++j)
+            Bits::store_scalar(p + j * row_step, col_step, Bits::from_f32(s[j]));
+        }
+      }
+
+      if ((lane & 3) == 0) smem[plan.o + t * R + (my_row - row0)] = o;
+      if (norm) {  // this warp's share of sum(o^2), fixed order over its 8 rows
+        float sq = o * o;
+        sq += __shfl_xor_sync(0xffffffffu, sq, 4);
+        sq += __shfl_xor_sync(0xffffffffu, sq, 8);
+        sq += __shfl_xor_sync(0xffffffffu, sq, 16);
+        if (lane == 0) smem[plan.ss + t * W + warp] = sq;
+      }
+    }
+
+    // 5. Epilogue: gated RMSNorm over all 128 rows (partials of every CTA of the cluster), in
+    //    one fixed order whatever the split.
+    if (clustered) {
+      cluster_arrive();
+      cluster_wait();
+    } else {
+      __syncthreads();
+    }
+    if (norm) {
+      if (warp == 0 && lane < T) {
+        float total = 0.0f;
+#pragma unroll
+        for (int g = 0; g < kWarpsPerHead; ++g) {  // the 16 warp partials of the head, in order
+          const float* part = smem + plan.ss + lane * W + g % W;
+          total += clustered ? *cluster_peer(part, g / W) : *part;
+        }
+        smem[plan.rstd + lane] = 1.0f / sqrtf(total / float(kHeadDim) + args.norm_eps);
+      }
+      __syncthreads();
+      if (clustered) {
+        cluster_arrive();  // done reading the peers' partials
+        peers_reading = true;
+      }
+    }
 #pragma unroll
     for (int j = 0; j < kEpilogueSlots; ++j) {
       const int t = ep_t0 + 4 * j;
       if (t < T) {
-        const float zv = bits_to_f32(z_bits[j], args.z_dtype);
-        smem[plan.z + t * R + ep_r] = args.gate_sigmoid ? sigmoid(zv) : zv * sigmoid(zv);
+        float y = smem[plan.o + t * R + ep_r];
+        if (norm) {
+          y = y * smem[plan.rstd + t] * smem[plan.w + ep_r];
+          if (gated) y *= smem[plan.z + t * R + ep_r];
+        }
+        store_act(args.out, args.out_dtype, ((m.cu0 + t) * HV + hv) * kHeadDim + row0 + ep_r, y);
       }
     }
+    __syncthreads();  // shared arrays are rewritten by the next head
   }
-  if (norm && ep_t0 == 0) smem[plan.w + ep_r] = bits_to_f32(w_bits, args.norm_dtype);
-
-  float4 s[kRowsPerWarp];
-#pragma unroll
-  for (int j = 0; j < kRowsPerWarp; ++j)
-    s[j] = make_float4(to_f32(raw[j].v[0]), to_f32(raw[j].v[1]), to_f32(raw[j].v[2]),
-                       to_f32(raw[j].v[3]));
-  __syncthreads();  // staged tokens visible
-
-  // 5. Tokens.
-  for (int t = 0; t < T; ++t) {
-    const float* qk = smem + plan.qk + t * 2 * kHeadDim + 4 * lane;
-    const float4 kt = *reinterpret_cast<const float4*>(qk + kHeadDim);
-    const float alpha = smem[plan.gates + 2 * t];
-    const float beta = smem[plan.gates + 2 * t + 1];
-    const float v = smem[plan.v + t * R + (my_row - row0)];
-
-    // decay, read u = S k
-    float p[kRowsPerWarp];
-#pragma unroll
-    for (int j = 0; j < kRowsPerWarp; ++j) {
-      s[j].x *= alpha; s[j].y *= alpha; s[j].z *= alpha; s[j].w *= alpha;
-      p[j] = s[j].x * kt.x + s[j].y * kt.y + s[j].z * kt.z + s[j].w * kt.w;
-    }
-    const float u = transpose_reduce8(p, lane);
-    const float delta_mine = beta * (v - u);
-    // rank-1 write S += delta k^T, then the output o = S q of the updated state
-    const float4 qt = *reinterpret_cast<const float4*>(qk);
-#pragma unroll
-    for (int j = 0; j < kRowsPerWarp; ++j) {
-      const float d = __shfl_sync(0xffffffffu, delta_mine, 4 * j);
-      s[j].x += kt.x * d; s[j].y += kt.y * d; s[j].z += kt.z * d; s[j].w += kt.w * d;
-      p[j] = s[j].x * qt.x + s[j].y * qt.y + s[j].z * qt.z + s[j].w * qt.w;
-    }
-    const float o = transpose_reduce8(p, lane);
-
-    // state after token t -> slot state_indices[n, t] (null: skipped)
-    const int64_t dest = __shfl_sync(0xffffffffu, my_slot, t);
-    if (dest >= args.first_valid_slot && dest >= 0) {
-      StateT* dst = static_cast<StateT*>(args.state) + dest * args.slot_stride + head_offset;
-      Vec4<StateT> w[kRowsPerWarp];
-#pragma unroll
-      for (int j = 0; j < kRowsPerWarp; ++j) {
-        w[j].v[0] = from_f32<StateT>(s[j].x); w[j].v[1] = from_f32<StateT>(s[j].y);
-        w[j].v[2] = from_f32<StateT>(s[j].z); w[j].v[3] = from_f32<StateT>(s[j].w);
-      }
-      if (args.state_vector) {
-        StateT* p = dst + wrow0 * kHeadDim + 4 * lane;
-#pragma unroll
-        for (int j = 0; j < kRowsPerWarp; ++j) *reinterpret_cast<Vec4<StateT>*>(p + j * kHeadDim) = w[j];
-      } else if (args.state_kv) {
-        StateT* p = dst + wrow0 + 4 * lane * kHeadDim;
-#pragma unroll
-        for (int j = 0; j < kRowsPerWarp; ++j)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) p[j + c * kHeadDim] = w[j].v[c];
-      } else {
-        StateT* p = dst + wrow0 * kHeadDim + 4 * lane;
-#pragma unroll
-        for (int j = 0; j < kRowsPerWarp; ++j)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) p[j * kHeadDim + c] = w[j].v[c];
-      }
-    }
-
-    if ((lane & 3) == 0) smem[plan.o + t * R + (my_row - row0)] = o;
-    if (norm) {  // this warp's share of sum(o^2), fixed order over its 8 rows
-      float sq = o * o;
-      sq += __shfl_xor_sync(0xffffffffu, sq, 4);
-      sq += __shfl_xor_sync(0xffffffffu, sq, 8);
-      sq += __shfl_xor_sync(0xffffffffu, sq, 16);
-      if (lane == 0) smem[plan.ss + t * W + warp] = sq;
-    }
-  }
-
-  // 6. Epilogue: gated RMSNorm over all 128 rows (partials of every CTA of the cluster).
-  const bool clustered = norm && split > 1;
-  if (clustered) {
-    cluster_arrive();
-    cluster_wait();
-  } else {
-    __syncthreads();
-  }
-  if (norm) {
-    if (warp == 0 && lane < T) {
-      float total = 0.0f;
-      for (int g = 0; g < kWarpsPerHead; ++g) {  // the 16 warp partials of the head, in order
-        const float* part = smem + plan.ss + lane * W + g % W;
-        total += clustered ? *cluster_peer(part, g / W) : *part;
-      }
-      smem[plan.rstd + lane] = 1.0f / sqrtf(total / float(kHeadDim) + args.norm_eps);
-    }
-    __syncthreads();
-    if (clustered) cluster_arrive();  // done reading the peers' shared memory
-  }
-#pragma unroll
-  for (int j = 0; j < kEpilogueSlots; ++j) {
-    const int t = ep_t0 + 4 * j;
-    if (t < T) {
-      float y = smem[plan.o + t * R + ep_r];
-      if (norm) {
-        y = y * smem[plan.rstd + t] * smem[plan.w + ep_r];
-        if (gated) y *= smem[plan.z + t * R + ep_r];
-      }
-      store_act(args.out, args.out_dtype, ((cu0 + t) * args.HV + hv) * kHeadDim + row0 + ep_r, y);
-    }
-  }
-  if (clustered) cluster_wait();  // peers may still be reading this CTA's partials
+  if (peers_reading) cluster_wait();  // peers may still be reading this CTA's partials
 }
 
 // ---- Host side ----------------------------------------------------------------------------------
@@ -562,17 +702,38 @@ inline bool kernel_has_clusters(int device) {
   return c == 2;
 }
 
-// Rows of a head are split over more CTAs when there are too few heads to fill the GPU.
+// CTAs per head: 2 (two 256-thread CTAs per SM, each walking its heads) once there are as many
+// heads as SMs; more when there are fewer heads, so that small batches still fill the GPU.
 inline int choose_split(int64_t heads, int sm_count, bool clusters) {
   if (!clusters) return 1;
-  int split = 2;
-  while (split < kMaxSplit && heads * split < 2 * int64_t(sm_count)) split *= 2;
-  return split;
+  if (heads >= sm_count) return 2;
+  return heads * 4 >= sm_count ? 4 : 8;
 }
 
 inline size_t shared_bytes(int S, int split) {
   const int R = kHeadDim / split;
   return size_t(SmemPlan(S, R, R / kRowsPerWarp).total) * sizeof(float);
+}
+
+// Resident CTAs per SM of one kernel for (split, S), cached per device.
+template <class StateT, int kRatio>
+inline int ctas_per_sm(int device, int split, int S) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cached[kMaxDevices][4][kCudaMaxSpecColumns + 1];
+  const int si = split == 1 ? 0 : split == 2 ? 1 : split == 4 ? 2 : 3;
+  if (device < 0 || device >= kMaxDevices || S < 0 || S > kCudaMaxSpecColumns) return 1;
+  int n = cached[device][si][S].load(std::memory_order_relaxed);
+  if (n == 0) {
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_mtp_kernel<StateT, kRatio>,
+                                                      kMaxThreads / split,
+                                                      shared_bytes(S, split)) != cudaSuccess) {
+      (void)cudaGetLastError();
+      n = 1;
+    }
+    n = n < 1 ? 1 : n;
+    cached[device][si][S].store(n, std::memory_order_relaxed);
+  }
+  return n;
 }
 
 template <DType kState, int kRatio>
@@ -582,32 +743,49 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
   KernelArgs args = args_in;
   DeviceInfo info;
   GDN_RETURN_IF_ERROR(device_info(device, &info));
-  const bool clusters = info.major >= 9 && kernel_has_clusters<StateT, kRatio>(device);
+  // sm_90 image: thread-block clusters and programmatic dependent launch.
+  const bool hopper = info.major >= 9 && kernel_has_clusters<StateT, kRatio>(device);
   const int64_t heads = args.N * args.HV;
-  int split = split_request > 0 ? split_request : choose_split(heads, info.sm_count, clusters);
+  const int split = split_request > 0 ? split_request : choose_split(heads, info.sm_count, hopper);
   if (split != 1 && split != 2 && split != 4 && split != 8)
     return Status::invalid("decode_mtp: split must be 1, 2, 4 or 8, got " + std::to_string(split));
-  if (split > 1 && !clusters)
+  if (split > 1 && !hopper)
     return Status::unsupported("decode_mtp: splitting a head over CTAs needs thread-block "
                                "clusters (sm_90 and a kernel image built for it)");
-  if (heads * split > int64_t(INT_MAX))
-    return Status::unsupported("decode_mtp: too many (request, value head) pairs for one launch");
   args.split = split;
 
+  // Persistent grid: as many clusters as fit at once (each walks a contiguous head range), but
+  // enough that no range spans more than kMetaRequests requests.
+  const int64_t resident =
+      std::max<int64_t>(1, int64_t(info.sm_count) * ctas_per_sm<StateT, kRatio>(device, split, args.S) / split);
+  const int64_t span_limit = (heads + int64_t(kMetaRequests - 1) * args.HV - 1) /
+                             (int64_t(kMetaRequests - 1) * args.HV);
+  const int64_t n_clusters = std::min(heads, std::max(resident, span_limit));
+  if (n_clusters * split > int64_t(INT_MAX))
+    return Status::unsupported("decode_mtp: too many (request, value head) pairs for one launch");
+  args.early_dependent_launch = hopper && n_clusters <= resident;
+
   cudaLaunchConfig_t config{};
-  config.gridDim = dim3(unsigned(heads * split));
+  config.gridDim = dim3(unsigned(n_clusters * split));
   config.blockDim = dim3(unsigned(kMaxThreads / split));
   config.dynamicSmemBytes = shared_bytes(args.S, split);
   config.stream = stream;
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
+  unsigned num_attrs = 0;
   if (split > 1) {
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = unsigned(split);
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    config.attrs = attr;
-    config.numAttrs = 1;
+    attr[num_attrs].id = cudaLaunchAttributeClusterDimension;
+    attr[num_attrs].val.clusterDim.x = unsigned(split);
+    attr[num_attrs].val.clusterDim.y = 1;
+    attr[num_attrs].val.clusterDim.z = 1;
+    ++num_attrs;
   }
+  if (hopper) {  // may start before the previous launch ends; the kernel waits before any read
+    attr[num_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[num_attrs].val.programmaticStreamSerializationAllowed = 1;
+    ++num_attrs;
+  }
+  config.attrs = attr;
+  config.numAttrs = num_attrs;
   const cudaError_t err = cudaLaunchKernelEx(&config, decode_mtp_kernel<StateT, kRatio>, args);
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
