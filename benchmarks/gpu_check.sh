@@ -3,7 +3,7 @@
 # and cpu) and the whole pytest suite, run compute-sanitizer (memcheck, racecheck) on the decode_mtp
 # GPU tests, then the decode_mtp benchmark. Logs, results JSON and plot go to $OUT.
 #
-#   STAGES="build test sanitize bench" benchmarks/gpu_check.sh     (default: all four)
+#   STAGES="build test bench sanitize profile" benchmarks/gpu_check.sh     (default: all five)
 #   BENCH_ARGS="--quick --sweep-split" STAGES="build bench" benchmarks/gpu_check.sh
 #
 # Environment: OUT (default ./gpu_out), JOBS (16), GDN_CUDA_ARCHITECTURES (90a), GDN_GIT_SHA
@@ -13,7 +13,7 @@
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-STAGES=${STAGES:-"build test sanitize bench"}
+STAGES=${STAGES:-"build test bench sanitize profile"}
 OUT=${OUT:-$root/gpu_out}
 JOBS=${JOBS:-16}
 ARCHS=${GDN_CUDA_ARCHITECTURES:-90a}
@@ -51,33 +51,18 @@ if has test; then
   {
     ctest --test-dir "$BUILD" -L "gpu|cpu" --output-on-failure -j "$JOBS" --no-tests=error
     echo "ctest exit $?"
+    # The GPU test binary directly as well (independent of ctest's test discovery).
+    "$BUILD/tests/cpp/gdn_gpu_tests" --gtest_brief=1
+    echo "gtest-gpu exit $?"
     xdist=()
-    python3 -c "import xdist" 2>/dev/null && xdist=(-n 8)
+    python3 -c "import xdist" 2>/dev/null && xdist=(-n 12)
     # shellcheck disable=SC2086
-    timeout "${PYTEST_TIMEOUT:-400}" python3 -m pytest ${PYTEST_ARGS:-tests/py} -q -rs \
-      "${xdist[@]}" -p no:cacheprovider
+    OMP_NUM_THREADS=2 timeout "${PYTEST_TIMEOUT:-400}" python3 -m pytest ${PYTEST_ARGS:-tests/py} \
+      -q -rs "${xdist[@]}" -p no:cacheprovider
     echo "pytest exit $?"
   } > "$OUT/test.log" 2>&1
-  grep -qE "^ctest exit 0$" "$OUT/test.log" && grep -qE "^pytest exit 0$" "$OUT/test.log" || status=1
+  grep -qE "^gtest-gpu exit 0$" "$OUT/test.log" && grep -qE "^pytest exit 0$" "$OUT/test.log" || status=1
   grep -E "tests passed|tests failed|passed|failed|error|exit [0-9]" "$OUT/test.log" | tail -15
-fi
-
-if has sanitize; then
-  stage sanitize
-  {
-    for tool in memcheck racecheck; do
-      echo "--- compute-sanitizer --tool $tool (gdn_gpu_tests, DecodeMtp*)"
-      compute-sanitizer --tool "$tool" --error-exitcode 3 \
-        "$BUILD/tests/cpp/gdn_gpu_tests" --gtest_filter='DecodeMtp*' 2>&1 | tail -25
-      echo "$tool exit ${PIPESTATUS[0]}"
-    done
-    echo "--- compute-sanitizer --tool memcheck (pytest, device-index and strided cases)"
-    compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest -q -p no:cacheprovider \
-      tests/py/test_decode_mtp_cuda.py -k "hostile or strided_views or split or every_T" 2>&1 | tail -8
-    echo "pytest-memcheck exit ${PIPESTATUS[0]}"
-  } > "$OUT/sanitize.log" 2>&1
-  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|exit [0-9]|passed|failed" "$OUT/sanitize.log"
-  grep -qE "exit [1-9]" "$OUT/sanitize.log" && status=1
 fi
 
 if has bench; then
@@ -86,6 +71,44 @@ if has bench; then
   python3 benchmarks/bench_decode_mtp.py ${BENCH_ARGS:-} --json "$OUT/decode_mtp_h200.json" \
     --png "$OUT/decode_mtp_h200.png" > "$OUT/bench.log" 2>&1 || status=1
   tail -n 60 "$OUT/bench.log"
+fi
+
+if has sanitize; then
+  stage sanitize
+  {
+    for tool in memcheck racecheck; do
+      echo "--- compute-sanitizer --tool $tool (gdn_gpu_tests, DecodeMtp*)"
+      timeout "${SANITIZE_TIMEOUT:-120}" compute-sanitizer --tool "$tool" --error-exitcode 3 \
+        "$BUILD/tests/cpp/gdn_gpu_tests" --gtest_filter='DecodeMtp*' 2>&1 | tail -25
+      echo "$tool exit ${PIPESTATUS[0]}"
+    done
+    echo "--- compute-sanitizer --tool memcheck (pytest, device-index and strided cases)"
+    timeout "${SANITIZE_TIMEOUT:-120}" compute-sanitizer --tool memcheck --error-exitcode 3 \
+      python3 -m pytest -q -p no:cacheprovider tests/py/test_decode_mtp_cuda.py \
+      -k "hostile or large_batch or strided_views" 2>&1 | tail -8
+    echo "pytest-memcheck exit ${PIPESTATUS[0]}"
+  } > "$OUT/sanitize.log" 2>&1
+  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|exit [0-9]|passed|failed" "$OUT/sanitize.log"
+  grep -qE "exit [1-9]" "$OUT/sanitize.log" && status=1
+fi
+
+if has profile; then
+  stage profile
+  {
+    for cfg in "--B 128 --T 1 --state fp32" "--B 1 --T 1 --state fp32" "--B 128 --T 4 --state bf16"; do
+      echo "--- ncu decode_mtp_kernel $cfg"
+      # shellcheck disable=SC2086
+      timeout 60 ncu --clock-control none -k regex:decode_mtp_kernel --launch-skip 2 --launch-count 1 \
+        --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+        --section SchedulerStats --section MemoryWorkloadAnalysis \
+        python3 benchmarks/profile_decode_mtp.py $cfg 2>&1 | grep -vE "^==PROF==|^\s*$"
+    done
+    echo "--- ncu FLA fused_recurrent (dense) --B 128 --T 1 --state fp32"
+    timeout 90 ncu --clock-control none -k regex:fused_recurrent --launch-skip 2 --launch-count 1 \
+      --section SpeedOfLight --section Occupancy --section WarpStateStats \
+      python3 benchmarks/profile_decode_mtp.py --impl fla --B 128 --T 1 2>&1 | grep -vE "^==PROF==|^\s*$"
+  } > "$OUT/ncu.txt" 2>&1
+  grep -E "^---|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Stall" "$OUT/ncu.txt" | head -60
 fi
 stage "done (status $status)"
 exit $status
