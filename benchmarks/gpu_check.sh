@@ -7,7 +7,9 @@
 #   BENCH_ARGS="--quick --sweep-split" STAGES="build bench" benchmarks/gpu_check.sh
 #
 # Environment: OUT (default ./gpu_out), JOBS (16), GDN_CUDA_ARCHITECTURES (90a), GDN_GIT_SHA
-# (recorded in the results), BENCH_ARGS, PYTEST_ARGS (default tests/py), PYTEST_TIMEOUT (400 s). GoogleTest comes from .deps/gtest (scripts/stage_gtest.sh)
+# (recorded in the results), BENCH_ARGS, PYTEST_ARGS (default tests/py), PYTEST_TIMEOUT (400 s),
+# SANITIZE_TIMEOUT (120 s per tool), SANITIZE_PYTEST (1: also memcheck a pytest selection),
+# PROFILE_CONFIGS (';'-separated profile_decode_mtp.py arguments). GoogleTest comes from .deps/gtest (scripts/stage_gtest.sh)
 # when the system has none; Python wheels in .whl (e.g. fla-core, einops) are installed into a
 # private directory for the benchmark's baseline.
 set -uo pipefail
@@ -82,11 +84,13 @@ if has sanitize; then
         "$BUILD/tests/cpp/gdn_gpu_tests" --gtest_filter='DecodeMtp*' 2>&1 | tail -25
       echo "$tool exit ${PIPESTATUS[0]}"
     done
-    echo "--- compute-sanitizer --tool memcheck (pytest, device-index and strided cases)"
-    timeout "${SANITIZE_TIMEOUT:-120}" compute-sanitizer --tool memcheck --error-exitcode 3 \
-      python3 -m pytest -q -p no:cacheprovider tests/py/test_decode_mtp_cuda.py \
-      -k "hostile or large_batch or strided_views" 2>&1 | tail -8
-    echo "pytest-memcheck exit ${PIPESTATUS[0]}"
+    if [ "${SANITIZE_PYTEST:-1}" = 1 ]; then
+      echo "--- compute-sanitizer --tool memcheck (pytest, device-index and strided cases)"
+      timeout "${SANITIZE_TIMEOUT:-120}" compute-sanitizer --tool memcheck --error-exitcode 3 \
+        python3 -m pytest -q -p no:cacheprovider tests/py/test_decode_mtp_cuda.py \
+        -k "hostile or large_batch or strided_views" 2>&1 | tail -8
+      echo "pytest-memcheck exit ${PIPESTATUS[0]}"
+    fi
   } > "$OUT/sanitize.log" 2>&1
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY|exit [0-9]|passed|failed" "$OUT/sanitize.log"
   grep -qE "exit [1-9]" "$OUT/sanitize.log" && status=1
@@ -95,7 +99,8 @@ fi
 if has profile; then
   stage profile
   {
-    for cfg in "--B 128 --T 1 --state fp32" "--B 1 --T 1 --state fp32" "--B 128 --T 4 --state bf16"; do
+    IFS=';' read -r -a cfgs <<< "${PROFILE_CONFIGS:---B 128 --T 1 --state fp32;--B 1 --T 1 --state fp32;--B 128 --T 4 --state bf16}"
+    for cfg in "${cfgs[@]}"; do
       echo "--- ncu decode_mtp_kernel $cfg"
       # shellcheck disable=SC2086
       timeout 60 ncu --clock-control none -k regex:decode_mtp_kernel --launch-skip 2 --launch-count 1 \
