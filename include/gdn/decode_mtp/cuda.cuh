@@ -54,7 +54,16 @@ inline constexpr int kEpilogueSlots = kCudaMaxSpecColumns / 4;     // outputs pe
 // Register cap: a warp's slice of the current head (8 rows x 4 columns per lane, fp32), the next
 // head's slice in flight and the per-token working set fit without spills; two 256-thread CTAs
 // (split 2) share an SM.
-inline constexpr int kMaxRegisters = 128;
+#ifndef GDN_DECODE_MTP_MAXNREG
+#define GDN_DECODE_MTP_MAXNREG 128
+#endif
+inline constexpr int kMaxRegisters = GDN_DECODE_MTP_MAXNREG;
+// Whether the next head's source slice is loaded while the current head computes (costs a second
+// slice of registers, so it pairs with the larger register cap).
+#ifndef GDN_DECODE_MTP_PREFETCH_NEXT
+#define GDN_DECODE_MTP_PREFETCH_NEXT 1
+#endif
+inline constexpr bool kPrefetchNextHead = GDN_DECODE_MTP_PREFETCH_NEXT != 0;
 static_assert(kCudaMaxSpecColumns <= 32, "slot ids of a row are held one per lane");
 static_assert(kCudaMaxSpecColumns % 4 == 0, "epilogue assumes T*R outputs over 4R threads");
 
@@ -542,7 +551,7 @@ __global__ void GDN_DECODE_MTP_BOUNDS decode_mtp_kernel(const __grid_constant__ 
   //    head's tokens run, so its latency hides behind them.
   Raw raw[kRowsPerWarp];
   int j = 0, hv = int(hb % HV);  // position of head hb
-  if (live(j)) load_state(j, hv, raw);
+  if (kPrefetchNextHead && live(j)) load_state(j, hv, raw);
   bool peers_reading = false;  // a cluster arrive is pending: peers may read our partials
 
   for (int64_t k = hb; k < he; ++k, hv = hv + 1 == HV ? 0 : hv + 1, j += hv == 0) {
@@ -558,10 +567,11 @@ __global__ void GDN_DECODE_MTP_BOUNDS decode_mtp_kernel(const __grid_constant__ 
         }
         if (args.error_count && hv == 0 && rank == 0 && tid == 0) atomicAdd(args.error_count, 1);
       }
-      if (has_next && live(next_j)) load_state(next_j, next_hv, raw);
+      if (kPrefetchNextHead && has_next && live(next_j)) load_state(next_j, next_hv, raw);
       continue;
     }
     const int T = m.T;
+    if (!kPrefetchNextHead) load_state(j, hv, raw);
 
     // This head's inputs: all loads in flight together, then into shared memory.
     Staged first;
@@ -583,7 +593,8 @@ __global__ void GDN_DECODE_MTP_BOUNDS decode_mtp_kernel(const __grid_constant__ 
         }
       }
     }
-    if (has_next && live(next_j)) load_state(next_j, next_hv, raw);  // in flight from now on
+    if (kPrefetchNextHead && has_next && live(next_j))
+      load_state(next_j, next_hv, raw);  // in flight from now on
     int64_t my_slot = lane < S ? m.slot[lane] : 0;
     const int64_t head_offset = int64_t(hv) * head_elems;
     __syncthreads();  // staged tokens visible
