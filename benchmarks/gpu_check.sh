@@ -78,10 +78,13 @@ fi
 if has sanitize; then
   stage sanitize
   {
-    for tool in memcheck racecheck; do
-      echo "--- compute-sanitizer --tool $tool (gdn_gpu_tests, DecodeMtp*)"
+    # memcheck on every device test; racecheck where shared memory is used (decode_mtp only).
+    for run in "memcheck:*" "racecheck:*DecodeMtp*"; do
+      tool=${run%%:*}
+      filter=${run#*:}
+      echo "--- compute-sanitizer --tool $tool (gdn_gpu_tests, $filter)"
       timeout "${SANITIZE_TIMEOUT:-120}" compute-sanitizer --tool "$tool" --error-exitcode 3 \
-        "$BUILD/tests/cpp/gdn_gpu_tests" --gtest_filter='DecodeMtp*' 2>&1 | tail -25
+        "$BUILD/tests/cpp/gdn_gpu_tests" --gtest_filter="$filter" --gtest_brief=1 2>&1 | tail -25
       echo "$tool exit ${PIPESTATUS[0]}"
     done
     if [ "${SANITIZE_PYTEST:-1}" = 1 ]; then

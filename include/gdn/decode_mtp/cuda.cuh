@@ -58,10 +58,11 @@ inline constexpr int kEpilogueSlots = kCudaMaxSpecColumns / 4;     // outputs pe
 #define GDN_DECODE_MTP_MAXNREG 128
 #endif
 inline constexpr int kMaxRegisters = GDN_DECODE_MTP_MAXNREG;
-// Whether the next head's source slice is loaded while the current head computes (costs a second
-// slice of registers, so it pairs with the larger register cap).
+// Whether the next head's source slice is loaded while the current head computes. Off by default:
+// on the H200 the second slice of registers cost more than the overlap gained (T = 4, B = 128:
+// 388 us off vs 420 us on; T = 1 equal or better; benchmarks/results/tuning/).
 #ifndef GDN_DECODE_MTP_PREFETCH_NEXT
-#define GDN_DECODE_MTP_PREFETCH_NEXT 1
+#define GDN_DECODE_MTP_PREFETCH_NEXT 0
 #endif
 inline constexpr bool kPrefetchNextHead = GDN_DECODE_MTP_PREFETCH_NEXT != 0;
 static_assert(kCudaMaxSpecColumns <= 32, "slot ids of a row are held one per lane");
