@@ -6,7 +6,8 @@
 #   STAGES="build test bench sanitize profile" benchmarks/gpu_check.sh     (default: all five)
 #   BENCH_ARGS="--quick --sweep-split" STAGES="build bench" benchmarks/gpu_check.sh
 #
-# Environment: OUT (default ./gpu_out), JOBS (16), GDN_CUDA_ARCHITECTURES (90a), GDN_GIT_SHA
+# Environment: OUT (default ./gpu_out), JOBS (16), GDN_CUDA_ARCHITECTURES (90a), GDN_GIT_SHA (pass it
+# when the copy of the tree on the GPU machine has no .git)
 # (recorded in the results), BENCH_ARGS, PYTEST_ARGS (default tests/py), PYTEST_TIMEOUT (400 s),
 # SANITIZE_TIMEOUT (120 s per tool), SANITIZE_PYTEST (1: also memcheck a pytest selection),
 # PROFILE_CONFIGS (';'-separated profile_decode_mtp.py arguments). GoogleTest comes from .deps/gtest (scripts/stage_gtest.sh)
@@ -21,7 +22,7 @@ JOBS=${JOBS:-16}
 ARCHS=${GDN_CUDA_ARCHITECTURES:-90a}
 BUILD=$root/build/gpu
 mkdir -p "$OUT"
-export GDN_GIT_SHA=${GDN_GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+export GDN_GIT_SHA=${GDN_GIT_SHA:-$(git rev-parse --verify -q HEAD 2>/dev/null || echo unknown)}
 export PYTHONUNBUFFERED=1
 status=0
 has() { [[ " $STAGES " == *" $1 "* ]]; }

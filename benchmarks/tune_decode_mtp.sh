@@ -10,7 +10,7 @@ cd "$root"
 OUT=${OUT:-$root/gpu_out}
 JOBS=${JOBS:-16}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 GDN_GIT_SHA=${GDN_GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+export PYTHONUNBUFFERED=1 GDN_GIT_SHA=${GDN_GIT_SHA:-$(git rev-parse --verify -q HEAD 2>/dev/null || echo unknown)}
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/gdn_site .whl/*.whl && export PYTHONPATH=/tmp/gdn_site${PYTHONPATH:+:$PYTHONPATH}
