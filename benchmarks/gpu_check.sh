@@ -3,7 +3,7 @@
 # and cpu) and the whole pytest suite, run compute-sanitizer (memcheck, racecheck) on the decode_mtp
 # GPU tests, then the decode_mtp benchmark. Logs, results JSON and plot go to $OUT.
 #
-#   STAGES="build test bench sanitize profile" benchmarks/gpu_check.sh     (default: all five)
+#   STAGES="build test bench demo sanitize profile" benchmarks/gpu_check.sh     (default: all six)
 #   BENCH_ARGS="--quick --sweep-split" STAGES="build bench" benchmarks/gpu_check.sh
 #
 # Environment: OUT (default ./gpu_out), JOBS (16), GDN_CUDA_ARCHITECTURES (90a), GDN_GIT_SHA (pass it
@@ -16,7 +16,7 @@
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-STAGES=${STAGES:-"build test bench sanitize profile"}
+STAGES=${STAGES:-"build test bench demo sanitize profile"}
 OUT=${OUT:-$root/gpu_out}
 JOBS=${JOBS:-16}
 ARCHS=${GDN_CUDA_ARCHITECTURES:-90a}
@@ -74,6 +74,19 @@ if has bench; then
   python3 benchmarks/bench_decode_mtp.py ${BENCH_ARGS:-} --json "$OUT/decode_mtp_h200.json" \
     --png "$OUT/decode_mtp_h200.png" > "$OUT/bench.log" 2>&1 || status=1
   tail -n 60 "$OUT/bench.log"
+fi
+
+if has demo; then
+  stage demo
+  {
+    for flags in "" "--graphs"; do
+      echo "--- python -m gdn demo --device cuda $flags"
+      python3 -m gdn demo --device cuda $flags --no-progress
+      echo "demo${flags:+ $flags} exit $?"
+    done
+  } > "$OUT/demo.log" 2>&1
+  grep -E "speculative  :|acceptance|time, spec|PASS|FAIL|exit [0-9]" "$OUT/demo.log"
+  grep -qE "exit [1-9]" "$OUT/demo.log" && status=1
 fi
 
 if has sanitize; then
