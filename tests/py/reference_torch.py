@@ -15,6 +15,20 @@ import torch
 import torch.nn.functional as F
 
 F64 = torch.float64
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+# Bars of decode-mtp.md §6.
+FP32_BAR = 1e-5       # fp32 state and activations: outputs and every written state
+OUT16_BAR = 4e-3      # 16-bit activations: the rounding of out only
+STATE16_BAR = 1e-2    # 16-bit state after 3 chained steps
+
+
+def out_bar(act) -> float:
+    return FP32_BAR if act == FP32 else OUT16_BAR
+
+
+def state_bar(state_dtype) -> float:
+    return FP32_BAR if state_dtype == FP32 else STATE16_BAR
 
 
 def _f64(x) -> Optional[torch.Tensor]:
@@ -137,6 +151,18 @@ def assert_rounded_state(got: torch.Tensor, ref64: torch.Tensor, what: str) -> N
 
 ACT = ("mixed_qkv", "a", "b", "z", "out")
 PARAM = ("A_log", "dt_bias", "norm_weight")
+
+# Per-array dtypes (make_case's `dtypes`) that mix every activation and parameter dtype, and the
+# test ids of those sets.
+MIXED_DTYPES = [
+    dict(mixed_qkv=BF16, a=FP32, b=FP16, z=FP16, out=FP32, A_log=BF16, dt_bias=FP16,
+         norm_weight=BF16),
+    dict(mixed_qkv=FP16, a=BF16, b=BF16, z=FP32, out=BF16, A_log=FP32, dt_bias=BF16,
+         norm_weight=FP16),
+    dict(mixed_qkv=FP32, a=FP16, b=FP32, z=BF16, out=FP16, A_log=FP16, dt_bias=FP32,
+         norm_weight=FP32),
+]
+MIXED_DTYPE_IDS = ["qkv_bf16_out_fp32", "qkv_fp16_out_bf16", "qkv_fp32_out_fp16"]
 
 
 @dataclasses.dataclass

@@ -16,23 +16,10 @@ import gdn
 torch = pytest.importorskip("torch")
 
 from reference_torch import (  # noqa: E402 (needs torch)
-    F64, check_case, decode_mtp_ref, make_case, rel_l2)
+    BF16, F64, FP16, FP32, FP32_BAR, MIXED_DTYPE_IDS, MIXED_DTYPES, OUT16_BAR, check_case,
+    decode_mtp_ref, make_case, out_bar, rel_l2, state_bar)
 
-BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 I32, I64 = torch.int32, torch.int64
-
-# Bars of decode-mtp.md §6.
-FP32_BAR = 1e-5       # fp32 state and activations: outputs and every written state
-OUT16_BAR = 4e-3      # 16-bit activations: the rounding of out only
-STATE16_BAR = 1e-2    # 16-bit state after 3 chained steps
-
-
-def out_bar(act) -> float:
-    return FP32_BAR if act == FP32 else OUT16_BAR
-
-
-def state_bar(state_dtype) -> float:
-    return FP32_BAR if state_dtype == FP32 else STATE16_BAR
 
 
 # ---- the grid ------------------------------------------------------------------------------------
@@ -85,18 +72,7 @@ def test_state_and_activation_dtypes(gen, state_dtype, act):
     check_case(case, out_tol=out_bar(act), state_tol=state_bar(state_dtype))
 
 
-MIXED = [
-    dict(mixed_qkv=BF16, a=FP32, b=FP16, z=FP16, out=FP32, A_log=BF16, dt_bias=FP16,
-         norm_weight=BF16),
-    dict(mixed_qkv=FP16, a=BF16, b=BF16, z=FP32, out=BF16, A_log=FP32, dt_bias=BF16,
-         norm_weight=FP16),
-    dict(mixed_qkv=FP32, a=FP16, b=FP32, z=BF16, out=FP16, A_log=FP16, dt_bias=FP32,
-         norm_weight=FP32),
-]
-
-
-@pytest.mark.parametrize("dtypes", MIXED, ids=["qkv_bf16_out_fp32", "qkv_fp16_out_bf16",
-                                               "qkv_fp32_out_fp16"])
+@pytest.mark.parametrize("dtypes", MIXED_DTYPES, ids=MIXED_DTYPE_IDS)
 @pytest.mark.parametrize("strided", [False, True], ids=["dense", "strided"])
 def test_mixed_dtypes(gen, dtypes, strided):
     case = make_case(gen, H=1, HV=3, K=32, V=32, S=4, T=(2, 4, 1), dtypes=dtypes,
