@@ -339,12 +339,7 @@ def run_plain(model, prompts, new_tokens, args, progress) -> Tuple[List[List[int
                 o.append(int(t))
         stats.decode_steps += 1
         progress.update(sum(len(o) for o in out))
-    _sync(model)
-    stats.decode_seconds = time.perf_counter() - t0
-    stats.decode_tokens = sum(len(o) - 1 for o in out)
-    engine.path.check_device_errors()
-    timer.resolve()
-    stats.breakdown = dict(timer.totals)
+    _finish_decode(model, engine, timer, stats, out, t0)
     return out, stats
 
 
@@ -390,12 +385,7 @@ def run_speculative(model, prompts, new_tokens, args, progress) -> Tuple[List[Li
                 context[i] += n + 1
         stats.decode_steps += 1
         progress.update(sum(len(o) for o in out))
-    _sync(model)
-    stats.decode_seconds = time.perf_counter() - t0
-    stats.decode_tokens = sum(len(o) - 1 for o in out)
-    engine.path.check_device_errors()
-    timer.resolve()
-    stats.breakdown = dict(timer.totals)
+    _finish_decode(model, engine, timer, stats, out, t0)
     return out, stats, engine.graph_note
 
 
@@ -404,6 +394,17 @@ def _sync(model) -> None:
         import torch
 
         torch.cuda.synchronize()
+
+
+def _finish_decode(model, engine, timer, stats: RunStats, out: List[List[int]], t0: float) -> None:
+    """Closes a decode loop started at `t0`: waits for the device, records time and tokens (the
+    prefill's first token excluded), raises on device-side errors, folds the timer's breakdown."""
+    _sync(model)
+    stats.decode_seconds = time.perf_counter() - t0
+    stats.decode_tokens = sum(len(o) - 1 for o in out)
+    engine.path.check_device_errors()
+    timer.resolve()
+    stats.breakdown = dict(timer.totals)
 
 
 def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> List[List[int]]:
