@@ -133,11 +133,8 @@ inline Status check_arguments(const Params& p, Problem* out_problem) {
   GDN_RETURN_IF_ERROR(row_stride_at_least(p.x, "x", pr.D));
   pr.L = p.x.shape[0];
 
-  GDN_RETURN_IF_ERROR(present(p.out, "out"));
-  GDN_RETURN_IF_ERROR(ndim(p.out, "out", 2));
-  GDN_RETURN_IF_ERROR(dtype_in(p.out, "out", kFloats));
-  GDN_RETURN_IF_ERROR(dim(p.out, "out", 0, pr.L, "L (rows of x)"));
-  GDN_RETURN_IF_ERROR(dim(p.out, "out", 1, pr.D, "D (rows of weight)"));
+  GDN_RETURN_IF_ERROR(
+      shaped(p.out, "out", kFloats, {{pr.L, "L (rows of x)"}, {pr.D, "D (rows of weight)"}}));
   GDN_RETURN_IF_ERROR(unit_stride(p.out, "out", 1));
   GDN_RETURN_IF_ERROR(nonnegative_strides(p.out, "out"));
   GDN_RETURN_IF_ERROR(row_stride_at_least(p.out, "out", pr.D));
@@ -153,26 +150,13 @@ inline Status check_arguments(const Params& p, Problem* out_problem) {
   GDN_RETURN_IF_ERROR(nonnegative_strides(p.conv_state_indices, "conv_state_indices"));
   pr.N = p.conv_state_indices.shape[0];
 
-  GDN_RETURN_IF_ERROR(present(p.cu_seqlens, "cu_seqlens"));
-  GDN_RETURN_IF_ERROR(ndim(p.cu_seqlens, "cu_seqlens", 1));
-  GDN_RETURN_IF_ERROR(dtype_in(p.cu_seqlens, "cu_seqlens", {DType::kInt32, DType::kInt64}));
-  GDN_RETURN_IF_ERROR(dim(p.cu_seqlens, "cu_seqlens", 0, pr.N + 1, "N + 1 (entries of conv_state_indices + 1)"));
-  GDN_RETURN_IF_ERROR(contiguous_from(p.cu_seqlens, "cu_seqlens", 0));
-
-  if (p.num_accepted_tokens.present()) {
-    GDN_RETURN_IF_ERROR(present(p.num_accepted_tokens, "num_accepted_tokens"));
-    GDN_RETURN_IF_ERROR(ndim(p.num_accepted_tokens, "num_accepted_tokens", 1));
-    GDN_RETURN_IF_ERROR(dtype_in(p.num_accepted_tokens, "num_accepted_tokens", {DType::kInt32, DType::kInt64}));
-    GDN_RETURN_IF_ERROR(dim(p.num_accepted_tokens, "num_accepted_tokens", 0, pr.N, "N (entries of conv_state_indices)"));
-    GDN_RETURN_IF_ERROR(contiguous_from(p.num_accepted_tokens, "num_accepted_tokens", 0));
-  }
-
-  if (p.error_count.present()) {
-    GDN_RETURN_IF_ERROR(present(p.error_count, "error_count"));
-    GDN_RETURN_IF_ERROR(dtype_in(p.error_count, "error_count", {DType::kInt32}));
-    if (p.error_count.numel() != 1)
-      return Status::invalid("error_count must hold exactly one int32 element");
-  }
+  GDN_RETURN_IF_ERROR(contiguous_vector(p.cu_seqlens, "cu_seqlens", {DType::kInt32, DType::kInt64},
+                                        pr.N + 1, "N + 1 (entries of conv_state_indices + 1)"));
+  if (p.num_accepted_tokens.present())
+    GDN_RETURN_IF_ERROR(contiguous_vector(p.num_accepted_tokens, "num_accepted_tokens",
+                                          {DType::kInt32, DType::kInt64}, pr.N,
+                                          "N (entries of conv_state_indices)"));
+  GDN_RETURN_IF_ERROR(optional_counter(p.error_count, "error_count"));
 
   if (p.first_valid_slot < 0)
     return Status::invalid("first_valid_slot must be >= 0, got " + std::to_string(p.first_valid_slot));

@@ -157,5 +157,41 @@ inline Status same_device(const TensorView& t, const char* name, Device device) 
   return Status::ok();
 }
 
+// The size one dimension must have, and what that size is (for the message of `dim`).
+struct Extent {
+  int64_t size;
+  const char* what;
+};
+
+// A present array of one of `dtypes` whose shape is exactly `extents` (one per dimension).
+// Checks in the order present, ndim, dtype_in, dim 0, dim 1, ...; strides are the caller's.
+inline Status shaped(const TensorView& t, const char* name, std::initializer_list<DType> dtypes,
+                     std::initializer_list<Extent> extents) {
+  GDN_RETURN_IF_ERROR(present(t, name));
+  GDN_RETURN_IF_ERROR(ndim(t, name, int(extents.size())));
+  GDN_RETURN_IF_ERROR(dtype_in(t, name, dtypes));
+  int d = 0;
+  for (const Extent& e : extents) GDN_RETURN_IF_ERROR(dim(t, name, d++, e.size, e.what));
+  return Status::ok();
+}
+
+// A contiguous 1-D array of `length` elements of one of `dtypes`.
+inline Status contiguous_vector(const TensorView& t, const char* name,
+                                std::initializer_list<DType> dtypes, int64_t length,
+                                const char* what) {
+  GDN_RETURN_IF_ERROR(shaped(t, name, dtypes, {{length, what}}));
+  return contiguous_from(t, name, 0);
+}
+
+// An optional error counter: absent, or exactly one int32 element.
+inline Status optional_counter(const TensorView& t, const char* name) {
+  if (!t.present()) return Status::ok();
+  GDN_RETURN_IF_ERROR(present(t, name));
+  GDN_RETURN_IF_ERROR(dtype_in(t, name, {DType::kInt32}));
+  if (t.numel() != 1)
+    return Status::invalid(std::string(name) + " must hold exactly one int32 element");
+  return Status::ok();
+}
+
 }  // namespace check
 }  // namespace gdn

@@ -91,39 +91,27 @@ inline Status check_arguments(const Params& p, Problem* out_problem) {
                            " (HV / H must be an integer)");
   pr.ratio = pr.HV / pr.H;
 
+  const Extent token_rows{pr.L, "L (rows of mixed_qkv)"}, value_heads{pr.HV, "HV"},
+      value_dim{pr.V, "V"};
   for (auto [view, name] : {std::pair{&p.a, "a"}, std::pair{&p.b, "b"}}) {
-    GDN_RETURN_IF_ERROR(present(*view, name));
-    GDN_RETURN_IF_ERROR(ndim(*view, name, 2));
-    GDN_RETURN_IF_ERROR(dtype_in(*view, name, {DType::kBFloat16, DType::kFloat16, DType::kFloat32}));
-    GDN_RETURN_IF_ERROR(dim(*view, name, 0, pr.L, "L (rows of mixed_qkv)"));
-    GDN_RETURN_IF_ERROR(dim(*view, name, 1, pr.HV, "HV"));
+    GDN_RETURN_IF_ERROR(shaped(*view, name, {DType::kBFloat16, DType::kFloat16, DType::kFloat32},
+                               {token_rows, value_heads}));
     GDN_RETURN_IF_ERROR(unit_stride(*view, name, 1));
     GDN_RETURN_IF_ERROR(nonnegative_strides(*view, name));
   }
-  for (auto [view, name] : {std::pair{&p.A_log, "A_log"}, std::pair{&p.dt_bias, "dt_bias"}}) {
-    GDN_RETURN_IF_ERROR(present(*view, name));
-    GDN_RETURN_IF_ERROR(ndim(*view, name, 1));
-    GDN_RETURN_IF_ERROR(dtype_in(*view, name, {DType::kFloat32, DType::kBFloat16, DType::kFloat16}));
-    GDN_RETURN_IF_ERROR(dim(*view, name, 0, pr.HV, "HV"));
-    GDN_RETURN_IF_ERROR(contiguous_from(*view, name, 0));
-  }
+  for (auto [view, name] : {std::pair{&p.A_log, "A_log"}, std::pair{&p.dt_bias, "dt_bias"}})
+    GDN_RETURN_IF_ERROR(contiguous_vector(
+        *view, name, {DType::kFloat32, DType::kBFloat16, DType::kFloat16}, pr.HV, "HV"));
   if (p.z.present()) {
-    GDN_RETURN_IF_ERROR(present(p.z, "z"));
-    GDN_RETURN_IF_ERROR(ndim(p.z, "z", 3));
-    GDN_RETURN_IF_ERROR(dtype_in(p.z, "z", {DType::kBFloat16, DType::kFloat16, DType::kFloat32}));
-    GDN_RETURN_IF_ERROR(dim(p.z, "z", 0, pr.L, "L (rows of mixed_qkv)"));
-    GDN_RETURN_IF_ERROR(dim(p.z, "z", 1, pr.HV, "HV"));
-    GDN_RETURN_IF_ERROR(dim(p.z, "z", 2, pr.V, "V"));
+    GDN_RETURN_IF_ERROR(shaped(p.z, "z", {DType::kBFloat16, DType::kFloat16, DType::kFloat32},
+                               {token_rows, value_heads, value_dim}));
     GDN_RETURN_IF_ERROR(unit_stride(p.z, "z", 2));
     GDN_RETURN_IF_ERROR(nonnegative_strides(p.z, "z"));
   }
-  if (p.norm_weight.present()) {
-    GDN_RETURN_IF_ERROR(present(p.norm_weight, "norm_weight"));
-    GDN_RETURN_IF_ERROR(ndim(p.norm_weight, "norm_weight", 1));
-    GDN_RETURN_IF_ERROR(dtype_in(p.norm_weight, "norm_weight", {DType::kFloat32, DType::kBFloat16, DType::kFloat16}));
-    GDN_RETURN_IF_ERROR(dim(p.norm_weight, "norm_weight", 0, pr.V, "V"));
-    GDN_RETURN_IF_ERROR(contiguous_from(p.norm_weight, "norm_weight", 0));
-  }
+  if (p.norm_weight.present())
+    GDN_RETURN_IF_ERROR(contiguous_vector(p.norm_weight, "norm_weight",
+                                          {DType::kFloat32, DType::kBFloat16, DType::kFloat16},
+                                          pr.V, "V"));
   if (p.z.present() && !p.norm_weight.present())
     return Status::invalid("z (the output gate) was given without norm_weight; the gate is applied "
                            "inside the gated RMSNorm, so pass norm_weight too or drop z");
@@ -137,34 +125,18 @@ inline Status check_arguments(const Params& p, Problem* out_problem) {
   if (pr.S < 1) return Status::invalid("state_indices must have at least one column (S >= 1)");
   GDN_RETURN_IF_ERROR(contiguous_from(p.state_indices, "state_indices", 0));
 
-  GDN_RETURN_IF_ERROR(present(p.cu_seqlens, "cu_seqlens"));
-  GDN_RETURN_IF_ERROR(ndim(p.cu_seqlens, "cu_seqlens", 1));
-  GDN_RETURN_IF_ERROR(dtype_in(p.cu_seqlens, "cu_seqlens", {DType::kInt32, DType::kInt64}));
-  GDN_RETURN_IF_ERROR(dim(p.cu_seqlens, "cu_seqlens", 0, pr.N + 1, "N + 1 (rows of state_indices + 1)"));
-  GDN_RETURN_IF_ERROR(contiguous_from(p.cu_seqlens, "cu_seqlens", 0));
+  GDN_RETURN_IF_ERROR(contiguous_vector(p.cu_seqlens, "cu_seqlens", {DType::kInt32, DType::kInt64},
+                                        pr.N + 1, "N + 1 (rows of state_indices + 1)"));
+  if (p.num_accepted_tokens.present())
+    GDN_RETURN_IF_ERROR(contiguous_vector(p.num_accepted_tokens, "num_accepted_tokens",
+                                          {DType::kInt32, DType::kInt64}, pr.N,
+                                          "N (rows of state_indices)"));
 
-  if (p.num_accepted_tokens.present()) {
-    GDN_RETURN_IF_ERROR(present(p.num_accepted_tokens, "num_accepted_tokens"));
-    GDN_RETURN_IF_ERROR(ndim(p.num_accepted_tokens, "num_accepted_tokens", 1));
-    GDN_RETURN_IF_ERROR(dtype_in(p.num_accepted_tokens, "num_accepted_tokens", {DType::kInt32, DType::kInt64}));
-    GDN_RETURN_IF_ERROR(dim(p.num_accepted_tokens, "num_accepted_tokens", 0, pr.N, "N (rows of state_indices)"));
-    GDN_RETURN_IF_ERROR(contiguous_from(p.num_accepted_tokens, "num_accepted_tokens", 0));
-  }
-
-  GDN_RETURN_IF_ERROR(present(p.out, "out"));
-  GDN_RETURN_IF_ERROR(ndim(p.out, "out", 3));
-  GDN_RETURN_IF_ERROR(dtype_in(p.out, "out", {DType::kBFloat16, DType::kFloat16, DType::kFloat32}));
-  GDN_RETURN_IF_ERROR(dim(p.out, "out", 0, pr.L, "L (rows of mixed_qkv)"));
-  GDN_RETURN_IF_ERROR(dim(p.out, "out", 1, pr.HV, "HV"));
-  GDN_RETURN_IF_ERROR(dim(p.out, "out", 2, pr.V, "V"));
+  GDN_RETURN_IF_ERROR(shaped(p.out, "out", {DType::kBFloat16, DType::kFloat16, DType::kFloat32},
+                             {token_rows, value_heads, value_dim}));
   GDN_RETURN_IF_ERROR(contiguous_from(p.out, "out", 0));
 
-  if (p.error_count.present()) {
-    GDN_RETURN_IF_ERROR(present(p.error_count, "error_count"));
-    GDN_RETURN_IF_ERROR(dtype_in(p.error_count, "error_count", {DType::kInt32}));
-    if (p.error_count.numel() != 1)
-      return Status::invalid("error_count must hold exactly one int32 element");
-  }
+  GDN_RETURN_IF_ERROR(optional_counter(p.error_count, "error_count"));
 
   const std::pair<const TensorView*, const char*> all[] = {
       {&p.mixed_qkv, "mixed_qkv"}, {&p.a, "a"}, {&p.b, "b"}, {&p.A_log, "A_log"},

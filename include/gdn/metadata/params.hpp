@@ -243,13 +243,8 @@ inline Status check_state_rows_arguments(const Params& p, DeviceType device) {
                            " rows per group; the pass writes up to " + std::to_string(rows));
   GDN_RETURN_IF_ERROR(check::same_device(spec, "spec_state_indices", dev));
   GDN_RETURN_IF_ERROR(check::same_device(ns, "non_spec_state_indices", dev));
-  if (p.error_count.present()) {
-    GDN_RETURN_IF_ERROR(check::present(p.error_count, "error_count"));
-    GDN_RETURN_IF_ERROR(check::dtype_in(p.error_count, "error_count", {DType::kInt32}));
-    if (p.error_count.numel() != 1)
-      return Status::invalid("error_count must hold exactly one int32 element");
-    GDN_RETURN_IF_ERROR(check::same_device(p.error_count, "error_count", dev));
-  }
+  GDN_RETURN_IF_ERROR(check::optional_counter(p.error_count, "error_count"));
+  GDN_RETURN_IF_ERROR(check::same_device(p.error_count, "error_count", dev));
   if (p.num_accepted_tokens.present() && p.num_accepted_tokens.device == dev)
     GDN_RETURN_IF_ERROR(detail::int32_vector(p.num_accepted_tokens, "num_accepted_tokens"));
   return Status::ok();
