@@ -9,6 +9,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "gdn/conv/params.hpp"
@@ -239,6 +240,42 @@ inline std::string compare(const Case& c, const Expected& e, const Buffer& got, 
   }
   return {};
 }
+
+// Runs one call on `c` (`run(Case&)` executes it in place on the case's host buffers and returns
+// its Status) and compares the result with the reference taken before it. Empty string = match.
+template <class Run>
+std::string run_against_reference(Case& c, Run&& run) {
+  const Expected e = reference(c);
+  const Buffer out_before = c.out_buffer();
+  const Buffer state_before = c.state;
+  if (const Status s = run(c); !s.is_ok()) return "call failed: " + s.reason();
+  return compare(c, e, c.out_buffer(), out_before, state_before, c.state);
+}
+
+// `g` with N requests of random T in [0, S] (row 0 full length) and accepted counts in [1, S].
+inline Config random_rows(Config g, int64_t N, uint32_t seed) {
+  std::mt19937 rng(seed);
+  const int64_t S = g.num_spec + 1;
+  g.T.clear();
+  g.acc.clear();
+  for (int64_t i = 0; i < N; ++i) {
+    g.T.push_back(i == 0 ? S : int64_t(rng() % uint32_t(S + 1)));
+    g.acc.push_back(1 + int64_t(rng() % uint32_t(S)));
+  }
+  g.seed = seed;
+  return g;
+}
+
+// A point of the reference grid and its test name (a callable for INSTANTIATE_TEST_SUITE_P).
+using GridParam = std::tuple<conv::StateLayout, DType /*state*/, DType /*x and out*/, int /*W*/>;
+struct GridName {
+  template <class ParamInfo>
+  std::string operator()(const ParamInfo& info) const {
+    const auto& [layout, state, act, W] = info.param;
+    return std::string(conv::to_string(layout)) + "_state_" + std::string(to_string(state)) +
+           "_x_" + std::string(to_string(act)) + "_W" + std::to_string(W);
+  }
+};
 
 // The speculative scheme against plain decoding: random verify steps with random acceptance and
 // rejected drafts; after each step the accepted tokens' outputs and the window the next step reads

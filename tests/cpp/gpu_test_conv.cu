@@ -99,36 +99,11 @@ Status run_on_device(Case& c) {
 }
 
 void expect_matches_reference(Case& c) {
-  const Expected e = reference(c);
-  const Buffer out_before = c.out_buffer();
-  const Buffer state_before = c.state;
-  Status s = run_on_device(c);
-  ASSERT_TRUE(s.is_ok()) << s.reason();
-  const std::string diff = compare(c, e, c.out_buffer(), out_before, state_before, c.state);
+  const std::string diff = run_against_reference(c, run_on_device);
   EXPECT_TRUE(diff.empty()) << diff;
 }
 
-Config random_rows(Config g, int64_t N, uint32_t seed) {
-  std::mt19937 rng(seed);
-  const int64_t S = g.num_spec + 1;
-  g.T.clear();
-  g.acc.clear();
-  for (int64_t i = 0; i < N; ++i) {
-    g.T.push_back(i == 0 ? S : int64_t(rng() % uint32_t(S + 1)));
-    g.acc.push_back(1 + int64_t(rng() % uint32_t(S)));
-  }
-  g.seed = seed;
-  return g;
-}
-
-using GridParam = std::tuple<conv::StateLayout, DType /*state*/, DType /*x and out*/, int /*W*/>;
 class GpuConvGrid : public ::testing::TestWithParam<GridParam> {};
-
-std::string grid_name(const ::testing::TestParamInfo<GridParam>& info) {
-  const auto& [layout, state, act, W] = info.param;
-  return std::string(conv::to_string(layout)) + "_state_" + std::string(to_string(state)) + "_x_" +
-         std::string(to_string(act)) + "_W" + std::to_string(W);
-}
 
 TEST_P(GpuConvGrid, MatchesFloat64Reference) {
   SKIP_WITHOUT_DEVICE();
@@ -154,7 +129,7 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat16),
                        ::testing::Values(DType::kFloat32, DType::kBFloat16),
                        ::testing::Values(2, 4, 5 /* run-time width */)),
-    grid_name);
+    GridName());
 
 TEST(GpuConv, MixedDtypesStridesInPlaceAndSkippedRows) {
   SKIP_WITHOUT_DEVICE();

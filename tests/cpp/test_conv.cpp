@@ -12,39 +12,15 @@
 namespace gdn::testing::conv_test {
 namespace {
 
+Status run_on_host(Case& c) { return conv::run_cpu(c.params()); }
+
 // Runs the CPU op on `c` and compares with the reference (computed before the run).
 void expect_matches_reference(Case& c) {
-  const Expected e = reference(c);
-  const Buffer out_before = c.out_buffer();
-  const Buffer state_before = c.state;
-  Status s = conv::run_cpu(c.params());
-  ASSERT_TRUE(s.is_ok()) << s.reason();
-  const std::string diff = compare(c, e, c.out_buffer(), out_before, state_before, c.state);
+  const std::string diff = run_against_reference(c, run_on_host);
   EXPECT_TRUE(diff.empty()) << diff;
 }
 
-// Random T in [0, S] (at least one full-length row) and acc in [1, S].
-Config random_rows(Config g, int64_t N, uint32_t seed) {
-  std::mt19937 rng(seed);
-  const int64_t S = g.num_spec + 1;
-  g.T.clear();
-  g.acc.clear();
-  for (int64_t i = 0; i < N; ++i) {
-    g.T.push_back(i == 0 ? S : int64_t(rng() % uint32_t(S + 1)));
-    g.acc.push_back(1 + int64_t(rng() % uint32_t(S)));
-  }
-  g.seed = seed;
-  return g;
-}
-
-using GridParam = std::tuple<conv::StateLayout, DType /*state*/, DType /*x and out*/, int /*W*/>;
 class ConvGrid : public ::testing::TestWithParam<GridParam> {};
-
-std::string grid_name(const ::testing::TestParamInfo<GridParam>& info) {
-  const auto& [layout, state, act, W] = info.param;
-  return std::string(conv::to_string(layout)) + "_state_" + std::string(to_string(state)) + "_x_" +
-         std::string(to_string(act)) + "_W" + std::to_string(W);
-}
 
 TEST_P(ConvGrid, MatchesFloat64Reference) {
   const auto& [layout, state, act, W] = GetParam();
@@ -69,7 +45,7 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat16),
                        ::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat16),
                        ::testing::Values(2, 3, 4, 6)),
-    grid_name);
+    GridName());
 
 TEST(Conv, MixedDtypesStridesAndInt64Indices) {
   Config g;
@@ -124,9 +100,7 @@ TEST(ConvSpec, RollbackEqualsSequentialBitForBit) {
           SCOPED_TRACE(std::string(conv::to_string(layout)) + " state " + std::string(to_string(state)) +
                        " x " + std::string(to_string(act)) + " W " + std::to_string(W) + " num_spec " +
                        std::to_string(num_spec));
-          const std::string diff = spec_vs_sequential(layout, state, act, W, num_spec, [](Case& c) {
-            return conv::run_cpu(c.params());
-          });
+          const std::string diff = spec_vs_sequential(layout, state, act, W, num_spec, run_on_host);
           ASSERT_TRUE(diff.empty()) << diff;
         }
 }
