@@ -277,6 +277,22 @@ struct GridName {
   }
 };
 
+// The case of grid point `point` with `num_spec` drafts: D channels, 16 slots, N random rows drawn
+// with seed seed_base + num_spec + 10 * W.
+inline Config grid_config(const GridParam& point, int64_t num_spec, int64_t D, int64_t N,
+                          uint32_t seed_base) {
+  const auto& [layout, state, act, W] = point;
+  Config g;
+  g.layout = layout;
+  g.state_dtype = state;
+  g.x_dtype = g.out_dtype = act;
+  g.W = W;
+  g.num_spec = num_spec;
+  g.D = D;
+  g.slots = 16;
+  return random_rows(g, N, uint32_t(seed_base + num_spec + 10 * W));
+}
+
 // The speculative scheme against plain decoding: random verify steps with random acceptance and
 // rejected drafts; after each step the accepted tokens' outputs and the window the next step reads
 // must equal a T = 1 decode over the accepted stream, bit for bit. `run(Case&)` executes one call

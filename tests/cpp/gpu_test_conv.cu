@@ -107,17 +107,9 @@ class GpuConvGrid : public ::testing::TestWithParam<GridParam> {};
 
 TEST_P(GpuConvGrid, MatchesFloat64Reference) {
   SKIP_WITHOUT_DEVICE();
-  const auto& [layout, state, act, W] = GetParam();
   for (int64_t num_spec : {0, 1, 3, 7}) {
-    Config g;
-    g.layout = layout;
-    g.state_dtype = state;
-    g.x_dtype = g.out_dtype = act;
-    g.W = W;
-    g.num_spec = num_spec;
-    g.D = 300;  // several channel blocks, the last one partial
-    g.slots = 16;
-    Case c(random_rows(g, 7, uint32_t(300 + num_spec + 10 * W)));
+    // D = 300: several channel blocks, the last one partial.
+    Case c(grid_config(GetParam(), num_spec, /*D=*/300, /*N=*/7, /*seed_base=*/300));
     SCOPED_TRACE("num_spec " + std::to_string(num_spec));
     expect_matches_reference(c);
   }

@@ -23,17 +23,9 @@ void expect_matches_reference(Case& c) {
 class ConvGrid : public ::testing::TestWithParam<GridParam> {};
 
 TEST_P(ConvGrid, MatchesFloat64Reference) {
-  const auto& [layout, state, act, W] = GetParam();
   for (int64_t num_spec : {0, 1, 3, 7}) {
-    Config g;
-    g.layout = layout;
-    g.state_dtype = state;
-    g.x_dtype = g.out_dtype = act;
-    g.W = W;
-    g.num_spec = num_spec;
-    g.D = 37;  // not a multiple of anything
-    g.slots = 16;
-    Case c(random_rows(g, 6, uint32_t(100 + num_spec + 10 * W)));
+    // D = 37: not a multiple of anything.
+    Case c(grid_config(GetParam(), num_spec, /*D=*/37, /*N=*/6, /*seed_base=*/100));
     SCOPED_TRACE("num_spec " + std::to_string(num_spec));
     expect_matches_reference(c);
   }
