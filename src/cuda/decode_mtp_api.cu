@@ -39,13 +39,11 @@ Status decode_mtp(const decode_mtp::Params& params, void* stream) {
   }
   Status status =
       decode_mtp::launch_cuda(params, static_cast<cudaStream_t>(stream), split_override());
-  if (status.is_ok()) {
-    const cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess)
-      status = Status(StatusCode::kCudaError,
-                      std::string("decode_mtp: CUDA error after launch: ") + cudaGetErrorString(err));
-  }
-  if (previous != device) cudaSetDevice(previous);
+  const cudaError_t err = status.is_ok() ? cudaGetLastError() : cudaSuccess;
+  if (previous != device) (void)cudaSetDevice(previous);
+  if (err != cudaSuccess)
+    return Status(StatusCode::kCudaError,
+                  std::string("decode_mtp: CUDA error after launch: ") + cudaGetErrorString(err));
   return status;
 }
 

@@ -450,11 +450,11 @@ __global__ void GDN_DECODE_MTP_BOUNDS decode_mtp_kernel(const __grid_constant__ 
     if (args.state_vector) {
       const StateT* p = src + wrow0 * kHeadDim + 4 * lane;
 #pragma unroll
-      for (int j = 0; j < kRowsPerWarp; ++j) raw[j] = *reinterpret_cast<const Raw*>(p + j * kHeadDim);
+      for (int i = 0; i < kRowsPerWarp; ++i) raw[i] = *reinterpret_cast<const Raw*>(p + i * kHeadDim);
     } else {
       const StateT* p = src + wrow0 * row_step + 4 * lane * col_step;
 #pragma unroll
-      for (int j = 0; j < kRowsPerWarp; ++j) raw[j] = Bits::load_scalar(p + j * row_step, col_step);
+      for (int i = 0; i < kRowsPerWarp; ++i) raw[i] = Bits::load_scalar(p + i * row_step, col_step);
     }
   };
   // Activations of one token of head k (warp w stages tokens w, w + W, ...): raw bits, then
@@ -510,9 +510,9 @@ __global__ void GDN_DECODE_MTP_BOUNDS decode_mtp_kernel(const __grid_constant__ 
   auto load_z = [&](int j, int hv, uint32_t(&z_bits)[kEpilogueSlots]) {
     const RequestMeta& m = meta[j];
 #pragma unroll
-    for (int j = 0; j < kEpilogueSlots; ++j) {
-      const int t = ep_t0 + 4 * j;
-      z_bits[j] = gated && t < m.T
+    for (int e = 0; e < kEpilogueSlots; ++e) {
+      const int t = ep_t0 + 4 * e;
+      z_bits[e] = gated && t < m.T
                       ? load_bits(args.z, args.z_dtype,
                                   (m.cu0 + t) * args.z_row_stride + hv * args.z_head_stride +
                                       row0 + ep_r)
@@ -581,15 +581,15 @@ __global__ void GDN_DECODE_MTP_BOUNDS decode_mtp_kernel(const __grid_constant__ 
     load_z(j, hv, z_bits);
     float4 s[kRowsPerWarp];
 #pragma unroll
-    for (int j = 0; j < kRowsPerWarp; ++j) s[j] = Bits::to_f32(raw[j]);
+    for (int i = 0; i < kRowsPerWarp; ++i) s[i] = Bits::to_f32(raw[i]);
     if (warp < T) stage_store(warp, first);
     for (int t = warp + W; t < T; t += W) stage_store(t, stage_load(j, hv, t));
     if (gated) {
 #pragma unroll
-      for (int j = 0; j < kEpilogueSlots; ++j) {
-        const int t = ep_t0 + 4 * j;
+      for (int e = 0; e < kEpilogueSlots; ++e) {
+        const int t = ep_t0 + 4 * e;
         if (t < T) {
-          const float zv = bits_to_f32(z_bits[j], args.z_dtype);
+          const float zv = bits_to_f32(z_bits[e], args.z_dtype);
           smem[plan.z + t * R + ep_r] = args.gate_sigmoid ? sigmoid(zv) : zv * sigmoid(zv);
         }
       }
@@ -616,19 +616,19 @@ __global__ void GDN_DECODE_MTP_BOUNDS decode_mtp_kernel(const __grid_constant__ 
       // decay, read u = S k
       float p[kRowsPerWarp];
 #pragma unroll
-      for (int j = 0; j < kRowsPerWarp; ++j) {
-        s[j].x *= alpha; s[j].y *= alpha; s[j].z *= alpha; s[j].w *= alpha;
-        p[j] = s[j].x * kt.x + s[j].y * kt.y + s[j].z * kt.z + s[j].w * kt.w;
+      for (int i = 0; i < kRowsPerWarp; ++i) {
+        s[i].x *= alpha; s[i].y *= alpha; s[i].z *= alpha; s[i].w *= alpha;
+        p[i] = s[i].x * kt.x + s[i].y * kt.y + s[i].z * kt.z + s[i].w * kt.w;
       }
       const float u = transpose_reduce8(p, lane);
       const float delta_mine = beta * (v - u);
       // rank-1 write S += delta k^T, then the output o = S q of the updated state
       const float4 qt = *reinterpret_cast<const float4*>(qk);
 #pragma unroll
-      for (int j = 0; j < kRowsPerWarp; ++j) {
-        const float d = __shfl_sync(0xffffffffu, delta_mine, 4 * j);
-        s[j].x += kt.x * d; s[j].y += kt.y * d; s[j].z += kt.z * d; s[j].w += kt.w * d;
-        p[j] = s[j].x * qt.x + s[j].y * qt.y + s[j].z * qt.z + s[j].w * qt.w;
+      for (int i = 0; i < kRowsPerWarp; ++i) {
+        const float d = __shfl_sync(0xffffffffu, delta_mine, 4 * i);
+        s[i].x += kt.x * d; s[i].y += kt.y * d; s[i].z += kt.z * d; s[i].w += kt.w * d;
+        p[i] = s[i].x * qt.x + s[i].y * qt.y + s[i].z * qt.z + s[i].w * qt.w;
       }
       const float o = transpose_reduce8(p, lane);
 
@@ -639,13 +639,13 @@ __global__ void GDN_DECODE_MTP_BOUNDS decode_mtp_kernel(const __grid_constant__ 
         if (args.state_vector) {
           StateT* p = dst + wrow0 * kHeadDim + 4 * lane;
 #pragma unroll
-          for (int j = 0; j < kRowsPerWarp; ++j)
-            *reinterpret_cast<Raw*>(p + j * kHeadDim) = Bits::from_f32(s[j]);
+          for (int i = 0; i < kRowsPerWarp; ++i)
+            *reinterpret_cast<Raw*>(p + i * kHeadDim) = Bits::from_f32(s[i]);
         } else {
           StateT* p = dst + wrow0 * row_step + 4 * lane * col_step;
 #pragma unroll
-          for (int j = 0; j < kRowsPerWarp; ++j)
-            Bits::store_scalar(p + j * row_step, col_step, Bits::from_f32(s[j]));
+          for (int i = 0; i < kRowsPerWarp; ++i)
+            Bits::store_scalar(p + i * row_step, col_step, Bits::from_f32(s[i]));
         }
       }
 
@@ -684,8 +684,8 @@ __global__ void GDN_DECODE_MTP_BOUNDS decode_mtp_kernel(const __grid_constant__ 
       }
     }
 #pragma unroll
-    for (int j = 0; j < kEpilogueSlots; ++j) {
-      const int t = ep_t0 + 4 * j;
+    for (int e = 0; e < kEpilogueSlots; ++e) {
+      const int t = ep_t0 + 4 * e;
       if (t < T) {
         float y = smem[plan.o + t * R + ep_r];
         if (norm) {
