@@ -166,9 +166,9 @@ void run_all(const Params& p, const Problem& pr, const std::vector<RowInfo>& row
     max_T = std::max(max_T, r.T);
     tokens += r.T;
   }
-  // Threads only pay off beyond ~1M state element-updates; below that, waking a team costs more
-  // than it saves (and a lot more on an oversubscribed machine).
-  const bool parallel = tokens * pr.HV * pr.K * pr.V >= (int64_t(1) << 20) && tasks > 1;
+  // Threads pay off beyond ~64K state element-updates (~0.1 ms of work); below that, waking a team
+  // costs more than it saves (and a lot more on an oversubscribed machine).
+  const bool parallel = tokens * pr.HV * pr.K * pr.V >= (int64_t(1) << 16) && tasks > 1;
   (void)parallel;
 #if defined(_OPENMP)
 #pragma omp parallel if (parallel)
