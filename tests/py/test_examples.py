@@ -1,0 +1,31 @@
+"""The Python example runs as documented (CPU; CUDA when available)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import gdn  # noqa: E402
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "verify_step.py")
+
+
+def _run(*args):
+    r = subprocess.run([sys.executable, EXAMPLE, *args], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_verify_step_example_cpu():
+    out = _run()
+    assert "spec rows: 3" in out
+    assert out.count("finite=True") == 2
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and gdn._C.built_with_cuda),
+                    reason="needs a CUDA device and a CUDA build of gdn")
+def test_verify_step_example_cuda():
+    out = _run("--device", "cuda")
+    assert out.count("finite=True") == 2
