@@ -15,7 +15,7 @@ from . import _api
 _LIB = "gdn"
 
 
-@torch.library.custom_op(f"{_LIB}::decode_mtp", mutates_args=("state", "out"))
+@torch.library.custom_op(f"{_LIB}::decode_mtp", mutates_args=("state", "out", "error_count"))
 def decode_mtp(
     mixed_qkv: torch.Tensor,
     a: torch.Tensor,
@@ -35,20 +35,24 @@ def decode_mtp(
     gate: str = "silu",
     state_layout: str = "vk",
     first_valid_slot: int = 0,
+    error_count: Optional[torch.Tensor] = None,
 ) -> None:
-    """torch op form of :func:`gdn.decode_mtp` (same arguments, positional or keyword)."""
+    """torch op form of :func:`gdn.decode_mtp` (same arguments, positional or keyword).
+
+    ``error_count`` (int32 [1], optional) is incremented on the GPU for each invalid request row.
+    """
     _api.decode_mtp(
         mixed_qkv, a, b, A_log, dt_bias, state, state_indices, cu_seqlens, out,
         z=z, norm_weight=norm_weight, num_accepted_tokens=num_accepted_tokens, scale=scale,
         l2_eps=l2_eps, norm_eps=norm_eps, gate=gate, state_layout=state_layout,
-        first_valid_slot=first_valid_slot,
+        first_valid_slot=first_valid_slot, error_count=error_count,
     )
 
 
 @decode_mtp.register_fake
 def _(mixed_qkv, a, b, A_log, dt_bias, state, state_indices, cu_seqlens, out, z=None,
       norm_weight=None, num_accepted_tokens=None, scale=None, l2_eps=1e-6, norm_eps=1e-6,
-      gate="silu", state_layout="vk", first_valid_slot=0) -> None:
+      gate="silu", state_layout="vk", first_valid_slot=0, error_count=None) -> None:
     return None
 
 

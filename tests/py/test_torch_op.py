@@ -69,24 +69,27 @@ def test_positional_arguments_follow_the_schema(gen):
              "state_layout", "first_valid_slot"]
     o2, p2 = _run_copy(case, lambda *a, **k: torch.ops.gdn.decode_mtp(*a, *[k[n] for n in order]))
     assert torch.equal(o1, o2) and torch.equal(p1, p2)
-    assert [a.name for a in torch.ops.gdn.decode_mtp.default._schema.arguments][9:] == order
+    assert [a.name for a in torch.ops.gdn.decode_mtp.default._schema.arguments][9:] == order + [
+        "error_count"]
 
 
-def test_schema_marks_state_and_out_mutated():
+def test_schema_marks_state_out_and_error_count_mutated():
     schema = torch.ops.gdn.decode_mtp.default._schema
     written = {a.name for a in schema.arguments
                if a.alias_info is not None and a.alias_info.is_write}
-    assert written == {"state", "out"}
+    assert written == {"state", "out", "error_count"}
     assert len(schema.returns) == 0
 
 
-@pytest.mark.parametrize("cfg", ["fp32_vk_silu", "bf16_kv_sigmoid_strided"])
-def test_opcheck(gen, cfg):
+@pytest.mark.parametrize("cfg,counter", [("fp32_vk_silu", False), ("bf16_kv_sigmoid_strided", True)])
+def test_opcheck(gen, cfg, counter):
     case = _case(gen, cfg)
     kw = case.kwargs()
     args = case.args() + tuple(kw[n] for n in ("z", "norm_weight", "num_accepted_tokens"))
     opts = {n: kw[n] for n in ("scale", "l2_eps", "norm_eps", "gate", "state_layout",
                               "first_valid_slot")}
+    if counter:  # the optional device error counter is part of the schema (mutated)
+        opts["error_count"] = torch.zeros(1, dtype=torch.int32)
     result = torch.library.opcheck(torch.ops.gdn.decode_mtp.default, args, opts)
     assert all(v == "SUCCESS" for v in result.values()), result
 
