@@ -113,15 +113,8 @@ inline Status run_cpu(const Params& p) {
   GDN_RETURN_IF_ERROR(check_arguments(p, &pr));
   if (pr.device.type != DeviceType::kCPU)
     return Status::invalid("run_cpu was given tensors on " + to_string(pr.device));
-  GDN_RETURN_IF_ERROR(check_rows(p, pr));
   std::vector<RowInfo> rows;
-  rows.reserve(size_t(pr.N));
-  for (int64_t i = 0; i < pr.N; ++i) {
-    RowInfo info;
-    RowAction action;
-    (void)check_row(p, pr, i, &info, &action);
-    if (action == RowAction::kRun) rows.push_back(info);
-  }
+  GDN_RETURN_IF_ERROR(check_rows(p, pr, &rows));
   // Tasks of one request's block of channels keep the parallel loop balanced for small N; small
   // calls stay on one thread (a parallel region costs more than they do).
   constexpr int64_t kChannelsPerTask = cpu_detail::kBlock;

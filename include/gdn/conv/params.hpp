@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <vector>
 #include <utility>
 
 #include "gdn/core/status.hpp"
@@ -191,10 +192,11 @@ struct RowInfo {
 inline Status check_row(const Params& p, const Problem& pr, int64_t i, RowInfo* info, RowAction* action) {
   const int64_t begin = load_index(p.cu_seqlens.data, p.cu_seqlens.dtype, i);
   const int64_t end = load_index(p.cu_seqlens.data, p.cu_seqlens.dtype, i + 1);
-  const std::string row = "request row " + std::to_string(i) + ": ";
+  // The message prefix is only built for a row that fails.
+  const auto row = [i] { return "request row " + std::to_string(i) + ": "; };
   *action = RowAction::kInvalid;
   if (begin < 0 || end < begin || end > pr.L)
-    return Status::invalid(row + "cu_seqlens[" + std::to_string(i) + "..] = (" + std::to_string(begin) +
+    return Status::invalid(row() + "cu_seqlens[" + std::to_string(i) + "..] = (" + std::to_string(begin) +
                            ", " + std::to_string(end) + ") is not a non-decreasing range inside [0, L = " +
                            std::to_string(pr.L) + "]");
   info->begin = begin;
@@ -211,17 +213,17 @@ inline Status check_row(const Params& p, const Problem& pr, int64_t i, RowInfo* 
     return Status::ok();
   }
   if (slot >= pr.num_slots)
-    return Status::invalid(row + "conv_state_indices[" + std::to_string(i) + "] = " + std::to_string(slot) +
+    return Status::invalid(row() + "conv_state_indices[" + std::to_string(i) + "] = " + std::to_string(slot) +
                            " is >= the pool's slot count " + std::to_string(pr.num_slots));
   if (info->T > pr.S)
-    return Status::invalid(row + "has T = " + std::to_string(info->T) +
+    return Status::invalid(row() + "has T = " + std::to_string(info->T) +
                            " tokens but conv_state holds only num_spec + 1 = " + std::to_string(pr.S) +
                            " (Lbuf = " + std::to_string(pr.buffer_len) + ", W = " + std::to_string(pr.W) + ")");
   const int64_t acc = p.num_accepted_tokens.present()
                           ? load_index(p.num_accepted_tokens.data, p.num_accepted_tokens.dtype, i)
                           : 1;
   if (acc < 1 || acc > pr.S)
-    return Status::invalid(row + "num_accepted_tokens = " + std::to_string(acc) + " is outside [1, num_spec + 1 = " +
+    return Status::invalid(row() + "num_accepted_tokens = " + std::to_string(acc) + " is outside [1, num_spec + 1 = " +
                            std::to_string(pr.S) + "]");
   info->offset = acc - 1;
   *action = RowAction::kRun;
@@ -230,13 +232,18 @@ inline Status check_row(const Params& p, const Problem& pr, int64_t i, RowInfo* 
 
 // Validates every row of a call whose indices are host-visible. Nothing may be written before this
 // succeeds.
-inline Status check_rows(const Params& p, const Problem& pr) {
+inline Status check_rows(const Params& p, const Problem& pr, std::vector<RowInfo>* runnable = nullptr) {
   if (p.conv_state_indices.device.type != DeviceType::kCPU || p.cu_seqlens.device.type != DeviceType::kCPU ||
       (p.num_accepted_tokens.present() && p.num_accepted_tokens.device.type != DeviceType::kCPU))
     return Status::invalid("check_rows needs host-visible index arrays");
+  // `runnable` (if given) receives the rows that run (not padded, not null), in order.
+  if (runnable) runnable->clear();
   RowInfo info;
   RowAction action;
-  for (int64_t i = 0; i < pr.N; ++i) GDN_RETURN_IF_ERROR(check_row(p, pr, i, &info, &action));
+  for (int64_t i = 0; i < pr.N; ++i) {
+    GDN_RETURN_IF_ERROR(check_row(p, pr, i, &info, &action));
+    if (runnable && action == RowAction::kRun) runnable->push_back(info);
+  }
   return Status::ok();
 }
 

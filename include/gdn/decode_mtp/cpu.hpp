@@ -194,9 +194,8 @@ inline Status run_cpu(const Params& p) {
   GDN_RETURN_IF_ERROR(check_arguments(p, &pr));
   if (pr.device.type != DeviceType::kCPU)
     return Status::invalid("run_cpu was given tensors on " + to_string(pr.device));
-  GDN_RETURN_IF_ERROR(check_rows(p, pr));
-  std::vector<RowInfo> rows(size_t(pr.N));
-  for (int64_t i = 0; i < pr.N; ++i) (void)check_row(p, pr, i, &rows[size_t(i)]);
+  std::vector<RowInfo> rows;
+  GDN_RETURN_IF_ERROR(check_rows(p, pr, &rows));
 
   StateDTypes::dispatch(p.state.dtype, [&]<DType kState>() {
     dispatch_or_runtime<HeadRatios>(int(pr.ratio), [&]<int kRatio>() {

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "gdn/core/status.hpp"
 #include "gdn/core/support.hpp"
@@ -170,9 +171,10 @@ struct RowInfo {
 inline Status check_row(const Params& p, const Problem& pr, int64_t i, RowInfo* info) {
   const int64_t begin = load_index(p.cu_seqlens.data, p.cu_seqlens.dtype, i);
   const int64_t end = load_index(p.cu_seqlens.data, p.cu_seqlens.dtype, i + 1);
-  const std::string row = "request row " + std::to_string(i) + ": ";
+  // The message prefix is only built for a row that fails.
+  const auto row = [i] { return "request row " + std::to_string(i) + ": "; };
   if (begin < 0 || end < begin || end > pr.L)
-    return Status::invalid(row + "cu_seqlens[" + std::to_string(i) + "..] = (" +
+    return Status::invalid(row() + "cu_seqlens[" + std::to_string(i) + "..] = (" +
                            std::to_string(begin) + ", " + std::to_string(end) +
                            ") is not a non-decreasing range inside [0, L = " +
                            std::to_string(pr.L) + "]");
@@ -181,24 +183,24 @@ inline Status check_row(const Params& p, const Problem& pr, int64_t i, RowInfo* 
   info->T = T;
   if (T == 0) return Status::ok();  // padded row: nothing is read or written
   if (T > pr.S)
-    return Status::invalid(row + "has T = " + std::to_string(T) + " tokens but state_indices has only S = " +
+    return Status::invalid(row() + "has T = " + std::to_string(T) + " tokens but state_indices has only S = " +
                            std::to_string(pr.S) + " columns");
   const int64_t acc = p.num_accepted_tokens.present()
                           ? load_index(p.num_accepted_tokens.data, p.num_accepted_tokens.dtype, i)
                           : 1;
   if (acc < 1 || acc > pr.S)
-    return Status::invalid(row + "num_accepted_tokens = " + std::to_string(acc) +
+    return Status::invalid(row() + "num_accepted_tokens = " + std::to_string(acc) +
                            " is outside [1, S = " + std::to_string(pr.S) + "]");
   for (int64_t c = 0; c < pr.S; ++c) {
     const int64_t slot = load_index(p.state_indices.data, p.state_indices.dtype, i * pr.S + c);
     if (slot >= pr.num_slots)
-      return Status::invalid(row + "state_indices[" + std::to_string(i) + ", " + std::to_string(c) +
+      return Status::invalid(row() + "state_indices[" + std::to_string(i) + ", " + std::to_string(c) +
                              "] = " + std::to_string(slot) + " is >= the pool's slot count " +
                              std::to_string(pr.num_slots));
   }
   const int64_t source = load_index(p.state_indices.data, p.state_indices.dtype, i * pr.S + acc - 1);
   if (source < p.first_valid_slot)
-    return Status::invalid(row + "source slot state_indices[" + std::to_string(i) + ", " +
+    return Status::invalid(row() + "source slot state_indices[" + std::to_string(i) + ", " +
                            std::to_string(acc - 1) + "] = " + std::to_string(source) +
                            " is null (below first_valid_slot = " +
                            std::to_string(p.first_valid_slot) + ")");
@@ -206,9 +208,9 @@ inline Status check_row(const Params& p, const Problem& pr, int64_t i, RowInfo* 
   return Status::ok();
 }
 
-// Validates every row of a call whose indices are host-visible. Nothing may be written before this
-// succeeds.
-inline Status check_rows(const Params& p, const Problem& pr) {
+// Validates every row of a call whose indices are host-visible, filling `rows` (if given) with
+// each row's facts. Nothing may be written before this succeeds.
+inline Status check_rows(const Params& p, const Problem& pr, std::vector<RowInfo>* rows = nullptr) {
   if (p.state_indices.device.type != DeviceType::kCPU ||
       p.cu_seqlens.device.type != DeviceType::kCPU ||
       (p.num_accepted_tokens.present() && p.num_accepted_tokens.device.type != DeviceType::kCPU))
@@ -217,8 +219,9 @@ inline Status check_rows(const Params& p, const Problem& pr) {
   if (total > pr.L)
     return Status::invalid("cu_seqlens[N] = " + std::to_string(total) + " exceeds L = " +
                            std::to_string(pr.L) + " rows of mixed_qkv");
+  if (rows) rows->assign(size_t(pr.N), RowInfo{});
   RowInfo info;
-  for (int64_t i = 0; i < pr.N; ++i) GDN_RETURN_IF_ERROR(check_row(p, pr, i, &info));
+  for (int64_t i = 0; i < pr.N; ++i) GDN_RETURN_IF_ERROR(check_row(p, pr, i, rows ? &(*rows)[size_t(i)] : &info));
   return Status::ok();
 }
 
