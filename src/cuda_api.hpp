@@ -14,6 +14,8 @@ int device_count();
 // Whether this build holds a kernel image that runs on `device`; `why` explains a refusal.
 bool kernels_available(int device, std::string* why);
 // Launches decode_mtp on `stream`. Validates arguments on the host; reads no device memory.
-Status decode_mtp(const decode_mtp::Params& params, void* stream);
+// `split` pins the CTAs per value head (1, 2, 4, 8; 0 = chosen from the shapes): a knob for
+// benchmarks and tests, never needed for correctness.
+Status decode_mtp(const decode_mtp::Params& params, void* stream, int split = 0);
 
 }  // namespace gdn::cuda_api

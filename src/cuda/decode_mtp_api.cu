@@ -1,26 +1,13 @@
 // Host entry point of the compiled decode_mtp CUDA kernels (declared in cuda_api.hpp).
 #include <cuda_runtime.h>
 
-#include <cstdlib>
 #include <string>
 
 #include "cuda_api.hpp"
 #include "gdn/decode_mtp/cuda.cuh"
 
 namespace gdn::cuda_api {
-namespace {
-
-// GDN_DECODE_MTP_SPLIT=1|2|4|8 pins the number of CTAs per value head (a tuning knob for
-// benchmarks; unset or 0 = automatic). Read at each call: a captured graph keeps the split that
-// was in force when it was captured.
-int split_override() {
-  const char* env = std::getenv("GDN_DECODE_MTP_SPLIT");
-  return env ? std::atoi(env) : 0;
-}
-
-}  // namespace
-
-Status decode_mtp(const decode_mtp::Params& params, void* stream) {
+Status decode_mtp(const decode_mtp::Params& params, void* stream, int split) {
   if (params.state.device.type != DeviceType::kCUDA)
     return Status::invalid("decode_mtp: the CUDA path needs CUDA arrays, state is on " +
                            to_string(params.state.device));
@@ -38,7 +25,7 @@ Status decode_mtp(const decode_mtp::Params& params, void* stream) {
                                               std::to_string(device) + ": " + cudaGetErrorString(err));
   }
   Status status =
-      decode_mtp::launch_cuda(params, static_cast<cudaStream_t>(stream), split_override());
+      decode_mtp::launch_cuda(params, static_cast<cudaStream_t>(stream), split);
   const cudaError_t err = status.is_ok() ? cudaGetLastError() : cudaSuccess;
   if (previous != device) (void)cudaSetDevice(previous);
   if (err != cudaSuccess)

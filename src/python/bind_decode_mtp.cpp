@@ -18,7 +18,7 @@ static void decode_mtp(const ConstArray& mixed_qkv, const ConstArray& a, const C
                        std::optional<double> scale, double l2_eps, double norm_eps,
                        const std::string& gate, const std::string& state_layout,
                        int64_t first_valid_slot, int64_t num_k_heads, const OptArray& error_count,
-                       std::optional<uintptr_t> stream) {
+                       std::optional<uintptr_t> stream, int split) {
   decode_mtp::Params p;
   p.mixed_qkv = to_view(mixed_qkv, "mixed_qkv");
   p.a = to_view(a, "a");
@@ -48,9 +48,10 @@ static void decode_mtp(const ConstArray& mixed_qkv, const ConstArray& a, const C
   } else {
 #ifdef GDN_HAS_CUDA
     nb::gil_scoped_release release;
-    status = cuda_api::decode_mtp(p, reinterpret_cast<void*>(stream.value_or(0)));
+    status = cuda_api::decode_mtp(p, reinterpret_cast<void*>(stream.value_or(0)), split);
 #else
     (void)stream;
+    (void)split;
     status = Status::unsupported("state is a CUDA array but this build of gdn has no CUDA kernels");
 #endif
   }
@@ -92,8 +93,9 @@ void bind_decode_mtp(nb::module_& m) {
         nb::arg("scale").none() = nb::none(), nb::arg("l2_eps") = 1e-6, nb::arg("norm_eps") = 1e-6,
         nb::arg("gate") = "silu", nb::arg("state_layout") = "vk", nb::arg("first_valid_slot") = 0,
         nb::arg("num_k_heads") = 0, nb::arg("error_count").noconvert().none() = nb::none(),
-        nb::arg("stream").none() = nb::none(),
-        "Fused GDN decode / MTP verify: updates `state` in place and writes `out`.");
+        nb::arg("stream").none() = nb::none(), nb::arg("split") = 0,
+        "Fused GDN decode / MTP verify: updates `state` in place and writes `out`. `split` pins "
+        "the CUDA kernel's CTAs per value head (1, 2, 4, 8; 0 = automatic), for benchmarks.");
   m.def("can_use_decode_mtp", &can_use_decode_mtp, nb::arg("device"), nb::arg("H"), nb::arg("HV"),
         nb::arg("K") = 128, nb::arg("V") = 128, nb::arg("S") = 1,
         nb::arg("state_dtype") = "float32", nb::arg("device_index") = 0,

@@ -11,6 +11,7 @@ head dim); the grid covers every axis and the important pairs, not the cartesian
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 
 import pytest
@@ -229,17 +230,20 @@ def test_many_requests_fill_the_gpu(gen):
 
 
 @requires_cuda
-@pytest.mark.parametrize("split", ["1", "2", "4", "8"])
-def test_every_split_gives_the_same_bits(gen, split, monkeypatch):
+@pytest.mark.parametrize("split", [1, 2, 4, 8])
+def test_every_split_gives_the_same_bits(gen, split):
     """Rows of a head spread over 1..8 CTAs (a cluster on sm_90): bit-identical results."""
-    if split != "1" and torch.cuda.get_device_capability()[0] < 9:
+    if split != 1 and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("head splitting needs thread-block clusters (sm_90+)")
     case = case128(gen, H=1, HV=2, S=4, T=(4, 2, 3), state_dtype=FP32)
     base = map_case(case, "cpu")
-    monkeypatch.setenv("GDN_DECODE_MTP_SPLIT", "1")
-    run_cuda(base)
-    monkeypatch.setenv("GDN_DECODE_MTP_SPLIT", split)
-    run_cuda(case)
+
+    def pinned(n):
+        stream = torch.cuda.current_stream().cuda_stream
+        return functools.partial(gdn._C.decode_mtp, split=n, stream=stream)
+
+    run_cuda(base, pinned(1))
+    run_cuda(case, pinned(split))
     assert torch.equal(case.out_buffer.view(torch.uint8), base.out_buffer.view(torch.uint8))
     assert torch.equal(case.pool_buffer.view(torch.uint8), base.pool_buffer.view(torch.uint8))
 

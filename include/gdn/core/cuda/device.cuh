@@ -1,0 +1,299 @@
+// Device-side building blocks shared by the CUDA kernels: dtype conversions and loads of
+// run-time-dtype arrays, warp reductions, and thin wrappers over the sm_90 instructions the
+// kernels use (thread-block clusters, programmatic dependent launch, mbarriers and bulk copies).
+// The sm_90 wrappers compile to nothing on older architectures; callers decide at run time
+// (host side) whether a kernel image has them.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "gdn/core/dtype.hpp"
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define GDN_CUDA_SM90 1
+#else
+#define GDN_CUDA_SM90 0
+#endif
+
+namespace gdn::cuda {
+
+// ---- dtypes -------------------------------------------------------------------------------------
+
+template <DType D>
+struct device_type;
+template <>
+struct device_type<DType::kFloat32> { using type = float; };
+template <>
+struct device_type<DType::kBFloat16> { using type = __nv_bfloat16; };
+template <>
+struct device_type<DType::kFloat16> { using type = __half; };
+
+// Four consecutive elements of a state row as raw bits: a float4 for fp32, two packed 16-bit
+// pairs for bf16/fp16 (kept packed until used, so data in flight costs half the registers).
+// Conversions to 16 bits round to nearest even.
+template <class T>
+struct StateBits;
+template <>
+struct StateBits<float> {
+  using Raw = float4;
+  static __device__ __forceinline__ float4 to_f32(Raw r) { return r; }
+  static __device__ __forceinline__ Raw from_f32(float4 v) { return v; }
+  static __device__ __forceinline__ void store_streaming(float* p, Raw r) {
+    __stcs(reinterpret_cast<float4*>(p), r);
+  }
+  static __device__ __forceinline__ void store_scalar(float* p, int64_t step, Raw r) {
+    p[0] = r.x; p[step] = r.y; p[2 * step] = r.z; p[3 * step] = r.w;
+  }
+};
+template <class Half>
+struct StateBits16 {
+  using Raw = uint2;
+  static __device__ __forceinline__ float2 unpack(uint32_t w) {
+    if constexpr (std::is_same_v<Half, __nv_bfloat16>) {
+      return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+    } else {
+      __half2 h;
+      memcpy(&h, &w, 4);
+      return __half22float2(h);
+    }
+  }
+  static __device__ __forceinline__ uint32_t pack(float a, float b) {
+    uint32_t w;
+    if constexpr (std::is_same_v<Half, __nv_bfloat16>) {
+      const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+      memcpy(&w, &h, 4);
+    } else {
+      const __half2 h = __floats2half2_rn(a, b);
+      memcpy(&w, &h, 4);
+    }
+    return w;
+  }
+  static __device__ __forceinline__ float4 to_f32(Raw r) {
+    const float2 lo = unpack(r.x), hi = unpack(r.y);
+    return make_float4(lo.x, lo.y, hi.x, hi.y);
+  }
+  static __device__ __forceinline__ Raw from_f32(float4 v) {
+    return make_uint2(pack(v.x, v.y), pack(v.z, v.w));
+  }
+  static __device__ __forceinline__ void store_streaming(Half* p, Raw r) {
+    __stcs(reinterpret_cast<uint2*>(p), r);
+  }
+  static __device__ __forceinline__ void store_scalar(Half* p, int64_t step, Raw r) {
+    uint16_t* q = reinterpret_cast<uint16_t*>(p);
+    q[0] = uint16_t(r.x); q[step] = uint16_t(r.x >> 16);
+    q[2 * step] = uint16_t(r.y); q[3 * step] = uint16_t(r.y >> 16);
+  }
+};
+template <>
+struct StateBits<__nv_bfloat16> : StateBits16<__nv_bfloat16> {};
+template <>
+struct StateBits<__half> : StateBits16<__half> {};
+
+// ---- arrays of run-time dtype -------------------------------------------------------------------
+// Loads return raw bits and conversion is a separate step, so several loads of different arrays
+// are in flight together (a conversion right after its load would stall the issue).
+
+__device__ __forceinline__ uint32_t load_bits(const void* p, DType t, int64_t i) {
+  if (t == DType::kFloat32) return static_cast<const uint32_t*>(p)[i];
+  return static_cast<const uint16_t*>(p)[i];
+}
+
+__device__ __forceinline__ float bits_to_f32(uint32_t w, DType t) {
+  if (t == DType::kFloat32) return __uint_as_float(w);
+  if (t == DType::kBFloat16) return __uint_as_float(w << 16);
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(w)));
+}
+
+// Four consecutive elements starting at element i; 16-bit elements come back packed in x, y.
+__device__ __forceinline__ uint4 load_bits4(const void* p, DType t, int64_t i, bool vector) {
+  uint4 r{0u, 0u, 0u, 0u};
+  if (t == DType::kFloat32) {
+    const uint32_t* q = static_cast<const uint32_t*>(p) + i;
+    if (vector) {
+      r = *reinterpret_cast<const uint4*>(q);
+    } else {
+      r.x = q[0]; r.y = q[1]; r.z = q[2]; r.w = q[3];
+    }
+  } else {
+    const uint16_t* q = static_cast<const uint16_t*>(p) + i;
+    if (vector) {
+      const uint2 h = *reinterpret_cast<const uint2*>(q);
+      r.x = h.x; r.y = h.y;
+    } else {
+      r.x = uint32_t(q[0]) | (uint32_t(q[1]) << 16);
+      r.y = uint32_t(q[2]) | (uint32_t(q[3]) << 16);
+    }
+  }
+  return r;
+}
+
+__device__ __forceinline__ float4 bits4_to_f32(uint4 r, DType t) {
+  if (t == DType::kFloat32)
+    return make_float4(__uint_as_float(r.x), __uint_as_float(r.y), __uint_as_float(r.z),
+                       __uint_as_float(r.w));
+  return make_float4(bits_to_f32(r.x & 0xffffu, t), bits_to_f32(r.x >> 16, t),
+                     bits_to_f32(r.y & 0xffffu, t), bits_to_f32(r.y >> 16, t));
+}
+
+__device__ __forceinline__ void store_value(void* p, DType t, int64_t i, float v) {
+  switch (t) {
+    case DType::kBFloat16: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v); break;
+    case DType::kFloat16: static_cast<__half*>(p)[i] = __float2half_rn(v); break;
+    default: static_cast<float*>(p)[i] = v; break;
+  }
+}
+
+__device__ __forceinline__ int64_t load_index(const void* p, DType t, int64_t i) {
+  return t == DType::kInt64 ? static_cast<const int64_t*>(p)[i]
+                            : int64_t(static_cast<const int32_t*>(p)[i]);
+}
+
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+// ---- warp reductions ----------------------------------------------------------------------------
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int m = 16; m >= 1; m >>= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+  return x;
+}
+
+// Sums of 8 rows, each spread over the warp as one partial per lane. On return every lane of
+// quad (lane >> 2) holds the full sum of row (lane >> 2) & 7 (the same bits in each lane of it):
+// 8 row sums in 9 shuffles.
+__device__ __forceinline__ float transpose_reduce8(const float (&p)[8], int lane) {
+  float a[4], b[2];
+  const bool hi16 = lane & 16, hi8 = lane & 8, hi4 = lane & 4;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float keep = hi16 ? p[i + 4] : p[i];
+    const float send = hi16 ? p[i] : p[i + 4];
+    a[i] = keep + __shfl_xor_sync(0xffffffffu, send, 16);
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float keep = hi8 ? a[i + 2] : a[i];
+    const float send = hi8 ? a[i] : a[i + 2];
+    b[i] = keep + __shfl_xor_sync(0xffffffffu, send, 8);
+  }
+  float x = (hi4 ? b[1] : b[0]) + __shfl_xor_sync(0xffffffffu, hi4 ? b[0] : b[1], 4);
+  x += __shfl_xor_sync(0xffffffffu, x, 2);
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x;
+}
+
+// ---- thread-block clusters (sm_90) --------------------------------------------------------------
+
+__device__ __forceinline__ void cluster_arrive() {
+#if GDN_CUDA_SM90
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if GDN_CUDA_SM90
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+// Address of the same shared-memory variable in CTA `rank` of this cluster.
+__device__ __forceinline__ const float* cluster_peer(const float* p, int rank) {
+#if GDN_CUDA_SM90
+  uint64_t out;
+  asm volatile("mapa.u64 %0, %1, %2;\n" : "=l"(out) : "l"(p), "r"(rank));
+  return reinterpret_cast<const float*>(out);
+#else
+  (void)rank;
+  return p;
+#endif
+}
+
+// ---- programmatic dependent launch (sm_90) ------------------------------------------------------
+
+// Waits until the grids this launch depends on have completed and their writes are visible (a
+// no-op when launched without the programmatic-serialization attribute).
+__device__ __forceinline__ void wait_for_prior_grids() {
+#if GDN_CUDA_SM90
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+// Lets the next launch in the stream start its blocks once every block of this grid has called
+// this or exited (they wait for this grid's completion in wait_for_prior_grids).
+__device__ __forceinline__ void allow_dependent_launch() {
+#if GDN_CUDA_SM90
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// ---- mbarriers and bulk copies global -> shared (sm_90) -----------------------------------------
+
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// One thread initialises; the fences make the barrier visible to the bulk-copy (async) proxy.
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t arrivals) {
+#if GDN_CUDA_SM90
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(shared_address(bar)), "r"(arrivals)
+               : "memory");
+#else
+  (void)bar; (void)arrivals;
+#endif
+}
+__device__ __forceinline__ void mbarrier_init_fence() {
+#if GDN_CUDA_SM90
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// L2 policy for data read exactly once (the source state): evict it first.
+__device__ __forceinline__ uint64_t l2_evict_first_policy() {
+  uint64_t policy = 0;
+#if GDN_CUDA_SM90
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+#endif
+  return policy;
+}
+
+// Arms `bar` for `bytes` and copies them from global to shared memory; the barrier's phase
+// completes when they have landed. dst, src and bytes are multiples of 16.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar,
+                                          uint64_t policy) {
+#if GDN_CUDA_SM90
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(bar)),
+               "r"(bytes)
+               : "memory");
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1], %2, [%3], %4;\n" ::"r"(shared_address(dst)),
+      "l"(src), "r"(bytes), "r"(shared_address(bar)), "l"(policy)
+      : "memory");
+#else
+  (void)dst; (void)src; (void)bytes; (void)bar; (void)policy;
+#endif
+}
+
+// Blocks until phase `parity` of `bar` has completed.
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+#if GDN_CUDA_SM90
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}\n" ::"r"(shared_address(bar)),
+      "r"(parity)
+      : "memory");
+#else
+  (void)bar; (void)parity;
+#endif
+}
+
+}  // namespace gdn::cuda

@@ -1,0 +1,85 @@
+// Host side: per-device facts looked up once per device and cached (lock-free; racing first calls
+// store equal values), and kernel attributes set once per (kernel, device).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <string>
+
+#include "gdn/core/status.hpp"
+
+namespace gdn::cuda {
+
+inline constexpr int kMaxDevices = 64;
+
+struct DeviceInfo {
+  int sm_count = 0;
+  int major = 0;
+  int shared_per_sm = 0;  // bytes of shared memory an SM gives its resident CTAs
+};
+
+inline Status device_info(int device, DeviceInfo* info) {
+  static std::atomic<int> sm_count[kMaxDevices];
+  static std::atomic<int> major[kMaxDevices];
+  static std::atomic<int> shared_per_sm[kMaxDevices];
+  if (device < 0 || device >= kMaxDevices)
+    return Status(StatusCode::kCudaError, "device index " + std::to_string(device) + " out of range");
+  int sms = sm_count[device].load(std::memory_order_acquire);
+  if (sms == 0) {
+    int mj = 0, smem = 0;
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&mj, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device) !=
+            cudaSuccess) {
+      const cudaError_t err = cudaGetLastError();
+      return Status(StatusCode::kCudaError,
+                    std::string("cannot query CUDA device: ") + cudaGetErrorString(err));
+    }
+    major[device].store(mj, std::memory_order_relaxed);
+    shared_per_sm[device].store(smem, std::memory_order_relaxed);
+    sm_count[device].store(sms, std::memory_order_release);
+  }
+  info->sm_count = sms;
+  info->major = major[device].load(std::memory_order_relaxed);
+  info->shared_per_sm = shared_per_sm[device].load(std::memory_order_relaxed);
+  return Status::ok();
+}
+
+// The PTX version `kernel`'s image on the current device was built for (90 = sm_90 features
+// such as clusters and bulk copies are there), cached per device by the caller's static.
+template <class Kernel>
+inline int kernel_ptx_version(Kernel kernel, int device, std::atomic<int> (&cache)[kMaxDevices]) {
+  if (device < 0 || device >= kMaxDevices) return 0;
+  int v = cache[device].load(std::memory_order_relaxed);
+  if (v == 0) {
+    cudaFuncAttributes attr{};
+    if (cudaFuncGetAttributes(&attr, kernel) == cudaSuccess) {
+      v = attr.ptxVersion;
+    } else {
+      (void)cudaGetLastError();
+      v = -1;
+    }
+    cache[device].store(v, std::memory_order_relaxed);
+  }
+  return v;
+}
+
+// Lets `kernel` take up to `bytes` of dynamic shared memory on `device`: one attribute call per
+// (kernel, device), not a stream operation, so it is also safe while a graph is being captured.
+template <class Kernel>
+inline Status allow_dynamic_shared(Kernel kernel, int device, int bytes,
+                                   std::atomic<int> (&cache)[kMaxDevices]) {
+  if (device < 0 || device >= kMaxDevices)
+    return Status(StatusCode::kCudaError, "device index " + std::to_string(device) + " out of range");
+  if (cache[device].load(std::memory_order_acquire) >= bytes) return Status::ok();
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) != cudaSuccess) {
+    const cudaError_t err = cudaGetLastError();
+    return Status(StatusCode::kCudaError,
+                  std::string("cannot set the kernel's shared memory size: ") + cudaGetErrorString(err));
+  }
+  cache[device].store(bytes, std::memory_order_release);
+  return Status::ok();
+}
+
+}  // namespace gdn::cuda

@@ -1,0 +1,382 @@
+// decode_mtp on CUDA (K = V = 128): the kernel. The launcher is in gdn/decode_mtp/cuda.cuh.
+//
+// Mapping. One CTA of 128 threads per (request, value head, row block): the head's 128 V rows
+// are split over `split` CTAs (1, 2, 4 or 8; a thread-block cluster when > 1), R = 128 / split
+// rows each. The grid is not persistent: the hardware keeps every SM full of small independent
+// CTAs, each with its whole state slice in flight at once.
+//
+// Streaming. Each V row of the state evolves on its own (u, delta, the update and o of row v only
+// read row v), so the slice is streamed in row groups of 8. On sm_90 the slice goes global ->
+// shared memory as bulk copies (one per 32 rows, each with its own mbarrier), issued by one
+// thread as soon as the source slot is known: no registers are held while the bytes are in
+// flight, and a warp starts on its first 8 rows when their copy lands. Elsewhere (a kernel image
+// without sm_90, the "kv" layout, or a pool whose slot stride is not 16-byte aligned) the CTA
+// loads the slice into the same shared tile with plain loads.
+//
+// A warp owns 8 rows of a group at a time; lane l holds K columns 4l..4l+3 of each (a float4 in
+// registers, fp32 whatever the storage dtype). Dot products over K are 4 lane-local products and
+// a transposing reduction (8 row sums in 9 shuffles). After every token the group's 8 rows are
+// stored to that token's slot from registers (coalesced 512 / 256-byte rows, streaming stores).
+//
+// Gated RMSNorm. o of every (token, row) is kept in shared memory; each group's sum of o^2 (fixed
+// butterfly order) goes to a per-group partial, and the 16 partials of a head are added in group
+// order, reading other CTAs' partials through distributed shared memory. The result does not
+// depend on the split.
+//
+// Math and rounding follow gdn/decode_mtp/cpu.hpp (fp32 throughout, o kept fp32 into the norm,
+// 16-bit state stored round-to-nearest-even). Invalid rows (device-side indices) write no state,
+// zero-fill their output rows inside [0, L) and bump the optional error counter once. Every
+// global access is bounded by the validated shapes, whatever the index values.
+#pragma once
+
+#include <cstdint>
+
+#include "gdn/core/cuda/device.cuh"
+#include "gdn/core/dispatch.hpp"
+#include "gdn/core/support.hpp"
+
+namespace gdn::decode_mtp::cuda_detail {
+
+namespace dev = gdn::cuda;
+using dev::StateBits;
+using dev::bits_to_f32;
+using dev::bits4_to_f32;
+using dev::load_bits;
+using dev::load_bits4;
+using dev::store_value;
+using dev::sigmoid;
+using dev::softplus;
+using dev::warp_sum;
+using dev::transpose_reduce8;
+using dev::cluster_arrive;
+using dev::cluster_wait;
+using dev::cluster_peer;
+using dev::wait_for_prior_grids;
+using dev::allow_dependent_launch;
+using dev::mbarrier_init;
+using dev::mbarrier_init_fence;
+using dev::mbarrier_wait;
+using dev::bulk_load;
+using dev::l2_evict_first_policy;
+
+inline constexpr int kHeadDim = 128;                        // K = V of this kernel
+inline constexpr int kRowsPerGroup = 8;                     // V rows a warp holds at a time
+inline constexpr int kGroupsPerHead = kHeadDim / kRowsPerGroup;  // 16
+inline constexpr int kWarps = 4;
+inline constexpr int kThreads = kWarps * 32;
+inline constexpr int kChunkRows = kWarps * kRowsPerGroup;   // rows per bulk copy (one pass of the warps)
+inline constexpr int kMaxChunks = kHeadDim / kChunkRows;    // 4
+inline constexpr int kMaxSplit = 8;                         // CTAs per head (portable cluster size)
+static_assert(kCudaMaxSpecColumns <= 32, "slot ids of a row are read by the first lanes");
+
+// Plain-data copy of Params/Problem for the kernel (TensorView is host-side).
+struct KernelArgs {
+  const void* mixed_qkv;
+  const void* a;
+  const void* b;
+  const void* A_log;
+  const void* dt_bias;
+  const void* z;            // null: no output gate
+  const void* norm_weight;  // null: out = o
+  void* state;
+  const void* state_indices;
+  const void* cu_seqlens;
+  const void* num_accepted_tokens;  // null: all 1
+  void* out;
+  int* error_count;  // null: not counted
+  int64_t qkv_row_stride, a_row_stride, b_row_stride, z_row_stride, z_head_stride;
+  int64_t slot_stride, num_slots, first_valid_slot;
+  int64_t L, N;
+  int S, H, HV, ratio, split;
+  DType qkv_dtype, a_dtype, b_dtype, A_log_dtype, dt_bias_dtype, z_dtype, norm_dtype, out_dtype;
+  DType index_dtype, cu_dtype, acc_dtype;
+  bool state_kv;      // "kv" layout: [K, V] per head
+  bool state_vector;  // "vk" and 16-byte aligned rows: vector stores; bulk loads on sm_90
+  bool bulk_load;     // the slice arrives by bulk copies (sm_90 image and state_vector)
+  bool qkv_vector;    // q/k chunks of 4 elements are naturally aligned
+  bool gate_sigmoid;
+  float scale, l2_eps, norm_eps;
+};
+
+// The request row of a CTA, read once from device memory.
+struct RowMeta {
+  int64_t slot[kCudaMaxSpecColumns];
+  int64_t c0, c1, acc;
+  int64_t pad;
+};
+
+// Byte offsets of a CTA's shared arrays. S = state columns (T <= S), R = rows of the CTA.
+struct SmemPlan {
+  int bars, meta, tile, qk, v, gates, o, z, ss, rstd, w, total;
+  __host__ __device__ SmemPlan(int S, int R, int state_bytes) {
+    bars = 0;                                               // uint64_t[kMaxChunks]
+    meta = 64;                                              // RowMeta
+    tile = 256;                                             // [R][128] state, storage dtype
+    qk = tile + R * kHeadDim * state_bytes;                 // float [S][2][128] q, k
+    v = qk + S * 2 * kHeadDim * 4;                          // float [S][R]
+    gates = v + S * R * 4;                                  // float [S][2] alpha, beta
+    o = gates + S * 2 * 4;                                  // float [S][R] core output
+    z = o + S * R * 4;                                      // float [S][R] act(z)
+    ss = z + S * R * 4;                                     // float [S][16] group partials of o^2
+    rstd = ss + S * kGroupsPerHead * 4;                     // float [S]
+    w = rstd + S * 4;                                       // float [R] norm weight
+    total = w + R * 4;
+  }
+};
+static_assert(sizeof(RowMeta) <= 256 - 64, "RowMeta fits between the barriers and the tile");
+
+template <class StateT, int kRatio>
+__global__ void __launch_bounds__(kThreads) decode_mtp_kernel(const __grid_constant__ KernelArgs args) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  using Bits = StateBits<StateT>;
+  using Raw = typename Bits::Raw;
+  const int split = args.split;
+  const int R = kHeadDim / split;      // rows of this CTA
+  const int groups = R / kRowsPerGroup;
+  const int S = args.S;
+  const int HV = args.HV;
+  const SmemPlan plan(S, R, int(sizeof(StateT)));
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + plan.bars);
+  RowMeta& meta = *reinterpret_cast<RowMeta*>(smem + plan.meta);
+  StateT* tile = reinterpret_cast<StateT*>(smem + plan.tile);
+  float* qk_s = reinterpret_cast<float*>(smem + plan.qk);
+  float* v_s = reinterpret_cast<float*>(smem + plan.v);
+  float* gates_s = reinterpret_cast<float*>(smem + plan.gates);
+  float* o_s = reinterpret_cast<float*>(smem + plan.o);
+  float* z_s = reinterpret_cast<float*>(smem + plan.z);
+  float* ss_s = reinterpret_cast<float*>(smem + plan.ss);
+  float* rstd_s = reinterpret_cast<float*>(smem + plan.rstd);
+  float* w_s = reinterpret_cast<float*>(smem + plan.w);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int rank = int(blockIdx.x % unsigned(split));
+  const int64_t head = blockIdx.x / unsigned(split);
+  const int64_t n = head / HV;
+  const int hv = int(head - n * HV);
+  const int h = hv / (kRatio == kRuntimeValue ? args.ratio : kRatio);  // key head of hv
+  const int row0 = rank * R;  // first row of this CTA in the head
+  const bool norm = args.norm_weight != nullptr;
+  const bool gated = args.z != nullptr;
+  const bool clustered = norm && split > 1;
+#if GDN_CUDA_SM90
+  const bool bulk = args.bulk_load;
+#else
+  const bool bulk = false;
+#endif
+  const int chunks = (groups + kWarps - 1) / kWarps;
+  if (bulk && tid == 0) {
+    for (int c = 0; c < chunks; ++c) mbarrier_init(&bars[c], 1);
+    mbarrier_init_fence();
+  }
+
+  wait_for_prior_grids();  // nothing below may read what earlier launches write before this
+  allow_dependent_launch();
+
+  // 1. The request's slot ids, token range and accepted count (one round trip).
+  if (tid < S) {
+    meta.slot[tid] = dev::load_index(args.state_indices, args.index_dtype, n * S + tid);
+  } else if (tid == 32) {
+    meta.c0 = dev::load_index(args.cu_seqlens, args.cu_dtype, n);
+  } else if (tid == 33) {
+    meta.c1 = dev::load_index(args.cu_seqlens, args.cu_dtype, n + 1);
+  } else if (tid == 34) {
+    meta.acc = args.num_accepted_tokens
+                   ? dev::load_index(args.num_accepted_tokens, args.acc_dtype, n)
+                   : int64_t(1);
+  }
+  const uint32_t w_bits = norm && tid < R ? load_bits(args.norm_weight, args.norm_dtype, row0 + tid) : 0u;
+  __syncthreads();
+
+  // 2. Validity (every thread decides the same, from shared memory).
+  const int64_t c0 = meta.c0, c1 = meta.c1, acc = meta.acc;
+  const bool range_ok = c0 >= 0 && c1 >= c0 && c1 <= args.L;
+  bool valid = range_ok && c1 - c0 <= S && acc >= 1 && acc <= S;
+  for (int c = 0; c < S; ++c) valid = valid && meta.slot[c] < args.num_slots;
+  const int64_t source = valid ? meta.slot[acc - 1] : -1;
+  valid = valid && source >= args.first_valid_slot && source >= 0;
+  if (range_ok && c1 == c0) return;  // padded row: nothing to read or write
+  if (!valid) {
+    const int64_t lo = c0 < 0 ? 0 : c0, hi = c1 > args.L ? args.L : c1;
+    const int64_t count = hi > lo ? (hi - lo) * R : 0;
+    for (int64_t e = tid; e < count; e += kThreads) {
+      const int64_t l = lo + e / R;
+      store_value(args.out, args.out_dtype, (l * HV + hv) * kHeadDim + row0 + e % R, 0.0f);
+    }
+    if (args.error_count && hv == 0 && rank == 0 && tid == 0) atomicAdd(args.error_count, 1);
+    return;
+  }
+  const int T = int(c1 - c0);
+  const int64_t head_elems = int64_t(kHeadDim) * kHeadDim;
+  const int64_t head_offset = int64_t(hv) * head_elems;
+
+  // 3. The source slice, all of it, before anything is written.
+  const StateT* src = static_cast<const StateT*>(args.state) + source * args.slot_stride + head_offset;
+  if (bulk) {
+    if (tid == 0) {
+      const uint64_t policy = l2_evict_first_policy();
+      const int rows_per_chunk = R < kChunkRows ? R : kChunkRows;
+      const uint32_t bytes = uint32_t(rows_per_chunk * kHeadDim * int(sizeof(StateT)));
+      for (int c = 0; c < chunks; ++c)
+        bulk_load(tile + c * rows_per_chunk * kHeadDim, src + (row0 + c * rows_per_chunk) * kHeadDim,
+                  bytes, &bars[c], policy);
+    }
+  } else if (args.state_kv) {  // element (row v, column k) at k * 128 + v: rows fastest
+    for (int e = tid; e < R * kHeadDim; e += kThreads) {
+      const int r = e % R, k = e / R;
+      tile[r * kHeadDim + k] = src[int64_t(k) * kHeadDim + row0 + r];
+    }
+  } else {
+    for (int e = tid; e < R * kHeadDim; e += kThreads) tile[e] = src[int64_t(row0) * kHeadDim + e];
+  }
+
+  // 4. Activations of every token (warp w stages tokens w, w + 4, ...), act(z), norm weight.
+  for (int t = warp; t < T; t += kWarps) {
+    const int64_t l = c0 + t;
+    const int64_t base = l * args.qkv_row_stride;
+    const uint4 qb = load_bits4(args.mixed_qkv, args.qkv_dtype, base + int64_t(h) * kHeadDim + 4 * lane,
+                                args.qkv_vector);
+    const uint4 kb = load_bits4(args.mixed_qkv, args.qkv_dtype,
+                                base + int64_t(args.H + h) * kHeadDim + 4 * lane, args.qkv_vector);
+    const int64_t vbase = base + int64_t(2 * args.H + hv) * kHeadDim + row0;
+    uint32_t vb[kHeadDim / 32];
+#pragma unroll
+    for (int i = 0; i < kHeadDim / 32; ++i)
+      vb[i] = lane + 32 * i < R ? load_bits(args.mixed_qkv, args.qkv_dtype, vbase + lane + 32 * i) : 0u;
+    uint32_t ab = 0, bb = 0, Ab = 0, db = 0;
+    if (lane == 0) {
+      ab = load_bits(args.a, args.a_dtype, l * args.a_row_stride + hv);
+      bb = load_bits(args.b, args.b_dtype, l * args.b_row_stride + hv);
+      Ab = load_bits(args.A_log, args.A_log_dtype, hv);
+      db = load_bits(args.dt_bias, args.dt_bias_dtype, hv);
+    }
+    const float4 q = bits4_to_f32(qb, args.qkv_dtype);
+    const float4 k = bits4_to_f32(kb, args.qkv_dtype);
+    const float qq = warp_sum(q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w);
+    const float kk = warp_sum(k.x * k.x + k.y * k.y + k.z * k.z + k.w * k.w);
+    const float qinv = args.scale / sqrtf(qq + args.l2_eps);
+    const float kinv = 1.0f / sqrtf(kk + args.l2_eps);
+    float* qk = qk_s + t * 2 * kHeadDim + 4 * lane;
+    *reinterpret_cast<float4*>(qk) = make_float4(q.x * qinv, q.y * qinv, q.z * qinv, q.w * qinv);
+    *reinterpret_cast<float4*>(qk + kHeadDim) = make_float4(k.x * kinv, k.y * kinv, k.z * kinv, k.w * kinv);
+#pragma unroll
+    for (int i = 0; i < kHeadDim / 32; ++i)
+      if (lane + 32 * i < R) v_s[t * R + lane + 32 * i] = bits_to_f32(vb[i], args.qkv_dtype);
+    if (lane == 0) {
+      const float A = -expf(bits_to_f32(Ab, args.A_log_dtype));
+      const float g = A * softplus(bits_to_f32(ab, args.a_dtype) + bits_to_f32(db, args.dt_bias_dtype));
+      gates_s[2 * t] = expf(g);
+      gates_s[2 * t + 1] = sigmoid(bits_to_f32(bb, args.b_dtype));
+    }
+  }
+  if (gated) {
+    for (int e = tid; e < T * R; e += kThreads) {
+      const int t = e / R, r = e % R;
+      const float zv = bits_to_f32(
+          load_bits(args.z, args.z_dtype, (c0 + t) * args.z_row_stride + hv * args.z_head_stride + row0 + r),
+          args.z_dtype);
+      z_s[e] = args.gate_sigmoid ? sigmoid(zv) : zv * sigmoid(zv);
+    }
+  }
+  if (norm && tid < R) w_s[tid] = bits_to_f32(w_bits, args.norm_dtype);
+  __syncthreads();  // staged tokens (and a plainly loaded tile) visible
+
+  // 5. Row groups: warp w takes groups w, w + 4, ... (group g's rows arrive with chunk g / 4).
+  const int64_t my_slot = lane < S ? meta.slot[lane] : 0;
+  const int64_t row_step = args.state_kv ? 1 : kHeadDim;  // element distance between rows
+  const int64_t col_step = args.state_kv ? kHeadDim : 1;  // ... and between K columns
+  StateT* const pool = static_cast<StateT*>(args.state);
+  for (int g = warp; g < groups; g += kWarps) {
+    if (bulk) mbarrier_wait(&bars[g / kWarps], 0);
+    float4 s[kRowsPerGroup];
+#pragma unroll
+    for (int i = 0; i < kRowsPerGroup; ++i)
+      s[i] = Bits::to_f32(*reinterpret_cast<const Raw*>(tile + (g * kRowsPerGroup + i) * kHeadDim + 4 * lane));
+    const int grow = g * kRowsPerGroup;             // first row of the group in this CTA
+    const int my_row = grow + ((lane >> 2) & 7);   // row this lane holds after a reduction
+    const int64_t row_offset = head_offset + (row0 + grow) * row_step + 4 * lane * col_step;
+
+    for (int t = 0; t < T; ++t) {
+      const float* qk = qk_s + t * 2 * kHeadDim + 4 * lane;
+      const float4 kt = *reinterpret_cast<const float4*>(qk + kHeadDim);
+      const float alpha = gates_s[2 * t];
+      const float beta = gates_s[2 * t + 1];
+      const float v = v_s[t * R + my_row];
+
+      // decay, read u = S k
+      float p[kRowsPerGroup];
+#pragma unroll
+      for (int i = 0; i < kRowsPerGroup; ++i) {
+        s[i].x *= alpha; s[i].y *= alpha; s[i].z *= alpha; s[i].w *= alpha;
+        p[i] = s[i].x * kt.x + s[i].y * kt.y + s[i].z * kt.z + s[i].w * kt.w;
+      }
+      const float u = transpose_reduce8(p, lane);
+      const float delta_mine = beta * (v - u);
+      // rank-1 write S += delta k^T, then the output o = S q of the updated state
+      const float4 qt = *reinterpret_cast<const float4*>(qk);
+#pragma unroll
+      for (int i = 0; i < kRowsPerGroup; ++i) {
+        const float d = __shfl_sync(0xffffffffu, delta_mine, 4 * i);
+        s[i].x += kt.x * d; s[i].y += kt.y * d; s[i].z += kt.z * d; s[i].w += kt.w * d;
+        p[i] = s[i].x * qt.x + s[i].y * qt.y + s[i].z * qt.z + s[i].w * qt.w;
+      }
+      const float o = transpose_reduce8(p, lane);
+
+      // state after token t -> slot state_indices[n, t] (null: skipped)
+      const int64_t dest = __shfl_sync(0xffffffffu, my_slot, t);
+      if (dest >= args.first_valid_slot && dest >= 0) {
+        StateT* dst = pool + dest * args.slot_stride + row_offset;
+        if (args.state_vector) {
+#pragma unroll
+          for (int i = 0; i < kRowsPerGroup; ++i) Bits::store_streaming(dst + i * kHeadDim, Bits::from_f32(s[i]));
+        } else {
+#pragma unroll
+          for (int i = 0; i < kRowsPerGroup; ++i)
+            Bits::store_scalar(dst + i * row_step, col_step, Bits::from_f32(s[i]));
+        }
+      }
+
+      if ((lane & 3) == 0) o_s[t * R + my_row] = o;
+      if (norm) {  // the group's share of sum(o^2), fixed order over its 8 rows
+        float sq = o * o;
+        sq += __shfl_xor_sync(0xffffffffu, sq, 4);
+        sq += __shfl_xor_sync(0xffffffffu, sq, 8);
+        sq += __shfl_xor_sync(0xffffffffu, sq, 16);
+        if (lane == 0) ss_s[t * kGroupsPerHead + g] = sq;
+      }
+    }
+  }
+
+  // 6. Gated RMSNorm over all 128 rows (the partials of every CTA of the cluster), in one fixed
+  //    order whatever the split, then the outputs.
+  if (clustered) {
+    cluster_arrive();
+    cluster_wait();
+  } else {
+    __syncthreads();
+  }
+  if (norm) {
+    if (tid < T) {
+      float total = 0.0f;
+#pragma unroll
+      for (int gg = 0; gg < kGroupsPerHead; ++gg) {  // the 16 group partials of the head, in order
+        const float* part = ss_s + tid * kGroupsPerHead + gg % groups;
+        total += clustered ? *cluster_peer(part, gg / groups) : *part;
+      }
+      rstd_s[tid] = 1.0f / sqrtf(total / float(kHeadDim) + args.norm_eps);
+    }
+    if (clustered) cluster_arrive();  // done reading the peers' partials (waited for at exit)
+    __syncthreads();
+  }
+  for (int e = tid; e < T * R; e += kThreads) {
+    const int t = e / R, r = e % R;
+    float y = o_s[e];
+    if (norm) {
+      y = y * rstd_s[t] * w_s[r];
+      if (gated) y *= z_s[e];
+    }
+    store_value(args.out, args.out_dtype, ((c0 + t) * HV + hv) * kHeadDim + row0 + r, y);
+  }
+  if (clustered) cluster_wait();  // peers may still be reading this CTA's partials
+}
+
+}  // namespace gdn::decode_mtp::cuda_detail
