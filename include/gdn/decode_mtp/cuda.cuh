@@ -36,8 +36,9 @@ using gdn::cuda::kernel_ptx_version;
 using gdn::cuda::allow_dynamic_shared;
 using gdn::cuda::device_type;
 
-inline size_t shared_bytes(int S, int split, int state_bytes) {
-  return size_t(SmemPlan(S, kHeadDim / split, state_bytes).total);
+template <class StateT>
+inline size_t shared_bytes(int S, int split) {
+  return size_t(SmemPlan(S, kHeadDim / split, int(sizeof(StateT)), kBuffers<StateT>).total);
 }
 
 // CTAs per head: 1 once every SM has a head, else the smallest split that gives every SM a CTA.
@@ -72,9 +73,9 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
   args.split = split;
   args.bulk_load = hopper && args.state_vector;
 
-  const size_t smem = shared_bytes(args.S, split, int(sizeof(StateT)));
+  const size_t smem = shared_bytes<StateT>(args.S, split);
   GDN_RETURN_IF_ERROR(allow_dynamic_shared(
-      kernel, device, int(shared_bytes(kCudaMaxSpecColumns, 1, int(sizeof(StateT)))), smem_cache));
+      kernel, device, int(shared_bytes<StateT>(kCudaMaxSpecColumns, 1)), smem_cache));
 
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(unsigned(heads * split));

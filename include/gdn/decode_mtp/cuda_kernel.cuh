@@ -67,6 +67,13 @@ inline constexpr int kThreads = kWarps * 32;
 inline constexpr int kChunkRows = kWarps * kRowsPerGroup;   // rows per bulk copy (one pass of the warps)
 inline constexpr int kMaxChunks = kHeadDim / kChunkRows;    // 4
 inline constexpr int kMaxSplit = 8;                         // CTAs per head (portable cluster size)
+// Shared-memory chunk buffers of a CTA. An fp32 slice streams its 4 chunks through 2 buffers (a
+// buffer is refilled once its rows are in registers), so twice as many CTAs fit an SM; a 16-bit
+// slice keeps one buffer per chunk.
+// Six CTAs per SM (24 warps) for the registers: the shared memory of a T <= 4 call allows as many.
+inline constexpr int kMinCtasPerSm = 6;
+template <class StateT>
+inline constexpr int kBuffers = sizeof(StateT) == 4 ? 2 : kMaxChunks;
 static_assert(kCudaMaxSpecColumns <= 32, "slot ids of a row are read by the first lanes");
 
 // Plain-data copy of Params/Problem for the kernel (TensorView is host-side).
@@ -107,12 +114,16 @@ struct RowMeta {
 
 // Byte offsets of a CTA's shared arrays. S = state columns (T <= S), R = rows of the CTA.
 struct SmemPlan {
+  int rows_per_chunk, chunks, buffers;
   int bars, meta, tile, qk, v, gates, o, z, ss, rstd, w, total;
-  __host__ __device__ SmemPlan(int S, int R, int state_bytes) {
+  __host__ __device__ SmemPlan(int S, int R, int state_bytes, int max_buffers) {
+    rows_per_chunk = R < kChunkRows ? R : kChunkRows;
+    chunks = R / rows_per_chunk;
+    buffers = chunks < max_buffers ? chunks : max_buffers;
     bars = 0;                                               // uint64_t[kMaxChunks]
     meta = 64;                                              // RowMeta
-    tile = 256;                                             // [R][128] state, storage dtype
-    qk = tile + R * kHeadDim * state_bytes;                 // float [S][2][128] q, k
+    tile = 256;                                             // [buffers][rows_per_chunk][128] state
+    qk = tile + buffers * rows_per_chunk * kHeadDim * state_bytes;  // float [S][2][128] q, k
     v = qk + S * 2 * kHeadDim * 4;                          // float [S][R]
     gates = v + S * R * 4;                                  // float [S][2] alpha, beta
     o = gates + S * 2 * 4;                                  // float [S][R] core output
@@ -126,16 +137,17 @@ struct SmemPlan {
 static_assert(sizeof(RowMeta) <= 256 - 64, "RowMeta fits between the barriers and the tile");
 
 template <class StateT, int kRatio>
-__global__ void __launch_bounds__(kThreads) decode_mtp_kernel(const __grid_constant__ KernelArgs args) {
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm) decode_mtp_kernel(const __grid_constant__ KernelArgs args) {
   extern __shared__ __align__(128) unsigned char smem[];
   using Bits = StateBits<StateT>;
   using Raw = typename Bits::Raw;
   const int split = args.split;
-  const int R = kHeadDim / split;      // rows of this CTA
+  const int log2_R = 7 - (split == 1 ? 0 : split == 2 ? 1 : split == 4 ? 2 : 3);
+  const int R = 1 << log2_R;  // rows of this CTA
   const int groups = R / kRowsPerGroup;
   const int S = args.S;
   const int HV = args.HV;
-  const SmemPlan plan(S, R, int(sizeof(StateT)));
+  const SmemPlan plan(S, R, int(sizeof(StateT)), kBuffers<StateT>);
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + plan.bars);
   RowMeta& meta = *reinterpret_cast<RowMeta*>(smem + plan.meta);
   StateT* tile = reinterpret_cast<StateT*>(smem + plan.tile);
@@ -149,10 +161,10 @@ __global__ void __launch_bounds__(kThreads) decode_mtp_kernel(const __grid_const
   float* w_s = reinterpret_cast<float*>(smem + plan.w);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int rank = int(blockIdx.x % unsigned(split));
-  const int64_t head = blockIdx.x / unsigned(split);
-  const int64_t n = head / HV;
-  const int hv = int(head - n * HV);
+  const int rank = int(blockIdx.x & unsigned(split - 1));
+  const unsigned head = blockIdx.x >> (7 - log2_R);   // heads * split <= INT_MAX (host check)
+  const int64_t n = head / unsigned(HV);
+  const int hv = int(head - unsigned(n) * unsigned(HV));
   const int h = hv / (kRatio == kRuntimeValue ? args.ratio : kRatio);  // key head of hv
   const int row0 = rank * R;  // first row of this CTA in the head
   const bool norm = args.norm_weight != nullptr;
@@ -163,9 +175,9 @@ __global__ void __launch_bounds__(kThreads) decode_mtp_kernel(const __grid_const
 #else
   const bool bulk = false;
 #endif
-  const int chunks = (groups + kWarps - 1) / kWarps;
+  const int chunks = plan.chunks, buffers = plan.buffers, rows_per_chunk = plan.rows_per_chunk;
   if (bulk && tid == 0) {
-    for (int c = 0; c < chunks; ++c) mbarrier_init(&bars[c], 1);
+    for (int c = 0; c < buffers; ++c) mbarrier_init(&bars[c], 1);
     mbarrier_init_fence();
   }
 
@@ -199,8 +211,8 @@ __global__ void __launch_bounds__(kThreads) decode_mtp_kernel(const __grid_const
     const int64_t lo = c0 < 0 ? 0 : c0, hi = c1 > args.L ? args.L : c1;
     const int64_t count = hi > lo ? (hi - lo) * R : 0;
     for (int64_t e = tid; e < count; e += kThreads) {
-      const int64_t l = lo + e / R;
-      store_value(args.out, args.out_dtype, (l * HV + hv) * kHeadDim + row0 + e % R, 0.0f);
+      const int64_t l = lo + (e >> log2_R);
+      store_value(args.out, args.out_dtype, (l * HV + hv) * kHeadDim + row0 + (e & (R - 1)), 0.0f);
     }
     if (args.error_count && hv == 0 && rank == 0 && tid == 0) atomicAdd(args.error_count, 1);
     return;
@@ -209,25 +221,30 @@ __global__ void __launch_bounds__(kThreads) decode_mtp_kernel(const __grid_const
   const int64_t head_elems = int64_t(kHeadDim) * kHeadDim;
   const int64_t head_offset = int64_t(hv) * head_elems;
 
-  // 3. The source slice, all of it, before anything is written.
+  // 3. The first chunks of the source slice in flight. Every row is read before it is written (rows
+  //    evolve independently, so a chunk may be refilled while earlier rows are being stored).
   const StateT* src = static_cast<const StateT*>(args.state) + source * args.slot_stride + head_offset;
-  if (bulk) {
-    if (tid == 0) {
-      const uint64_t policy = l2_evict_first_policy();
-      const int rows_per_chunk = R < kChunkRows ? R : kChunkRows;
-      const uint32_t bytes = uint32_t(rows_per_chunk * kHeadDim * int(sizeof(StateT)));
-      for (int c = 0; c < chunks; ++c)
-        bulk_load(tile + c * rows_per_chunk * kHeadDim, src + (row0 + c * rows_per_chunk) * kHeadDim,
-                  bytes, &bars[c], policy);
+  const int chunk_elems = rows_per_chunk * kHeadDim;
+  const uint32_t chunk_bytes = uint32_t(chunk_elems * int(sizeof(StateT)));
+  const uint64_t policy = bulk && tid == 0 ? l2_evict_first_policy() : 0;
+  auto issue_chunk = [&](int c) {  // one thread
+    bulk_load(tile + (c % buffers) * chunk_elems, src + int64_t(row0 + c * rows_per_chunk) * kHeadDim,
+              chunk_bytes, &bars[c % buffers], policy);
+  };
+  auto plain_load_chunk = [&](int c) {  // the whole CTA
+    StateT* buf = tile + (c % buffers) * chunk_elems;
+    const int r0 = row0 + c * rows_per_chunk;
+    if (args.state_kv) {  // element (row v, column k) at k * 128 + v: rows fastest
+      for (int e = tid; e < chunk_elems; e += kThreads) {
+        const int r = e % rows_per_chunk, k = e / rows_per_chunk;
+        buf[r * kHeadDim + k] = src[int64_t(k) * kHeadDim + r0 + r];
+      }
+    } else {
+      for (int e = tid; e < chunk_elems; e += kThreads) buf[e] = src[int64_t(r0) * kHeadDim + e];
     }
-  } else if (args.state_kv) {  // element (row v, column k) at k * 128 + v: rows fastest
-    for (int e = tid; e < R * kHeadDim; e += kThreads) {
-      const int r = e % R, k = e / R;
-      tile[r * kHeadDim + k] = src[int64_t(k) * kHeadDim + row0 + r];
-    }
-  } else {
-    for (int e = tid; e < R * kHeadDim; e += kThreads) tile[e] = src[int64_t(row0) * kHeadDim + e];
-  }
+  };
+  if (bulk && tid == 0)
+    for (int c = 0; c < buffers; ++c) issue_chunk(c);
 
   // 4. Activations of every token (warp w stages tokens w, w + 4, ...), act(z), norm weight.
   for (int t = warp; t < T; t += kWarps) {
@@ -269,8 +286,8 @@ __global__ void __launch_bounds__(kThreads) decode_mtp_kernel(const __grid_const
     }
   }
   if (gated) {
-    for (int e = tid; e < T * R; e += kThreads) {
-      const int t = e / R, r = e % R;
+    for (int e = tid; e < (T << log2_R); e += kThreads) {
+      const int t = e >> log2_R, r = e & (R - 1);
       const float zv = bits_to_f32(
           load_bits(args.z, args.z_dtype, (c0 + t) * args.z_row_stride + hv * args.z_head_stride + row0 + r),
           args.z_dtype);
@@ -278,19 +295,37 @@ __global__ void __launch_bounds__(kThreads) decode_mtp_kernel(const __grid_const
     }
   }
   if (norm && tid < R) w_s[tid] = bits_to_f32(w_bits, args.norm_dtype);
-  __syncthreads();  // staged tokens (and a plainly loaded tile) visible
+  __syncthreads();  // staged tokens visible
 
-  // 5. Row groups: warp w takes groups w, w + 4, ... (group g's rows arrive with chunk g / 4).
+  // 5. Chunks of 32 rows (4 groups of 8, one per warp) in order; a buffer is refilled with chunk
+  //    c + buffers once every warp holds its rows of chunk c in registers.
   const int64_t my_slot = lane < S ? meta.slot[lane] : 0;
   const int64_t row_step = args.state_kv ? 1 : kHeadDim;  // element distance between rows
   const int64_t col_step = args.state_kv ? kHeadDim : 1;  // ... and between K columns
   StateT* const pool = static_cast<StateT*>(args.state);
-  for (int g = warp; g < groups; g += kWarps) {
-    if (bulk) mbarrier_wait(&bars[g / kWarps], 0);
+  for (int c = 0; c < chunks; ++c) {
+    const int g = c * kWarps + warp;  // this warp's group (R = 16: warps 2, 3 have none)
+    if (bulk) {
+      mbarrier_wait(&bars[c % buffers], uint32_t(c / buffers) & 1u);
+    } else {
+      plain_load_chunk(c);
+      __syncthreads();
+    }
     float4 s[kRowsPerGroup];
+    if (g < groups) {
+      const StateT* rows = tile + (c % buffers) * chunk_elems + warp * kRowsPerGroup * kHeadDim + 4 * lane;
 #pragma unroll
-    for (int i = 0; i < kRowsPerGroup; ++i)
-      s[i] = Bits::to_f32(*reinterpret_cast<const Raw*>(tile + (g * kRowsPerGroup + i) * kHeadDim + 4 * lane));
+      for (int i = 0; i < kRowsPerGroup; ++i)
+        s[i] = Bits::to_f32(*reinterpret_cast<const Raw*>(rows + i * kHeadDim));
+    }
+    if (bulk && c + buffers < chunks) {
+      __syncthreads();  // every warp's rows of chunk c are in registers: refill its buffer
+      if (tid == 0) {
+        dev::fence_proxy_async();  // the reads above before the bulk copy's writes
+        issue_chunk(c + buffers);
+      }
+    }
+    if (g >= groups) continue;
     const int grow = g * kRowsPerGroup;             // first row of the group in this CTA
     const int my_row = grow + ((lane >> 2) & 7);   // row this lane holds after a reduction
     const int64_t row_offset = head_offset + (row0 + grow) * row_step + 4 * lane * col_step;
@@ -367,8 +402,8 @@ __global__ void __launch_bounds__(kThreads) decode_mtp_kernel(const __grid_const
     if (clustered) cluster_arrive();  // done reading the peers' partials (waited for at exit)
     __syncthreads();
   }
-  for (int e = tid; e < T * R; e += kThreads) {
-    const int t = e / R, r = e % R;
+  for (int e = tid; e < (T << log2_R); e += kThreads) {
+    const int t = e >> log2_R, r = e & (R - 1);
     float y = o_s[e];
     if (norm) {
       y = y * rstd_s[t] * w_s[r];

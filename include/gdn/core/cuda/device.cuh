@@ -252,6 +252,14 @@ __device__ __forceinline__ void mbarrier_init_fence() {
 #endif
 }
 
+// Orders this thread's earlier generic-proxy accesses to shared memory before later bulk copies
+// (async proxy) into it.
+__device__ __forceinline__ void fence_proxy_async() {
+#if GDN_CUDA_SM90
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
 // L2 policy for data read exactly once (the source state): evict it first.
 __device__ __forceinline__ uint64_t l2_evict_first_policy() {
   uint64_t policy = 0;
