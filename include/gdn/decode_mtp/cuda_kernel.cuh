@@ -6,12 +6,13 @@
 // CTAs, each with its whole state slice in flight at once.
 //
 // Streaming. Each V row of the state evolves on its own (u, delta, the update and o of row v only
-// read row v), so the slice is streamed in row groups of 8. On sm_90 the slice goes global ->
-// shared memory as bulk copies (one per 32 rows, each with its own mbarrier), issued by one
+// read row v), so the slice is streamed in chunks of 32 rows, 8 per warp. On sm_90 a chunk goes
+// global -> shared memory as one bulk copy completing on its buffer's mbarrier, issued by one
 // thread as soon as the source slot is known: no registers are held while the bytes are in
-// flight, and a warp starts on its first 8 rows when their copy lands. Elsewhere (a kernel image
-// without sm_90, the "kv" layout, or a pool whose slot stride is not 16-byte aligned) the CTA
-// loads the slice into the same shared tile with plain loads.
+// flight, and the warps start on a chunk as soon as it lands. A buffer is refilled with a later
+// chunk once every warp holds its rows in registers (kBuffers). Elsewhere (a kernel image without
+// sm_90, the "kv" layout, or a pool whose slot stride is not 16-byte aligned) the CTA loads each
+// chunk into the same buffers with plain loads: the slow path.
 //
 // A warp owns 8 rows of a group at a time; lane l holds K columns 4l..4l+3 of each (a float4 in
 // registers, fp32 whatever the storage dtype). Dot products over K are 4 lane-local products and
@@ -67,13 +68,14 @@ inline constexpr int kThreads = kWarps * 32;
 inline constexpr int kChunkRows = kWarps * kRowsPerGroup;   // rows per bulk copy (one pass of the warps)
 inline constexpr int kMaxChunks = kHeadDim / kChunkRows;    // 4
 inline constexpr int kMaxSplit = 8;                         // CTAs per head (portable cluster size)
-// Shared-memory chunk buffers of a CTA. An fp32 slice streams its 4 chunks through 2 buffers (a
-// buffer is refilled once its rows are in registers), so twice as many CTAs fit an SM; a 16-bit
-// slice keeps one buffer per chunk.
-// Six CTAs per SM (24 warps) for the registers: the shared memory of a T <= 4 call allows as many.
+// Register budget for six CTAs per SM (24 warps; 80 registers, no spills).
 inline constexpr int kMinCtasPerSm = 6;
+// Shared-memory chunk buffers of a CTA. An fp32 slice streams its 4 chunks through 3 buffers (a
+// buffer is refilled once its rows are in registers), so 4 CTAs fit an SM instead of 3; a 16-bit
+// slice keeps one buffer per chunk. H200 sweep (benchmarks/results/tuning_v2.json): 2, 3 and 4
+// fp32 buffers are within 3 % of each other at B >= 128; 3 is best at B = 8..32.
 template <class StateT>
-inline constexpr int kBuffers = sizeof(StateT) == 4 ? 2 : kMaxChunks;
+inline constexpr int kBuffers = sizeof(StateT) == 4 ? 3 : kMaxChunks;
 static_assert(kCudaMaxSpecColumns <= 32, "slot ids of a row are read by the first lanes");
 
 // Plain-data copy of Params/Problem for the kernel (TensorView is host-side).
