@@ -60,7 +60,7 @@ static void decode_mtp(const ConstArray& mixed_qkv, const ConstArray& a, const C
 
 static nb::tuple can_use_decode_mtp(const std::string& device, int64_t H, int64_t HV, int64_t K,
                                     int64_t V, int64_t S, const std::string& state_dtype,
-                                    int device_index) {
+                                    int device_index, const std::string& state_layout) {
   DType sd;
   if (state_dtype == "float32") sd = DType::kFloat32;
   else if (state_dtype == "bfloat16") sd = DType::kBFloat16;
@@ -77,7 +77,8 @@ static nb::tuple can_use_decode_mtp(const std::string& device, int64_t H, int64_
 #else
   (void)device_index;
 #endif
-  decode_mtp::Support s = decode_mtp::can_use(dev, H, HV, K, V, S, sd, cuda_ok);
+  decode_mtp::Support s =
+      decode_mtp::can_use(dev, H, HV, K, V, S, sd, cuda_ok, parse_layout(state_layout));
   if (dev == DeviceType::kCUDA && !cuda_ok && !why.empty()) s.reason += ": " + why;
   return nb::make_tuple(std::string(decode_mtp::to_string(s.path)), s.reason);
 }
@@ -99,6 +100,7 @@ void bind_decode_mtp(nb::module_& m) {
   m.def("can_use_decode_mtp", &can_use_decode_mtp, nb::arg("device"), nb::arg("H"), nb::arg("HV"),
         nb::arg("K") = 128, nb::arg("V") = 128, nb::arg("S") = 1,
         nb::arg("state_dtype") = "float32", nb::arg("device_index") = 0,
+        nb::arg("state_layout") = "vk",
         "(path, reason): path is 'fast', 'generic' or 'unsupported'.");
 }
 

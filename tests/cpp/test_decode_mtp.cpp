@@ -283,6 +283,12 @@ TEST(DecodeMtpGuard, RatioMustDivideExactly) {
   EXPECT_EQ(can_use(DeviceType::kCUDA, 16, 32, 128, 128, 17, DType::kFloat32, true).path,
             Path::kUnsupported);
   EXPECT_EQ(can_use(DeviceType::kCUDA, 16, 48, 128, 128, 4, DType::kBFloat16, true).path, Path::kFast);
+  // The "kv" layout is the CUDA kernel's slow path, and the guard says so; the CPU does not care.
+  const auto kv = can_use(DeviceType::kCUDA, 16, 32, 128, 128, 4, DType::kFloat32, true, StateLayout::kKV);
+  EXPECT_EQ(kv.path, Path::kGeneric);
+  EXPECT_NE(kv.reason.find("slow path"), std::string::npos);
+  EXPECT_EQ(can_use(DeviceType::kCPU, 16, 32, 128, 128, 4, DType::kFloat32, false, StateLayout::kKV).path,
+            Path::kFast);
 }
 
 TEST(Dispatch, ListedAndRuntimeValues) {

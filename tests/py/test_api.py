@@ -187,3 +187,16 @@ def test_python_m_gdn_self_check():
     assert result.returncode == 0, result.stdout + result.stderr
     assert "self-check: PASS" in result.stdout
     assert f"gdn {gdn.__version__}" in result.stdout and "FAIL" not in result.stdout
+
+
+def test_guard_names_the_kv_layout_as_the_slow_cuda_path():
+    """The "kv" pool layout runs the CUDA kernel's slow path; the guard says so (when the build
+    has CUDA kernels for the device), and the CPU path is the same for both layouts."""
+    assert gdn.can_use_decode_mtp("cpu", 16, 32, state_layout="kv")[0] == "fast"
+    path, reason = gdn.can_use_decode_mtp("cuda", 16, 32, 128, 128, 4, state_layout="kv")
+    vk_path, _ = gdn.can_use_decode_mtp("cuda", 16, 32, 128, 128, 4, state_layout="vk")
+    if vk_path == "unsupported":  # no device or no kernel image: both layouts refused alike
+        assert path == "unsupported"
+    else:
+        assert vk_path == "fast"
+        assert path == "generic" and "slow path" in reason

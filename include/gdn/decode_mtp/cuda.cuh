@@ -151,7 +151,7 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream, int split = 0) {
     return Status::invalid("first_valid_slot = " + std::to_string(p.first_valid_slot) +
                            " must be >= 0 (slot ids below it are null)");
   const Support support =
-      can_use(DeviceType::kCUDA, pr.H, pr.HV, pr.K, pr.V, pr.S, p.state.dtype, true);
+      can_use(DeviceType::kCUDA, pr.H, pr.HV, pr.K, pr.V, pr.S, p.state.dtype, true, p.layout);
   if (support.path == Path::kUnsupported) return Status::unsupported("decode_mtp: " + support.reason);
   if (pr.N == 0) return Status::ok();
   if (pr.HV > 65535 || pr.H > 65535)

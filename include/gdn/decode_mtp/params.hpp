@@ -247,7 +247,8 @@ struct Support {
 // supported-set lists only; `cuda_available` is whether this build holds a CUDA kernel image that
 // runs on the target device (the caller probes it).
 inline Support can_use(DeviceType device, int64_t H, int64_t HV, int64_t K, int64_t V, int64_t S,
-                       DType state_dtype, bool cuda_available = false) {
+                       DType state_dtype, bool cuda_available = false,
+                       StateLayout layout = StateLayout::kVK) {
   if (H <= 0 || HV <= 0 || K <= 0 || V <= 0 || S <= 0)
     return {Path::kUnsupported, "H, HV, K, V and S must all be positive"};
   if (HV % H != 0)
@@ -271,6 +272,10 @@ inline Support can_use(DeviceType device, int64_t H, int64_t HV, int64_t K, int6
   if (S > kCudaMaxSpecColumns)
     return {Path::kUnsupported, "CUDA kernel supports S <= " + std::to_string(kCudaMaxSpecColumns) +
                                     " state columns, got " + std::to_string(S)};
+  // The "kv" pool cannot be bulk-copied row by row: plain loads and strided 4-byte stores.
+  if (layout == StateLayout::kKV)
+    return {Path::kGeneric, "state layout \"kv\" runs the CUDA kernel's slow path (plain loads, "
+                            "strided stores); use \"vk\" for full speed"};
   if (listed) return {Path::kFast, "CUDA kernel specialised for head ratio " + std::to_string(ratio)};
   return {Path::kGeneric, "head ratio " + std::to_string(ratio) +
                               " is not compiled in; the CUDA kernel runs it with a run-time ratio"};
