@@ -1,0 +1,79 @@
+"""Verdict table for decode_mtp: libgdn and FLA from one bench_decode_mtp.py run, next to vLLM's CUDA
+kernel as measured on the same kind of GPU (docs performance.md §5; vLLM cannot be run here), the
+byte-model floor at the measured copy bandwidth of the H200 (4.26 TB/s), and the target: at least
+5 % faster than the best anchor, or within 3 % of the floor.
+
+Usage: python benchmarks/compare_anchors.py benchmarks/results/decode_mtp_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+COPY_TBPS = 4.26
+DIM = 128
+# vLLM's fused MTP CUDA kernel, TP1 shape, µs per call (performance.md §5, same method).
+VLLM_US = {
+    ("fp32", 1, 1): 8.29, ("fp32", 1, 8): 14.2, ("fp32", 1, 32): 40.1, ("fp32", 1, 128): 146.9,
+    ("fp32", 1, 512): 571.3, ("fp32", 2, 128): 224.5, ("fp32", 4, 1): 14.97, ("fp32", 4, 8): 28.6,
+    ("fp32", 4, 32): 101.9, ("fp32", 4, 128): 381.7, ("fp32", 4, 512): 1502.0,
+    ("fp32", 8, 128): 700.6, ("bf16", 1, 1): 7.81, ("bf16", 1, 8): 10.4, ("bf16", 1, 32): 24.8,
+    ("bf16", 1, 128): 86.1, ("bf16", 1, 512): 328.0, ("bf16", 2, 128): 123.8, ("bf16", 4, 8): 18.7,
+    ("bf16", 4, 128): 202.9, ("bf16", 4, 512): 793.5, ("bf16", 8, 128): 380.1,
+}
+
+
+def floor_us(r):
+    """Byte-model floor of one call: 1 state read + T writes + T x activations (bf16)."""
+    H, HV, B, T = r["H"], r["HV"], r["B"], r["T"]
+    state = HV * DIM * DIM * (4 if r["state"] == "fp32" else 2)
+    act = ((2 * H * DIM + HV * DIM) + 2 * HV + 2 * HV * DIM) * 2
+    return B * ((1 + T) * state + T * act) / (COPY_TBPS * 1e12) * 1e6
+
+
+def rows(doc, shape="TP1"):
+    res = [r for r in doc["results"] if r.get("shape") == shape and r.get("split") is None]
+    by = {(r["impl"], r["state"], r["T"], r["B"]): r for r in res if "us" in r}
+    out = []
+    for (impl, state, T, B), r in sorted(by.items(), key=lambda kv: (kv[0][1] != "fp32", kv[0][2], kv[0][3])):
+        if impl != "gdn":
+            continue
+        fla = by.get(("fla", state, T, B))
+        vllm = VLLM_US.get((state, T, B))
+        anchors = [x for x in (fla["us"] if fla else None, vllm) if x is not None]
+        best = min(anchors) if anchors else None
+        fl = floor_us(r)
+        ok_anchor = best is not None and r["us"] <= 0.95 * best
+        ok_floor = r["us"] <= 1.03 * fl
+        out.append(dict(state=state, T=T, B=B, floor=fl, gdn=r["us"], pct=r["pct_copy"],
+                        fla=fla["us"] if fla else None, vllm=vllm, best=best,
+                        vs_best=(best / r["us"]) if best else None,
+                        verdict="met" if (ok_anchor or ok_floor) else "not met"))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("json", help="a bench_decode_mtp.py result file")
+    ap.add_argument("--shape", default="TP1")
+    args = ap.parse_args()
+    doc = json.load(open(args.json))
+    env = doc["environment"]
+    print(f"{env['gpu']} · libgdn {env['git_sha'][:10]} · torch {env['torch']} · CUDA {env['cuda']} · "
+          f"fla {env.get('fla')} · copy {env['copy_tbps']:.2f} TB/s\n")
+    print("| state | T | B | floor µs | libgdn µs (% copy) | FLA µs | vLLM µs (§5) | best anchor / libgdn | target |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    fmt = lambda x: "—" if x is None else f"{x:.2f}"  # noqa: E731
+    met = 0
+    rs = rows(doc, args.shape)
+    for r in rs:
+        met += r["verdict"] == "met"
+        ratio = "—" if r["vs_best"] is None else f"{r['vs_best']:.2f}x"
+        print(f"| {r['state']} | {r['T']} | {r['B']} | {r['floor']:.1f} | {r['gdn']:.2f} ({r['pct']:.0f} %) | "
+              f"{fmt(r['fla'])} | {fmt(r['vllm'])} | {ratio} | {r['verdict']} |")
+    print(f"\ntarget met in {met} of {len(rs)} rows")
+
+
+if __name__ == "__main__":
+    main()
