@@ -4,6 +4,8 @@ without a GPU)."""
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 
@@ -111,8 +113,9 @@ def test_matches_float64_reference(layout, state_dtype, x_dtype, W, num_spec):
 def test_package_reference_agrees():
     case = make_case(seed=3, T=(4, 1, 3))
     ref_a = reference(case["x"], case["w"], case["pool"], case["slots"], case["cu"], case["acc"])
-    ref_b = causal_conv1d_update_reference(case["x"].numpy(), case["w"].numpy(), case["pool"].numpy(),
-                                           case["slots"].numpy(), case["cu"].numpy(),
+    ref_b = causal_conv1d_update_reference(case["x"].numpy(), case["w"].numpy(),
+                                           case["pool"].numpy(), case["slots"].numpy(),
+                                           case["cu"].numpy(),
                                            num_accepted_tokens=case["acc"].numpy())
     np.testing.assert_allclose(ref_b[0], ref_a[0].numpy(), rtol=1e-12, atol=1e-12)
     np.testing.assert_array_equal(ref_b[1], ref_a[1].numpy())
@@ -135,13 +138,64 @@ def test_torch_op_in_place_and_column_indices():
     assert torch.equal(case2["pool"], case["pool"])
 
 
-def test_opcheck():
+@pytest.mark.parametrize("counter", [False, True], ids=["no_error_count", "error_count"])
+def test_opcheck(counter):
     case = make_case(seed=6, T=(2, 3))
     out = torch.empty_like(case["x"])
-    torch.library.opcheck(torch.ops.gdn.causal_conv1d_update.default,
-                          (case["x"], case["w"], case["pool"], case["slots"], case["cu"], out),
-                          {"num_accepted_tokens": case["acc"]},
-                          test_utils=("test_schema", "test_faketensor"))
+    kw = {"num_accepted_tokens": case["acc"]}
+    if counter:
+        kw["error_count"] = torch.zeros(1, dtype=torch.int32)
+    result = torch.library.opcheck(torch.ops.gdn.causal_conv1d_update.default,
+                                   (case["x"], case["w"], case["pool"], case["slots"], case["cu"],
+                                    out), kw)
+    assert all(v == "SUCCESS" for v in result.values()), result
+
+
+def _backends():
+    have_cxx = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
+    return ["eager", "aot_eager",
+            pytest.param("inductor", marks=pytest.mark.skipif(
+                not have_cxx, reason="inductor on the CPU needs a C++ compiler"))]
+
+
+def conv_step(x, weight, conv_state, conv_state_indices, cu_seqlens, out, acc, error_count):
+    """The op inside a compiled graph; returns what the call added to error_count, read in the
+    graph (right only if the schema declares error_count mutated)."""
+    before = error_count.clone()
+    torch.ops.gdn.causal_conv1d_update(x, weight, conv_state, conv_state_indices, cu_seqlens, out,
+                                       num_accepted_tokens=acc, error_count=error_count)
+    return error_count - before
+
+
+def compiled_conv_case(case, out, errors, compiled):
+    return compiled(case["x"], case["w"], case["pool"], case["slots"], case["cu"], out,
+                    case["acc"], errors)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.jit._script")
+@pytest.mark.parametrize("backend", _backends())
+def test_torch_compile_with_error_count(backend):
+    """CPU: valid input gives the eager bits and leaves error_count alone; an invalid row raises
+    before anything is written (the host path reports by raising, not by counting)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(conv_step, fullgraph=True, backend=backend)
+    case = make_case(seed=31, T=(4, 2, 3))
+    pool_e, out_e = case["pool"].clone(), torch.full_like(case["x"], float("nan"))
+    gdn.causal_conv1d_update(case["x"], case["w"], pool_e, case["slots"], case["cu"], out_e,
+                             num_accepted_tokens=case["acc"])
+    errors = torch.full((1,), 5, dtype=torch.int32)
+    out = torch.full_like(case["x"], float("nan"))
+    delta = compiled_conv_case(case, out, errors, compiled)
+    assert int(delta) == 0 and int(errors) == 5
+    assert torch.equal(out, out_e) and torch.equal(case["pool"], pool_e)
+
+    case["acc"][1] = 0
+    before = case["pool"].clone()
+    out = torch.full_like(case["x"], float("nan"))
+    with pytest.raises(ValueError, match="request row 1: num_accepted_tokens = 0"):
+        compiled_conv_case(case, out, errors, compiled)
+    assert int(errors) == 5
+    assert torch.equal(case["pool"], before) and torch.isnan(out).all()
 
 
 def test_null_slot_and_padded_rows_are_skipped():
@@ -157,7 +211,8 @@ def test_null_slot_and_padded_rows_are_skipped():
 @pytest.mark.parametrize("mutate,message", [
     (lambda c: c["acc"].__setitem__(1, 0), "request row 1: num_accepted_tokens = 0"),
     (lambda c: c["acc"].__setitem__(2, 5), "request row 2: num_accepted_tokens = 5"),
-    (lambda c: c["slots"].__setitem__(0, 10), r"request row 0: conv_state_indices\[0\] = 10 is >= the pool"),
+    (lambda c: c["slots"].__setitem__(0, 10),
+     r"request row 0: conv_state_indices\[0\] = 10 is >= the pool"),
     (lambda c: c["cu"].__setitem__(2, 1), "request row 1: cu_seqlens"),
 ])
 def test_invalid_rows_raise_and_write_nothing(mutate, message):
@@ -233,7 +288,7 @@ def test_spec_equals_sequential_cpu(layout, state_dtype):
     spec_vs_sequential("cpu", state_dtype, layout)
 
 
-# ---- CUDA -----------------------------------------------------------------------------------------
+# ---- CUDA ----------------------------------------------------------------------------------------
 
 @needs_cuda
 @pytest.mark.parametrize("layout", ["channels_major", "tokens_major"])
@@ -268,6 +323,29 @@ def test_cuda_invalid_rows_zeroed_and_counted():
     assert not torch.isnan(out[:2]).any()
     others = [s for s in range(10) if s != int(case["slots"][0])]
     assert torch.equal(case["pool"][others], before[others])
+
+
+@needs_cuda
+@pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.jit._script")
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_cuda_torch_compile_counts_invalid_rows(backend):
+    torch._dynamo.reset()
+    compiled = torch.compile(conv_step, fullgraph=True, backend=backend)
+    case = make_case(D=64, seed=32, T=(2, 3, 4), device="cuda")
+    case["slots"][2] = 1 << 30  # past the pool: invalid, rows 5..8 (cu = 0, 2, 5, 9)
+    errors = torch.zeros(1, dtype=torch.int32, device="cuda")
+    pool_e, out_e = case["pool"].clone(), torch.full_like(case["x"], float("nan"))
+    gdn.causal_conv1d_update(case["x"], case["w"], pool_e, case["slots"], case["cu"], out_e,
+                             num_accepted_tokens=case["acc"])
+    for calls in (1, 2):
+        out = torch.full_like(case["x"], float("nan"))
+        delta = compiled_conv_case(case, out, errors, compiled)
+        torch.cuda.synchronize()
+        assert int(delta) == 1, f"call {calls}: the compiled graph saw {int(delta)} new errors"
+        assert int(errors) == calls
+        assert torch.equal(out[5:], torch.zeros_like(out[5:]))
+        if calls == 1:
+            assert torch.equal(out, out_e) and torch.equal(case["pool"], pool_e)
 
 
 @needs_cuda

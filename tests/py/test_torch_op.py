@@ -1,13 +1,19 @@
 """torch.ops.gdn.decode_mtp: same results as gdn.decode_mtp, a correct schema (opcheck), and usable
-inside torch.compile(fullgraph=True)."""
+inside torch.compile(fullgraph=True). Every torch.ops.gdn op: callable with its optional mutated
+arguments omitted under each autograd mode (CPU, and CUDA when present), and every tensor it may
+write marked mutable in its schema."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import shutil
+from typing import Any, Callable, Dict, FrozenSet
 
 import pytest
 
 import gdn
+from gdn import metadata as M
 
 torch = pytest.importorskip("torch")
 
@@ -73,15 +79,8 @@ def test_positional_arguments_follow_the_schema(gen):
         "error_count"]
 
 
-def test_schema_marks_state_out_and_error_count_mutated():
-    schema = torch.ops.gdn.decode_mtp.default._schema
-    written = {a.name for a in schema.arguments
-               if a.alias_info is not None and a.alias_info.is_write}
-    assert written == {"state", "out", "error_count"}
-    assert len(schema.returns) == 0
-
-
-@pytest.mark.parametrize("cfg,counter", [("fp32_vk_silu", False), ("bf16_kv_sigmoid_strided", True)])
+@pytest.mark.parametrize("cfg,counter", [("fp32_vk_silu", False),
+                                         ("bf16_kv_sigmoid_strided", True)])
 def test_opcheck(gen, cfg, counter):
     case = _case(gen, cfg)
     kw = case.kwargs()
@@ -145,3 +144,214 @@ def test_model_parameters_are_accepted(gen, fn):
         setattr(case, name, torch.nn.Parameter(getattr(case, name)))
     o2, p2 = _run_copy(case, fn)
     assert torch.equal(o1, o2) and torch.equal(p1, p2)
+
+
+# ---- every torch.ops.gdn op ----------------------------------------------------------------------
+
+
+def _cuda_reason():
+    if not torch.cuda.is_available():
+        return "no CUDA device visible to torch"
+    if not gdn._C.built_with_cuda:
+        return "this build of gdn has no CUDA kernels"
+    ok, why = gdn.cuda_kernels_available(torch.cuda.current_device())
+    return None if ok else why
+
+
+_CUDA_REASON = _cuda_reason()
+_needs_cuda = pytest.mark.skipif(_CUDA_REASON is not None, reason=f"CUDA: {_CUDA_REASON}")
+
+# The Tensor arguments each gdn function may write (its contract), by op name.
+WRITES = {
+    "decode_mtp": {"state", "out", "error_count"},
+    "causal_conv1d_update": {"conv_state", "out", "error_count"},
+    "metadata_plan": {"plan"},
+    "metadata_state_rows": {"plan", "spec_state_indices", "non_spec_state_indices", "error_count"},
+}
+
+GRAD_MODES = {"grad": contextlib.nullcontext, "no_grad": torch.no_grad,
+              "inference_mode": torch.inference_mode}
+
+I32 = torch.int32
+
+
+@dataclasses.dataclass
+class OpCall:
+    """Inputs `t` (keyed by schema argument name) and two calls on them: `op(t, **extra)` calls the
+    torch op leaving out its trailing defaulted arguments (the optional mutated ones among them),
+    `fn(t)` the gdn function with the same arguments."""
+    t: Dict[str, Any]
+    op: Callable[..., None]
+    fn: Callable[[Dict[str, Any]], None]
+    written: FrozenSet[str]       # what op(t) changes
+    optional: tuple               # optional tensors in t that op(t) leaves out
+    written_full: FrozenSet[str]  # what op(t, **optional) changes on the CPU
+
+
+def _decode_mtp_call(gen, device):
+    K = 128 if device == "cuda" else 32  # the CUDA kernel's head dim
+    case = make_case(gen, H=1, HV=2, K=K, V=K, S=3, T=(3, 0, 2))
+    names = ("mixed_qkv", "a", "b", "A_log", "dt_bias", "state", "state_indices", "cu_seqlens",
+             "out")
+    opt = ("z", "norm_weight", "num_accepted_tokens")
+    t = {n: getattr(case, n).to(device) for n in names + opt}
+    t["out"].fill_(float("nan"))
+    t["error_count"] = torch.zeros(1, dtype=I32, device=device)
+    for n in ("A_log", "dt_bias", "norm_weight"):  # model parameters
+        t[n].requires_grad_()
+
+    def call(f, t, **extra):
+        f(*(t[n] for n in names), **{n: t[n] for n in opt}, **extra)
+
+    # The CPU path raises on invalid rows and never writes error_count.
+    return OpCall(t, lambda t, **e: call(torch.ops.gdn.decode_mtp, t, **e),
+                  lambda t: call(gdn.decode_mtp, t), frozenset({"state", "out"}),
+                  ("error_count",), frozenset({"state", "out"}))
+
+
+def _conv_call(gen, device):
+    D, W, num_spec, slots = 16, 4, 2, 8
+    names = ("x", "weight", "conv_state", "conv_state_indices", "cu_seqlens", "out")
+    t = dict(x=torch.randn(5, D, generator=gen), weight=torch.randn(D, W, generator=gen),
+             conv_state=torch.randn(slots, D, W - 1 + num_spec, generator=gen),
+             conv_state_indices=torch.randperm(slots, generator=gen)[:3].to(I32),
+             cu_seqlens=torch.tensor([0, 3, 3, 5], dtype=I32),
+             out=torch.full((5, D), float("nan")),
+             num_accepted_tokens=torch.tensor([2, 1, 3], dtype=I32),
+             error_count=torch.zeros(1, dtype=I32))
+    t = {k: v.to(device) for k, v in t.items()}
+    t["weight"].requires_grad_()
+
+    def call(f, t, **extra):
+        f(*(t[n] for n in names), num_accepted_tokens=t["num_accepted_tokens"], **extra)
+
+    return OpCall(t, lambda t, **e: call(torch.ops.gdn.causal_conv1d_update, t, **e),
+                  lambda t: call(gdn.causal_conv1d_update, t), frozenset({"conv_state", "out"}),
+                  ("error_count",), frozenset({"conv_state", "out"}))
+
+
+# A host plan of 3 requests (spec, decode, spec; num_spec 2) for R rows / T tokens.
+R, T_MAX, NUM_SPEC = 6, 16, 2
+
+
+def _plan_inputs():
+    return dict(plan=torch.zeros(M.plan_words(R, T_MAX), dtype=I32),
+                query_start_loc=torch.tensor([0, 3, 4, 6], dtype=I32),
+                seq_lens=torch.tensor([8, 6, 7], dtype=I32),
+                num_draft_tokens=torch.tensor([2, -1, 1], dtype=I32),
+                num_accepted_tokens=torch.tensor([2, 1, 3], dtype=I32),
+                num_computed_tokens=torch.tensor([5, 5, 5], dtype=I32))
+
+
+def _plan_fn(t):
+    M.plan(t["plan"], t["query_start_loc"], t["seq_lens"], num_draft_tokens=t["num_draft_tokens"],
+           num_accepted_tokens=t["num_accepted_tokens"],
+           num_computed_tokens=t["num_computed_tokens"], num_spec=NUM_SPEC, max_rows=R,
+           max_tokens=T_MAX)
+
+
+def _metadata_plan_call(gen, device):
+    t = _plan_inputs()  # host tensors only: there is no CUDA form of the plan
+
+    def op(t, **extra):
+        torch.ops.gdn.metadata_plan(t["plan"], t["query_start_loc"], t["seq_lens"],
+                                    t["num_draft_tokens"], t["num_accepted_tokens"],
+                                    t["num_computed_tokens"], NUM_SPEC, R, T_MAX, **extra)
+
+    return OpCall(t, op, _plan_fn, frozenset({"plan"}), (), frozenset({"plan"}))
+
+
+def _metadata_state_rows_call(gen, device):
+    planned = _plan_inputs()
+    _plan_fn(planned)
+    G = 2
+    # The second table is too narrow for S = 3 columns: its spec rows are padded and counted.
+    tables = [torch.randint(1, 1 << 20, (3, cols), generator=gen, dtype=I32) for cols in (4, 2)]
+    t = dict(plan=planned["plan"], block_tables=tables,
+             spec_state_indices=torch.full((G, R, NUM_SPEC + 1), -9, dtype=I32),
+             non_spec_state_indices=torch.full((G, R), -9, dtype=I32),
+             num_accepted_tokens=torch.tensor([1, 1, 2], dtype=I32),  # differs from the plan's
+             error_count=torch.zeros(1, dtype=I32))
+    t = {k: [x.to(device) for x in v] if isinstance(v, list) else v.to(device)
+         for k, v in t.items()}
+    names = ("plan", "block_tables", "spec_state_indices", "non_spec_state_indices")
+
+    def op(t, **extra):
+        torch.ops.gdn.metadata_state_rows(*(t[n] for n in names), NUM_SPEC, R, T_MAX, **extra)
+
+    def fn(t):
+        M.state_rows(*(t[n] for n in names), num_spec=NUM_SPEC, max_rows=R, max_tokens=T_MAX)
+
+    return OpCall(t, op, fn, frozenset({"spec_state_indices", "non_spec_state_indices"}),
+                  ("num_accepted_tokens", "error_count"), frozenset(WRITES["metadata_state_rows"]))
+
+
+CALLS = {"decode_mtp": _decode_mtp_call, "causal_conv1d_update": _conv_call,
+         "metadata_plan": _metadata_plan_call, "metadata_state_rows": _metadata_state_rows_call}
+
+
+def _clone(t):
+    def c(v):
+        if isinstance(v, torch.Tensor):
+            return v.detach().clone()
+        return [c(x) for x in v] if isinstance(v, list) else v
+    return {k: c(v) for k, v in t.items()}
+
+
+def _same(a, b) -> bool:
+    """Bit equality (NaN == NaN) of tensors or lists of tensors."""
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    bits = lambda x: x.detach().cpu().contiguous().view(torch.uint8)  # noqa: E731
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
+def _changed(before, after):
+    return {k for k in after if not _same(before[k], after[k])}
+
+
+def test_every_gdn_op_is_covered():
+    names = {n.split("::", 1)[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
+             if n.startswith("gdn::")}
+    assert names == set(WRITES) == set(CALLS)
+
+
+_OP_DEVICES = [pytest.param(name, dev, marks=[_needs_cuda] if dev == "cuda" else [],
+                            id=f"{name}-{dev}")
+               for name in sorted(CALLS) for dev in ("cpu", "cuda")
+               if (name, dev) != ("metadata_plan", "cuda")]  # the plan is built on the host
+
+
+@pytest.mark.parametrize("mode", list(GRAD_MODES))
+@pytest.mark.parametrize("name,device", _OP_DEVICES)
+def test_op_without_optional_mutated_args(gen, name, device, mode):
+    """Trailing defaulted arguments (the optional mutated ones among them) are dropped by the
+    dispatcher before the kernel runs; the op must work without them in every autograd mode."""
+    call = CALLS[name](gen, device)
+    before = _clone(call.t)
+    expect = _clone(call.t)
+    call.fn(expect)
+    with GRAD_MODES[mode]():
+        assert torch.is_grad_enabled() == (mode == "grad")
+        call.op(call.t)
+    for k in call.t:
+        assert _same(call.t[k], expect[k]), f"{name}: {k} differs from the function's"
+    assert _changed(before, call.t) == call.written
+
+
+@pytest.mark.parametrize("name", sorted(CALLS))
+def test_schema_marks_every_written_tensor_mutable(gen, name):
+    schema = getattr(torch.ops.gdn, name).default._schema
+    args = {a.name: a for a in schema.arguments}
+    mutable = {n for n, a in args.items() if a.alias_info is not None and a.alias_info.is_write}
+    assert mutable == WRITES[name]
+    assert all(a.alias_info is None or a.alias_info.is_write for a in schema.arguments)
+    assert len(schema.returns) == 0
+    # What a CPU call with every optional tensor given changes is declared mutable.
+    call = CALLS[name](gen, "cpu")
+    assert set(call.t) <= set(args)
+    before = _clone(call.t)
+    call.op(call.t, **{n: call.t[n] for n in call.optional})
+    changed = _changed(before, call.t)
+    assert changed <= mutable
+    assert changed == call.written_full
