@@ -37,8 +37,17 @@ using gdn::cuda::allow_dynamic_shared;
 using gdn::cuda::device_type;
 
 template <class StateT>
-inline size_t shared_bytes(int S, int split) {
-  return size_t(SmemPlan(S, kHeadDim / split, int(sizeof(StateT)), kBuffers<StateT>).total);
+inline size_t shared_bytes(int S, int split, int buffers) {
+  return size_t(SmemPlan(S, kHeadDim / split, int(sizeof(StateT)), buffers).total);
+}
+
+// Chunk buffers per CTA. A 16-bit slice keeps one per chunk. An fp32 slice streams its 4 chunks
+// through 3 (4 CTAs fit an SM instead of 3), except for small batches (fewer than 4 heads per
+// SM), where 2 buffers measured faster at T > 1 (H200, benchmarks/results/tuning_v2.json: T = 4,
+// B = 8: 28.6 us with 2, 32.5 us with 3; B = 32: 104 us with 2, 97 us with 3).
+inline int choose_buffers(int state_bytes, int64_t heads, int sm_count) {
+  if (state_bytes != 4) return kMaxChunks;
+  return heads < 4 * int64_t(sm_count) ? 2 : 3;
 }
 
 // CTAs per head: 1 once every SM has a head, else the smallest split that gives every SM a CTA.
@@ -72,10 +81,11 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
     return Status::unsupported("decode_mtp: too many (request, value head) pairs for one launch");
   args.split = split;
   args.bulk_load = hopper && args.state_vector;
+  args.buffers = choose_buffers(int(sizeof(StateT)), heads, info.sm_count);
 
-  const size_t smem = shared_bytes<StateT>(args.S, split);
+  const size_t smem = shared_bytes<StateT>(args.S, split, args.buffers);
   GDN_RETURN_IF_ERROR(allow_dynamic_shared(
-      kernel, device, int(shared_bytes<StateT>(kCudaMaxSpecColumns, 1)), smem_cache));
+      kernel, device, int(shared_bytes<StateT>(kCudaMaxSpecColumns, 1, kMaxChunks)), smem_cache));
 
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(unsigned(heads * split));

@@ -10,7 +10,7 @@
 // global -> shared memory as one bulk copy completing on its buffer's mbarrier, issued by one
 // thread as soon as the source slot is known: no registers are held while the bytes are in
 // flight, and the warps start on a chunk as soon as it lands. A buffer is refilled with a later
-// chunk once every warp holds its rows in registers (kBuffers). Elsewhere (a kernel image without
+// chunk once every warp holds its rows in registers (KernelArgs::buffers). Elsewhere (a kernel image without
 // sm_90, the "kv" layout, or a pool whose slot stride is not 16-byte aligned) the CTA loads each
 // chunk into the same buffers with plain loads: the slow path.
 //
@@ -70,12 +70,8 @@ inline constexpr int kMaxChunks = kHeadDim / kChunkRows;    // 4
 inline constexpr int kMaxSplit = 8;                         // CTAs per head (portable cluster size)
 // Register budget for six CTAs per SM (24 warps; 80 registers, no spills).
 inline constexpr int kMinCtasPerSm = 6;
-// Shared-memory chunk buffers of a CTA. An fp32 slice streams its 4 chunks through 3 buffers (a
-// buffer is refilled once its rows are in registers), so 4 CTAs fit an SM instead of 3; a 16-bit
-// slice keeps one buffer per chunk. H200 sweep (benchmarks/results/tuning_v2.json): 2, 3 and 4
-// fp32 buffers are within 3 % of each other at B >= 128; 3 is best at B = 8..32.
-template <class StateT>
-inline constexpr int kBuffers = sizeof(StateT) == 4 ? 3 : kMaxChunks;
+// Shared-memory chunk buffers of a CTA (1..kMaxChunks, chosen by the launcher): a buffer is
+// refilled with a later chunk once every warp holds its rows in registers.
 static_assert(kCudaMaxSpecColumns <= 32, "slot ids of a row are read by the first lanes");
 
 // Plain-data copy of Params/Problem for the kernel (TensorView is host-side).
@@ -102,6 +98,7 @@ struct KernelArgs {
   bool state_kv;      // "kv" layout: [K, V] per head
   bool state_vector;  // "vk" and 16-byte aligned rows: vector stores; bulk loads on sm_90
   bool bulk_load;     // the slice arrives by bulk copies (sm_90 image and state_vector)
+  int buffers;        // chunk buffers in shared memory (1..kMaxChunks)
   bool qkv_vector;    // q/k chunks of 4 elements are naturally aligned
   bool gate_sigmoid;
   float scale, l2_eps, norm_eps;
@@ -149,7 +146,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) decode_mtp_kernel(con
   const int groups = R / kRowsPerGroup;
   const int S = args.S;
   const int HV = args.HV;
-  const SmemPlan plan(S, R, int(sizeof(StateT)), kBuffers<StateT>);
+  const SmemPlan plan(S, R, int(sizeof(StateT)), args.buffers);
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + plan.bars);
   RowMeta& meta = *reinterpret_cast<RowMeta*>(smem + plan.meta);
   StateT* tile = reinterpret_cast<StateT*>(smem + plan.tile);
