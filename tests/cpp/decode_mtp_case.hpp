@@ -38,6 +38,7 @@ struct CaseConfig {
   int64_t qkv_row_pad = 0;     // extra columns per mixed_qkv row (strided rows)
   int64_t slot_pad = 0;        // extra elements per state slot (paged pool)
   int64_t first_valid_slot = 0;
+  bool round_core_output = false;  // the reference rounds o to out_dtype before the norm
   std::vector<int64_t> null_destinations;  // (request * S + column) entries set to a null slot
   uint32_t seed = 1;
 };
@@ -116,6 +117,7 @@ struct DecodeCase {
     p.gate = cfg.gate;
     p.layout = cfg.layout;
     p.first_valid_slot = cfg.first_valid_slot;
+    p.round_core_output = cfg.round_core_output;
     return p;
   }
 
@@ -180,7 +182,7 @@ inline Reference reference(const DecodeCase& c) {
             Mh[r * K + d] = alpha * Mh[r * K + d] + k[size_t(d)] * delta;
             acc_o += Mh[r * K + d] * q[size_t(d)];
           }
-          o[size_t(r)] = acc_o;
+          o[size_t(r)] = g.round_core_output ? double(round_to(g.out_dtype, float(acc_o))) : acc_o;
         }
         double ms = 0;
         for (double e : o) ms += e * e;

@@ -601,6 +601,49 @@ TEST(DecodeMtpCuda, SplitsAgreeBitForBit) {
   }
 }
 
+// vLLM's numerics (o rounded to out's dtype before the norm): CUDA and the CPU path round at the
+// same point, so their bf16 outputs are the same bits nearly everywhere and never more than one
+// unit in the last place apart.
+TEST(DecodeMtpCuda, RoundedCoreOutputMatchesCpu) {
+  SKIP_WITHOUT_DEVICE();
+  Config c;
+  c.N = 3;
+  c.S = 4;
+  c.T = {4, 1, 3};
+  c.acc = {2, 1, 4};
+  c.act = DType::kBFloat16;
+  c.seed = 91;
+  auto mismatches = [&](bool round, int* beyond_one_ulp) -> std::pair<int, size_t> {
+    Problem gpu, cpu;
+    gpu.build(c);
+    cpu.build(c);
+    gpu.upload_all();
+    Params pg = gpu.params(true), pc = cpu.params(false);
+    pg.round_core_output = pc.round_core_output = round;
+    const gdn::Status st = gdn::decode_mtp::launch_cuda(pg, nullptr);
+    EXPECT_TRUE(st.is_ok()) << st.reason();
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    gpu.out.host = gpu.out.download();
+    const gdn::Status cs = gdn::decode_mtp::run_cpu(pc);
+    EXPECT_TRUE(cs.is_ok()) << cs.reason();
+    const auto* g = reinterpret_cast<const uint16_t*>(gpu.out.host.data());
+    const auto* h = reinterpret_cast<const uint16_t*>(cpu.out.host.data());
+    const size_t n = gpu.out.host.size() / 2;
+    int differ = 0;
+    *beyond_one_ulp = 0;
+    for (size_t e = 0; e < n; ++e) {
+      if (g[e] == h[e]) continue;
+      ++differ;
+      if (std::abs(int(g[e]) - int(h[e])) > 1) ++*beyond_one_ulp;
+    }
+    return {differ, n};
+  };
+  int far = 0;
+  const auto [differ, n] = mismatches(true, &far);
+  EXPECT_EQ(far, 0);
+  EXPECT_LE(double(differ), 0.01 * double(n)) << differ << " of " << n << " outputs differ";
+}
+
 TEST(DecodeMtpCuda, GuardRefusesWithReason) {
   SKIP_WITHOUT_DEVICE();
   Config c;

@@ -117,6 +117,37 @@ TEST(DecodeMtp, SixteenBitActivationsAndOutputs) {
   }
 }
 
+// vLLM's numerics: o rounded to out's dtype (bf16) before the gated RMSNorm. Against a float64
+// reference that rounds o at the same point, the bf16 outputs are the same bits nearly everywhere;
+// the flag changes the outputs (it is not a no-op) and leaves the states alone.
+TEST(DecodeMtp, RoundedCoreOutputFollowsVllm) {
+  CaseConfig cfg;
+  cfg.T = {4, 2, 3};
+  cfg.acc = {3, 1, 2};
+  cfg.K = cfg.V = 64;
+  cfg.act_dtype = cfg.out_dtype = DType::kBFloat16;
+  cfg.round_core_output = true;
+  DecodeCase rounded(cfg), exact([&] { CaseConfig e = cfg; e.round_core_output = false; return e; }());
+  const Reference ref = reference(rounded);
+  const decode_mtp::Params pr = rounded.params(), pe = exact.params();
+  ASSERT_TRUE(decode_mtp::run_cpu(pr).is_ok());
+  ASSERT_TRUE(decode_mtp::run_cpu(pe).is_ok());
+  const auto* r = static_cast<const uint16_t*>(rounded.out.data());
+  const auto* e = static_cast<const uint16_t*>(exact.out.data());
+  const size_t n = ref.out.size();
+  size_t differ_ref = 0, far = 0, differ_flag = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const uint16_t want = to_bf16(float(ref.out[i])).bits;
+    differ_ref += r[i] != want;
+    far += std::abs(int(r[i]) - int(want)) > 1;
+    differ_flag += r[i] != e[i];
+  }
+  EXPECT_EQ(far, 0u);
+  EXPECT_LE(double(differ_ref), 0.01 * double(n)) << differ_ref << " of " << n;
+  EXPECT_GE(double(differ_flag), 0.02 * double(n)) << "the flag changed only " << differ_flag << " of " << n;
+  EXPECT_TRUE(rounded.state.bytes == exact.state.bytes);
+}
+
 TEST(DecodeMtp, NoNormAndNormWithoutGate) {
   for (bool gated : {false, true}) {
     CaseConfig cfg;

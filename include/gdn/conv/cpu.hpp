@@ -55,11 +55,7 @@ inline void scatter(void* p, DType t, int64_t offset, int64_t stride, int64_t n,
 
 // The values n floats take once stored in (and read back from) an array of dtype t.
 inline void round_to(DType t, const float* src, int64_t n, float* dst) {
-  switch (t) {
-    case DType::kBFloat16: for (int64_t k = 0; k < n; ++k) dst[k] = to_float(to_bf16(src[k])); break;
-    case DType::kFloat16: for (int64_t k = 0; k < n; ++k) dst[k] = to_float(to_f16(src[k])); break;
-    default: for (int64_t k = 0; k < n; ++k) dst[k] = src[k]; break;
-  }
+  for (int64_t k = 0; k < n; ++k) dst[k] = gdn::round_to(t, src[k]);
 }
 
 // One request, channels [c0, c0 + n): read the accepted window, shift the buffer, convolve the

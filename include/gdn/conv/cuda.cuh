@@ -14,6 +14,7 @@
 #include <string>
 
 #include "gdn/conv/params.hpp"
+#include "gdn/core/cuda/device.cuh"
 #include "gdn/core/dispatch.hpp"
 
 namespace gdn::conv {
@@ -36,33 +37,7 @@ struct KernelArgs {
   Activation activation;
 };
 
-__device__ __forceinline__ float load(const void* p, DType t, int64_t i) {
-  switch (t) {
-    case DType::kBFloat16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-    case DType::kFloat16: return __half2float(static_cast<const __half*>(p)[i]);
-    default: return static_cast<const float*>(p)[i];
-  }
-}
-
-__device__ __forceinline__ void store(void* p, DType t, int64_t i, float v) {
-  switch (t) {
-    case DType::kBFloat16: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v); break;
-    case DType::kFloat16: static_cast<__half*>(p)[i] = __float2half_rn(v); break;
-    default: static_cast<float*>(p)[i] = v; break;
-  }
-}
-
-__device__ __forceinline__ float round_to(DType t, float v) {
-  switch (t) {
-    case DType::kBFloat16: return __bfloat162float(__float2bfloat16_rn(v));
-    case DType::kFloat16: return __half2float(__float2half_rn(v));
-    default: return v;
-  }
-}
-
-__device__ __forceinline__ int64_t read_index(const void* p, DType t, int64_t i) {
-  return t == DType::kInt64 ? static_cast<const int64_t*>(p)[i] : int64_t(static_cast<const int32_t*>(p)[i]);
-}
+namespace dev = gdn::cuda;  // qualified calls: gdn:: holds host functions of the same names
 
 // kWidth = kRuntimeValue (0): width taken from args.W (<= kConvMaxWidth).
 template <int kWidth>
@@ -73,22 +48,22 @@ __global__ void __launch_bounds__(128) conv_update_kernel(const KernelArgs args)
   const int64_t c = int64_t(blockIdx.y) * blockDim.x + threadIdx.x;
   const bool reporter = blockIdx.y == 0 && threadIdx.x == 0;  // counts this row's error once
 
-  const int64_t begin = read_index(args.cu_seqlens, args.cu_dtype, i);
-  const int64_t end = read_index(args.cu_seqlens, args.cu_dtype, i + 1);
+  const int64_t begin = dev::load_index(args.cu_seqlens, args.cu_dtype, i);
+  const int64_t end = dev::load_index(args.cu_seqlens, args.cu_dtype, i + 1);
   if (begin < 0 || end < begin || end > args.L) {  // rows unknown: write nothing
     if (reporter && args.error_count) atomicAdd(args.error_count, 1);
     return;
   }
   const int64_t T = end - begin;
   if (T == 0) return;
-  const int64_t slot = read_index(args.conv_state_indices, args.index_dtype, i * args.index_stride);
+  const int64_t slot = dev::load_index(args.conv_state_indices, args.index_dtype, i * args.index_stride);
   if (slot < args.first_valid_slot) return;
   const int64_t acc =
-      args.num_accepted_tokens ? read_index(args.num_accepted_tokens, args.acc_dtype, i) : 1;
+      args.num_accepted_tokens ? dev::load_index(args.num_accepted_tokens, args.acc_dtype, i) : 1;
   if (slot >= args.num_slots || T > args.S || acc < 1 || acc > args.S) {
     if (reporter && args.error_count) atomicAdd(args.error_count, 1);
     if (c < args.D)
-      for (int64_t t = 0; t < T; ++t) store(args.out, args.out_dtype, (begin + t) * args.out_row_stride + c, 0.0f);
+      for (int64_t t = 0; t < T; ++t) dev::store_value(args.out, args.out_dtype, (begin + t) * args.out_row_stride + c, 0.0f);
     return;
   }
   if (c >= args.D) return;
@@ -100,17 +75,17 @@ __global__ void __launch_bounds__(128) conv_update_kernel(const KernelArgs args)
   float window[kMax];
 #pragma unroll
   for (int j = 0; j < kMax; ++j)
-    if (j < W) w[j] = load(args.weight, args.weight_dtype, c * args.weight_row_stride + j);
+    if (j < W) w[j] = dev::load_value(args.weight, args.weight_dtype, c * args.weight_row_stride + j);
   // Read the whole accepted window before the buffer is rewritten (old and new windows overlap).
 #pragma unroll
   for (int j = 0; j < kMax - 1; ++j)
-    if (j < W - 1) window[j] = load(args.conv_state, args.state_dtype, at(acc - 1 + j));
+    if (j < W - 1) window[j] = dev::load_value(args.conv_state, args.state_dtype, at(acc - 1 + j));
 #pragma unroll
   for (int j = 0; j < kMax - 2; ++j)
-    if (j < W - 2) store(args.conv_state, args.state_dtype, at(j), window[j + 1]);
+    if (j < W - 2) dev::store_value(args.conv_state, args.state_dtype, at(j), window[j + 1]);
   for (int64_t t = 0; t < T; ++t) {
     const int64_t l = begin + t;
-    const float xv = load(args.x, args.x_dtype, l * args.x_row_stride + c);  // before out: may alias
+    const float xv = dev::load_value(args.x, args.x_dtype, l * args.x_row_stride + c);  // before out: may alias
     // Fixed order, no contraction: the same sum as the CPU path and as T one-token calls.
     float sum = 0.0f;
 #pragma unroll
@@ -118,12 +93,12 @@ __global__ void __launch_bounds__(128) conv_update_kernel(const KernelArgs args)
       if (j < W - 1) sum = __fadd_rn(sum, __fmul_rn(w[j], window[j]));
     sum = __fadd_rn(sum, __fmul_rn(w[W - 1], xv));
     const float y = args.activation == Activation::kSiLU ? sum / (1.0f + expf(-sum)) : sum;
-    store(args.out, args.out_dtype, l * args.out_row_stride + c, y);
-    store(args.conv_state, args.state_dtype, at(W - 2 + t), xv);
+    dev::store_value(args.out, args.out_dtype, l * args.out_row_stride + c, y);
+    dev::store_value(args.conv_state, args.state_dtype, at(W - 2 + t), xv);
 #pragma unroll
     for (int j = 0; j < kMax - 2; ++j)
       if (j < W - 2) window[j] = window[j + 1];
-    window[W - 2] = round_to(args.state_dtype, xv);
+    window[W - 2] = dev::round_to(args.state_dtype, xv);
   }
 }
 

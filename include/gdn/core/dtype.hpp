@@ -146,6 +146,15 @@ inline void store_float(void* p, DType t, int64_t i, float v) noexcept {
   }
 }
 
+// v rounded to dtype t and back (round to nearest even); the identity for fp32 and fp64.
+inline float round_to(DType t, float v) noexcept {
+  switch (t) {
+    case DType::kBFloat16: return to_float(to_bf16(v));
+    case DType::kFloat16: return to_float(to_f16(v));
+    default: return v;
+  }
+}
+
 // Reads element i of an int32 or int64 index array.
 inline int64_t load_index(const void* p, DType t, int64_t i) noexcept {
   return t == DType::kInt64 ? static_cast<const int64_t*>(p)[i]

@@ -141,8 +141,10 @@ void run_head(const Params& p, const Problem& pr, const RowInfo& row_info, int64
   const bool norm = p.norm_weight.present(), gated = p.z.present();
   for (int64_t t = 0; t < T; ++t) {
     const int64_t l = row_info.begin + t;
-    const float* o = sc.o.data() + t * V;
+    float* o = sc.o.data() + t * V;
     const int64_t out_row = (l * pr.HV + hv) * V;
+    if (p.round_core_output)
+      for (int64_t r = 0; r < V; ++r) o[r] = round_to(p.out.dtype, o[r]);
     if (!norm) {
       for (int64_t r = 0; r < V; ++r) store_float(p.out.data, p.out.dtype, out_row + r, o[r]);
       continue;

@@ -216,6 +216,7 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream, int split = 0) {
   args.qkv_vector = aligned(p.mixed_qkv.data, qkv_chunk) &&
                     (size_t(p.mixed_qkv.strides[0]) * size_t(dtype_size(p.mixed_qkv.dtype))) % qkv_chunk == 0;
   args.gate_sigmoid = p.gate == GateActivation::kSigmoid;
+  args.round_core_output = p.round_core_output;
   args.scale = pr.scale;
   args.l2_eps = p.l2_eps;
   args.norm_eps = p.norm_eps;

@@ -101,6 +101,7 @@ struct KernelArgs {
   int buffers;        // chunk buffers in shared memory (1..kMaxChunks)
   bool qkv_vector;    // q/k chunks of 4 elements are naturally aligned
   bool gate_sigmoid;
+  bool round_core_output;  // o rounded to out's dtype before the norm (vLLM's numerics)
   float scale, l2_eps, norm_eps;
 };
 
@@ -353,7 +354,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) decode_mtp_kernel(con
         s[i].x += kt.x * d; s[i].y += kt.y * d; s[i].z += kt.z * d; s[i].w += kt.w * d;
         p[i] = s[i].x * qt.x + s[i].y * qt.y + s[i].z * qt.z + s[i].w * qt.w;
       }
-      const float o = transpose_reduce8(p, lane);
+      float o = transpose_reduce8(p, lane);
+      if (args.round_core_output) o = dev::round_to(args.out_dtype, o);
 
       // state after token t -> slot state_indices[n, t] (null: skipped)
       const int64_t dest = __shfl_sync(0xffffffffu, my_slot, t);

@@ -35,6 +35,9 @@ struct Params {
   GateActivation gate = GateActivation::kSiLU;
   StateLayout layout = StateLayout::kVK;
   int64_t first_valid_slot = 0;  // slot ids below this are null
+  // Round the core output o to out's dtype before the gated RMSNorm, as vLLM's kernels do (its
+  // tests compare at that rounding). Off by default: o stays fp32, which is more exact.
+  bool round_core_output = false;
 };
 
 // Sizes derived from (and checked against) the arguments.

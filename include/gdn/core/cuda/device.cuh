@@ -133,6 +133,11 @@ __device__ __forceinline__ uint4 load_bits4(const void* p, DType t, int64_t i, b
   return r;
 }
 
+// Element i of an array of run-time dtype, as fp32.
+__device__ __forceinline__ float load_value(const void* p, DType t, int64_t i) {
+  return bits_to_f32(load_bits(p, t, i), t);
+}
+
 __device__ __forceinline__ float4 bits4_to_f32(uint4 r, DType t) {
   if (t == DType::kFloat32)
     return make_float4(__uint_as_float(r.x), __uint_as_float(r.y), __uint_as_float(r.z),
@@ -147,6 +152,13 @@ __device__ __forceinline__ void store_value(void* p, DType t, int64_t i, float v
     case DType::kFloat16: static_cast<__half*>(p)[i] = __float2half_rn(v); break;
     default: static_cast<float*>(p)[i] = v; break;
   }
+}
+
+// v rounded to dtype t and back (round to nearest even); the identity for fp32.
+__device__ __forceinline__ float round_to(DType t, float v) {
+  if (t == DType::kBFloat16) return __bfloat162float(__float2bfloat16_rn(v));
+  if (t == DType::kFloat16) return __half2float(__float2half_rn(v));
+  return v;
 }
 
 __device__ __forceinline__ int64_t load_index(const void* p, DType t, int64_t i) {
