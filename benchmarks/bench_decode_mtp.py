@@ -1,13 +1,13 @@
 """decode_mtp on CUDA: time per call, effective bandwidth, and the FLA (fla-core) Triton baseline.
 
-Method (docs performance.md §6): per configuration, distinct buffer sets (pool and activations;
-the small index arrays are shared, like one step's metadata read by every layer) are rotated so that the data one replay touches is far larger than L2 (>= 400 MB where
-a set is small; a set that is itself larger than L2 is reused); one CUDA graph holds one call per
-set (at least 16 calls); after 2 warm replays, >= 5 timed replays (CUDA events); the median per-call
-time is reported with min/max. Data is random (state 0.01 N(0,1), activations N(0,1), A_log 0.5 N,
-dt_bias 0.1 N), slot ids are valid and distinct, accepted counts random in 1..T. Before timing,
-the timed launch itself is checked against the CPU path of gdn on two of its requests (outputs and
-every written state).
+Method (docs performance.md §6): per configuration, distinct buffer sets (pool and activations; the
+small index arrays are shared, like one step's metadata read by every layer) are rotated so that the
+data one replay touches is far larger than L2 (>= 400 MB where a set is small; a set that is itself
+larger than L2 is reused); one CUDA graph holds one call per set (at least 16 calls); after 2 warm
+replays, >= 5 timed replays (CUDA events); the median per-call time is reported with min/max. Data
+is random (state 0.01 N(0,1), activations N(0,1), A_log 0.5 N, dt_bias 0.1 N), slot ids are valid
+and distinct, accepted counts random in 1..T. Before timing, the timed launch itself is checked
+against the CPU path of gdn on two of its requests (outputs and every written state).
 
 Bytes (libgdn): per request, one state read + T state writes + T x (packed mixed_qkv row, a, b, z,
 out) in bf16. FLA: one state read + T writes (T = 1: a fresh final state) + T x (q, k, v, out in
@@ -326,8 +326,8 @@ def bench_config(shape, B, T, sdt, with_fla, copy_tbps, split=None):
         except Exception as e:  # noqa: BLE001 - one failing config must not end the run
             rec["error"] = repr(e)[:300]
         results.append(rec)
-        del fl
-    del sets
+        fl = None  # frees the FLA inputs before the next implementation
+    sets = None
     torch.cuda.empty_cache()
     return results
 
