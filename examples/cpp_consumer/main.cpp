@@ -1,5 +1,6 @@
 // Runs one MTP verify step (T = 3 tokens, previous step accepted 2) of a tiny GDN layer through the
-// CPU decode_mtp of the installed package and prints where the states went.
+// CPU decode_mtp of the installed package and prints where the states went. Inputs are const arrays;
+// only the state pool and the output are written.
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -19,10 +20,11 @@ int main() {
     for (auto& e : x) e = s * n01(rng);
     return x;
   };
-  auto qkv = randn(T * width, 1.0f), a = randn(T * HV, 1.0f), b = randn(T * HV, 1.0f);
-  auto A_log = randn(HV, 0.5f), dt_bias = randn(HV, 0.1f), w = randn(V, 1.0f), z = randn(T * HV * V, 1.0f);
+  const auto qkv = randn(T * width, 1.0f), a = randn(T * HV, 1.0f), b = randn(T * HV, 1.0f);
+  const auto A_log = randn(HV, 0.5f), dt_bias = randn(HV, 0.1f), w = randn(V, 1.0f);
+  const auto z = randn(T * HV * V, 1.0f);
   auto pool = randn(slots * HV * V * K, 0.01f);
-  std::vector<int32_t> indices = {3, 5, 6}, cu = {0, T}, acc = {2};
+  const std::vector<int32_t> indices = {3, 5, 6}, cu = {0, T}, acc = {2};
   std::vector<float> out(T * HV * V, NAN);
 
   gdn::decode_mtp::Params p;
@@ -40,6 +42,11 @@ int main() {
   p.out = TensorView::make(out.data(), DType::kFloat32, {T, HV, V});
 
   auto support = gdn::decode_mtp::can_use(gdn::DeviceType::kCPU, H, HV, K, V, S, DType::kFloat32);
+#if defined(_OPENMP)
+  std::printf("OpenMP: on\n");
+#else
+  std::printf("OpenMP: off\n");  // find_package(gdn) with GDN_WITH_OPENMP=OFF, or no OpenMP found
+#endif
   std::printf("guard: %s (%s)\n", gdn::decode_mtp::to_string(support.path), support.reason.c_str());
   gdn::Status status = gdn::decode_mtp::run_cpu(p);
   if (!status) {

@@ -3,7 +3,8 @@
 
 #include <string>
 
-#include "cuda_api_metadata.hpp"
+#include "gdn/kernels/cuda_api_metadata.hpp"
+#include "gdn/core/cuda/device_info.cuh"
 #include "gdn/metadata/plan.hpp"
 #include "gdn/metadata/state_rows.cuh"
 
@@ -19,26 +20,13 @@ Status cuda_error(const char* what, cudaError_t err) {
                                             cudaGetErrorString(err));
 }
 
-// Runs `body` with `device` current, restoring the caller's device afterwards.
-template <class F>
-Status on_device(int device, F&& body) {
-  int previous = -1;
-  if (cudaGetDevice(&previous) != cudaSuccess) return cuda_error("no usable CUDA device", cudaGetLastError());
-  if (previous != device && cudaSetDevice(device) != cudaSuccess)
-    return cuda_error(("cannot select CUDA device " + std::to_string(device)).c_str(),
-                      cudaGetLastError());
-  Status status = body();
-  if (previous != device) cudaSetDevice(previous);
-  return status;
-}
-
 }  // namespace
 
 Status metadata_state_rows(const metadata::Params& params, void* stream) {
   if (params.plan.device.type != DeviceType::kCUDA)
     return Status::invalid("metadata_state_rows: the CUDA pass needs the device plan buffer, "
                            "plan is on " + to_string(params.plan.device));
-  return on_device(params.plan.device.index, [&] {
+  return cuda::on_device("metadata_state_rows", params.plan.device.index, [&] {
     return metadata::launch_state_rows_cuda(params, static_cast<cudaStream_t>(stream));
   });
 }
@@ -50,7 +38,7 @@ Status metadata_copy_plan(const TensorView& host_plan, const TensorView& device_
   if (words < 0 || host_plan.numel() < words || device_plan.numel() < words)
     return Status::invalid("metadata_copy_plan: " + std::to_string(words) +
                            " words do not fit both plan buffers");
-  return on_device(device_plan.device.index, [&]() -> Status {
+  return cuda::on_device("metadata_copy_plan", device_plan.device.index, [&]() -> Status {
     const cudaError_t err =
         cudaMemcpyAsync(device_plan.data, host_plan.data, size_t(words) * sizeof(int32_t),
                         cudaMemcpyHostToDevice, static_cast<cudaStream_t>(stream));

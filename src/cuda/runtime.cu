@@ -4,7 +4,8 @@
 
 #include <string>
 
-#include "cuda_api.hpp"
+#include "gdn/core/cuda/device_info.cuh"
+#include "gdn/kernels/cuda_api.hpp"
 
 namespace gdn::cuda_api {
 namespace {
@@ -26,14 +27,19 @@ bool kernels_available(int device, std::string* why) {
     if (why) *why = "no CUDA device " + std::to_string(device) + " (" + std::to_string(n) + " visible)";
     return false;
   }
-  int previous = 0;
-  cudaGetDevice(&previous);
-  cudaSetDevice(device);
   cudaFuncAttributes attr{};
-  const cudaError_t err = cudaFuncGetAttributes(&attr, probe_kernel);
   cudaDeviceProp prop{};
-  cudaGetDeviceProperties(&prop, device);
-  cudaSetDevice(previous);
+  cudaError_t err = cudaSuccess;
+  const Status selected = cuda::on_device("kernels_available", device, [&] {
+    err = cudaFuncGetAttributes(&attr, probe_kernel);
+    if (err != cudaSuccess) (void)cudaGetLastError();  // reported below, not as a launch error
+    if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) (void)cudaGetLastError();
+    return Status::ok();
+  });
+  if (!selected.is_ok()) {
+    if (why) *why = selected.reason();
+    return false;
+  }
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
     if (why)

@@ -8,8 +8,9 @@
 #include <vector>
 
 #include "conv_case.hpp"
-#include "cuda_api.hpp"
-#include "cuda_api_conv.hpp"
+#include "gpu_skip.hpp"
+#include "gdn/kernels/cuda_api.hpp"
+#include "gdn/kernels/cuda_api_conv.hpp"
 #include "gdn/conv/cpu.hpp"
 
 namespace gdn::testing::conv_test {
@@ -17,9 +18,6 @@ namespace {
 
 #define CUDA_OK(expr) ASSERT_EQ(cudaSuccess, (expr)) << #expr
 
-bool has_device() { return cuda_api::device_count() > 0; }
-#define SKIP_WITHOUT_DEVICE() \
-  if (!has_device()) GTEST_SKIP() << "no CUDA device visible: causal_conv1d_update device tests need a GPU"
 
 // Device copies of a case's buffers; `params()` are views over them on cuda:0.
 struct DeviceCase {
@@ -106,7 +104,7 @@ void expect_matches_reference(Case& c) {
 class GpuConvGrid : public ::testing::TestWithParam<GridParam> {};
 
 TEST_P(GpuConvGrid, MatchesFloat64Reference) {
-  SKIP_WITHOUT_DEVICE();
+  GDN_SKIP_WITHOUT_GPU();
   for (int64_t num_spec : {0, 1, 3, 7}) {
     // D = 300: several channel blocks, the last one partial.
     Case c(grid_config(GetParam(), num_spec, /*D=*/300, /*N=*/7, /*seed_base=*/300));
@@ -124,7 +122,7 @@ INSTANTIATE_TEST_SUITE_P(
     GridName());
 
 TEST(GpuConv, MixedDtypesStridesInPlaceAndSkippedRows) {
-  SKIP_WITHOUT_DEVICE();
+  GDN_SKIP_WITHOUT_GPU();
   {
     Config g;
     g.weight_dtype = DType::kBFloat16;
@@ -161,7 +159,7 @@ TEST(GpuConv, MixedDtypesStridesInPlaceAndSkippedRows) {
 }
 
 TEST(GpuConv, SpecEqualsSequentialBitForBit) {
-  SKIP_WITHOUT_DEVICE();
+  GDN_SKIP_WITHOUT_GPU();
   for (auto layout : {conv::StateLayout::kChannelsMajor, conv::StateLayout::kTokensMajor})
     for (auto [state, act] : {std::pair{DType::kFloat32, DType::kFloat32},
                               std::pair{DType::kBFloat16, DType::kBFloat16},
@@ -175,7 +173,7 @@ TEST(GpuConv, SpecEqualsSequentialBitForBit) {
 }
 
 TEST(GpuConv, ConvStateMatchesCpuBitForBit) {
-  SKIP_WITHOUT_DEVICE();
+  GDN_SKIP_WITHOUT_GPU();
   Config g = random_rows(Config{}, 9, 5);
   g.D = 260;
   g.state_dtype = DType::kBFloat16;
@@ -189,7 +187,7 @@ TEST(GpuConv, ConvStateMatchesCpuBitForBit) {
 // Invalid rows on the device: no state writes, zero outputs (where the row's range is sane), one
 // count each, and nothing outside the arrays is touched even for wild indices.
 TEST(GpuConv, InvalidRowsAreZeroedAndCounted) {
-  SKIP_WITHOUT_DEVICE();
+  GDN_SKIP_WITHOUT_GPU();
   Config g;
   g.D = 150;
   g.slots = 10;
@@ -253,7 +251,7 @@ TEST(GpuConv, InvalidRowsAreZeroedAndCounted) {
 // Capture one launch in a CUDA graph, then change inputs, indices and accepted counts in place and
 // replay: each replay matches the reference of the new inputs.
 TEST(GpuConv, GraphCaptureAndReplay) {
-  SKIP_WITHOUT_DEVICE();
+  GDN_SKIP_WITHOUT_GPU();
   Config g = random_rows(Config{}, 6, 41);
   g.D = 200;
   g.T.assign(6, g.num_spec + 1);

@@ -14,6 +14,7 @@
 
 #include "gdn/decode_mtp/cpu.hpp"
 #include "gdn/decode_mtp/cuda.cuh"
+#include "gpu_skip.hpp"
 
 namespace {
 
@@ -24,23 +25,6 @@ using gdn::decode_mtp::Params;
 
 #define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << cudaGetErrorString(cudaGetLastError())
 
-bool device_usable(std::string* why) {
-  int n = 0;
-  const cudaError_t err = cudaGetDeviceCount(&n);
-  if (err != cudaSuccess || n == 0) {
-    (void)cudaGetLastError();
-    *why = err != cudaSuccess ? std::string("no CUDA device: ") + cudaGetErrorString(err)
-                              : std::string("no CUDA device visible");
-    return false;
-  }
-  return true;
-}
-
-#define SKIP_WITHOUT_DEVICE()                                 \
-  do {                                                        \
-    std::string why_;                                         \
-    if (!device_usable(&why_)) GTEST_SKIP() << why_;          \
-  } while (0)
 
 // A host array of a run-time float dtype (bytes + element count) and its device twin.
 struct Array {
@@ -364,7 +348,7 @@ void check_config(const Config& cfg) {
 }
 
 TEST(DecodeMtpCuda, MatchesCpuAndFloat64AcrossRatiosAndDtypes) {
-  SKIP_WITHOUT_DEVICE();
+  GDN_SKIP_WITHOUT_GPU();
   const DType dtypes[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
   int seed = 10;
   for (int ratio : {1, 2, 3, 4, 8, 5}) {
@@ -385,7 +369,7 @@ TEST(DecodeMtpCuda, MatchesCpuAndFloat64AcrossRatiosAndDtypes) {
 }
 
 TEST(DecodeMtpCuda, LayoutsStridesNullSlotsAndGates) {
-  SKIP_WITHOUT_DEVICE();
+  GDN_SKIP_WITHOUT_GPU();
   Config c;
   c.N = 4;
   c.S = 5;
@@ -410,7 +394,7 @@ TEST(DecodeMtpCuda, LayoutsStridesNullSlotsAndGates) {
 }
 
 TEST(DecodeMtpCuda, LongRowsAndSmallBatch) {
-  SKIP_WITHOUT_DEVICE();
+  GDN_SKIP_WITHOUT_GPU();
   Config c;
   c.H = 1;
   c.ratio = 1;
@@ -432,7 +416,7 @@ TEST(DecodeMtpCuda, LongRowsAndSmallBatch) {
 // Invalid rows (device-side indices): no state write, zero output rows inside [0, L), one error
 // count each; valid rows unaffected; nothing outside owned slots touched, whatever the ids.
 TEST(DecodeMtpCuda, HostileIndicesNeverEscape) {
-  SKIP_WITHOUT_DEVICE();
+  GDN_SKIP_WITHOUT_GPU();
   Config c;
   c.H = 1;
   c.ratio = 2;
@@ -516,7 +500,7 @@ TEST(DecodeMtpCuda, HostileIndicesNeverEscape) {
 
 // Capture one launch in a CUDA graph, then replay it on new data in the same buffers.
 TEST(DecodeMtpCuda, GraphCaptureAndReplay) {
-  SKIP_WITHOUT_DEVICE();
+  GDN_SKIP_WITHOUT_GPU();
   Config c;
   c.N = 3;
   c.S = 3;
@@ -573,7 +557,7 @@ TEST(DecodeMtpCuda, GraphCaptureAndReplay) {
 // Every split of a head (1, 2, 4, 8 CTAs) gives the same bits: the norm's reduction order does not
 // depend on it.
 TEST(DecodeMtpCuda, SplitsAgreeBitForBit) {
-  SKIP_WITHOUT_DEVICE();
+  GDN_SKIP_WITHOUT_GPU();
   int major = 0;
   CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
   if (major < 9) GTEST_SKIP() << "head splitting needs thread-block clusters (sm_90+)";
@@ -605,7 +589,7 @@ TEST(DecodeMtpCuda, SplitsAgreeBitForBit) {
 // same point, so their bf16 outputs are the same bits nearly everywhere and never more than one
 // unit in the last place apart.
 TEST(DecodeMtpCuda, RoundedCoreOutputMatchesCpu) {
-  SKIP_WITHOUT_DEVICE();
+  GDN_SKIP_WITHOUT_GPU();
   Config c;
   c.N = 3;
   c.S = 4;
@@ -645,7 +629,7 @@ TEST(DecodeMtpCuda, RoundedCoreOutputMatchesCpu) {
 }
 
 TEST(DecodeMtpCuda, GuardRefusesWithReason) {
-  SKIP_WITHOUT_DEVICE();
+  GDN_SKIP_WITHOUT_GPU();
   Config c;
   c.N = 1;
   c.S = 17;  // > kCudaMaxSpecColumns

@@ -11,10 +11,11 @@
 #include <string>
 #include <vector>
 
-#include "cuda_api_metadata.hpp"
+#include "gdn/kernels/cuda_api_metadata.hpp"
 #include "gdn/metadata/plan.hpp"
 #include "gdn/metadata/shadow.hpp"
 #include "gdn/metadata/state_rows.cuh"
+#include "gpu_skip.hpp"
 #include "metadata_case.hpp"
 
 namespace gdn::metadata {
@@ -30,23 +31,6 @@ using testing::Step;
     ASSERT_EQ(err_, cudaSuccess) << #expr << ": " << cudaGetErrorString(err_); \
   } while (0)
 
-bool have_device(std::string* why) {
-  int n = 0;
-  const cudaError_t err = cudaGetDeviceCount(&n);
-  if (err != cudaSuccess || n == 0) {
-    (void)cudaGetLastError();
-    *why = err != cudaSuccess ? std::string("no CUDA device: ") + cudaGetErrorString(err)
-                              : "no CUDA device";
-    return false;
-  }
-  return true;
-}
-
-#define SKIP_WITHOUT_DEVICE()                  \
-  do {                                         \
-    std::string why_;                          \
-    if (!have_device(&why_)) GTEST_SKIP() << why_; \
-  } while (0)
 
 // A device copy of a host vector (freed with the object). Poisoned copies use the poison value.
 struct DeviceVector {
@@ -113,7 +97,7 @@ void download(const DeviceStep& d, Step* s) {
 }
 
 TEST(MetadataCuda, OneLaunchMatchesTheCpuPassAndPerGroupBuilds) {
-  SKIP_WITHOUT_DEVICE();
+  GDN_SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(2024);
   for (int G = 1; G <= 6; ++G)
     for (int64_t S : {1, 2, 5, 9, 16})
@@ -156,7 +140,7 @@ TEST(MetadataCuda, OneLaunchMatchesTheCpuPassAndPerGroupBuilds) {
 }
 
 TEST(MetadataCuda, OutOfRangeColumnsArePaddedAndCountedOnTheDevice) {
-  SKIP_WITHOUT_DEVICE();
+  GDN_SKIP_WITHOUT_GPU();
   // S = 16 in align mode with tables exactly as wide as needed for some rows only: the table
   // allocation has no slack (row stride = cols), so a read past the end would leave the buffer.
   Step s = testing::make_step({{16, 15}, {16, 15}, {1, -1}}, 15, /*G=*/2);
@@ -186,7 +170,7 @@ TEST(MetadataCuda, OutOfRangeColumnsArePaddedAndCountedOnTheDevice) {
 }
 
 TEST(MetadataCuda, GraphReplayWithNewPlansGivesTheNewRows) {
-  SKIP_WITHOUT_DEVICE();
+  GDN_SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(77);
   // Fixed capacity and tables; each replay refreshes only the plan buffer.
   const int G = 6;
@@ -245,7 +229,7 @@ TEST(MetadataCuda, GraphReplayWithNewPlansGivesTheNewRows) {
 }
 
 TEST(MetadataCuda, WholeStepEntryPlansCopiesAndLaunches) {
-  SKIP_WITHOUT_DEVICE();
+  GDN_SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(3);
   Step s = random_step(rng, 3, 9, CacheMode::kAlign, true);
   // Pinned host plan buffer, as the entry point expects for an asynchronous copy.
@@ -269,7 +253,7 @@ TEST(MetadataCuda, WholeStepEntryPlansCopiesAndLaunches) {
 }
 
 TEST(MetadataCuda, DeviceArgumentsAreChecked) {
-  SKIP_WITHOUT_DEVICE();
+  GDN_SKIP_WITHOUT_GPU();
   Step s = testing::make_step({{2, 1}}, 1, 2);
   DeviceStep dev(s);
   Params p = dev.params(s, false);

@@ -46,10 +46,12 @@ struct TensorView {
     return static_cast<T*>(data);
   }
 
-  static TensorView make(void* data, DType dtype, std::initializer_list<int64_t> shape,
+  // Takes const pointers too, so read-only inputs need no const_cast: a view does not carry
+  // constness, and an operation writes only through its output arguments.
+  static TensorView make(const void* data, DType dtype, std::initializer_list<int64_t> shape,
                          std::initializer_list<int64_t> strides = {}, Device device = {}) {
     TensorView v;
-    v.data = data;
+    v.data = const_cast<void*>(data);
     v.dtype = dtype;
     v.device = device;
     v.ndim = int(shape.size());

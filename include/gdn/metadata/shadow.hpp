@@ -70,21 +70,22 @@ inline Status build_group_reference(const Params& p, int g, GroupMetadata* out) 
   const int64_t S = p.num_spec + 1;
 
   // Rows: lengths and which ones are verify rows.
-  std::vector<int64_t> len(N);
-  for (int64_t i = 0; i < N; ++i) len[i] = at(p.query_start_loc, i + 1) - at(p.query_start_loc, i);
+  std::vector<int64_t> len(static_cast<size_t>(N));
+  for (int64_t i = 0; i < N; ++i)
+    len[size_t(i)] = at(p.query_start_loc, i + 1) - at(p.query_start_loc, i);
   int64_t draft_sum = 0;
   if (p.num_draft_tokens.present())
     for (int64_t i = 0; i < N; ++i) draft_sum += std::max(0, at(p.num_draft_tokens, i));
-  std::vector<bool> spec(N, false);
+  std::vector<bool> spec(static_cast<size_t>(N), false);
   if (draft_sum > 0)
-    for (int64_t i = 0; i < N; ++i) spec[i] = at(p.num_draft_tokens, i) >= 0;
+    for (int64_t i = 0; i < N; ++i) spec[size_t(i)] = at(p.num_draft_tokens, i) >= 0;
   std::vector<int64_t> spec_rows, non_spec_rows;
-  for (int64_t i = 0; i < N; ++i) (spec[i] ? spec_rows : non_spec_rows).push_back(i);
+  for (int64_t i = 0; i < N; ++i) (spec[size_t(i)] ? spec_rows : non_spec_rows).push_back(i);
 
   // Counts.
   auto count_len = [&](int64_t want) {
     return std::count_if(non_spec_rows.begin(), non_spec_rows.end(),
-                         [&](int64_t i) { return len[i] == want; });
+                         [&](int64_t i) { return len[size_t(i)] == want; });
   };
   int64_t decodes = count_len(1);
   const int64_t zero = count_len(0);
@@ -94,15 +95,17 @@ inline Status build_group_reference(const Params& p, int g, GroupMetadata* out) 
     decodes = 0;
   }
   int64_t spec_tokens = 0, non_spec_tokens = 0;
-  for (int64_t i : spec_rows) spec_tokens += len[i];
-  for (int64_t i : non_spec_rows) non_spec_tokens += len[i];
+  for (int64_t i : spec_rows) spec_tokens += len[size_t(i)];
+  for (int64_t i : non_spec_rows) non_spec_tokens += len[size_t(i)];
 
   // Token split: expand the row mask to tokens, then a stable partition (non-spec first).
   std::vector<bool> token_is_spec;
-  for (int64_t i = 0; i < N; ++i) token_is_spec.insert(token_is_spec.end(), size_t(len[i]), spec[i]);
+  for (size_t i = 0; i < len.size(); ++i)
+    token_is_spec.insert(token_is_spec.end(), size_t(len[i]), spec[i]);
   std::vector<int32_t> order(token_is_spec.size());
   std::iota(order.begin(), order.end(), 0);
-  std::stable_partition(order.begin(), order.end(), [&](int32_t t) { return !token_is_spec[t]; });
+  std::stable_partition(order.begin(), order.end(),
+                        [&](int32_t t) { return !token_is_spec[size_t(t)]; });
   m.non_spec_token_indx.assign(order.begin(), order.begin() + non_spec_tokens);
   m.spec_token_indx.assign(order.begin() + non_spec_tokens, order.end());
 
@@ -116,29 +119,30 @@ inline Status build_group_reference(const Params& p, int g, GroupMetadata* out) 
   for (int64_t j = 0; j < spec_written; ++j)
     m.spec_query_start_loc.push_back(
         m.spec_query_start_loc.back() +
-        int32_t(j < int64_t(spec_rows.size()) ? len[spec_rows[j]] : 0));
+        int32_t(j < int64_t(spec_rows.size()) ? len[size_t(spec_rows[size_t(j)])] : 0));
   m.non_spec_query_start_loc.assign(1, 0);
   for (int64_t j = 0; j < ns_written; ++j)
     m.non_spec_query_start_loc.push_back(
         m.non_spec_query_start_loc.back() +
-        int32_t(j < int64_t(non_spec_rows.size()) ? len[non_spec_rows[j]] : 0));
+        int32_t(j < int64_t(non_spec_rows.size()) ? len[size_t(non_spec_rows[size_t(j)])] : 0));
 
-  for (int64_t i = 0; i < mask_written; ++i) m.spec_sequence_masks.push_back(i < N && spec[i]);
+  for (int64_t i = 0; i < mask_written; ++i)
+    m.spec_sequence_masks.push_back(i < N && spec[size_t(i)]);
 
   // Accepted counts and source columns of the spec rows (padded rows accept 1).
   for (int64_t j = 0; j < spec_written; ++j) {
     int32_t acc = 1;
     if (j < int64_t(spec_rows.size()) && p.num_accepted_tokens.present())
-      acc = at(p.num_accepted_tokens, spec_rows[j]);
+      acc = at(p.num_accepted_tokens, spec_rows[size_t(j)]);
     m.spec_num_accepted.push_back(acc);
     m.spec_source_column.push_back(acc - 1);
   }
   for (int64_t j = 0; j < ns_written; ++j) {
     bool init = false;
     if (j < int64_t(non_spec_rows.size())) {
-      const int64_t i = non_spec_rows[j];
+      const int64_t i = non_spec_rows[size_t(j)];
       const int64_t context = p.num_computed_tokens.present() ? at(p.num_computed_tokens, i)
-                                                              : at(p.seq_lens, i) - len[i];
+                                                              : at(p.seq_lens, i) - len[size_t(i)];
       init = context > 0;
     }
     m.has_initial_state.push_back(init);
@@ -154,7 +158,7 @@ inline Status build_group_reference(const Params& p, int g, GroupMetadata* out) 
   for (int64_t j = 0; j < spec_written; ++j) {
     std::vector<int32_t> row(size_t(S), p.pad_id);
     if (j < int64_t(spec_rows.size())) {
-      const int64_t i = spec_rows[j];
+      const int64_t i = spec_rows[size_t(j)];
       const int64_t c0 = first_column(i);
       max_column_end = std::max(max_column_end, c0 + S);
       bool readable = true;
@@ -170,7 +174,7 @@ inline Status build_group_reference(const Params& p, int g, GroupMetadata* out) 
   for (int64_t j = 0; j < ns_written; ++j) {
     int32_t v = p.pad_id;
     if (j < int64_t(non_spec_rows.size())) {
-      const int64_t i = non_spec_rows[j];
+      const int64_t i = non_spec_rows[size_t(j)];
       max_column_end = std::max(max_column_end, first_column(i) + 1);
       if (!shadow_detail::table_entry(table, i, first_column(i), &v)) {
         v = p.pad_id;
@@ -271,7 +275,8 @@ inline Status shadow_check(const Params& p, ShadowReport* report) {
     const int32_t* spec = p.spec_state_indices.ptr<const int32_t>() + g * p.spec_state_indices.strides[0];
     for (int64_t j = 0; j < spec_written; ++j)
       for (int64_t c = 0; c < S; ++c)
-        cmp.value("spec_state_indices", j, c, spec[j * S + c], m.spec_state_indices[j * S + c]);
+        cmp.value("spec_state_indices", j, c, spec[j * S + c],
+                  m.spec_state_indices[size_t(j * S + c)]);
     const int32_t* ns =
         p.non_spec_state_indices.ptr<const int32_t>() + g * p.non_spec_state_indices.strides[0];
     cmp.vector("non_spec_state_indices", ns, m.non_spec_state_indices);

@@ -82,4 +82,27 @@ inline Status allow_dynamic_shared(Kernel kernel, int device, int bytes,
   return Status::ok();
 }
 
+// The error boundary of every CUDA entry point: runs `launch` with `device` (the arrays' device; a
+// caller's stream belongs to it) current, restores the caller's device, and reports a failure to
+// select the device or an error raised by the launch as a Status naming `op`.
+template <class F>
+inline Status on_device(const std::string& op, int device, F&& launch) {
+  int previous = -1;
+  if (cudaGetDevice(&previous) != cudaSuccess) {
+    const cudaError_t err = cudaGetLastError();
+    return Status(StatusCode::kCudaError, op + ": no usable CUDA device: " + cudaGetErrorString(err));
+  }
+  if (previous != device && cudaSetDevice(device) != cudaSuccess) {
+    const cudaError_t err = cudaGetLastError();
+    return Status(StatusCode::kCudaError, op + ": cannot select CUDA device " +
+                                              std::to_string(device) + ": " + cudaGetErrorString(err));
+  }
+  Status status = launch();
+  const cudaError_t err = status.is_ok() ? cudaGetLastError() : cudaSuccess;
+  if (previous != device) (void)cudaSetDevice(previous);  // was current a moment ago
+  if (err != cudaSuccess)
+    return Status(StatusCode::kCudaError, op + ": CUDA error after launch: " + cudaGetErrorString(err));
+  return status;
+}
+
 }  // namespace gdn::cuda

@@ -1,6 +1,6 @@
-// Host-callable CUDA entry points of the metadata builder (src/cuda/metadata_state_rows.cu).
-// Declared without CUDA headers so the host-compiled binding can call them; cudaStream_t travels
-// as void*. None of them synchronises or allocates.
+// Host-callable CUDA entry points of the metadata builder (src/cuda/metadata_state_rows.cu, target
+// gdn::kernels). Declared without CUDA headers so host-compiled code (the binding, a C++ engine)
+// can call them; cudaStream_t travels as void*. None of them synchronises or allocates.
 #pragma once
 
 #include "gdn/core/status.hpp"

@@ -1,5 +1,6 @@
-// Host-callable entry points of the compiled CUDA kernels (src/cuda/*.cu). Declared without CUDA
-// headers so the host-compiled binding can call them; cudaStream_t travels as void*.
+// Host-callable entry points of the compiled CUDA kernels (src/cuda/*.cu, target gdn::kernels).
+// Declared without CUDA headers so host-compiled code (the binding, a C++ engine) can call them;
+// cudaStream_t travels as void*.
 #pragma once
 
 #include <string>

@@ -1,0 +1,33 @@
+# Compiles every host header (include/gdn/**/*.hpp) on its own, as the first and only include of a
+# translation unit, with the warnings a strict consumer enables, as errors. Each header must be
+# self-contained and warning-free.
+#   cmake -DCXX=<compiler> -DINCLUDE_DIR=<repo>/include -DWORK_DIR=<scratch> [-DEXTRA_FLAGS=...] -P check_headers.cmake
+foreach(var CXX INCLUDE_DIR WORK_DIR)
+  if(NOT DEFINED ${var})
+    message(FATAL_ERROR "check_headers.cmake needs -D${var}=...")
+  endif()
+endforeach()
+set(flags -std=c++20 -fsyntax-only -Wall -Wextra -Wconversion -Wsign-conversion -Werror ${EXTRA_FLAGS})
+file(GLOB_RECURSE headers RELATIVE ${INCLUDE_DIR} ${INCLUDE_DIR}/gdn/*.hpp)
+list(SORT headers)
+file(MAKE_DIRECTORY ${WORK_DIR})
+set(failed "")
+foreach(header IN LISTS headers)
+  string(MAKE_C_IDENTIFIER ${header} stem)
+  set(source ${WORK_DIR}/${stem}.cpp)
+  file(WRITE ${source} "#include <${header}>\n")
+  execute_process(COMMAND ${CXX} ${flags} -I${INCLUDE_DIR} ${source}
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+  if(rc EQUAL 0)
+    message(STATUS "ok      ${header}")
+  else()
+    message(STATUS "FAILED  ${header}\n${out}")
+    list(APPEND failed ${header})
+  endif()
+endforeach()
+list(LENGTH headers count)
+if(failed)
+  list(JOIN failed ", " failed)
+  message(FATAL_ERROR "headers that do not compile cleanly on their own: ${failed}")
+endif()
+message(STATUS "${count} headers compile on their own without warnings")
