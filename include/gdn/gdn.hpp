@@ -15,3 +15,5 @@
 #include "gdn/metadata/plan.hpp"
 #include "gdn/metadata/shadow.hpp"
 #include "gdn/metadata/state_rows.hpp"
+#include "gdn/replay/cpu.hpp"
+#include "gdn/replay/params.hpp"

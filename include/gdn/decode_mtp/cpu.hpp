@@ -47,7 +47,7 @@ struct StateRow {
   int64_t row_step;  // distance between rows r and r + 1
   int64_t k_step;    // distance between k and k + 1
 
-  static StateRow at(const Params& p, const Problem& pr, int64_t slot, int64_t hv) {
+  static StateRow at(const StepArgs& p, const Problem& pr, int64_t slot, int64_t hv) {
     StateT* head = p.state.ptr<StateT>() + slot * p.state.strides[0] + hv * pr.K * pr.V;
     return p.layout == StateLayout::kVK ? StateRow{head, pr.K, 1} : StateRow{head, 1, pr.V};
   }
@@ -69,7 +69,7 @@ struct StateRow {
   }
 };
 
-// Per-thread buffers, sized for the largest request of the call.
+// Per-thread buffers, sized for the most tokens one (request, value head) task handles.
 struct Scratch {
   std::vector<float> row, q, k, v, o, z, alpha, beta;
   std::vector<int64_t> dest;
@@ -87,61 +87,67 @@ struct Scratch {
   }
 };
 
-// One (request, value head). Rows of the state are independent under the delta rule, so each row
-// is read once from the source slot, advanced through all T tokens and written to every token's
-// slot before the next row is touched: the source row is always read before anything overwrites
-// it, even when the source slot is also a destination. kRatio = 0: run-time ratio.
-template <class StateT, int kRatio>
-void run_head(const Params& p, const Problem& pr, const RowInfo& row_info, int64_t i, int64_t hv,
-              Scratch& sc) {
-  const int64_t ratio = kRatio == kRuntimeValue ? pr.ratio : kRatio;
-  const int64_t h = hv / ratio;  // grouped GVA: value head hv reads key head hv / r
-  const int64_t K = pr.K, V = pr.V, T = row_info.T;
+// The fp32 per-token inputs of value head hv (key head h = hv / r), written to token position t
+// of the scratch arrays. Every operation goes through these loaders, so a token's normalised k,
+// decay and beta are the same bits whether it is run, replayed or run one call at a time.
+struct HeadInputs {
+  const StepArgs& p;
+  const Problem& pr;
+  int64_t h, hv;
+  float A, dt_bias;  // A = -exp(A_log[hv])
 
-  // Per-token inputs: normalised q/k, v and the gates, all fp32.
-  const float A = -std::exp(load_float(p.A_log.data, p.A_log.dtype, hv));
-  const float dt_bias = load_float(p.dt_bias.data, p.dt_bias.dtype, hv);
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t l = row_info.begin + t;
-    const int64_t qkv_row = l * p.mixed_qkv.strides[0];
-    float* q = sc.q.data() + t * K;
-    float* k = sc.k.data() + t * K;
-    load_row(p.mixed_qkv.data, p.mixed_qkv.dtype, qkv_row + h * K, K, q);
-    load_row(p.mixed_qkv.data, p.mixed_qkv.dtype, qkv_row + pr.H * K + h * K, K, k);
-    load_row(p.mixed_qkv.data, p.mixed_qkv.dtype, qkv_row + 2 * pr.H * K + hv * V, V,
-             sc.v.data() + t * V);
-    l2_normalize(q, K, p.l2_eps, pr.scale);
-    l2_normalize(k, K, p.l2_eps, 1.0f);
-    const float a = load_float(p.a.data, p.a.dtype, l * p.a.strides[0] + hv);
-    const float b = load_float(p.b.data, p.b.dtype, l * p.b.strides[0] + hv);
+  HeadInputs(const StepArgs& args, const Problem& problem, int64_t key_head, int64_t value_head)
+      : p(args),
+        pr(problem),
+        h(key_head),
+        hv(value_head),
+        A(-std::exp(load_float(args.A_log.data, args.A_log.dtype, value_head))),
+        dt_bias(load_float(args.dt_bias.data, args.dt_bias.dtype, value_head)) {}
+
+  // Token t from raw inputs already in place (k at sc.k + t*K, v at sc.v + t*V) and raw a, b:
+  // k L2-normalised, alpha = exp(g) with g = A * softplus(a + dt_bias), beta = sigmoid(b).
+  void finish_token(float a, float b, int64_t t, Scratch& sc) const {
+    l2_normalize(sc.k.data() + t * pr.K, pr.K, p.l2_eps, 1.0f);
     sc.alpha[size_t(t)] = std::exp(A * softplus(a + dt_bias));
     sc.beta[size_t(t)] = sigmoid(b);
   }
 
-  // Destination rows per token; a null slot id skips that token's write.
-  for (int64_t t = 0; t < T; ++t)
-    sc.dest[size_t(t)] = load_index(p.state_indices.data, p.state_indices.dtype, i * pr.S + t);
-  const auto source = StateRow<StateT>::at(p, pr, row_info.source, hv);
-  float* Sr = sc.row.data();
-  for (int64_t r = 0; r < V; ++r) {
-    source.load(r, K, Sr);
-    for (int64_t t = 0; t < T; ++t) {
-      const float* k = sc.k.data() + t * K;
-      const float alpha = sc.alpha[size_t(t)];
-      for (int64_t c = 0; c < K; ++c) Sr[c] *= alpha;  // 1 decay
-      const float delta = sc.beta[size_t(t)] * (sc.v[size_t(t * V + r)] - dot(Sr, k, K));  // 2, 3
-      for (int64_t c = 0; c < K; ++c) Sr[c] += k[c] * delta;                             // 4 write
-      sc.o[size_t(t * V + r)] = dot(Sr, sc.q.data() + t * K, K);                         // 5 output
-      const int64_t slot = sc.dest[size_t(t)];
-      if (slot >= p.first_valid_slot) StateRow<StateT>::at(p, pr, slot, hv).store(r, K, Sr);
-    }
+  // Token t from row l of the call's inputs (mixed_qkv, a, b), q included.
+  void load_call_token(int64_t l, int64_t t, Scratch& sc) const {
+    const int64_t K = pr.K, V = pr.V;
+    const int64_t qkv_row = l * p.mixed_qkv.strides[0];
+    float* q = sc.q.data() + t * K;
+    load_row(p.mixed_qkv.data, p.mixed_qkv.dtype, qkv_row + h * K, K, q);
+    load_row(p.mixed_qkv.data, p.mixed_qkv.dtype, qkv_row + pr.H * K + h * K, K,
+             sc.k.data() + t * K);
+    load_row(p.mixed_qkv.data, p.mixed_qkv.dtype, qkv_row + 2 * pr.H * K + hv * V, V,
+             sc.v.data() + t * V);
+    l2_normalize(q, K, p.l2_eps, pr.scale);
+    finish_token(load_float(p.a.data, p.a.dtype, l * p.a.strides[0] + hv),
+                 load_float(p.b.data, p.b.dtype, l * p.b.strides[0] + hv), t, sc);
   }
+};
 
-  // Gated RMSNorm per token (or the raw o without a norm weight).
+// Token t of the delta rule on state row r (Sr, K elements): decay, u = Sr . k,
+// delta = beta (v_r - u), Sr += k delta.
+inline void delta_rule_row(float* Sr, const Scratch& sc, int64_t t, int64_t r, int64_t K,
+                           int64_t V) {
+  const float* k = sc.k.data() + t * K;
+  const float alpha = sc.alpha[size_t(t)];
+  for (int64_t c = 0; c < K; ++c) Sr[c] *= alpha;                                      // 1 decay
+  const float delta = sc.beta[size_t(t)] * (sc.v[size_t(t * V + r)] - dot(Sr, k, K));  // 2, 3
+  for (int64_t c = 0; c < K; ++c) Sr[c] += k[c] * delta;                               // 4 write
+}
+
+// Gated RMSNorm of T tokens of head hv (core outputs at sc.o + t*V, starting at scratch token
+// `first`), stored to rows begin.. of out (or the raw o without a norm weight).
+inline void store_outputs(const StepArgs& p, const Problem& pr, int64_t begin, int64_t T,
+                          int64_t hv, int64_t first, Scratch& sc) {
+  const int64_t V = pr.V;
   const bool norm = p.norm_weight.present(), gated = p.z.present();
   for (int64_t t = 0; t < T; ++t) {
-    const int64_t l = row_info.begin + t;
-    float* o = sc.o.data() + t * V;
+    const int64_t l = begin + t;
+    float* o = sc.o.data() + (first + t) * V;
     const int64_t out_row = (l * pr.HV + hv) * V;
     if (p.round_core_output)
       for (int64_t r = 0; r < V; ++r) o[r] = round_to(p.out.dtype, o[r]);
@@ -160,32 +166,72 @@ void run_head(const Params& p, const Problem& pr, const RowInfo& row_info, int64
   }
 }
 
-template <class StateT, int kRatio>
-void run_all(const Params& p, const Problem& pr, const std::vector<RowInfo>& rows) {
+// Whether a call is worth an OpenMP team: threads pay off beyond ~64K state element-updates
+// (~0.1 ms of work); below that, waking a team costs more than it saves (and a lot more on an
+// oversubscribed machine). `tokens` counts every token any task runs or replays.
+inline bool use_threads(const Problem& pr, int64_t tokens) {
+  return tokens * pr.HV * pr.K * pr.V >= (int64_t(1) << 16) && pr.N * pr.HV > 1;
+}
+
+// Runs body(i, hv, scratch) for every (request i, value head hv), in parallel when `parallel`,
+// each thread with its own scratch sized for `max_tokens` tokens.
+template <class Body>
+void for_each_head(const Problem& pr, bool parallel, int64_t max_tokens, Body&& body) {
   const int64_t tasks = pr.N * pr.HV;
-  int64_t max_T = 0, tokens = 0;
-  for (const RowInfo& r : rows) {
-    max_T = std::max(max_T, r.T);
-    tokens += r.T;
-  }
-  // Threads pay off beyond ~64K state element-updates (~0.1 ms of work); below that, waking a team
-  // costs more than it saves (and a lot more on an oversubscribed machine).
-  const bool parallel = tokens * pr.HV * pr.K * pr.V >= (int64_t(1) << 16) && tasks > 1;
   (void)parallel;
 #if defined(_OPENMP)
 #pragma omp parallel if (parallel)
 #endif
   {
     Scratch sc;
-    sc.reserve(pr, max_T);
+    sc.reserve(pr, max_tokens);
 #if defined(_OPENMP)
 #pragma omp for schedule(dynamic, 1)
 #endif
-    for (int64_t task = 0; task < tasks; ++task) {
-      const int64_t i = task / pr.HV, hv = task % pr.HV;
-      if (rows[size_t(i)].T > 0) run_head<StateT, kRatio>(p, pr, rows[size_t(i)], i, hv, sc);
+    for (int64_t task = 0; task < tasks; ++task) body(task / pr.HV, task % pr.HV, sc);
+  }
+}
+
+// One (request, value head). Rows of the state are independent under the delta rule, so each row
+// is read once from the source slot, advanced through all T tokens and written to every token's
+// slot before the next row is touched: the source row is always read before anything overwrites
+// it, even when the source slot is also a destination. kRatio = 0: run-time ratio.
+template <class StateT, int kRatio>
+void run_head(const Params& p, const Problem& pr, const RowInfo& row_info, int64_t i, int64_t hv,
+              Scratch& sc) {
+  const int64_t ratio = kRatio == kRuntimeValue ? pr.ratio : kRatio;
+  // Grouped GVA: value head hv reads key head hv / r.
+  const HeadInputs inputs(p, pr, hv / ratio, hv);
+  const int64_t K = pr.K, V = pr.V, T = row_info.T;
+  for (int64_t t = 0; t < T; ++t) inputs.load_call_token(row_info.begin + t, t, sc);
+
+  // Destination rows per token; a null slot id skips that token's write.
+  for (int64_t t = 0; t < T; ++t)
+    sc.dest[size_t(t)] = load_index(p.state_indices.data, p.state_indices.dtype, i * pr.S + t);
+  const auto source = StateRow<StateT>::at(p, pr, row_info.source, hv);
+  float* Sr = sc.row.data();
+  for (int64_t r = 0; r < V; ++r) {
+    source.load(r, K, Sr);
+    for (int64_t t = 0; t < T; ++t) {
+      delta_rule_row(Sr, sc, t, r, K, V);
+      sc.o[size_t(t * V + r)] = dot(Sr, sc.q.data() + t * K, K);  // 5 output
+      const int64_t slot = sc.dest[size_t(t)];
+      if (slot >= p.first_valid_slot) StateRow<StateT>::at(p, pr, slot, hv).store(r, K, Sr);
     }
   }
+  store_outputs(p, pr, row_info.begin, T, hv, 0, sc);
+}
+
+template <class StateT, int kRatio>
+void run_all(const Params& p, const Problem& pr, const std::vector<RowInfo>& rows) {
+  int64_t max_T = 0, tokens = 0;
+  for (const RowInfo& r : rows) {
+    max_T = std::max(max_T, r.T);
+    tokens += r.T;
+  }
+  for_each_head(pr, use_threads(pr, tokens), max_T, [&](int64_t i, int64_t hv, Scratch& sc) {
+    if (rows[size_t(i)].T > 0) run_head<StateT, kRatio>(p, pr, rows[size_t(i)], i, hv, sc);
+  });
 }
 
 }  // namespace cpu_detail

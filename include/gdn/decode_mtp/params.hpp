@@ -4,7 +4,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gdn/core/status.hpp"
@@ -13,23 +15,23 @@
 
 namespace gdn::decode_mtp {
 
-// One call's arguments: non-owning views and scalars. Optional views are left absent (ndim = -1).
-struct Params {
-  TensorView mixed_qkv;            // [L, 2*H*K + HV*V], unit column stride, any row stride
-  TensorView a, b;                 // [L, HV], unit column stride, any row stride
-  TensorView A_log;                // [HV]
-  TensorView dt_bias;              // [HV]
-  TensorView z;                    // [L, HV, V] or absent
-  TensorView norm_weight;          // [V] or absent (then out = o, no norm, no gate)
-  TensorView state;                // [slots, HV, V, K] ("vk") or [slots, HV, K, V] ("kv")
-  TensorView state_indices;        // [N, S] int32/int64, contiguous rows
-  TensorView cu_seqlens;           // [N+1]
-  TensorView num_accepted_tokens;  // [N] or absent (all 1)
-  TensorView out;                  // [L, HV, V], contiguous, written only
-  TensorView error_count;          // optional int32 [1] (device path: invalid rows bump it)
+// The arguments every GDN step operation shares (decode_mtp and replay, docs replay.md): the
+// token inputs, the parameters, the state pool, the token offsets, the output and the scalars.
+// Optional views are left absent (ndim = -1).
+struct StepArgs {
+  TensorView mixed_qkv;    // [L, 2*H*K + HV*V], unit column stride, any row stride
+  TensorView a, b;         // [L, HV], unit column stride, any row stride
+  TensorView A_log;        // [HV]
+  TensorView dt_bias;      // [HV]
+  TensorView z;            // [L, HV, V] or absent
+  TensorView norm_weight;  // [V] or absent (then out = o, no norm, no gate)
+  TensorView state;        // [slots, HV, V, K] ("vk") or [slots, HV, K, V] ("kv")
+  TensorView cu_seqlens;   // [N+1]
+  TensorView out;          // [L, HV, V], contiguous, written only
+  TensorView error_count;  // optional int32 [1] (device path: invalid rows bump it)
 
-  int64_t num_k_heads = 0;    // H; 0 = derive from the mixed_qkv width
-  float scale = NAN;          // NaN = K^-1/2
+  int64_t num_k_heads = 0;  // H; 0 = derive from the mixed_qkv width
+  float scale = NAN;        // NaN = K^-1/2
   float l2_eps = 1e-6f;
   float norm_eps = 1e-6f;
   GateActivation gate = GateActivation::kSiLU;
@@ -40,6 +42,12 @@ struct Params {
   bool round_core_output = false;
 };
 
+// One decode_mtp call's arguments: the shared ones plus the per-token slot table.
+struct Params : StepArgs {
+  TensorView state_indices;        // [N, S] int32/int64, contiguous rows
+  TensorView num_accepted_tokens;  // [N] or absent (all 1)
+};
+
 // Sizes derived from (and checked against) the arguments.
 struct Problem {
   int64_t L = 0, N = 0, S = 0, H = 0, HV = 0, K = 0, V = 0, num_slots = 0;
@@ -48,8 +56,18 @@ struct Problem {
   Device device{};
 };
 
-// Validates every shape, dtype, stride and device and derives the problem sizes. Reads no data.
-inline Status check_arguments(const Params& p, Problem* out_problem) {
+// A view and the argument name its errors carry.
+using NamedView = std::pair<const TensorView*, const char*>;
+
+// Validates the shared arguments (StepArgs) of a step operation and derives the problem sizes.
+// Reads no data. The operation's own arrays are checked by two callbacks taking the Problem, run
+// once the head counts and dims are known: `check_own_sizes` validates the arrays that give
+// pr.N and pr.S and sets them (cu_seqlens, [N+1], is checked right after), `check_own_rest` the
+// others. `own_views` are the operation's own arrays, which must be on the call's device too.
+template <class CheckOwnSizes, class CheckOwnRest>
+Status check_step_arguments(const StepArgs& p, Problem* out_problem,
+                            CheckOwnSizes&& check_own_sizes, CheckOwnRest&& check_own_rest,
+                            std::initializer_list<NamedView> own_views) {
   using namespace check;
   Problem pr;
   GDN_RETURN_IF_ERROR(present(p.state, "state"));
@@ -79,9 +97,15 @@ inline Status check_arguments(const Params& p, Problem* out_problem) {
   const int64_t width = p.mixed_qkv.shape[1];
   const int64_t key_width = width - pr.HV * pr.V;
   if (key_width <= 0 || key_width % (2 * pr.K) != 0)
-    return Status::invalid("mixed_qkv width " + std::to_string(width) + " is not 2*H*K + HV*V for " +
-                           "HV = " + std::to_string(pr.HV) + ", K = " + std::to_string(pr.K) +
-                           ", V = " + std::to_string(pr.V) + " and an integer H >= 1");
+    return Status::invalid(
+        "state has HV = " + std::to_string(pr.HV) + " value heads (dim 1 of state " +
+        shape_string(p.state) + "; K = " + std::to_string(pr.K) + ", V = " +
+        std::to_string(pr.V) + " from dims " + (vk ? "3 and 2" : "2 and 3") + ", layout \"" +
+        (vk ? "vk" : "kv") + "\"), but mixed_qkv width " + std::to_string(width) +
+        " = 2*H*K + HV*V leaves " + std::to_string(width) + " - " + std::to_string(pr.HV) + "*" +
+        std::to_string(pr.V) + " = " + std::to_string(key_width) +
+        " columns for q|k, not a positive multiple of 2*K = " + std::to_string(2 * pr.K) +
+        ": check state's head count (dim 1) or mixed_qkv's width");
   pr.H = key_width / (2 * pr.K);
   if (p.num_k_heads != 0 && p.num_k_heads != pr.H)
     return Status::invalid("num_k_heads = " + std::to_string(p.num_k_heads) +
@@ -97,13 +121,13 @@ inline Status check_arguments(const Params& p, Problem* out_problem) {
 
   const Extent token_rows{pr.L, "L (rows of mixed_qkv)"}, value_heads{pr.HV, "HV"},
       value_dim{pr.V, "V"};
-  for (auto [view, name] : {std::pair{&p.a, "a"}, std::pair{&p.b, "b"}}) {
+  for (auto [view, name] : {NamedView{&p.a, "a"}, NamedView{&p.b, "b"}}) {
     GDN_RETURN_IF_ERROR(shaped(*view, name, {DType::kBFloat16, DType::kFloat16, DType::kFloat32},
                                {token_rows, value_heads}));
     GDN_RETURN_IF_ERROR(unit_stride(*view, name, 1));
     GDN_RETURN_IF_ERROR(nonnegative_strides(*view, name));
   }
-  for (auto [view, name] : {std::pair{&p.A_log, "A_log"}, std::pair{&p.dt_bias, "dt_bias"}})
+  for (auto [view, name] : {NamedView{&p.A_log, "A_log"}, NamedView{&p.dt_bias, "dt_bias"}})
     GDN_RETURN_IF_ERROR(contiguous_vector(
         *view, name, {DType::kFloat32, DType::kBFloat16, DType::kFloat16}, pr.HV, "HV"));
   if (p.z.present()) {
@@ -120,21 +144,10 @@ inline Status check_arguments(const Params& p, Problem* out_problem) {
     return Status::invalid("z (the output gate) was given without norm_weight; the gate is applied "
                            "inside the gated RMSNorm, so pass norm_weight too or drop z");
 
-  GDN_RETURN_IF_ERROR(present(p.state_indices, "state_indices"));
-  GDN_RETURN_IF_ERROR(ndim(p.state_indices, "state_indices", 2));
-  GDN_RETURN_IF_ERROR(dtype_in(p.state_indices, "state_indices", {DType::kInt32, DType::kInt64}));
-  pr.N = p.state_indices.shape[0];
-  pr.S = p.state_indices.shape[1];
-  // Before the layout check, which cannot judge an array without columns.
-  if (pr.S < 1) return Status::invalid("state_indices must have at least one column (S >= 1)");
-  GDN_RETURN_IF_ERROR(contiguous_from(p.state_indices, "state_indices", 0));
-
+  GDN_RETURN_IF_ERROR(check_own_sizes(pr));
   GDN_RETURN_IF_ERROR(contiguous_vector(p.cu_seqlens, "cu_seqlens", {DType::kInt32, DType::kInt64},
                                         pr.N + 1, "N + 1 (rows of state_indices + 1)"));
-  if (p.num_accepted_tokens.present())
-    GDN_RETURN_IF_ERROR(contiguous_vector(p.num_accepted_tokens, "num_accepted_tokens",
-                                          {DType::kInt32, DType::kInt64}, pr.N,
-                                          "N (rows of state_indices)"));
+  GDN_RETURN_IF_ERROR(check_own_rest(pr));
 
   GDN_RETURN_IF_ERROR(shaped(p.out, "out", {DType::kBFloat16, DType::kFloat16, DType::kFloat32},
                              {token_rows, value_heads, value_dim}));
@@ -142,13 +155,13 @@ inline Status check_arguments(const Params& p, Problem* out_problem) {
 
   GDN_RETURN_IF_ERROR(optional_counter(p.error_count, "error_count"));
 
-  const std::pair<const TensorView*, const char*> all[] = {
-      {&p.mixed_qkv, "mixed_qkv"}, {&p.a, "a"}, {&p.b, "b"}, {&p.A_log, "A_log"},
-      {&p.dt_bias, "dt_bias"}, {&p.z, "z"}, {&p.norm_weight, "norm_weight"},
-      {&p.state_indices, "state_indices"}, {&p.cu_seqlens, "cu_seqlens"},
-      {&p.num_accepted_tokens, "num_accepted_tokens"}, {&p.out, "out"},
-      {&p.error_count, "error_count"}};
-  for (auto [view, name] : all) GDN_RETURN_IF_ERROR(same_device(*view, name, pr.device));
+  for (auto [view, name] :
+       {NamedView{&p.mixed_qkv, "mixed_qkv"}, NamedView{&p.a, "a"}, NamedView{&p.b, "b"},
+        NamedView{&p.A_log, "A_log"}, NamedView{&p.dt_bias, "dt_bias"}, NamedView{&p.z, "z"},
+        NamedView{&p.norm_weight, "norm_weight"}, NamedView{&p.cu_seqlens, "cu_seqlens"},
+        NamedView{&p.out, "out"}, NamedView{&p.error_count, "error_count"}})
+    GDN_RETURN_IF_ERROR(same_device(*view, name, pr.device));
+  for (auto [view, name] : own_views) GDN_RETURN_IF_ERROR(same_device(*view, name, pr.device));
 
   // Negative ids are how callers mark null slots; a negative first valid slot would let them index
   // before the pool.
@@ -163,6 +176,29 @@ inline Status check_arguments(const Params& p, Problem* out_problem) {
   return Status::ok();
 }
 
+// Validates every shape, dtype, stride and device and derives the problem sizes. Reads no data.
+inline Status check_arguments(const Params& p, Problem* out_problem) {
+  using namespace check;
+  const auto check_sizes = [&p](Problem& pr) -> Status {
+    GDN_RETURN_IF_ERROR(present(p.state_indices, "state_indices"));
+    GDN_RETURN_IF_ERROR(ndim(p.state_indices, "state_indices", 2));
+    GDN_RETURN_IF_ERROR(dtype_in(p.state_indices, "state_indices", {DType::kInt32, DType::kInt64}));
+    pr.N = p.state_indices.shape[0];
+    pr.S = p.state_indices.shape[1];
+    // Before the layout check, which cannot judge an array without columns.
+    if (pr.S < 1) return Status::invalid("state_indices must have at least one column (S >= 1)");
+    return contiguous_from(p.state_indices, "state_indices", 0);
+  };
+  const auto check_rest = [&p](Problem& pr) -> Status {
+    if (!p.num_accepted_tokens.present()) return Status::ok();
+    return contiguous_vector(p.num_accepted_tokens, "num_accepted_tokens",
+                             {DType::kInt32, DType::kInt64}, pr.N, "N (rows of state_indices)");
+  };
+  return check_step_arguments(p, out_problem, check_sizes, check_rest,
+                              {NamedView{&p.state_indices, "state_indices"},
+                               NamedView{&p.num_accepted_tokens, "num_accepted_tokens"}});
+}
+
 // Per-row facts, resolved from host-visible cu_seqlens / num_accepted_tokens / state_indices.
 struct RowInfo {
   int64_t begin = 0;  // first token row
@@ -170,40 +206,62 @@ struct RowInfo {
   int64_t source = 0; // slot the initial state is read from
 };
 
+// The prefix of every row error ("request row i: "); only built for a row that fails.
+inline std::string row_prefix(int64_t i) { return "request row " + std::to_string(i) + ": "; }
+
+// Reads request row i's token range from host-visible cu_seqlens and checks it lies in [0, L].
+inline Status check_token_range(const StepArgs& p, const Problem& pr, int64_t i, int64_t* begin,
+                                int64_t* T) {
+  *begin = load_index(p.cu_seqlens.data, p.cu_seqlens.dtype, i);
+  const int64_t end = load_index(p.cu_seqlens.data, p.cu_seqlens.dtype, i + 1);
+  if (*begin < 0 || end < *begin || end > pr.L)
+    return Status::invalid(
+        row_prefix(i) + "cu_seqlens[" + std::to_string(i) + "..] = (" + std::to_string(*begin) +
+        ", " + std::to_string(end) +
+        ") is not a non-decreasing range inside [0, L = " + std::to_string(pr.L) + "]");
+  *T = end - *begin;
+  return Status::ok();
+}
+
+// What every host-side row check needs first: index arrays (cu_seqlens and `indices`) in host
+// memory, and cu_seqlens[N] within the L rows.
+inline Status check_rows_readable(const StepArgs& p, const Problem& pr,
+                                  std::initializer_list<const TensorView*> indices) {
+  bool host = p.cu_seqlens.device.type == DeviceType::kCPU;
+  for (const TensorView* v : indices)
+    host = host && (!v->present() || v->device.type == DeviceType::kCPU);
+  if (!host) return Status::invalid("check_rows needs host-visible index arrays");
+  const int64_t total = load_index(p.cu_seqlens.data, p.cu_seqlens.dtype, pr.N);
+  if (total > pr.L)
+    return Status::invalid("cu_seqlens[N] = " + std::to_string(total) +
+                           " exceeds L = " + std::to_string(pr.L) + " rows of mixed_qkv");
+  return Status::ok();
+}
+
 // Validates one request row; the reason names the row and what is wrong.
 inline Status check_row(const Params& p, const Problem& pr, int64_t i, RowInfo* info) {
-  const int64_t begin = load_index(p.cu_seqlens.data, p.cu_seqlens.dtype, i);
-  const int64_t end = load_index(p.cu_seqlens.data, p.cu_seqlens.dtype, i + 1);
-  // The message prefix is only built for a row that fails.
-  const auto row = [i] { return "request row " + std::to_string(i) + ": "; };
-  if (begin < 0 || end < begin || end > pr.L)
-    return Status::invalid(row() + "cu_seqlens[" + std::to_string(i) + "..] = (" +
-                           std::to_string(begin) + ", " + std::to_string(end) +
-                           ") is not a non-decreasing range inside [0, L = " +
-                           std::to_string(pr.L) + "]");
-  const int64_t T = end - begin;
-  info->begin = begin;
-  info->T = T;
+  GDN_RETURN_IF_ERROR(check_token_range(p, pr, i, &info->begin, &info->T));
+  const int64_t T = info->T;
   if (T == 0) return Status::ok();  // padded row: nothing is read or written
   if (T > pr.S)
-    return Status::invalid(row() + "has T = " + std::to_string(T) + " tokens but state_indices has only S = " +
+    return Status::invalid(row_prefix(i) + "has T = " + std::to_string(T) + " tokens but state_indices has only S = " +
                            std::to_string(pr.S) + " columns");
   const int64_t acc = p.num_accepted_tokens.present()
                           ? load_index(p.num_accepted_tokens.data, p.num_accepted_tokens.dtype, i)
                           : 1;
   if (acc < 1 || acc > pr.S)
-    return Status::invalid(row() + "num_accepted_tokens = " + std::to_string(acc) +
+    return Status::invalid(row_prefix(i) + "num_accepted_tokens = " + std::to_string(acc) +
                            " is outside [1, S = " + std::to_string(pr.S) + "]");
   for (int64_t c = 0; c < pr.S; ++c) {
     const int64_t slot = load_index(p.state_indices.data, p.state_indices.dtype, i * pr.S + c);
     if (slot >= pr.num_slots)
-      return Status::invalid(row() + "state_indices[" + std::to_string(i) + ", " + std::to_string(c) +
+      return Status::invalid(row_prefix(i) + "state_indices[" + std::to_string(i) + ", " + std::to_string(c) +
                              "] = " + std::to_string(slot) + " is >= the pool's slot count " +
                              std::to_string(pr.num_slots));
   }
   const int64_t source = load_index(p.state_indices.data, p.state_indices.dtype, i * pr.S + acc - 1);
   if (source < p.first_valid_slot)
-    return Status::invalid(row() + "source slot state_indices[" + std::to_string(i) + ", " +
+    return Status::invalid(row_prefix(i) + "source slot state_indices[" + std::to_string(i) + ", " +
                            std::to_string(acc - 1) + "] = " + std::to_string(source) +
                            " is null (below first_valid_slot = " +
                            std::to_string(p.first_valid_slot) + ")");
@@ -214,14 +272,7 @@ inline Status check_row(const Params& p, const Problem& pr, int64_t i, RowInfo* 
 // Validates every row of a call whose indices are host-visible, filling `rows` (if given) with
 // each row's facts. Nothing may be written before this succeeds.
 inline Status check_rows(const Params& p, const Problem& pr, std::vector<RowInfo>* rows = nullptr) {
-  if (p.state_indices.device.type != DeviceType::kCPU ||
-      p.cu_seqlens.device.type != DeviceType::kCPU ||
-      (p.num_accepted_tokens.present() && p.num_accepted_tokens.device.type != DeviceType::kCPU))
-    return Status::invalid("check_rows needs host-visible index arrays");
-  const int64_t total = load_index(p.cu_seqlens.data, p.cu_seqlens.dtype, pr.N);
-  if (total > pr.L)
-    return Status::invalid("cu_seqlens[N] = " + std::to_string(total) + " exceeds L = " +
-                           std::to_string(pr.L) + " rows of mixed_qkv");
+  GDN_RETURN_IF_ERROR(check_rows_readable(p, pr, {&p.state_indices, &p.num_accepted_tokens}));
   if (rows) rows->assign(size_t(pr.N), RowInfo{});
   RowInfo info;
   for (int64_t i = 0; i < pr.N; ++i) GDN_RETURN_IF_ERROR(check_row(p, pr, i, rows ? &(*rows)[size_t(i)] : &info));
