@@ -7,16 +7,20 @@ registered as torch custom ops under ``torch.ops.gdn``.
 from __future__ import annotations
 
 import os as _os
+import sys as _sys
 
 from . import _C
 from ._C import (
-    can_use_decode_mtp,
     cuda_device_count,
     cuda_kernels_available,
     supported_head_ratios,
     supported_state_dtypes,
 )
-from ._api import decode_mtp
+
+# One module per operation (its function, contract and float64 reference). The function
+# gdn.decode_mtp shadows its module of the same name (`import gdn.decode_mtp as m` gives the
+# function too); reach the module with importlib.import_module("gdn.decode_mtp").
+from .decode_mtp import can_use_decode_mtp, decode_mtp
 from .conv import causal_conv1d_update
 from . import metadata
 
@@ -47,9 +51,21 @@ def cmake_dir() -> str:
     return _os.path.join(_os.path.dirname(__file__), "share", "cmake", "gdn")
 
 
-try:  # torch is optional: the package works on any DLPack arrays without it
-    import torch as _torch  # noqa: F401
-except ImportError:  # pragma: no cover - exercised in torch-less environments
-    pass
-else:
-    from . import ops  # noqa: F401  (registers torch.ops.gdn.*)
+def _path_query() -> bool:
+    """True for `python -m gdn --cmake-dir` / `--include-dir` / `--version`: build systems call
+    them, so they skip importing torch (seconds)."""
+    argv = list(getattr(_sys, "orig_argv", ()))
+    if "-m" not in argv:
+        return False
+    i = argv.index("-m")
+    return argv[i + 1: i + 2] == ["gdn"] and len(argv) == i + 3 and argv[i + 2] in (
+        "--cmake-dir", "--include-dir", "--version")
+
+
+if not _path_query():
+    try:  # torch is optional: the package works on any DLPack arrays without it
+        import torch as _torch  # noqa: F401
+    except ImportError:  # pragma: no cover - exercised in torch-less environments
+        pass
+    else:
+        from . import ops  # noqa: F401  (registers torch.ops.gdn.*)

@@ -1,7 +1,14 @@
-"""python -m gdn [info | selfcheck | demo ... | --cmake-dir | --include-dir]
+"""python -m gdn [all | info | selfcheck | demo ... | help]
+                [--version | --cmake-dir | --include-dir]
 
-With no command: print the build (version, CUDA, architectures, supported set) and run a self-check
-of decode_mtp against the float64 reference on random data.
+commands:
+  all        (default) info, then selfcheck
+  info       the build: version, CUDA kernels and architectures, devices, supported set
+  selfcheck  decode_mtp (CPU) against the float64 reference on random data
+  demo       the speculative-decoding demo on a tiny hybrid model (python -m gdn demo --help)
+  help       this help
+
+--cmake-dir, --include-dir and --version print one line and do not import torch.
 """
 
 from __future__ import annotations
@@ -24,7 +31,8 @@ def info() -> None:
     for d in range(n):
         ok, why = gdn.cuda_kernels_available(d)
         print(f"    device {d}: {'usable' if ok else 'not usable'} - {why}")
-    print(f"  head ratios (fast) : {gdn.supported_head_ratios()} (other integral ratios: generic path)")
+    print(f"  head ratios (fast) : {gdn.supported_head_ratios()} "
+          "(other integral ratios: generic path)")
     print(f"  state dtypes       : {gdn.supported_state_dtypes()}")
     print(f"  CUDA head dims     : {gdn._C.cuda_head_dims()}, S <= {gdn._C.cuda_max_spec_columns}")
     print(f"  C++ headers        : {gdn.include_dir()}")
@@ -32,8 +40,9 @@ def info() -> None:
 
 
 def selfcheck(seed: int = 0) -> bool:
-    """decode_mtp (CPU) against the float64 reference on fresh random data; True when within bars."""
-    from gdn.reference import decode_mtp_reference
+    """decode_mtp (CPU) against the float64 reference on fresh random data; True when within
+    bars."""
+    from gdn.decode_mtp import decode_mtp_reference
 
     rng = np.random.default_rng(seed)
     ok = True
@@ -70,17 +79,19 @@ def selfcheck(seed: int = 0) -> bool:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "demo":
+    if argv and argv[0] == "demo":  # the demo parses its own options
         from gdn import demo
 
         return demo.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m gdn", description=__doc__,
+                                     usage=argparse.SUPPRESS,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", nargs="?", default="all", choices=["all", "info", "selfcheck"],
-                        help="info: build and support; selfcheck: decode_mtp vs reference; "
-                             "all (default): both. 'demo' runs the speculative-decoding demo "
-                             "(python -m gdn demo --help)")
-    parser.add_argument("--cmake-dir", action="store_true", help="print the CMake package dir")
+    parser.add_argument("command", nargs="?", default="all",
+                        choices=["all", "info", "selfcheck", "demo", "help"],
+                        help="what to run (see commands above)")
+    parser.add_argument("--version", action="version", version=f"gdn {gdn.__version__}")
+    parser.add_argument("--cmake-dir", action="store_true",
+                        help="print the CMake package dir (gdn_DIR)")
     parser.add_argument("--include-dir", action="store_true", help="print the C++ include dir")
     args = parser.parse_args(argv)
     if args.cmake_dir:
@@ -89,6 +100,13 @@ def main(argv=None) -> int:
     if args.include_dir:
         print(gdn.include_dir())
         return 0
+    if args.command == "help":
+        parser.print_help()
+        return 0
+    if args.command == "demo":
+        from gdn import demo
+
+        return demo.main([])
     if args.command in ("all", "info"):
         info()
     if args.command in ("all", "selfcheck"):

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch
-import torch.nn.functional as F
 
 import gdn
 
@@ -323,5 +322,5 @@ def fmt_seconds(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
 
 
-__all__ = ["ModelConfig", "TinyHybridGDN", "exact_linear", "exact_rms_norm", "GDNCache", "Timer", "StepSlots", "DecodePath",
-           "NULL_BLOCK", "tokens_per_second", "fmt_seconds"]
+__all__ = ["ModelConfig", "TinyHybridGDN", "exact_linear", "exact_rms_norm", "GDNCache", "Timer",
+           "StepSlots", "DecodePath", "NULL_BLOCK", "tokens_per_second", "fmt_seconds"]

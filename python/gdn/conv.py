@@ -1,7 +1,7 @@
-"""causal_conv1d_update: the GDN layer's depthwise causal conv for decode and speculative verify.
+"""causal_conv1d_update: the GDN layer's depthwise causal conv for decode and speculative verify,
+and its float64 NumPy reference :func:`causal_conv1d_update_reference`, for tests.
 
-Math and buffer rule: docs gdn-math.md §2.2 and §3.3. Also a float64 NumPy reference of the same
-call, :func:`causal_conv1d_update_reference`, for tests.
+Math and buffer rule: docs gdn-math.md §2.2 and §3.3.
 """
 
 from __future__ import annotations
@@ -11,7 +11,16 @@ from typing import Any, Optional
 import numpy as np
 
 from . import _C
-from ._api import _stream_of
+from ._common import _stream_of, raise_argument_error
+
+__all__ = ["causal_conv1d_update", "causal_conv1d_update_reference"]
+
+# How the binding converts each argument (see _common.raise_argument_error).
+_KINDS = {
+    "x": "array", "weight": "array", "conv_state": "array", "conv_state_indices": "array",
+    "cu_seqlens": "array", "out": "array", "num_accepted_tokens": "array?", "activation": "str",
+    "state_layout": "str", "first_valid_slot": "int", "error_count": "array?",
+}
 
 
 def causal_conv1d_update(
@@ -29,36 +38,59 @@ def causal_conv1d_update(
     error_count: Any = None,
     stream: Optional[int] = None,
 ) -> None:
-    """Depthwise causal conv1d (width W, no bias, SiLU) with speculative rollback of the conv state.
+    """Depthwise causal conv1d (width W, no bias) with speculative rollback of the conv state:
+    updates ``conv_state`` in place and writes ``out``.
 
-    Arguments (N requests, L token rows, D channels):
+    Arguments (N requests, L token rows, D channels; arrays of any DLPack / buffer-protocol kind,
+    writable, all on the device of ``conv_state``):
 
-    - ``x`` [L, D]: raw (pre-conv) q|k|v inputs; request i owns rows
+    - ``x`` [L, D], f32/bf16/f16: raw (pre-conv) q|k|v inputs; request i owns rows
       ``cu_seqlens[i]:cu_seqlens[i+1]`` (T_i tokens). Unit column stride, any row stride.
-    - ``weight`` [D, W]: conv taps, ``weight[c, W-1]`` multiplies the current token.
-    - ``conv_state``: the slot pool of raw-input histories, updated in place;
-      ``state_layout="channels_major"``: [slots, D, Lbuf]; ``"tokens_major"``: [slots, Lbuf, D],
-      with Lbuf = W - 1 + num_spec. Inner two dims contiguous; the slot stride may be larger.
-    - ``conv_state_indices`` [N]: each request's slot (any stride, e.g. ``state_indices[:, 0]``).
+    - ``weight`` [D, W], f32/bf16/f16: conv taps, ``weight[c, W-1]`` multiplies the current token.
+    - ``conv_state``, f32/bf16/f16: the slot pool of raw-input histories, updated in place;
+      ``state_layout="channels_major"`` (default): [slots, D, Lbuf]; ``"tokens_major"``:
+      [slots, Lbuf, D], with Lbuf = W - 1 + num_spec. Inner two dims contiguous; the slot stride
+      may be larger.
+    - ``conv_state_indices`` [N], int32/int64: each request's slot (any stride, e.g.
+      ``state_indices[:, 0]``).
+    - ``cu_seqlens`` [N + 1], int32/int64: token offsets of the requests in the L rows.
     - ``out`` [L, D]: the activated conv output; may be ``x`` itself (in place).
-    - ``num_accepted_tokens`` [N] (default all 1): the previous step's accepted count acc; the
-      window is read at buffer offset acc - 1, and the buffer is rewritten so that the next call's
-      offset acc' - 1 sees exactly the last W - 1 accepted inputs.
+    - ``num_accepted_tokens`` [N] or None (all 1), int32/int64: the previous step's accepted
+      count acc; the window is read at buffer offset acc - 1, and the buffer is rewritten so that
+      the next call's offset acc' - 1 sees exactly the last W - 1 accepted inputs.
+    - ``activation``: ``"silu"`` (or ``"swish"``) or ``"none"``.
+    - ``state_layout``: ``"channels_major"`` or ``"tokens_major"``, as above.
+    - ``first_valid_slot``: slot ids below it are null (default 0; vLLM passes 1).
+    - ``error_count`` int32 [1] or None: on the GPU, incremented once per invalid request row.
+    - ``stream``: CUDA stream handle; default torch's current stream for torch tensors.
 
-    Rows with T = 0, and rows whose slot is null (below ``first_valid_slot``), are skipped: neither
-    the pool nor their ``out`` rows are written (with ``out is x`` those rows keep their raw input).
-    Host arrays: the whole call is validated first and an invalid row (T > num_spec + 1, acc
-    outside [1, num_spec + 1], slot >= pool size, bad ``cu_seqlens``) raises ``ValueError``
-    naming the row, before anything is written. CUDA arrays: invalid rows write no state, get
-    zero outputs and increment ``error_count`` (int32 [1]) when given. CUDA launches go to
-    ``stream`` (default: torch's current stream for torch tensors).
+    Mutated: ``conv_state`` (the requests' slots), ``out`` (the requests' token rows) and, on the
+    GPU, ``error_count``. Rows with T = 0, and rows whose slot is null, are skipped: neither the
+    pool nor their ``out`` rows are written (with ``out is x`` those rows keep their raw input).
+
+    Errors: shape, dtype, stride and device mismatches raise ``ValueError`` naming the argument;
+    a value the binding cannot take (a list, a read-only array, a meta tensor) raises
+    ``TypeError`` naming it. Host arrays: the whole call is validated first and an invalid row
+    (T > num_spec + 1, acc outside [1, num_spec + 1], slot >= pool size, bad ``cu_seqlens``)
+    raises ``ValueError`` naming the row, before anything is written. CUDA arrays: invalid rows
+    write no state, get zero outputs and increment ``error_count`` when given.
+
+    Accuracy: float32 math (taps in ascending order). The pool is exact: it stores the raw
+    inputs, rounded to its dtype; ``out`` is within its own dtype's rounding (+ 2e-6) of
+    :func:`causal_conv1d_update_reference`. One T-token call equals T one-token calls bit for bit.
+    ``torch.ops.gdn.causal_conv1d_update`` is the same call as a torch op (all but ``stream``;
+    there ``out`` must not be ``x``).
     """
-    _C.causal_conv1d_update(
-        x, weight, conv_state, conv_state_indices, cu_seqlens, out,
-        num_accepted_tokens=num_accepted_tokens, activation=activation,
-        state_layout=state_layout, first_valid_slot=first_valid_slot, error_count=error_count,
-        stream=_stream_of(conv_state, stream),
-    )
+    try:
+        _C.causal_conv1d_update(
+            x, weight, conv_state, conv_state_indices, cu_seqlens, out,
+            num_accepted_tokens=num_accepted_tokens, activation=activation,
+            state_layout=state_layout, first_valid_slot=first_valid_slot,
+            error_count=error_count, stream=_stream_of(conv_state, stream),
+        )
+    except TypeError:
+        raise_argument_error("causal_conv1d_update", _KINDS, locals())
+        raise
 
 
 def causal_conv1d_update_reference(
@@ -82,7 +114,8 @@ def causal_conv1d_update_reference(
     idx = np.asarray(conv_state_indices, dtype=np.int64)
     cu = np.asarray(cu_seqlens, dtype=np.int64)
     N = idx.shape[0]
-    acc = np.ones(N, np.int64) if num_accepted_tokens is None else np.asarray(num_accepted_tokens, np.int64)
+    acc = (np.ones(N, np.int64) if num_accepted_tokens is None
+           else np.asarray(num_accepted_tokens, np.int64))
     rnd = (lambda v: v) if state_dtype is None else state_dtype
     out = np.full(xs.shape, np.nan)
     for i in range(N):
@@ -97,7 +130,7 @@ def causal_conv1d_update_reference(
         frame = np.concatenate([hist, rnd(new)], axis=1)        # taps over stored values
         for t in range(T):
             s = (w[:, : W - 1] * frame[:, t: t + W - 1]).sum(1) + w[:, W - 1] * new[:, t]
-            out[cu[i] + t] = s / (1.0 + np.exp(-s)) if activation == "silu" else s
+            out[cu[i] + t] = s / (1.0 + np.exp(-s)) if activation in ("silu", "swish") else s
         pool[slot, :, : W - 2] = hist[:, 1:]
         pool[slot, :, W - 2: W - 2 + T] = rnd(new)
     if state_layout == "tokens_major":

@@ -1,4 +1,5 @@
-"""Per-step GDN metadata for speculative decoding, shared by every KV-cache group (docs metadata.md).
+"""Per-step GDN metadata for speculative decoding, shared by every KV-cache group
+(docs metadata.md).
 
 A step is built in two parts:
 
@@ -9,7 +10,8 @@ A step is built in two parts:
 2. the **state rows** of all G groups in one pass: a CPU loop, or one CUDA launch reading the
    device copy of the plan buffer and every group's block table.
 
-Free functions (:func:`plan`, :func:`state_rows`, :func:`shadow_check`) take any DLPack arrays.
+Free functions (:func:`plan`, :func:`state_rows`, :func:`shadow_check`) take any DLPack arrays;
+:func:`step_reference` is a NumPy reference of one group's metadata, for tests.
 :class:`Builder` owns persistent, zero-initialised buffers allocated once for the largest batch
 (NumPy or torch, CPU or CUDA) and returns :class:`StepMetadata`, whose fields are views of those
 buffers; ``StepMetadata.decode_mtp_args(g)`` are the arrays :func:`gdn.decode_mtp` takes.
@@ -27,7 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _C
-from ._api import _stream_of
+from ._common import _stream_of, raise_argument_error
 
 __all__ = [
     "HEADER_FIELDS",
@@ -40,6 +42,7 @@ __all__ = [
     "plan_words",
     "shadow_check",
     "state_rows",
+    "step_reference",
 ]
 
 #: Names of the int32 counts at the start of the plan buffer, in order.
@@ -49,13 +52,36 @@ MAX_GROUPS: int = int(_C.metadata_max_groups)
 _H = {name: i for i, name in enumerate(HEADER_FIELDS)}
 
 
+# How the bindings convert each argument (see _common.raise_argument_error).
+_STEP_KINDS = {
+    "query_start_loc": "array", "seq_lens": "array", "num_draft_tokens": "array?",
+    "num_accepted_tokens": "array?", "num_computed_tokens": "array?", "num_spec": "int",
+    "max_rows": "int", "max_tokens": "int", "mode": "str", "block_size": "int",
+    "padded_rows": "int?", "pad_id": "int",
+}
+_PLAN_KINDS = {"plan": "array", **_STEP_KINDS}
+_STATE_ROWS_KINDS = {
+    "plan": "array", "block_tables": "arrays", "spec_state_indices": "array",
+    "non_spec_state_indices": "array", "num_spec": "int", "max_rows": "int", "max_tokens": "int",
+    "pad_id": "int", "launch_rows": "int", "num_accepted_tokens": "array?",
+    "error_count": "array?",
+}
+_SHADOW_KINDS = {k: v for k, v in _STATE_ROWS_KINDS.items()
+                 if k not in ("launch_rows", "num_accepted_tokens", "error_count")}
+_SHADOW_KINDS.update(_STEP_KINDS)
+_BUILDER_STEP_KINDS = {k: _STEP_KINDS[k] for k in (
+    "query_start_loc", "seq_lens", "num_draft_tokens", "num_accepted_tokens",
+    "num_computed_tokens", "padded_rows")}
+
+
 def layout(max_rows: int, max_tokens: int) -> Dict[str, Any]:
     """``{field: (word offset, length, dtype)}`` of a plan buffer, plus ``"total_words"``."""
     return _C.metadata_layout(max_rows, max_tokens)
 
 
 def plan_words(max_rows: int, max_tokens: int) -> int:
-    """Size in int32 words of a plan buffer for up to ``max_rows`` requests / ``max_tokens`` tokens."""
+    """Size in int32 words of a plan buffer for up to ``max_rows`` requests / ``max_tokens``
+    tokens."""
     return int(_C.metadata_layout(max_rows, max_tokens)["total_words"])
 
 
@@ -75,22 +101,41 @@ def plan(
     padded_rows: Optional[int] = None,
     pad_id: int = 0,
 ) -> None:
-    """Plans one step into the host int32 buffer ``plan`` (``plan_words(max_rows, max_tokens)``).
+    """Plans one step of N requests into the host int32 buffer ``plan``
+    (``plan_words(max_rows, max_tokens)`` words, written; never touches a device).
 
-    Inputs are host int32 arrays: ``query_start_loc`` [N+1] (starts at 0), ``seq_lens`` [N]
-    (tokens after this step, drafts included), ``num_draft_tokens`` [N] (-1: not a spec row;
-    absent: no spec rows), ``num_accepted_tokens`` [N] (previous step's accepted counts 1..S; a
-    device array is left for the state-row pass to gather; absent: 1), ``num_computed_tokens``
-    [N] (absent: ``seq_lens`` - query length). ``mode`` "none" or "align" (with ``block_size``).
-    ``padded_rows`` (>= N) pads every row vector to a CUDA-graph batch size. Invalid input raises
-    ``ValueError`` naming the argument and row, before anything is written.
+    Inputs are writable host int32 arrays (S = ``num_spec`` + 1):
+
+    - ``query_start_loc`` [N+1]: token offsets of the requests (starts at 0).
+    - ``seq_lens`` [N]: tokens after this step, drafts included.
+    - ``num_draft_tokens`` [N] or None: drafts of a spec row, -1 for a non-spec row; None: no
+      spec rows.
+    - ``num_accepted_tokens`` [N] or None (all 1): the previous step's accepted counts 1..S; a
+      device array is left for the state-row pass to gather.
+    - ``num_computed_tokens`` [N] or None (``seq_lens`` - query length): tokens already cached.
+    - ``num_spec``: draft tokens per spec row; ``max_rows``, ``max_tokens``: the buffer's
+      capacity in requests and tokens.
+    - ``mode``: ``"none"`` (state rows from column 0) or ``"align"`` (prefix caching: from block
+      ``(seq_lens - 1) // block_size``, with ``block_size``).
+    - ``padded_rows`` (>= N) or None: pads every row vector to a CUDA-graph batch size; padded
+      rows get ``pad_id`` slots and zero tokens.
+    - ``pad_id``: the slot id of padded and unreadable rows.
+
+    Classification: spec rows, 1-token decodes, prefills and zero-length rows; with spec rows
+    present, decodes become prefills. :func:`step_reference` builds the same fields with NumPy.
+    Invalid input raises ``ValueError`` naming the argument and row, a value the binding cannot
+    take raises ``TypeError`` naming the argument; in both cases nothing is written.
     """
-    _C.metadata_plan(
-        plan, query_start_loc, seq_lens, num_draft_tokens=num_draft_tokens,
-        num_accepted_tokens=num_accepted_tokens, num_computed_tokens=num_computed_tokens,
-        num_spec=num_spec, max_rows=max_rows, max_tokens=max_tokens, mode=mode,
-        block_size=block_size, padded_rows=padded_rows, pad_id=pad_id,
-    )
+    try:
+        _C.metadata_plan(
+            plan, query_start_loc, seq_lens, num_draft_tokens=num_draft_tokens,
+            num_accepted_tokens=num_accepted_tokens, num_computed_tokens=num_computed_tokens,
+            num_spec=num_spec, max_rows=max_rows, max_tokens=max_tokens, mode=mode,
+            block_size=block_size, padded_rows=padded_rows, pad_id=pad_id,
+        )
+    except TypeError:
+        raise_argument_error("metadata.plan", _PLAN_KINDS, locals())
+        raise
 
 
 def state_rows(
@@ -110,20 +155,38 @@ def state_rows(
 ) -> Optional[int]:
     """Fills every group's state rows in one pass from a planned buffer on the same device.
 
-    ``block_tables``: one int32 [rows_g, cols_g] array per group (unit column stride, any row
-    stride). Writes ``spec_state_indices`` [G, R, S] and ``non_spec_state_indices`` [G, R]
-    (int32, contiguous, R >= ``launch_rows``). On CUDA this is one kernel launch on ``stream``
-    (capturable in a CUDA graph; it reads its counts from the device plan buffer), covering
-    ``launch_rows`` rows (0: ``max_rows``). Rows whose columns fall outside their table get
-    ``pad_id`` and are counted: returned on the CPU, added to ``error_count`` (int32 [1]) when
-    given. ``num_accepted_tokens`` on the pass's device is gathered into the plan buffer.
+    - ``plan``: the int32 buffer :func:`plan` filled (its device copy for a CUDA pass); read,
+      and written only where ``num_accepted_tokens`` is gathered into it.
+    - ``block_tables``: a list of one int32 [rows_g, cols_g] array per KV-cache group (unit
+      column stride, any row stride), G <= ``MAX_GROUPS``.
+    - ``spec_state_indices`` [G, R, S] and ``non_spec_state_indices`` [G, R] (int32, contiguous,
+      R >= ``launch_rows``): written, rows past the step's untouched.
+    - ``num_spec``, ``max_rows``, ``max_tokens``: as given to :func:`plan`.
+    - ``pad_id``: the slot id of rows whose columns fall outside their table.
+    - ``launch_rows``: rows a CUDA launch covers (0: ``max_rows``); fix it for a CUDA graph.
+    - ``num_accepted_tokens`` [N] or None: accepted counts on the pass's device, gathered into
+      the plan buffer (so a device tensor needs no host copy).
+    - ``error_count`` int32 [1] or None: the count of padded-for-bounds rows is added to it.
+    - ``stream``: CUDA stream handle; default torch's current stream for torch tensors.
+
+    On CUDA this is one kernel launch on ``stream`` (capturable in a CUDA graph; it reads its
+    counts from the device plan buffer) and returns None; on the CPU it returns the number of
+    rows padded because their columns fall outside their table.
     """
-    return _C.metadata_state_rows(
-        plan, list(block_tables), spec_state_indices, non_spec_state_indices, num_spec=num_spec,
-        max_rows=max_rows, max_tokens=max_tokens, pad_id=pad_id, launch_rows=launch_rows,
-        num_accepted_tokens=num_accepted_tokens, error_count=error_count,
-        stream=_stream_of(plan, stream),
-    )
+    if hasattr(block_tables, "shape"):  # one array where a list of them is expected
+        raise TypeError(f"gdn.metadata.state_rows: block_tables must be a list of arrays (one "
+                        f"per KV-cache group), got one array of shape "
+                        f"{tuple(block_tables.shape)}; pass [table]")
+    try:
+        return _C.metadata_state_rows(
+            plan, list(block_tables), spec_state_indices, non_spec_state_indices,
+            num_spec=num_spec, max_rows=max_rows, max_tokens=max_tokens, pad_id=pad_id,
+            launch_rows=launch_rows, num_accepted_tokens=num_accepted_tokens,
+            error_count=error_count, stream=_stream_of(plan, stream),
+        )
+    except TypeError:
+        raise_argument_error("metadata.state_rows", _STATE_ROWS_KINDS, locals())
+        raise
 
 
 def shadow_check(
@@ -145,19 +208,125 @@ def shadow_check(
     padded_rows: Optional[int] = None,
     pad_id: int = 0,
 ) -> str:
-    """Compares a step's plan and state rows (host arrays) against per-group builds, exactly, on
-    the rows the step writes. Returns ``""`` when they agree, else a message naming the group,
+    """Compares a step's ``plan`` and state rows (``spec_state_indices``,
+    ``non_spec_state_indices``; host arrays) against per-group builds from ``block_tables`` and
+    the step's inputs (``query_start_loc``, ``seq_lens``, ``num_draft_tokens``,
+    ``num_accepted_tokens``, ``num_computed_tokens``, ``num_spec``, ``max_rows``, ``max_tokens``,
+    ``mode``, ``block_size``, ``padded_rows``, ``pad_id``: as given to :func:`plan`), exactly,
+    on the rows the step writes. Returns ``""`` when they agree, else a message naming the group,
     field, row and both values. Rows outside the written range are never read."""
-    return _C.metadata_shadow_check(
-        plan, list(block_tables), spec_state_indices, non_spec_state_indices, query_start_loc,
-        seq_lens, num_draft_tokens=num_draft_tokens, num_accepted_tokens=num_accepted_tokens,
-        num_computed_tokens=num_computed_tokens, num_spec=num_spec, max_rows=max_rows,
-        max_tokens=max_tokens, mode=mode, block_size=block_size, padded_rows=padded_rows,
-        pad_id=pad_id,
+    try:
+        return _C.metadata_shadow_check(
+            plan, list(block_tables), spec_state_indices, non_spec_state_indices,
+            query_start_loc, seq_lens, num_draft_tokens=num_draft_tokens,
+            num_accepted_tokens=num_accepted_tokens, num_computed_tokens=num_computed_tokens,
+            num_spec=num_spec, max_rows=max_rows, max_tokens=max_tokens, mode=mode,
+            block_size=block_size, padded_rows=padded_rows, pad_id=pad_id,
+        )
+    except TypeError:
+        raise_argument_error("metadata.shadow_check", _SHADOW_KINDS, locals())
+        raise
+
+
+def step_reference(
+    query_start_loc: Any,
+    seq_lens: Any,
+    block_table: Any,
+    *,
+    num_draft_tokens: Any = None,
+    num_accepted_tokens: Any = None,
+    num_computed_tokens: Any = None,
+    num_spec: int,
+    mode: str = "none",
+    block_size: int = 0,
+    padded_rows: Optional[int] = None,
+    pad_id: int = 0,
+) -> Dict[str, Any]:
+    """NumPy reference of one group's step metadata (integers, so exact), built the way a
+    per-group builder does it: boolean masks, repeat + stable argsort for the token split,
+    cumulative sums, fancy-index gathers. Arguments as for :func:`plan`, with one group's
+    ``block_table`` [rows, cols]; valid input expected.
+
+    Returns ``{"counts": {header field: int}, "unreadable": rows padded for bounds, field: array}``
+    with the fields of :class:`StepMetadata` (``spec_sequence_masks``, ``spec_token_indx``,
+    ``non_spec_token_indx``, ``spec_query_start_loc``, ``non_spec_query_start_loc``,
+    ``spec_num_accepted``, ``spec_source_column``, ``has_initial_state``) and this group's
+    ``spec_state_indices`` [rows, S] and ``non_spec_state_indices`` [rows].
+    """
+    i32 = np.int32
+    qsl = np.asarray(query_start_loc, np.int64)
+    lens = np.asarray(seq_lens, np.int64)
+    table = np.asarray(block_table)
+    drafts = None if num_draft_tokens is None else np.asarray(num_draft_tokens, np.int64)
+    S = int(num_spec) + 1
+    N = len(qsl) - 1
+    qlen = np.diff(qsl)
+    if drafts is None or drafts[drafts >= 0].sum() == 0:
+        mask = np.zeros(N, bool)
+    else:
+        mask = drafts >= 0
+    ns_len = qlen[~mask]
+    decodes = int((ns_len == 1).sum())
+    zero = int((ns_len == 0).sum())
+    prefills = int((~mask).sum()) - decodes - zero
+    if mask.any() and decodes:  # with spec rows present, decodes run as prefills
+        prefills, decodes = prefills + decodes, 0
+    order = np.argsort(np.repeat(mask, qlen), kind="stable")
+    n_ns_tok = int(ns_len.sum())
+    context = (lens - qlen if num_computed_tokens is None
+               else np.asarray(num_computed_tokens, np.int64))
+    if mode == "align":
+        start = np.maximum((lens - 1) // block_size, 0)
+    else:
+        start = np.zeros(N, np.int64)
+
+    def pad_to(a, n, value):
+        return np.concatenate([a, np.full(n - len(a), value, a.dtype)]) if n > len(a) else a
+
+    spec_idx, ns_idx = np.flatnonzero(mask), np.flatnonzero(~mask)
+    n_spec_rows = len(spec_idx) if padded_rows is None else padded_rows
+    n_ns_rows = len(ns_idx) if padded_rows is None else padded_rows
+    n_mask = N if padded_rows is None else padded_rows
+
+    # State rows: columns [start, start + S) / start; a row outside the table gets pad_id.
+    rows, cols = table.shape
+    spec_cols = start[spec_idx, None] + np.arange(S)
+    ok = (spec_idx < rows) & (spec_cols[:, -1] < cols) if len(spec_idx) else np.zeros(0, bool)
+    spec_state = np.full((len(spec_idx), S), pad_id, i32)
+    spec_state[ok] = table[spec_idx[ok, None], spec_cols[ok]]
+    ns_ok = (ns_idx < rows) & (start[ns_idx] < cols)
+    ns_state = np.full(len(ns_idx), pad_id, i32)
+    ns_state[ns_ok] = table[ns_idx[ns_ok], start[ns_idx][ns_ok]]
+    spec_acc = (np.asarray(num_accepted_tokens, i32)[mask] if num_accepted_tokens is not None
+                else np.ones(len(spec_idx), i32))
+    return dict(
+        counts=dict(
+            num_requests=N, num_prefills=prefills, num_prefill_tokens=n_ns_tok - decodes,
+            num_decodes=decodes, num_decode_tokens=decodes, num_spec_decodes=len(spec_idx),
+            num_spec_decode_tokens=int(qlen[mask].sum()), num_actual_tokens=int(qsl[-1]),
+            num_non_spec_rows=len(ns_idx), num_zero_length_rows=zero,
+            spec_rows_written=n_spec_rows, non_spec_rows_written=n_ns_rows,
+            mask_rows_written=n_mask, num_spec_columns=S,
+            padded_rows=-1 if padded_rows is None else padded_rows,
+        ),
+        unreadable=int((~ok).sum() + (~ns_ok).sum()),
+        spec_sequence_masks=pad_to(mask, n_mask, False),
+        non_spec_token_indx=order[:n_ns_tok].astype(i32),
+        spec_token_indx=order[n_ns_tok:].astype(i32),
+        spec_query_start_loc=pad_to(
+            np.concatenate([[0], np.cumsum(qlen[mask])]).astype(i32), n_spec_rows + 1,
+            int(qlen[mask].sum())),
+        non_spec_query_start_loc=pad_to(
+            np.concatenate([[0], np.cumsum(ns_len)]).astype(i32), n_ns_rows + 1, n_ns_tok),
+        spec_num_accepted=pad_to(spec_acc, n_spec_rows, 1),
+        spec_source_column=pad_to(spec_acc - 1, n_spec_rows, 0),
+        has_initial_state=pad_to(context[~mask] > 0, n_ns_rows, False),
+        spec_state_indices=pad_to(spec_state.reshape(-1), n_spec_rows * S, pad_id).reshape(-1, S),
+        non_spec_state_indices=pad_to(ns_state, n_ns_rows, pad_id),
     )
 
 
-# ---- views ----------------------------------------------------------------------------------------
+# ---- views ---------------------------------------------------------------------------------------
 
 
 def _is_torch(x: Any) -> bool:
@@ -343,7 +512,8 @@ class Builder:
         self.block_size = int(block_size)
         self.pad_id = int(pad_id)
         self.shadow = (
-            os.environ.get("GDN_METADATA_SHADOW", "0") not in ("", "0") if shadow is None else shadow
+            os.environ.get("GDN_METADATA_SHADOW", "0") not in ("", "0") if shadow is None
+            else shadow
         )
         self.block_tables = tables
         S = self.num_spec + 1
@@ -388,14 +558,20 @@ class Builder:
             self.error_count = np.zeros(1, np.int32)
             self.device_plan = None
             self.host_plans = [np.zeros(words, np.int32)]
-        self._native = _C.MetadataBuilder(
-            tables, self.spec_state_indices, self.non_spec_state_indices, self.host_plans,
-            self.device_plan, self.error_count, self.num_spec, self.max_rows, self.max_tokens,
-            mode, self.block_size, self.pad_id,
-        )
+        try:
+            self._native = _C.MetadataBuilder(
+                tables, self.spec_state_indices, self.non_spec_state_indices, self.host_plans,
+                self.device_plan, self.error_count, self.num_spec, self.max_rows,
+                self.max_tokens, mode, self.block_size, self.pad_id,
+            )
+        except TypeError:
+            raise_argument_error("metadata.Builder", {"block_tables": "arrays", "mode": "str"},
+                                 {"block_tables": tables, "mode": mode})
+            raise
         plan_buffer = self.device_plan if self._cuda else self.host_plans[0]
         self._views = _field_views(plan_buffer, self.max_rows, self.max_tokens)
-        self._host_views = [_field_views(h, self.max_rows, self.max_tokens) for h in self.host_plans]
+        self._host_views = [_field_views(h, self.max_rows, self.max_tokens)
+                            for h in self.host_plans]
         self._host_counts = [
             (h.numpy() if self._torch else h)[: len(HEADER_FIELDS)] for h in self.host_plans
         ]
@@ -407,12 +583,13 @@ class Builder:
         k = self._slot
         self._slot = (k + 1) % len(self.host_plans)
         if self._events and self._recorded[k]:
-            self._events[k].synchronize()  # the copy from this slot has executed (normally long ago)
+            # The copy from this slot has executed (normally long ago).
+            self._events[k].synchronize()
         return k
 
     def _stream(self, stream: Optional[int]) -> Optional[int]:
         if stream is not None:
-            return int(stream)
+            return _stream_of(None, stream)
         return self._current_stream() if self._cuda else None
 
     def _record(self, k: int, stream: Optional[int]) -> None:
@@ -439,10 +616,14 @@ class Builder:
         """Plans the step (host arrays, see :func:`plan`; ``num_accepted_tokens`` may live on the
         device, then the launch gathers it) and fills every group's state rows in one pass."""
         k = self._next_slot()
-        self._native.step(
-            k, query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens,
-            num_computed_tokens, padded_rows, self._stream(stream),
-        )
+        try:
+            self._native.step(
+                k, query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens,
+                num_computed_tokens, padded_rows, self._stream(stream),
+            )
+        except TypeError:
+            raise_argument_error("metadata.Builder.step", _BUILDER_STEP_KINDS, locals())
+            raise
         self._record(k, stream)
         md = StepMetadata(self, PlanView(self._host_views[k], self._host_counts[k]))
         if self.shadow:
@@ -464,10 +645,14 @@ class Builder:
         """Plans the step and copies the plan to the device buffer, without the state-row launch:
         what precedes the replay of a CUDA graph that captured :meth:`launch`."""
         k = self._next_slot()
-        self._native.prepare(
-            k, query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens,
-            num_computed_tokens, padded_rows, self._stream(stream),
-        )
+        try:
+            self._native.prepare(
+                k, query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens,
+                num_computed_tokens, padded_rows, self._stream(stream),
+            )
+        except TypeError:
+            raise_argument_error("metadata.Builder.prepare", _BUILDER_STEP_KINDS, locals())
+            raise
         self._record(k, stream)
         return StepMetadata(self, PlanView(self._host_views[k], self._host_counts[k]))
 
@@ -480,7 +665,12 @@ class Builder:
     ) -> Optional[int]:
         """The state-row pass alone (one CUDA launch over ``launch_rows`` rows) reading the device
         plan buffer: capture it in a CUDA graph, then :meth:`prepare` + replay each step."""
-        return self._native.launch(launch_rows, num_accepted_tokens, self._stream(stream))
+        try:
+            return self._native.launch(launch_rows, num_accepted_tokens, self._stream(stream))
+        except TypeError:
+            raise_argument_error("metadata.Builder.launch",
+                                 {"launch_rows": "int", "num_accepted_tokens": "array?"}, locals())
+            raise
 
     # -- debug ------------------------------------------------------------------------------------
 

@@ -1,10 +1,13 @@
-"""torch custom ops ``torch.ops.gdn.*``: thin, destination-passing wrappers over the gdn functions.
+"""torch custom ops ``torch.ops.gdn.*``: every gdn operation as a destination-passing torch op.
 
-They mutate their outputs and return nothing, so they need no fake kernels beyond a no-op and work
-under ``torch.compile(fullgraph=True)`` and CUDA graphs (launches go to torch's current stream).
+Each op takes exactly its gdn function's arguments (same names, order, keyword-only split,
+defaults and None-for-absent), except those in :data:`SCHEMA_EXCLUDED`, which a torch op cannot
+carry as they are; tests/py/test_torch_op.py checks this. The ops mutate their outputs and return
+nothing, so they need no fake kernels beyond a no-op and work under
+``torch.compile(fullgraph=True)`` and CUDA graphs (launches go to torch's current stream).
 
 Every op is registered by :func:`_op`: the schema is defined on one ``torch.library.Library`` and
-the Python function is the CPU and CUDA kernel. ``torch.library.custom_op`` is not used: on
+the gdn function is the CPU and CUDA kernel. ``torch.library.custom_op`` is not used: on
 torch 2.11 its ADInplaceOrView kernel indexes the mutated arguments in the call's ``args`` /
 ``kwargs``, which the dispatcher has stripped of trailing defaults, so omitting an optional
 mutated argument (``error_count=None``) raised ``IndexError``.
@@ -12,13 +15,26 @@ mutated argument (``error_count=None``) raised ``IndexError``.
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence
+import inspect
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _api
-from . import conv as _conv
-from . import metadata as _metadata
+from .conv import causal_conv1d_update as _causal_conv1d_update
+from .decode_mtp import decode_mtp as _decode_mtp
+from .metadata import plan as _metadata_plan
+from .metadata import state_rows as _metadata_state_rows
+
+#: The one list of function arguments a torch op cannot take as they are: name -> (the op's name
+#: for it, None when the op leaves it out; why).
+SCHEMA_EXCLUDED: Dict[str, Tuple[Optional[str], str]] = {
+    "stream": (None, "a raw CUDA stream handle: the op launches on torch's current stream"),
+    "mode": ("cache_mode", "torch's higher-order-op dispatch (torch.compile, opcheck) passes its "
+                           "own positional `mode`, which a keyword of that name collides with"),
+}
+
+#: The gdn function behind each op, by op name.
+FUNCTIONS: Dict[str, Callable[..., object]] = {}
 
 # Kept alive for the process: dropping a Library deregisters its ops.
 _LIB = torch.library.Library("gdn", "DEF")
@@ -29,25 +45,37 @@ def _fake(*args, **kwargs) -> None:
     return None
 
 
-def _op(mutates_args: Sequence[str]) -> Callable[[Callable[..., None]], object]:
-    """Registers ``fn`` as ``torch.ops.gdn.<fn.__name__>`` (schema inferred from its signature,
-    ``mutates_args`` marked ``(a!)`` so torch.compile functionalizes them); returns the op."""
+def _op(function: Callable[..., object], mutates_args: Sequence[str]):
+    """Registers ``torch.ops.gdn.<name>`` with the decorated signature (a stub whose annotations
+    are torch types; ``mutates_args`` are marked ``(a!)`` so torch.compile functionalizes them)
+    and ``function`` as its CPU and CUDA kernel; returns the op."""
 
-    def register(fn: Callable[..., None]) -> object:
-        name = fn.__name__
-        schema = torch.library.infer_schema(fn, mutates_args=tuple(mutates_args))
+    def register(signature: Callable[..., None]) -> object:
+        name = signature.__name__
+        schema = torch.library.infer_schema(signature, mutates_args=tuple(mutates_args))
         _LIB.define(name + schema)
-        # The kernel is called with the defaulted trailing arguments stripped; fn's own Python
-        # defaults (the schema's, by construction) fill them back in.
+        params = inspect.signature(function).parameters
+        renamed = {op_name: arg for arg, (op_name, _) in SCHEMA_EXCLUDED.items()
+                   if op_name is not None and arg in params}
+
+        # The dispatcher passes keyword-only arguments as keywords and strips defaulted trailing
+        # ones; the function's own defaults (the schema's, by the test) fill them back in.
+        def kernel(*args, **kwargs) -> None:
+            for op_name, arg in renamed.items():
+                if op_name in kwargs:
+                    kwargs[arg] = kwargs.pop(op_name)
+            function(*args, **kwargs)
+
         for key in ("CPU", "CUDA"):
-            _LIB.impl(name, fn, key)
+            _LIB.impl(name, kernel, key)
         torch.library.register_fake(f"gdn::{name}", _fake, lib=_LIB)
+        FUNCTIONS[name] = function
         return getattr(torch.ops.gdn, name)
 
     return register
 
 
-@_op(mutates_args=("state", "out", "error_count"))
+@_op(_decode_mtp, mutates_args=("state", "out", "error_count"))
 def decode_mtp(
     mixed_qkv: torch.Tensor,
     a: torch.Tensor,
@@ -58,6 +86,7 @@ def decode_mtp(
     state_indices: torch.Tensor,
     cu_seqlens: torch.Tensor,
     out: torch.Tensor,
+    *,
     z: Optional[torch.Tensor] = None,
     norm_weight: Optional[torch.Tensor] = None,
     num_accepted_tokens: Optional[torch.Tensor] = None,
@@ -67,21 +96,14 @@ def decode_mtp(
     gate: str = "silu",
     state_layout: str = "vk",
     first_valid_slot: int = 0,
+    num_k_heads: int = 0,
+    round_core_output: bool = False,
     error_count: Optional[torch.Tensor] = None,
 ) -> None:
-    """torch op form of :func:`gdn.decode_mtp` (same arguments, positional or keyword).
-
-    ``error_count`` (int32 [1], optional) is incremented on the GPU for each invalid request row.
-    """
-    _api.decode_mtp(
-        mixed_qkv, a, b, A_log, dt_bias, state, state_indices, cu_seqlens, out,
-        z=z, norm_weight=norm_weight, num_accepted_tokens=num_accepted_tokens, scale=scale,
-        l2_eps=l2_eps, norm_eps=norm_eps, gate=gate, state_layout=state_layout,
-        first_valid_slot=first_valid_slot, error_count=error_count,
-    )
+    """torch op form of :func:`gdn.decode_mtp`."""
 
 
-@_op(mutates_args=("conv_state", "out", "error_count"))
+@_op(_causal_conv1d_update, mutates_args=("conv_state", "out", "error_count"))
 def causal_conv1d_update(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -89,21 +111,16 @@ def causal_conv1d_update(
     conv_state_indices: torch.Tensor,
     cu_seqlens: torch.Tensor,
     out: torch.Tensor,
+    *,
     num_accepted_tokens: Optional[torch.Tensor] = None,
     activation: str = "silu",
     state_layout: str = "channels_major",
     first_valid_slot: int = 0,
     error_count: Optional[torch.Tensor] = None,
 ) -> None:
-    """torch op form of :func:`gdn.causal_conv1d_update` (same arguments). ``out`` must not be
-    ``x`` here (torch ops may not alias a mutated argument with another input); call
-    :func:`gdn.causal_conv1d_update` directly for in-place use. ``error_count`` (int32 [1],
-    optional) is incremented on the GPU for each invalid request row."""
-    _conv.causal_conv1d_update(
-        x, weight, conv_state, conv_state_indices, cu_seqlens, out,
-        num_accepted_tokens=num_accepted_tokens, activation=activation,
-        state_layout=state_layout, first_valid_slot=first_valid_slot, error_count=error_count,
-    )
+    """torch op form of :func:`gdn.causal_conv1d_update`. ``out`` must not be ``x`` here (torch
+    ops may not alias a mutated argument with another input); call the function directly for
+    in-place use."""
 
 
 # The metadata builder: ``metadata_plan`` is the host plan over CPU tensors, for code that stays in
@@ -111,39 +128,35 @@ def causal_conv1d_update(
 # on torch's current stream; a CPU kernel backs it for CPU tensors).
 
 
-@_op(mutates_args=("plan",))
+@_op(_metadata_plan, mutates_args=("plan",))
 def metadata_plan(
     plan: torch.Tensor,
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
-    num_draft_tokens: Optional[torch.Tensor],
-    num_accepted_tokens: Optional[torch.Tensor],
-    num_computed_tokens: Optional[torch.Tensor],
+    *,
+    num_draft_tokens: Optional[torch.Tensor] = None,
+    num_accepted_tokens: Optional[torch.Tensor] = None,
+    num_computed_tokens: Optional[torch.Tensor] = None,
     num_spec: int,
     max_rows: int,
     max_tokens: int,
     cache_mode: str = "none",
     block_size: int = 0,
-    padded_rows: int = -1,
+    padded_rows: Optional[int] = None,
     pad_id: int = 0,
 ) -> None:
-    """torch op form of :func:`gdn.metadata.plan` (host tensors; ``cache_mode`` is its ``mode``;
-    ``padded_rows`` -1: none)."""
-    _metadata.plan(
-        plan, query_start_loc, seq_lens, num_draft_tokens=num_draft_tokens,
-        num_accepted_tokens=num_accepted_tokens, num_computed_tokens=num_computed_tokens,
-        num_spec=num_spec, max_rows=max_rows, max_tokens=max_tokens, mode=cache_mode,
-        block_size=block_size, padded_rows=None if padded_rows < 0 else padded_rows,
-        pad_id=pad_id,
-    )
+    """torch op form of :func:`gdn.metadata.plan` (host tensors; ``cache_mode`` is its
+    ``mode``)."""
 
 
-@_op(mutates_args=("plan", "spec_state_indices", "non_spec_state_indices", "error_count"))
+@_op(_metadata_state_rows,
+     mutates_args=("plan", "spec_state_indices", "non_spec_state_indices", "error_count"))
 def metadata_state_rows(
     plan: torch.Tensor,
     block_tables: List[torch.Tensor],
     spec_state_indices: torch.Tensor,
     non_spec_state_indices: torch.Tensor,
+    *,
     num_spec: int,
     max_rows: int,
     max_tokens: int,
@@ -153,9 +166,4 @@ def metadata_state_rows(
     error_count: Optional[torch.Tensor] = None,
 ) -> None:
     """torch op form of :func:`gdn.metadata.state_rows` (``plan`` is written only when
-    ``num_accepted_tokens`` is gathered)."""
-    _metadata.state_rows(
-        plan, block_tables, spec_state_indices, non_spec_state_indices, num_spec=num_spec,
-        max_rows=max_rows, max_tokens=max_tokens, pad_id=pad_id, launch_rows=launch_rows,
-        num_accepted_tokens=num_accepted_tokens, error_count=error_count,
-    )
+    ``num_accepted_tokens`` is gathered; the CPU count of padded rows is not returned)."""

@@ -7,7 +7,7 @@
 #include "gdn/conv/cpu.hpp"
 #include "gdn/conv/params.hpp"
 #ifdef GDN_HAS_CUDA
-#include "cuda_api_conv.hpp"
+#include "gdn/kernels/cuda_api_conv.hpp"
 #endif
 
 namespace gdn::python {

@@ -4,7 +4,7 @@
 #include <string>
 
 #include "common.hpp"
-#include "cuda_api.hpp"
+#include "gdn/kernels/cuda_api.hpp"
 #include "gdn/decode_mtp/cpu.hpp"
 #include "gdn/decode_mtp/params.hpp"
 
@@ -17,7 +17,8 @@ static void decode_mtp(const ConstArray& mixed_qkv, const ConstArray& a, const C
                        const OptConstArray& num_accepted_tokens,
                        std::optional<double> scale, double l2_eps, double norm_eps,
                        const std::string& gate, const std::string& state_layout,
-                       int64_t first_valid_slot, int64_t num_k_heads, const OptArray& error_count,
+                       int64_t first_valid_slot, int64_t num_k_heads, bool round_core_output,
+                       const OptArray& error_count,
                        std::optional<uintptr_t> stream, int split) {
   decode_mtp::Params p;
   p.mixed_qkv = to_view(mixed_qkv, "mixed_qkv");
@@ -40,6 +41,7 @@ static void decode_mtp(const ConstArray& mixed_qkv, const ConstArray& a, const C
   p.layout = parse_layout(state_layout);
   p.first_valid_slot = first_valid_slot;
   p.num_k_heads = num_k_heads;
+  p.round_core_output = round_core_output;
 
   Status status;
   if (p.state.device.type == DeviceType::kCPU) {
@@ -58,9 +60,13 @@ static void decode_mtp(const ConstArray& mixed_qkv, const ConstArray& a, const C
   throw_if_error(status);
 }
 
+// `cuda_available` / `cuda_reason` answer for a named architecture instead of probing a device
+// (the Python wrapper decides them from the compiled architecture list).
 static nb::tuple can_use_decode_mtp(const std::string& device, int64_t H, int64_t HV, int64_t K,
                                     int64_t V, int64_t S, const std::string& state_dtype,
-                                    int device_index, const std::string& state_layout) {
+                                    int device_index, const std::string& state_layout,
+                                    std::optional<bool> cuda_available,
+                                    const std::string& cuda_reason) {
   DType sd;
   if (state_dtype == "float32") sd = DType::kFloat32;
   else if (state_dtype == "bfloat16") sd = DType::kBFloat16;
@@ -70,16 +76,31 @@ static nb::tuple can_use_decode_mtp(const std::string& device, int64_t H, int64_
   if (device == "cpu") dev = DeviceType::kCPU;
   else if (device == "cuda") dev = DeviceType::kCUDA;
   else throw nb::value_error(("device must be 'cpu' or 'cuda', got '" + device + "'").c_str());
+  const StateLayout layout = parse_layout(state_layout);
   bool cuda_ok = false;
-  std::string why;
+  std::string why = cuda_reason;
+  if (dev == DeviceType::kCUDA && cuda_available) {
+    cuda_ok = *cuda_available;
+  } else if (dev == DeviceType::kCUDA) {
 #ifdef GDN_HAS_CUDA
-  if (dev == DeviceType::kCUDA) cuda_ok = cuda_api::kernels_available(device_index, &why);
+    cuda_ok = cuda_api::kernels_available(device_index, &why);
 #else
-  (void)device_index;
+    why = "this build of gdn has no CUDA kernels";
 #endif
-  decode_mtp::Support s =
-      decode_mtp::can_use(dev, H, HV, K, V, S, sd, cuda_ok, parse_layout(state_layout));
-  if (dev == DeviceType::kCUDA && !cuda_ok && !why.empty()) s.reason += ": " + why;
+  }
+  (void)device_index;
+  decode_mtp::Support s = decode_mtp::can_use(dev, H, HV, K, V, S, sd, cuda_ok, layout);
+  if (dev == DeviceType::kCUDA && !cuda_ok) {
+    // The configuration's own verdict first (it holds on any GPU), then why no kernel runs here.
+    const decode_mtp::Support anywhere = decode_mtp::can_use(dev, H, HV, K, V, S, sd, true, layout);
+    if (anywhere.path != decode_mtp::Path::kUnsupported) {
+      s.reason = (why.empty() ? s.reason : why) + "; on a supported GPU this configuration "
+                 "would take the " + decode_mtp::to_string(anywhere.path) + " path (" +
+                 anywhere.reason + ")";
+    } else {
+      s.reason = anywhere.reason;
+    }
+  }
   return nb::make_tuple(std::string(decode_mtp::to_string(s.path)), s.reason);
 }
 
@@ -93,15 +114,17 @@ void bind_decode_mtp(nb::module_& m) {
         nb::arg("num_accepted_tokens").noconvert().none() = nb::none(),
         nb::arg("scale").none() = nb::none(), nb::arg("l2_eps") = 1e-6, nb::arg("norm_eps") = 1e-6,
         nb::arg("gate") = "silu", nb::arg("state_layout") = "vk", nb::arg("first_valid_slot") = 0,
-        nb::arg("num_k_heads") = 0, nb::arg("error_count").noconvert().none() = nb::none(),
+        nb::arg("num_k_heads") = 0, nb::arg("round_core_output") = false, nb::arg("error_count").noconvert().none() = nb::none(),
         nb::arg("stream").none() = nb::none(), nb::arg("split") = 0,
         "Fused GDN decode / MTP verify: updates `state` in place and writes `out`. `split` pins "
         "the CUDA kernel's CTAs per value head (1, 2, 4, 8; 0 = automatic), for benchmarks.");
   m.def("can_use_decode_mtp", &can_use_decode_mtp, nb::arg("device"), nb::arg("H"), nb::arg("HV"),
         nb::arg("K") = 128, nb::arg("V") = 128, nb::arg("S") = 1,
         nb::arg("state_dtype") = "float32", nb::arg("device_index") = 0,
-        nb::arg("state_layout") = "vk",
-        "(path, reason): path is 'fast', 'generic' or 'unsupported'.");
+        nb::arg("state_layout") = "vk", nb::arg("cuda_available").none() = nb::none(),
+        nb::arg("cuda_reason") = "",
+        "(path, reason): path is 'fast', 'generic' or 'unsupported'. `cuda_available` (with "
+        "`cuda_reason`) replaces the device probe, to answer for a named architecture.");
 }
 
 }  // namespace gdn::python

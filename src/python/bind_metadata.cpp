@@ -17,7 +17,7 @@
 #include "gdn/metadata/shadow.hpp"
 #include "gdn/metadata/state_rows.hpp"
 #ifdef GDN_HAS_CUDA
-#include "cuda_api_metadata.hpp"
+#include "gdn/kernels/cuda_api_metadata.hpp"
 #endif
 
 namespace gdn::python {

@@ -3,10 +3,12 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
-#include "cuda_api.hpp"
+#include "common.hpp"
+#include "gdn/kernels/cuda_api.hpp"
 #include "gdn/core/support.hpp"
 
 namespace nb = nanobind;
@@ -59,6 +61,19 @@ NB_MODULE(_C, m) {
 #endif
   }, nb::arg("device") = 0,
      "(available, reason): whether a compiled kernel image runs on this CUDA device.");
+
+  // Per-argument probes with the operations' own casters: the Python wrappers call them only after
+  // a call was refused, to name the argument nanobind could not convert.
+  using gdn::python::Array;
+  using gdn::python::ConstArray;
+  m.def("_accepts_array", [](const Array&) { return true; }, nb::arg("x").noconvert());
+  m.def("_accepts_readonly_array", [](const ConstArray&) { return true; },
+        nb::arg("x").noconvert());
+  m.def("_accepts_int", [](int64_t) { return true; }, nb::arg("x"));
+  m.def("_accepts_float", [](double) { return true; }, nb::arg("x"));
+  m.def("_accepts_bool", [](bool) { return true; }, nb::arg("x"));
+  m.def("_accepts_str", [](const std::string&) { return true; }, nb::arg("x"));
+  m.def("_accepts_stream", [](uintptr_t) { return true; }, nb::arg("x"));
 
   gdn::python::bind_decode_mtp(m);
   gdn::python::bind_conv(m);

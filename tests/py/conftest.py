@@ -7,6 +7,11 @@ import zlib
 
 import pytest
 
+# Inductor's on-disk caches key a compiled graph by its code, not by the schemas of the gdn ops it
+# calls, so code compiled against another gdn version would be reused: compile afresh.
+os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
+os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
+
 
 @pytest.fixture
 def gen(request):

@@ -49,9 +49,11 @@ class RefResult:
 
 def decode_mtp_ref(mixed_qkv, a, b, A_log, dt_bias, state, state_indices, cu_seqlens, *, z=None,
                    norm_weight=None, num_accepted_tokens=None, scale=None, l2_eps=1e-6,
-                   norm_eps=1e-6, gate="silu", state_layout="vk", first_valid_slot=0) -> RefResult:
+                   norm_eps=1e-6, gate="silu", state_layout="vk", first_valid_slot=0,
+                   round_core_output_to=None) -> RefResult:
     """float64 decode_mtp. Inputs are read exactly as stored (16-bit values upcast exactly) and
-    left untouched. Expects valid input (the tests check validation against the library)."""
+    left untouched. Expects valid input (the tests check validation against the library).
+    ``round_core_output_to``: a torch dtype o is rounded to before the norm (vLLM's numerics)."""
     X = _f64(mixed_qkv)
     pool = _f64(state).clone()
     if state_layout == "vk":      # [slots, HV, V, K] -> K-first [slots, HV, K, V]
@@ -102,6 +104,8 @@ def decode_mtp_ref(mixed_qkv, a, b, A_log, dt_bias, state, state_indices, cu_seq
         write = beta[..., None, None] * k[..., :, None] * v[..., None, :]  # beta k v^T
         Mt = alpha[..., None, None] * (P @ Mt) + write
         o = (Mt * q[..., :, None]).sum(-2)                                # o = M^T q, [n, HV, V]
+        if round_core_output_to is not None:
+            o = o.to(round_core_output_to).to(F64)
         if w is not None:
             o = o * torch.rsqrt((o * o).mean(-1, keepdim=True) + norm_eps) * w
             if Z is not None:

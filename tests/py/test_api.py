@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
 import pathlib
+import pydoc
+import re
 import subprocess
 import sys
 import textwrap
@@ -14,6 +17,7 @@ import numpy as np
 import pytest
 
 import gdn
+from gdn import metadata as M
 
 torch = pytest.importorskip("torch")
 
@@ -163,7 +167,7 @@ def test_python_signature():
 
 
 def test_stream_of_host_arrays_is_none():
-    from gdn._api import _stream_of
+    from gdn._common import _stream_of
     assert _stream_of(torch.zeros(1), None) is None
     assert _stream_of(np.zeros(1), None) is None
     assert _stream_of(torch.zeros(1), 1234) == 1234
@@ -200,3 +204,210 @@ def test_guard_names_the_kv_layout_as_the_slow_cuda_path():
     else:
         assert vk_path == "fast"
         assert path == "generic" and "slow path" in reason
+
+
+# ---- one module per operation ------------------------------------------------------------------
+
+
+def test_package_layout_per_operation():
+    """gdn/decode_mtp.py, gdn/conv.py, gdn/metadata.py each hold the function, its contract and
+    its reference; gdn.decode_mtp is the function (the module is reached through importlib);
+    gdn.reference re-exports the references; gdn.ops registers every op."""
+    module = importlib.import_module("gdn.decode_mtp")
+    assert module.decode_mtp is gdn.decode_mtp
+    assert module.can_use_decode_mtp is gdn.can_use_decode_mtp
+    assert callable(gdn.decode_mtp) and gdn.decode_mtp.__module__ == "gdn.decode_mtp"
+    from gdn.conv import causal_conv1d_update, causal_conv1d_update_reference
+    assert causal_conv1d_update is gdn.causal_conv1d_update
+    from gdn.reference import (causal_conv1d_update_reference as conv_ref,
+                               decode_mtp_reference, step_reference)
+    assert decode_mtp_reference is module.decode_mtp_reference
+    assert conv_ref is causal_conv1d_update_reference and step_reference is M.step_reference
+    from gdn import ops
+    assert set(ops.FUNCTIONS) == {"decode_mtp", "causal_conv1d_update", "metadata_plan",
+                                  "metadata_state_rows"}
+
+
+# ---- self-contained contracts ------------------------------------------------------------------
+
+DOCUMENTED = {"decode_mtp": gdn.decode_mtp, "can_use_decode_mtp": gdn.can_use_decode_mtp,
+              "causal_conv1d_update": gdn.causal_conv1d_update, "metadata.plan": M.plan,
+              "metadata.state_rows": M.state_rows, "metadata.shadow_check": M.shadow_check}
+
+
+@pytest.mark.parametrize("name", list(DOCUMENTED))
+def test_docstring_names_every_argument(name):
+    fn = DOCUMENTED[name]
+    doc = inspect.getdoc(fn) or ""
+    missing = [p for p in inspect.signature(fn).parameters if f"``{p}``" not in doc]
+    assert not missing, f"{name}'s docstring does not mention {missing}"
+
+
+def test_help_decode_mtp_is_the_contract():
+    """help(gdn.decode_mtp) alone says shapes, dtypes, layouts, the slot rules, what is mutated,
+    the CPU and GPU error behaviour and the accuracy."""
+    text = pydoc.render_doc(gdn.decode_mtp, renderer=pydoc.plaintext)
+    for needle in ["[L, 2*H*K + HV*V]", "[slots, HV, V, K]", "[slots, HV, K, V]", '"vk"', '"kv"',
+                   "bf16", "int32/int64", "first_valid_slot", "null", "state_indices[i, acc_i - 1]",
+                   "state_indices[i, t]", "T_i = 0", "Mutated", "error_count", "ValueError",
+                   "before anything is written", "zero-filled", "GPU", "relative L2", "1e-5"]:
+        assert needle in text, f"help(gdn.decode_mtp) does not mention {needle!r}"
+
+
+# ---- the guard: names, dtypes, devices and architectures ---------------------------------------
+
+
+@pytest.mark.parametrize("alias,canonical", [
+    ("bf16", "bfloat16"), ("BF16", "bfloat16"), (torch.bfloat16, "bfloat16"),
+    ("torch.bfloat16", "bfloat16"), ("fp32", "float32"), ("float", "float32"),
+    (torch.float32, "float32"), (np.float32, "float32"), (np.dtype("float32"), "float32"),
+    ("fp16", "float16"), ("half", "float16"), (torch.float16, "float16"), (np.float16, "float16"),
+])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_guard_accepts_dtype_aliases(alias, canonical, device):
+    args = (device, 16, 48, 128, 128, 4)
+    assert gdn.can_use_decode_mtp(*args, alias) == gdn.can_use_decode_mtp(*args, canonical)
+    assert gdn.can_use_decode_mtp(*args, state_dtype=alias) == gdn.can_use_decode_mtp(*args,
+                                                                                       canonical)
+
+
+@pytest.mark.parametrize("bad", ["float64", torch.float64, np.int32, "bf17"])
+def test_guard_rejects_other_dtypes_by_name(bad):
+    with pytest.raises(ValueError, match="state_dtype must be float32, bfloat16 or float16"):
+        gdn.can_use_decode_mtp("cpu", 16, 32, state_dtype=bad)
+
+
+def test_guard_accepts_device_strings():
+    for dev in ("cuda:0", torch.device("cuda", 0), "CUDA:0", " cuda "):
+        assert gdn.can_use_decode_mtp(dev, 16, 48, 128, 128, 4) == \
+            gdn.can_use_decode_mtp("cuda", 16, 48, 128, 128, 4, device_index=0)
+    assert gdn.can_use_decode_mtp(torch.device("cpu"), 16, 48)[0] == "fast"
+    assert gdn.can_use_decode_mtp("cuda:3", 16, 48, device_index=3) == \
+        gdn.can_use_decode_mtp("cuda", 16, 48, device_index=3)
+    with pytest.raises(ValueError, match="disagree"):
+        gdn.can_use_decode_mtp("cuda:1", 16, 48, device_index=0)
+    for bad in ("cuda:x", "tpu", "mps:0"):
+        with pytest.raises(ValueError, match="device must be 'cpu', 'cuda' or 'cuda:N'"):
+            gdn.can_use_decode_mtp(bad, 16, 48)
+
+
+@pytest.fixture
+def cuda_build(monkeypatch):
+    """Makes the guard believe this build has CUDA kernels for the given architectures (the arch=
+    answer is decided from that list alone, so it needs neither a GPU nor a CUDA build)."""
+    def build(archs: str) -> None:
+        monkeypatch.setattr(gdn._C, "built_with_cuda", True)
+        monkeypatch.setattr(gdn._C, "cuda_architectures", archs)
+    return build
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm90", "sm_90a", "90", "9.0", "compute_90", 90, (9, 0)])
+def test_guard_names_an_architecture_in_any_spelling(cuda_build, arch):
+    cuda_build("90a,80")
+    assert gdn.can_use_decode_mtp("cuda", 16, 48, 128, 128, 4, "bf16", arch=arch)[0] == "fast"
+
+
+@pytest.mark.parametrize("archs,arch,path,words", [
+    ("90a,80", "sm_90", "fast", "sm_90a code"),
+    ("90a,80", (8, 6), "fast", "sm_80 code"),             # same major, later minor: sm_80 binary
+    ("90a,80", "sm_100", "fast", "compute_80 PTX"),       # later major: the PTX
+    ("90a,80", "sm_75", "unsupported",
+     "no kernel image for sm_75 (compiled architectures: 90a, 80)"),
+    ("90a-real,80-real", "sm_100", "unsupported", "no kernel image for sm_100"),
+    ("90a", "sm_100", "unsupported", "no kernel image for sm_100"),  # "a" PTX runs on 9.0 only
+    ("80-virtual", "sm_120", "fast", "compute_80 PTX"),
+    ("native", "sm_90", "unsupported", "cannot tell"),
+])
+def test_guard_answers_for_a_named_architecture(cuda_build, archs, arch, path, words):
+    cuda_build(archs)
+    got, reason = gdn.can_use_decode_mtp("cuda", 16, 48, 128, 128, 4, "bf16", arch=arch)
+    assert got == path and words in reason, reason
+    if path == "unsupported":
+        assert "would take the fast path" in reason  # the configuration itself is fine
+
+
+def test_guard_with_arch_still_applies_the_configuration_rules(cuda_build):
+    cuda_build("90a,80")
+    odd = gdn.can_use_decode_mtp("cuda", 16, 32, 64, 64, 4, arch="sm_90")
+    assert odd[0] == "unsupported" and "K = V = 128" in odd[1]
+    kv = gdn.can_use_decode_mtp("cuda", 16, 32, 128, 128, 4, state_layout="kv", arch="sm_90")
+    assert kv[0] == "generic" and "slow path" in kv[1]
+    assert gdn.can_use_decode_mtp("cuda", 1, 5, 128, 128, 4, arch="sm_90")[0] == "generic"
+    with pytest.raises(ValueError, match="arch"):
+        gdn.can_use_decode_mtp("cpu", 16, 32, arch="sm_90")
+    with pytest.raises(ValueError, match="arch must name a CUDA architecture"):
+        gdn.can_use_decode_mtp("cuda", 16, 32, arch="hopper")
+
+
+def test_guard_with_arch_without_cuda_kernels(monkeypatch):
+    monkeypatch.setattr(gdn._C, "built_with_cuda", False)
+    path, reason = gdn.can_use_decode_mtp("cuda", 16, 48, 128, 128, 4, arch="sm_90")
+    assert path == "unsupported"
+    assert reason.startswith("this build of gdn has no CUDA kernels; on a supported GPU")
+
+
+def _guard_answers():
+    for device in ("cpu", "cuda"):
+        for H, HV, K, S, layout in [(16, 48, 128, 4, "vk"), (16, 32, 128, 4, "kv"),
+                                    (1, 5, 128, 2, "vk"), (16, 32, 64, 4, "vk"),
+                                    (16, 32, 128, 17, "vk"), (4, 6, 128, 1, "vk"),
+                                    (0, 16, 128, 1, "vk")]:
+            yield gdn.can_use_decode_mtp(device, H, HV, K, K, S, "bf16", state_layout=layout)
+
+
+def test_guard_reasons_are_one_clean_sentence():
+    for path, reason in _guard_answers():
+        assert path in ("fast", "generic", "unsupported")
+        assert reason and reason == reason.strip() and not reason.endswith((":", ";", "."))
+        for artefact in (": :", "::", ": ;", ";;", "  ", ". "):
+            assert artefact not in reason, reason
+
+
+def test_guard_without_a_usable_device_says_why_and_what_the_configuration_takes():
+    usable = (gdn._C.built_with_cuda and gdn.cuda_device_count() > 0
+              and gdn.cuda_kernels_available(0)[0])
+    if usable:
+        pytest.skip("a usable CUDA device is present")
+    path, reason = gdn.can_use_decode_mtp("cuda", 16, 48, 128, 128, 4, "bf16")
+    assert path == "unsupported"
+    assert "would take the fast path" in reason and "CUDA" in reason
+
+
+# ---- python -m gdn -------------------------------------------------------------------------------
+
+
+def _cli(*args, python_flags=()):
+    return subprocess.run([sys.executable, *python_flags, "-m", "gdn", *args], capture_output=True,
+                          text=True, env=dict(os.environ), timeout=300)
+
+
+def test_cli_version():
+    result = _cli("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"gdn {gdn.__version__}"
+
+
+@pytest.mark.parametrize("flag", ["--help", "help"])
+def test_cli_help_lists_every_command(flag):
+    result = _cli(flag)
+    assert result.returncode == 0, result.stderr
+    for command in ("all", "info", "selfcheck", "demo", "help", "--cmake-dir", "--include-dir",
+                    "--version"):
+        assert re.search(rf"(^|\s|{{|,){re.escape(command)}(\s|,|}}|$)", result.stdout), command
+
+
+@pytest.mark.skipif(sys.version_info < (3, 10), reason="needs sys.orig_argv (Python 3.10+)")
+@pytest.mark.parametrize("flag,expected", [("--cmake-dir", gdn.cmake_dir()),
+                                           ("--include-dir", gdn.include_dir()),
+                                           ("--version", f"gdn {gdn.__version__}")])
+def test_cli_path_queries_do_not_import_torch(flag, expected):
+    """Build systems run these: they print one line and never import torch (-X importtime lists
+    every module the interpreter imported)."""
+    result = _cli(flag, python_flags=("-X", "importtime"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == expected
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "gdn" in imported
+    assert not {m for m in imported if m == "torch" or m.startswith("torch.")}, \
+        "python -m gdn " + flag + " imported torch"

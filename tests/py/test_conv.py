@@ -368,3 +368,22 @@ def test_cuda_graph_replay():
         graph.replay()
         torch.cuda.synchronize()
         check({k: v.cpu() for k, v in case.items()}, out, before, "channels_major")
+
+
+@pytest.mark.parametrize("name,bad,words", [
+    ("cu_seqlens", lambda c: c["cu"].tolist(), "a list of 5 items"),
+    ("conv_state", lambda c: torch.empty(c["pool"].shape, device="meta"), "device meta"),
+    ("activation", lambda c: None, "NoneType"),
+])
+def test_wrong_python_type_names_the_argument(name, bad, words):
+    case = make_case(seed=5)
+    args = dict(x=case["x"], weight=case["w"], conv_state=case["pool"],
+                conv_state_indices=case["slots"], cu_seqlens=case["cu"],
+                out=torch.full_like(case["x"], float("nan")))
+    args[name] = bad(case)
+    before = case["pool"].clone()
+    with pytest.raises(TypeError, match=rf"^gdn\.causal_conv1d_update: {name} must be .*, got .*"
+                                        rf"{words}") as info:
+        gdn.causal_conv1d_update(**args)
+    assert "incompatible function arguments" not in str(info.value)
+    assert torch.equal(case["pool"], before)

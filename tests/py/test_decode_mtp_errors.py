@@ -200,9 +200,11 @@ ARGUMENT_ERRORS = [
     _error("num_accepted_tokens_wrong_length", _acc([1, 1]),
            r"num_accepted_tokens dimension 0 must be N"),
     _error("mixed_qkv_width", _qkv_width(2 * H * K + HV * V - 1),
-           r"mixed_qkv width 127 is not 2\*H\*K \+ HV\*V"),
+           r"^state has HV = 4 value heads \(dim 1 of state \[\d+, 4, 16, 16\]; K = 16, V = 16 "
+           r"from dims 3 and 2, layout \"vk\"\), but mixed_qkv width 127 = 2\*H\*K \+ HV\*V "
+           r"leaves 127 - 4\*16 = 63 columns for q\|k, not a positive multiple of 2\*K = 32"),
     _error("mixed_qkv_width_too_small", _qkv_width(HV * V),
-           r"mixed_qkv width 64 is not 2\*H\*K \+ HV\*V"),
+           r"mixed_qkv width 64 = 2\*H\*K \+ HV\*V leaves 64 - 4\*16 = 0 columns"),
     _error("head_ratio_not_integral", _qkv_width(2 * 3 * K + HV * V),  # H = 3: 4 // 3 is listed
            r"value heads HV = 4 are not a multiple of key heads H = 3"),
     _error("num_k_heads_mismatch", None,
@@ -346,3 +348,61 @@ def test_error_through_torch_op(gen):
     case.num_accepted_tokens[2] = 0
     expect_error(case, r"request row 2: num_accepted_tokens = 0",
                  call=lambda: case.run(torch.ops.gdn.decode_mtp))
+
+
+# ---- errors a user can act on ------------------------------------------------------------------
+
+
+def test_wrong_state_head_count_says_where_HV_came_from(gen):
+    """A pool with the wrong number of value heads: the message starts from the state's dim 1,
+    not from a mixed_qkv width that is in fact right."""
+    case = base_case(gen)
+    case.state = torch.zeros(case.state.shape[0], 2 * HV, V, K)
+    case.pool_buffer = case.state
+    expect_error(case, rf"^state has HV = {2 * HV} value heads \(dim 1 of state "
+                       rf"\[\d+, {2 * HV}, {V}, {K}\]; .*\), but mixed_qkv width "
+                       rf"{2 * H * K + HV * V} = 2\*H\*K \+ HV\*V leaves .* "
+                       r"check state's head count \(dim 1\)")
+
+
+def _read_only(x):
+    x = x.numpy().copy()
+    x.flags.writeable = False
+    return x
+
+
+# (argument, bad value from the case, words the message must hold after "got")
+WRONG_TYPES = [
+    ("cu_seqlens", lambda c: c.cu_seqlens.tolist(), "a list of 4 items; wrap it in an array"),
+    ("out", lambda c: _read_only(c.out), "numpy.ndarray (shape (6, 4, 16), dtype float32"),
+    ("state", lambda c: torch.empty(c.state.shape, device="meta"), "device meta); meta tensors"),
+    ("a", lambda c: "a", "str 'a'"),
+    ("z", lambda c: [0.0], "a list of 1 item"),
+    ("gate", lambda c: 1, "int 1"),
+    ("scale", lambda c: "0.1", "str '0.1'"),
+    ("first_valid_slot", lambda c: 1.5, "float 1.5"),
+    ("error_count", lambda c: (0,), "a tuple of 1 item"),
+    ("stream", lambda c: "default", "str 'default'"),
+]
+
+
+@pytest.mark.parametrize("name,bad,words", WRONG_TYPES, ids=[w[0] for w in WRONG_TYPES])
+def test_wrong_python_type_names_the_argument(gen, name, bad, words):
+    """A value the binding cannot take raises TypeError naming the argument and what it got (not
+    nanobind's dump of the whole signature), and nothing is written."""
+    case = base_case(gen)
+    args = dict(zip(["mixed_qkv", "a", "b", "A_log", "dt_bias", "state", "state_indices",
+                     "cu_seqlens", "out"], case.args()), **case.kwargs())
+    args[name] = bad(case)
+    case.poison_out()
+    pool, out = case.pool_buffer.clone(), case.out_buffer.clone()
+    with pytest.raises(TypeError) as info:
+        gdn.decode_mtp(**args)
+    message = str(info.value)
+    assert message.startswith(f"gdn.decode_mtp: {name} must be ") or \
+        message.startswith(f"{name} must be "), message
+    assert words in message.split(", got ", 1)[-1], message
+    assert "incompatible function arguments" not in message
+    assert info.value.__suppress_context__ or info.value.__context__ is None
+    assert torch.equal(case.pool_buffer.view(torch.uint8), pool.view(torch.uint8))
+    assert torch.equal(case.out_buffer.view(torch.uint8), out.view(torch.uint8))

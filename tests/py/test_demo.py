@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 from gdn import demo  # noqa: E402
 from gdn._demo_model import exact_linear, exact_rms_norm, int8_weight  # noqa: E402
 
-SHORT = ["--requests", "4", "--min-prompt", "2", "--max-prompt", "7", "--new-tokens", "14",
+SHORT = ["--repeats", "1", "--requests", "4", "--min-prompt", "2", "--max-prompt", "7", "--new-tokens", "14",
          "--layers", "3", "--groups", "2", "--no-progress"]
 
 CUDA = torch.cuda.is_available() and gdn._C.built_with_cuda and gdn.cuda_device_count() > 0
@@ -95,3 +95,13 @@ def test_short_cuda_demo_passes(graphs, capsys):
     assert demo.main(args) == 0
     out = capsys.readouterr().out
     assert "PASS (speculative == plain decoding)" in out
+
+
+def test_speed_up_is_the_median_of_timed_runs_after_a_warm_up(capsys):
+    """With repeats, the speed-up line says it is a median over warmed-up runs; with one run it
+    says it is not warmed up. Every repeat must reproduce the tokens (PASS)."""
+    assert demo.main(["--repeats", "3"] + SHORT[2:]) == 0
+    text = capsys.readouterr().out
+    assert "speed-up     :" in text and "median of 2 timed runs after a warm-up" in text
+    assert demo.main(SHORT) == 0
+    assert "one run, not warmed up" in capsys.readouterr().out

@@ -24,7 +24,7 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device and a CUDA
 I32 = np.int32
 
 
-# ---- the tests' own per-group builder --------------------------------------------------------------
+# ---- the tests' own per-group builder ------------------------------------------------------------
 
 
 def per_group_reference(step: Dict[str, Any], table: np.ndarray) -> Dict[str, Any]:
@@ -161,7 +161,7 @@ def run_builder(step, tables, *, max_rows=None, max_tokens=None, shadow=True, **
     return b, md
 
 
-# ---- classification (the cases of vLLM's builder tests) -------------------------------------------
+# ---- classification (the cases of vLLM's builder tests) ------------------------------------------
 
 CASES = {
     # name: (rows (tokens, drafts), num_spec, expected counts)
@@ -265,7 +265,8 @@ def random_steps(draw):
     tables = []
     for _ in range(G):
         cols = S + int(rng.integers(0, 3)) if mode == "none" else S + int(rng.integers(0, 6))
-        tables.append(rng.integers(1, 1 << 20, size=(N + int(rng.integers(0, 3)), cols)).astype(I32))
+        rows = N + int(rng.integers(0, 3))
+        tables.append(rng.integers(1, 1 << 20, size=(rows, cols)).astype(I32))
     return step, tables
 
 
@@ -277,6 +278,24 @@ def test_shared_fused_equals_per_group_builds(case):
     expect_matches_reference(md, step, tables)
     expected_errors = sum(per_group_reference(step, t)["unreadable"] for t in tables)
     assert int(b.error_count[0]) == expected_errors
+
+
+@settings(max_examples=60, deadline=None)
+@given(random_steps())
+def test_package_step_reference_agrees_with_the_tests(case):
+    """gdn.metadata.step_reference (the package's NumPy reference) equals the tests' own."""
+    step, tables = case
+    for table in tables:
+        ours = per_group_reference(step, table)
+        theirs = M.step_reference(
+            step["qsl"], step["seq_lens"], table, num_draft_tokens=step["drafts"],
+            num_accepted_tokens=step["acc"], num_computed_tokens=step["computed"],
+            num_spec=step["num_spec"], mode=step["mode"], block_size=step["block_size"],
+            padded_rows=step["padded_rows"], pad_id=step["pad_id"])
+        assert theirs["counts"] == ours["counts"] and theirs["unreadable"] == ours["unreadable"]
+        for name, value in ours.items():
+            if name not in ("counts", "unreadable"):
+                np.testing.assert_array_equal(theirs[name], value, err_msg=name)
 
 
 # ---- padding, replays, bounds -------------------------------------------------------------------
@@ -351,7 +370,7 @@ def test_errors_name_the_argument_and_write_nothing():
         M.Builder(make_tables(1, 4, 4), num_spec=2, max_rows=4, max_tokens=16, mode="prefix")
 
 
-# ---- the shadow check --------------------------------------------------------------------------------
+# ---- the shadow check ----------------------------------------------------------------------------
 
 
 def shadow_of(b: M.Builder, step, plan=None, spec=None, non_spec=None) -> str:
@@ -366,14 +385,16 @@ def shadow_of(b: M.Builder, step, plan=None, spec=None, non_spec=None) -> str:
     )
 
 
-def poison_unused(b: M.Builder, md: M.StepMetadata, rng) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+def poison_unused(b: M.Builder, md: M.StepMetadata,
+                  rng) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Copies of the buffers with every word outside the step's rows replaced by garbage."""
     plan, spec, ns = (as_np(x).copy() for x in (b.host_plans[0], b.spec_state_indices,
                                                    b.non_spec_state_indices))
     lay = M.layout(b.max_rows, b.max_tokens)
     keep = np.zeros(len(plan), bool)
     used = {"header": len(M.HEADER_FIELDS), "token_split": md.num_actual_tokens,
-            "spec_query_start_loc": md.spec_rows + 1, "non_spec_query_start_loc": md.non_spec_rows + 1}
+            "spec_query_start_loc": md.spec_rows + 1,
+            "non_spec_query_start_loc": md.non_spec_rows + 1}
     for f in ("spec_request", "spec_start", "spec_num_accepted", "spec_source_column"):
         used[f] = md.spec_rows
     for f in ("non_spec_request", "non_spec_start"):
@@ -391,7 +412,8 @@ def poison_unused(b: M.Builder, md: M.StepMetadata, rng) -> Tuple[np.ndarray, np
         hi = lo + 4 * ((lay[f][1] + 3) // 4)
         as_bytes[lo + n : hi] = rng.integers(0, 256, size=hi - lo - n)
     spec[:, md.spec_rows :] = rng.integers(-(2**31), 2**31 - 1, size=spec[:, md.spec_rows :].shape)
-    ns[:, md.non_spec_rows :] = rng.integers(-(2**31), 2**31 - 1, size=ns[:, md.non_spec_rows :].shape)
+    unused = ns[:, md.non_spec_rows :]
+    unused[...] = rng.integers(-(2**31), 2**31 - 1, size=unused.shape)
     return plan, spec, ns
 
 
@@ -405,7 +427,8 @@ def test_shadow_names_an_injected_mismatch_whatever_the_unused_rows_hold():
     assert shadow_of(b, step, plan, spec, ns) == ""  # garbage outside the rows: same verdict
     for poisoned in (False, True):
         p, s, n = (plan.copy(), spec.copy(), ns.copy()) if poisoned else (
-            as_np(b.host_plans[0]).copy(), b.spec_state_indices.copy(), b.non_spec_state_indices.copy())
+            as_np(b.host_plans[0]).copy(), b.spec_state_indices.copy(),
+            b.non_spec_state_indices.copy())
         s[2, 1, 2] += 1
         msg = shadow_of(b, step, p, s, n)
         assert "group 2, field spec_state_indices, row 1, column 2" in msg, msg
@@ -440,7 +463,7 @@ def test_builder_shadow_switch_raises_on_a_mismatch(monkeypatch):
     assert M.Builder(tables, num_spec=2, max_rows=4, max_tokens=8).shadow
 
 
-# ---- torch ops --------------------------------------------------------------------------------------
+# ---- torch ops -----------------------------------------------------------------------------------
 
 
 def op_case(device="cpu"):
@@ -448,8 +471,12 @@ def op_case(device="cpu"):
     R, T, G = 6, 16, 3
     plan = torch.zeros(M.plan_words(R, T), dtype=torch.int32)
     t = lambda a: torch.from_numpy(a)  # noqa: E731
-    torch.ops.gdn.metadata_plan(plan, t(step["qsl"]), t(step["seq_lens"]), t(step["drafts"]),
-                                t(step["acc"]), t(step["computed"]), 2, R, T, "none", 0, 4, 0)
+    torch.ops.gdn.metadata_plan(plan, t(step["qsl"]), t(step["seq_lens"]),
+                                num_draft_tokens=t(step["drafts"]),
+                                num_accepted_tokens=t(step["acc"]),
+                                num_computed_tokens=t(step["computed"]), num_spec=2, max_rows=R,
+                                max_tokens=T, cache_mode="none", block_size=0, padded_rows=4,
+                                pad_id=0)
     tables = [t(x).to(device) for x in make_tables(G, 3, 4)]
     return step, plan.to(device), tables, R, T, G
 
@@ -459,7 +486,8 @@ def test_torch_ops_match_the_reference_and_pass_opcheck():
     spec = torch.full((G, R, 3), -9, dtype=torch.int32)
     ns = torch.full((G, R), -9, dtype=torch.int32)
     err = torch.zeros(1, dtype=torch.int32)
-    torch.ops.gdn.metadata_state_rows(plan, tables, spec, ns, 2, R, T, 0, 4, None, err)
+    torch.ops.gdn.metadata_state_rows(plan, tables, spec, ns, num_spec=2, max_rows=R,
+                                      max_tokens=T, pad_id=0, launch_rows=4, error_count=err)
     for g in range(G):
         ref = per_group_reference(step, tables[g].numpy())
         np.testing.assert_array_equal(spec[g, :4].numpy(), ref["spec_state_indices"])
@@ -467,15 +495,18 @@ def test_torch_ops_match_the_reference_and_pass_opcheck():
     assert (spec[:, 4:] == -9).all()
     from torch.library import opcheck
 
-    opcheck(torch.ops.gdn.metadata_state_rows.default,
-            (plan, tables, spec, ns, 2, R, T, 0, 4, None, err))
+    opcheck(torch.ops.gdn.metadata_state_rows.default, (plan, tables, spec, ns),
+            dict(num_spec=2, max_rows=R, max_tokens=T, pad_id=0, launch_rows=4,
+                 num_accepted_tokens=None, error_count=err))
     t = lambda a: torch.from_numpy(a)  # noqa: E731
     opcheck(torch.ops.gdn.metadata_plan.default,
-            (plan.clone(), t(step["qsl"]), t(step["seq_lens"]), t(step["drafts"]), t(step["acc"]),
-             None, 2, R, T, "align", 4, -1, -1))
+            (plan.clone(), t(step["qsl"]), t(step["seq_lens"])),
+            dict(num_draft_tokens=t(step["drafts"]), num_accepted_tokens=t(step["acc"]),
+                 num_computed_tokens=None, num_spec=2, max_rows=R, max_tokens=T,
+                 cache_mode="align", block_size=4, padded_rows=None, pad_id=-1))
 
 
-# ---- decode_mtp fed straight from the builder ----------------------------------------------------------
+# ---- decode_mtp fed straight from the builder ----------------------------------------------------
 
 
 def decode_case(rng, device="cpu", K=16):
@@ -517,7 +548,7 @@ def test_decode_mtp_takes_the_builder_outputs_directly():
         assert not torch.isnan(out_a).any()
 
 
-# ---- CUDA ---------------------------------------------------------------------------------------------
+# ---- CUDA ----------------------------------------------------------------------------------------
 
 
 def cuda_step_args(step, accepted_on_device: bool):
@@ -587,7 +618,8 @@ def test_cuda_torch_op_is_one_launch_for_all_groups():
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        torch.ops.gdn.metadata_state_rows(plan, tables, spec, ns, 2, R, T, 0, 4, None, err)
+        torch.ops.gdn.metadata_state_rows(plan, tables, spec, ns, num_spec=2, max_rows=R,
+                                          max_tokens=T, pad_id=0, launch_rows=4, error_count=err)
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and "state_rows" in e.name]
@@ -623,3 +655,41 @@ def test_cuda_decode_mtp_takes_the_builder_outputs_directly():
     assert not torch.isnan(out).any()
     assert rel(out.cpu().double(), out_cpu.double()) <= 1e-5
     assert rel(state.cpu().double(), state_cpu.double()) <= 1e-5
+
+
+# ---- errors that name the argument ---------------------------------------------------------------
+
+
+def _read_only(a):
+    a = a.copy()
+    a.flags.writeable = False
+    return a
+
+
+def test_wrong_python_types_name_the_argument():
+    step = make_step([(3, 2), (1, -1), (2, 1)], 2)
+    buf = np.zeros(M.plan_words(8, 32), I32)
+    kw = dict(num_spec=2, max_rows=8, max_tokens=32)
+    with pytest.raises(TypeError, match=r"^gdn\.metadata\.plan: query_start_loc must be .*, "
+                                        r"got a list of 4 items; wrap it in an array"):
+        M.plan(buf, step["qsl"].tolist(), step["seq_lens"], **kw)
+    with pytest.raises(TypeError, match=r"^gdn\.metadata\.plan: plan must be a writable .*"
+                                        r"read-only\); this argument is written to"):
+        M.plan(_read_only(buf), step["qsl"], step["seq_lens"], **kw)
+    with pytest.raises(TypeError, match=r"^gdn\.metadata\.plan: mode must be a str, got int 1"):
+        M.plan(buf, step["qsl"], step["seq_lens"], mode=1, **kw)
+    M.plan(buf, step["qsl"], step["seq_lens"], **kw)
+    tables = make_tables(2, 3, 4)
+    spec, ns = np.zeros((2, 8, 3), I32), np.zeros((2, 8), I32)
+    with pytest.raises(TypeError, match=r"block_tables must be a list of arrays .* pass \[table\]"):
+        M.state_rows(buf, tables[0], spec, ns, **kw)
+    with pytest.raises(TypeError, match=r"^gdn\.metadata\.state_rows: block_tables\[1\] must be "
+                                        r"a writable .*, got a list of 3 items"):
+        M.state_rows(buf, [tables[0], tables[1].tolist()], spec, ns, **kw)
+    with pytest.raises(TypeError, match=r"^gdn\.metadata\.state_rows: num_spec must be an int, "
+                                        r"got str '2'"):
+        M.state_rows(buf, tables, spec, ns, **dict(kw, num_spec="2"))
+    b = M.Builder(tables, num_spec=2, max_rows=8, max_tokens=32)
+    with pytest.raises(TypeError, match=r"^gdn\.metadata\.Builder\.step: seq_lens must be .*, got "
+                                        r"a list"):
+        b.step(step["qsl"], step["seq_lens"].tolist())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import shutil
 from typing import Any, Callable, Dict, FrozenSet
 
@@ -69,24 +70,22 @@ def test_op_against_reference(gen):
 
 
 def test_positional_arguments_follow_the_schema(gen):
+    """Positional up to ``out``, keyword-only after it, for the op as for the function."""
     case = _case(gen, "fp32_vk_silu")
     o1, p1 = _run_copy(case, gdn.decode_mtp)
-    order = ["z", "norm_weight", "num_accepted_tokens", "scale", "l2_eps", "norm_eps", "gate",
-             "state_layout", "first_valid_slot"]
-    o2, p2 = _run_copy(case, lambda *a, **k: torch.ops.gdn.decode_mtp(*a, *[k[n] for n in order]))
+    o2, p2 = _run_copy(case, lambda *a, **k: torch.ops.gdn.decode_mtp(*a, **k))
     assert torch.equal(o1, o2) and torch.equal(p1, p2)
-    assert [a.name for a in torch.ops.gdn.decode_mtp.default._schema.arguments][9:] == order + [
-        "error_count"]
+    extra = (case.z,)  # z, positionally
+    for fn in (gdn.decode_mtp, torch.ops.gdn.decode_mtp):
+        with pytest.raises((TypeError, RuntimeError), match="positional argument"):
+            fn(*case.args(), *extra)
 
 
 @pytest.mark.parametrize("cfg,counter", [("fp32_vk_silu", False),
                                          ("bf16_kv_sigmoid_strided", True)])
 def test_opcheck(gen, cfg, counter):
     case = _case(gen, cfg)
-    kw = case.kwargs()
-    args = case.args() + tuple(kw[n] for n in ("z", "norm_weight", "num_accepted_tokens"))
-    opts = {n: kw[n] for n in ("scale", "l2_eps", "norm_eps", "gate", "state_layout",
-                              "first_valid_slot")}
+    args, opts = case.args(), case.kwargs()
     if counter:  # the optional device error counter is part of the schema (mutated)
         opts["error_count"] = torch.zeros(1, dtype=torch.int32)
     result = torch.library.opcheck(torch.ops.gdn.decode_mtp.default, args, opts)
@@ -255,8 +254,10 @@ def _metadata_plan_call(gen, device):
 
     def op(t, **extra):
         torch.ops.gdn.metadata_plan(t["plan"], t["query_start_loc"], t["seq_lens"],
-                                    t["num_draft_tokens"], t["num_accepted_tokens"],
-                                    t["num_computed_tokens"], NUM_SPEC, R, T_MAX, **extra)
+                                    num_draft_tokens=t["num_draft_tokens"],
+                                    num_accepted_tokens=t["num_accepted_tokens"],
+                                    num_computed_tokens=t["num_computed_tokens"],
+                                    num_spec=NUM_SPEC, max_rows=R, max_tokens=T_MAX, **extra)
 
     return OpCall(t, op, _plan_fn, frozenset({"plan"}), (), frozenset({"plan"}))
 
@@ -277,7 +278,8 @@ def _metadata_state_rows_call(gen, device):
     names = ("plan", "block_tables", "spec_state_indices", "non_spec_state_indices")
 
     def op(t, **extra):
-        torch.ops.gdn.metadata_state_rows(*(t[n] for n in names), NUM_SPEC, R, T_MAX, **extra)
+        torch.ops.gdn.metadata_state_rows(*(t[n] for n in names), num_spec=NUM_SPEC, max_rows=R,
+                                          max_tokens=T_MAX, **extra)
 
     def fn(t):
         M.state_rows(*(t[n] for n in names), num_spec=NUM_SPEC, max_rows=R, max_tokens=T_MAX)
@@ -355,3 +357,73 @@ def test_schema_marks_every_written_tensor_mutable(gen, name):
     changed = _changed(before, call.t)
     assert changed <= mutable
     assert changed == call.written_full
+
+
+# ---- one signature: each op takes its function's arguments ---------------------------------------
+
+# The gdn function behind each op, written out here (gdn.ops.FUNCTIONS must agree).
+FUNCTIONS = {"decode_mtp": gdn.decode_mtp, "causal_conv1d_update": gdn.causal_conv1d_update,
+             "metadata_plan": M.plan, "metadata_state_rows": M.state_rows}
+_NO_DEFAULT = "<required>"
+
+
+def _from_function(fn):
+    """(name, keyword-only, default) per argument the op must take: the function's arguments,
+    minus the declared exclusions (renamed or left out)."""
+    from gdn.ops import SCHEMA_EXCLUDED
+    rows = []
+    for p in inspect.signature(fn).parameters.values():
+        assert p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY), (fn.__name__, p)
+        name = p.name
+        if name in SCHEMA_EXCLUDED:
+            name = SCHEMA_EXCLUDED[name][0]
+            if name is None:
+                continue
+        default = _NO_DEFAULT if p.default is p.empty else p.default
+        rows.append((name, p.kind is p.KEYWORD_ONLY, type(default).__name__, default))
+    return rows
+
+
+def _from_schema(schema):
+    rows = []
+    for a in schema.arguments:
+        default = a.default_value if a.has_default_value() else _NO_DEFAULT
+        rows.append((a.name, a.kwarg_only, type(default).__name__, default))
+    return rows
+
+
+def test_every_op_has_its_function():
+    from gdn import ops
+    assert set(FUNCTIONS) == set(WRITES)
+    assert ops.FUNCTIONS == FUNCTIONS
+    used = {name for fn in FUNCTIONS.values() for name in inspect.signature(fn).parameters}
+    for name, (op_name, why) in ops.SCHEMA_EXCLUDED.items():
+        assert name in used and why, f"exclusion {name!r} is stale or unexplained"
+
+
+@pytest.mark.parametrize("name", sorted(FUNCTIONS))
+def test_op_schema_equals_function_signature(name):
+    """Names, order, keyword-only split and defaults of torch.ops.gdn.<name> are exactly its
+    function's, minus gdn.ops.SCHEMA_EXCLUDED."""
+    schema = getattr(torch.ops.gdn, name).default._schema
+    expected, got = _from_function(FUNCTIONS[name]), _from_schema(schema)
+    diff = [(i, e, g) for i, (e, g) in enumerate(zip(expected, got)) if e != g]
+    assert not diff and len(expected) == len(got), (
+        f"{name}: schema {schema} differs from the function; first differences (position, "
+        f"function, op): {diff[:3]}; lengths {len(expected)} vs {len(got)}")
+
+
+def test_metadata_plan_op_takes_mode_as_cache_mode():
+    """The one rename: the op's cache_mode is the function's mode (same value, same effect)."""
+    t = _plan_inputs()
+    expect = _clone(t)
+    kw = dict(num_spec=NUM_SPEC, max_rows=R, max_tokens=T_MAX, block_size=2)
+    M.plan(expect["plan"], expect["query_start_loc"], expect["seq_lens"], mode="align",
+           num_draft_tokens=expect["num_draft_tokens"], **kw)
+    torch.ops.gdn.metadata_plan(t["plan"], t["query_start_loc"], t["seq_lens"], cache_mode="align",
+                                num_draft_tokens=t["num_draft_tokens"], **kw)
+    assert torch.equal(t["plan"], expect["plan"])
+    plain = _clone(t)
+    M.plan(plain["plan"], plain["query_start_loc"], plain["seq_lens"],
+           num_draft_tokens=plain["num_draft_tokens"], **kw)
+    assert not torch.equal(plain["plan"], expect["plan"])  # "align" made a difference

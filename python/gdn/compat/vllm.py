@@ -7,7 +7,8 @@ reserved null block (ids <= 0 are null, i.e. ``first_valid_slot = 1``), the stat
 filled ``out`` is returned.
 
 Differences that only make results more exact or calls safer: the core output ``o`` enters the
-gated RMSNorm in fp32 (vLLM rounds it to bf16 first); fp16 state and any activation dtype are
+gated RMSNorm in fp32 (vLLM rounds it to the output dtype first; ``vllm_numerics=True`` does the
+same, for tests that compare against vLLM's reference at its tolerance); fp16 state and any activation dtype are
 accepted; a request row with T > S, an accepted count outside [1, S] or a slot id past the pool is
 treated as invalid (its state untouched, its output rows zero) instead of being read out of range.
 """
@@ -37,6 +38,7 @@ def fused_gdn_decode_post_conv_mtp(
     scale: float,
     norm_eps: float = 1e-5,
     output_gate_activation: str = "silu",
+    vllm_numerics: bool = False,
 ) -> torch.Tensor:
     """Fused GDN verify step with vLLM's signature; updates ``state`` in place, returns ``out``.
 
@@ -44,8 +46,10 @@ def fused_gdn_decode_post_conv_mtp(
     ``a``, ``b`` [L, HV]; ``A_log``, ``dt_bias`` [HV]; ``state_indices`` [N, S] slot per verify
     position (<= 0: null); ``cu_seqlens`` [N + 1]; ``num_accepted_tokens`` [N] (1..S);
     ``state`` [slots, HV, V, K] pool; ``output_gate`` (z) [L, HV, V]; ``norm_weight`` [V];
-    ``out`` [L, HV, V]; ``scale`` (K ** -0.5); ``norm_eps``; ``output_gate_activation`` "silu"
-    or "sigmoid".
+    ``out`` [L, HV, V]; ``scale`` (K ** -0.5); ``norm_eps`` (vLLM's layers use 1e-5, the default
+    here; :func:`gdn.decode_mtp` defaults to 1e-6); ``output_gate_activation`` "silu" or
+    "sigmoid"; ``vllm_numerics``: round the core output to ``out``'s dtype before the norm, as
+    vLLM does (default False keeps it fp32, more exact).
     """
     if output_gate is not None and norm_weight is None:
         raise ValueError("output_gate needs norm_weight (the gate is applied inside the gated "
@@ -54,7 +58,7 @@ def fused_gdn_decode_post_conv_mtp(
         mixed_qkv, a, b, A_log, dt_bias, state, state_indices, cu_seqlens, out,
         z=output_gate, norm_weight=norm_weight, num_accepted_tokens=num_accepted_tokens,
         scale=float(scale), l2_eps=1e-6, norm_eps=float(norm_eps), gate=output_gate_activation,
-        state_layout="vk", first_valid_slot=1,
+        state_layout="vk", first_valid_slot=1, round_core_output=bool(vllm_numerics),
     )
     return out
 

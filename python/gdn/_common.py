@@ -1,0 +1,132 @@
+"""Helpers shared by the operation modules: the launch stream and argument errors that name the
+argument."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Mapping, Optional
+
+from . import _C
+
+
+def _stream_of(x: Any, stream: Any) -> Optional[int]:
+    """The CUDA stream to launch on: the one given, else torch's current stream for torch tensors,
+    else CuPy's current stream for CuPy arrays (None: the legacy default stream)."""
+    if stream is not None:
+        try:
+            return int(stream)
+        except (TypeError, ValueError):
+            raise TypeError(f"stream must be a CUDA stream handle (int) or None, got "
+                            f"{describe(stream)}") from None
+    device = getattr(x, "device", None)
+    if getattr(device, "type", None) == "cuda":
+        import torch
+
+        return torch.cuda.current_stream(device).cuda_stream
+    if type(x).__module__.split(".")[0] == "cupy":
+        import cupy
+
+        with x.device:
+            return int(cupy.cuda.get_current_stream().ptr)
+    return None
+
+
+# ---- argument errors --------------------------------------------------------------------------
+#
+# A binding refuses an argument it cannot convert with nanobind's TypeError, which lists the whole
+# signature. The wrappers catch it and call `raise_argument_error`, which probes each argument
+# with the binding's own converter (so the verdict matches the call's) and names the first that
+# fails. Only the error path pays for this.
+
+# Argument kinds, as the bindings take them; a trailing "?" also allows None.
+_PROBES = {
+    "array": _C._accepts_array,           # written, or taken as a writable array
+    "input": _C._accepts_readonly_array,  # only read: read-only arrays are accepted
+    "int": _C._accepts_int,
+    "float": _C._accepts_float,
+    "bool": _C._accepts_bool,
+    "str": _C._accepts_str,
+    "stream": _C._accepts_stream,
+}
+_ARRAY = "CPU or CUDA array (torch tensor, NumPy array, or any DLPack / buffer-protocol array)"
+_EXPECTED = {
+    "array": "a writable " + _ARRAY,
+    "input": "a " + _ARRAY,
+    "arrays": "a list of writable " + _ARRAY.replace("array (", "arrays (", 1),
+    "int": "an int",
+    "float": "a float",
+    "bool": "a bool",
+    "str": "a str",
+    "stream": "a CUDA stream handle (int)",
+}
+
+
+def describe(x: Any) -> str:
+    """What a value is, for error messages: its type and, for arrays, shape, dtype and device."""
+    t = type(x)
+    name = t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+    if isinstance(x, (str, bytes)):
+        text = repr(x)
+        return f"{name} {text if len(text) <= 40 else text[:37] + '...'}"
+    if isinstance(x, (list, tuple)):
+        return f"a {name} of {len(x)} item{'s' if len(x) != 1 else ''}"
+    if isinstance(x, (bool, int, float, complex)):
+        return f"{name} {x!r}"
+    parts = []
+    for attr in ("shape", "dtype", "device"):
+        value = getattr(x, attr, None)
+        if value is not None and not callable(value):
+            parts.append(f"{attr} {tuple(value) if attr == 'shape' else value}")
+    if getattr(getattr(x, "flags", None), "writeable", None) is False:
+        parts.append("read-only")
+    return name + (f" ({', '.join(parts)})" if parts else "")
+
+
+def _hint(x: Any, kind: str) -> str:
+    device = getattr(x, "device", None)
+    device_type = getattr(device, "type", device if isinstance(device, str) else None)
+    if device_type == "meta":
+        return ("; meta tensors hold no data: the gdn functions need CPU or CUDA arrays "
+                "(torch.ops.gdn.* accept meta and fake tensors for tracing)")
+    if device_type not in (None, "cpu", "cuda"):
+        return f"; only CPU and CUDA arrays are supported, not device {device_type!r}"
+    if kind == "array" and getattr(getattr(x, "flags", None), "writeable", None) is False:
+        return "; this argument is written to: pass a writable array (e.g. a .copy())"
+    if kind in ("array", "input") and isinstance(x, (list, tuple, int, float, bool)):
+        return "; wrap it in an array, e.g. numpy.asarray(...) or torch.tensor(...) with its dtype"
+    return ""
+
+
+def _accepted(kind: str, x: Any) -> bool:
+    try:
+        return bool(_PROBES[kind](x))
+    except TypeError:
+        return False
+
+
+def raise_argument_error(function: str, kinds: Mapping[str, str], values: Dict[str, Any]) -> None:
+    """Raises a TypeError naming the first argument of `function` (in `kinds` order) that its
+    binding cannot convert, and what it got; returns when every argument converts."""
+    for name, kind in kinds.items():
+        value = values[name]
+        base = kind.rstrip("?")
+        if value is None and kind.endswith("?"):
+            continue
+        if base == "arrays":
+            items = value if isinstance(value, (list, tuple)) else None
+            if items is None:
+                bad, got, hint = name, value, "; pass one array per KV-cache group, e.g. [table]"
+            else:
+                bad = next((i for i, item in enumerate(items)
+                            if not _accepted("array", item)), None)
+                if bad is None:
+                    continue
+                got, hint = items[bad], _hint(items[bad], "array")
+                bad = f"{name}[{bad}]"
+            expected = _EXPECTED["arrays" if bad == name else "array"]
+        elif _accepted(base, value):
+            continue
+        else:
+            bad, got, hint = name, value, _hint(value, base)
+            expected = _EXPECTED[base] + (" or None" if kind.endswith("?") else "")
+        raise TypeError(f"gdn.{function}: {bad} must be {expected}, got {describe(got)}{hint}") \
+            from None
