@@ -85,7 +85,7 @@ if has demo; then
       echo "demo${flags:+ $flags} exit $?"
     done
   } > "$OUT/demo.log" 2>&1
-  grep -E "speculative  :|acceptance|time, spec|PASS|FAIL|exit [0-9]" "$OUT/demo.log"
+  grep -E "speculative  :|speed-up|acceptance|time, spec|PASS|FAIL|exit [0-9]" "$OUT/demo.log"
   grep -qE "exit [1-9]" "$OUT/demo.log" && status=1
 fi
 

@@ -13,8 +13,14 @@ if [ ! -f /usr/lib/x86_64-linux-gnu/cmake/GTest/GTestConfig.cmake ] && \
 fi
 
 python3 -m pip install -q "torch==2.13.0" "numpy>=1.23" "pytest>=7" "hypothesis>=6" \
-  "nanobind==3.1.0" "scikit-build-core==1.1.2" ninja
+  "nanobind==3.1.0" "scikit-build-core==1.1.2" ninja "ruff==0.17.6" "clang-format==23.1.5"
 jobs=$(nproc 2>/dev/null || echo 2)
+
+# Style: ruff (pyproject.toml) on the Python sources, clang-format (.clang-format) on the C++ and
+# CUDA sources; both only check, they never rewrite.
+python3 -m ruff check python tests benchmarks examples
+git ls-files 'include/*' 'src/*' 'tests/cpp/*' 'examples/*' | grep -E '\.(hpp|cuh|cu|cpp)$' |
+  xargs clang-format --dry-run --Werror
 
 # Python package (with the CUDA kernels when nvcc is present).
 start=$(date +%s)

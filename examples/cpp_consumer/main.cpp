@@ -1,12 +1,11 @@
 // Runs one MTP verify step (T = 3 tokens, previous step accepted 2) of a tiny GDN layer through the
-// CPU decode_mtp of the installed package and prints where the states went. Inputs are const arrays;
-// only the state pool and the output are written.
+// CPU decode_mtp of the installed package and prints where the states went. Inputs are const
+// arrays; only the state pool and the output are written.
 #include <cmath>
 #include <cstdio>
+#include <gdn/gdn.hpp>
 #include <random>
 #include <vector>
-
-#include <gdn/gdn.hpp>
 
 int main() {
   using gdn::DType;
@@ -58,6 +57,7 @@ int main() {
     if (!std::isfinite(v)) return 1;
     sum += std::fabs(v);
   }
-  std::printf("ok: read slot %d, wrote slots 3 5 6, mean |out| = %.4f\n", indices[1], sum / out.size());
+  std::printf("ok: read slot %d, wrote slots 3 5 6, mean |out| = %.4f\n", indices[1],
+              sum / out.size());
   return 0;
 }

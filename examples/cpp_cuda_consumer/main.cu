@@ -2,10 +2,9 @@
 // the launcher validates every argument, then refuses host arrays before it touches a device, so
 // this runs (and checks the refusal) with or without a GPU.
 #include <cstdio>
+#include <gdn/decode_mtp/cuda.cuh>
 #include <string>
 #include <vector>
-
-#include <gdn/decode_mtp/cuda.cuh>
 
 int main() {
   using gdn::DType;

@@ -2,11 +2,10 @@
 // kernel image for device 0, and decode_mtp with a valid problem held in host memory, which the
 // entry point refuses before it touches a device (so this runs with or without a GPU).
 #include <cstdio>
-#include <string>
-#include <vector>
-
 #include <gdn/gdn.hpp>
 #include <gdn/kernels/cuda_api.hpp>
+#include <string>
+#include <vector>
 
 #if defined(GDN_CONSUMER_LAUNCH_CU)
 gdn::Status launch_decode_mtp(const gdn::decode_mtp::Params& p, void* stream);  // launch.cu
@@ -48,8 +47,8 @@ int main() {
   p.cu_seqlens = TensorView::make(cu.data(), DType::kInt32, {2});
   p.out = TensorView::make(out.data(), DType::kFloat32, {T, HV, V});
 
-  bool ok = refused("cuda_api::decode_mtp", gdn::cuda_api::decode_mtp(p, nullptr),
-                    "needs CUDA arrays");
+  bool ok =
+      refused("cuda_api::decode_mtp", gdn::cuda_api::decode_mtp(p, nullptr), "needs CUDA arrays");
 #if defined(GDN_CONSUMER_LAUNCH_CU)
   ok = refused("decode_mtp::launch_cuda", launch_decode_mtp(p, nullptr), "arrays on cpu") && ok;
 #endif

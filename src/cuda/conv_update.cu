@@ -1,16 +1,17 @@
 // Compiled instantiation of causal_conv1d_update's CUDA launcher (gdn/conv/cuda.cuh).
 #include <cuda_runtime.h>
 
-#include "gdn/kernels/cuda_api_conv.hpp"
 #include "gdn/conv/cuda.cuh"
 #include "gdn/core/cuda/device_info.cuh"
+#include "gdn/kernels/cuda_api_conv.hpp"
 
 namespace gdn::cuda_api {
 
 Status causal_conv1d_update(const conv::Params& params, void* stream) {
   if (params.conv_state.device.type != DeviceType::kCUDA)
-    return Status::invalid("causal_conv1d_update: the CUDA path needs CUDA arrays, conv_state is on " +
-                           to_string(params.conv_state.device));
+    return Status::invalid(
+        "causal_conv1d_update: the CUDA path needs CUDA arrays, conv_state is on " +
+        to_string(params.conv_state.device));
   return cuda::on_device("causal_conv1d_update", params.conv_state.device.index, [&] {
     return conv::launch_cuda(params, static_cast<cudaStream_t>(stream));
   });

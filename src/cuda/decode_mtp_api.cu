@@ -3,8 +3,8 @@
 
 #include <string>
 
-#include "gdn/kernels/cuda_api.hpp"
 #include "gdn/decode_mtp/cuda.cuh"
+#include "gdn/kernels/cuda_api.hpp"
 
 namespace gdn::cuda_api {
 Status decode_mtp(const decode_mtp::Params& params, void* stream, int split) {

@@ -3,36 +3,39 @@
 
 #include <string>
 
-#include "gdn/kernels/cuda_api_metadata.hpp"
 #include "gdn/core/cuda/device_info.cuh"
+#include "gdn/kernels/cuda_api_metadata.hpp"
 #include "gdn/metadata/plan.hpp"
 #include "gdn/metadata/state_rows.cuh"
 
 // The kernel is compiled once here for every library user.
-template __global__ void gdn::metadata::cuda_detail::state_rows_kernel<
-    gdn::metadata::cuda_detail::kStateRowThreads>(const __grid_constant__ gdn::metadata::StateRowsArgs);
+template __global__ void
+gdn::metadata::cuda_detail::state_rows_kernel<gdn::metadata::cuda_detail::kStateRowThreads>(
+    const __grid_constant__ gdn::metadata::StateRowsArgs);
 
 namespace gdn::cuda_api {
 namespace {
 
 Status cuda_error(const char* what, cudaError_t err) {
-  return Status(StatusCode::kCudaError, std::string("metadata: ") + what + ": " +
-                                            cudaGetErrorString(err));
+  return Status(StatusCode::kCudaError,
+                std::string("metadata: ") + what + ": " + cudaGetErrorString(err));
 }
 
 }  // namespace
 
 Status metadata_state_rows(const metadata::Params& params, void* stream) {
   if (params.plan.device.type != DeviceType::kCUDA)
-    return Status::invalid("metadata_state_rows: the CUDA pass needs the device plan buffer, "
-                           "plan is on " + to_string(params.plan.device));
+    return Status::invalid(
+        "metadata_state_rows: the CUDA pass needs the device plan buffer, "
+        "plan is on " +
+        to_string(params.plan.device));
   return cuda::on_device("metadata_state_rows", params.plan.device.index, [&] {
     return metadata::launch_state_rows_cuda(params, static_cast<cudaStream_t>(stream));
   });
 }
 
-Status metadata_copy_plan(const TensorView& host_plan, const TensorView& device_plan,
-                          int64_t words, void* stream) {
+Status metadata_copy_plan(const TensorView& host_plan, const TensorView& device_plan, int64_t words,
+                          void* stream) {
   if (host_plan.device.type != DeviceType::kCPU || device_plan.device.type != DeviceType::kCUDA)
     return Status::invalid("metadata_copy_plan copies a host plan buffer into a CUDA one");
   if (words < 0 || host_plan.numel() < words || device_plan.numel() < words)

@@ -1,5 +1,6 @@
 // Device queries shared by every CUDA operation: device count and a per-architecture probe of the
-// compiled kernel images (a kernel symbol existing is not enough: the image must run on the device).
+// compiled kernel images (a kernel symbol existing is not enough: the image must run on the
+// device).
 #include <cuda_runtime.h>
 
 #include <string>
@@ -24,7 +25,8 @@ int device_count() {
 bool kernels_available(int device, std::string* why) {
   const int n = device_count();
   if (device < 0 || device >= n) {
-    if (why) *why = "no CUDA device " + std::to_string(device) + " (" + std::to_string(n) + " visible)";
+    if (why)
+      *why = "no CUDA device " + std::to_string(device) + " (" + std::to_string(n) + " visible)";
     return false;
   }
   cudaFuncAttributes attr{};

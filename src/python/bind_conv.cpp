@@ -15,9 +15,10 @@ namespace gdn::python {
 static conv::StateLayout parse_conv_layout(const std::string& s) {
   if (s == "channels_major") return conv::StateLayout::kChannelsMajor;
   if (s == "tokens_major") return conv::StateLayout::kTokensMajor;
-  throw nb::value_error(
-      ("state_layout must be 'channels_major' ([slots, D, Lbuf]) or 'tokens_major' ([slots, Lbuf, D]), got '" + s + "'")
-          .c_str());
+  throw nb::value_error(("state_layout must be 'channels_major' ([slots, D, Lbuf]) or "
+                         "'tokens_major' ([slots, Lbuf, D]), got '" +
+                         s + "'")
+                            .c_str());
 }
 
 static conv::Activation parse_activation(const std::string& s) {
@@ -55,7 +56,8 @@ static void causal_conv1d_update(const Array& x, const Array& weight, const Arra
     status = cuda_api::causal_conv1d_update(p, reinterpret_cast<void*>(stream.value_or(0)));
 #else
     (void)stream;
-    status = Status::unsupported("conv_state is a CUDA array but this build of gdn has no CUDA kernels");
+    status =
+        Status::unsupported("conv_state is a CUDA array but this build of gdn has no CUDA kernels");
 #endif
   }
   throw_if_error(status);

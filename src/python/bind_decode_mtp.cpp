@@ -4,9 +4,9 @@
 #include <string>
 
 #include "common.hpp"
-#include "gdn/kernels/cuda_api.hpp"
 #include "gdn/decode_mtp/cpu.hpp"
 #include "gdn/decode_mtp/params.hpp"
+#include "gdn/kernels/cuda_api.hpp"
 
 namespace gdn::python {
 
@@ -14,11 +14,10 @@ static void decode_mtp(const ConstArray& mixed_qkv, const ConstArray& a, const C
                        const ConstArray& A_log, const ConstArray& dt_bias, const Array& state,
                        const ConstArray& state_indices, const ConstArray& cu_seqlens,
                        const Array& out, const OptConstArray& z, const OptConstArray& norm_weight,
-                       const OptConstArray& num_accepted_tokens,
-                       std::optional<double> scale, double l2_eps, double norm_eps,
-                       const std::string& gate, const std::string& state_layout,
-                       int64_t first_valid_slot, int64_t num_k_heads, bool round_core_output,
-                       const OptArray& error_count,
+                       const OptConstArray& num_accepted_tokens, std::optional<double> scale,
+                       double l2_eps, double norm_eps, const std::string& gate,
+                       const std::string& state_layout, int64_t first_valid_slot,
+                       int64_t num_k_heads, bool round_core_output, const OptArray& error_count,
                        std::optional<uintptr_t> stream, int split) {
   decode_mtp::Params p;
   p.mixed_qkv = to_view(mixed_qkv, "mixed_qkv");
@@ -68,14 +67,22 @@ static nb::tuple can_use_decode_mtp(const std::string& device, int64_t H, int64_
                                     std::optional<bool> cuda_available,
                                     const std::string& cuda_reason) {
   DType sd;
-  if (state_dtype == "float32") sd = DType::kFloat32;
-  else if (state_dtype == "bfloat16") sd = DType::kBFloat16;
-  else if (state_dtype == "float16") sd = DType::kFloat16;
-  else throw nb::value_error(("state_dtype must be float32, bfloat16 or float16, got '" + state_dtype + "'").c_str());
+  if (state_dtype == "float32")
+    sd = DType::kFloat32;
+  else if (state_dtype == "bfloat16")
+    sd = DType::kBFloat16;
+  else if (state_dtype == "float16")
+    sd = DType::kFloat16;
+  else
+    throw nb::value_error(
+        ("state_dtype must be float32, bfloat16 or float16, got '" + state_dtype + "'").c_str());
   DeviceType dev;
-  if (device == "cpu") dev = DeviceType::kCPU;
-  else if (device == "cuda") dev = DeviceType::kCUDA;
-  else throw nb::value_error(("device must be 'cpu' or 'cuda', got '" + device + "'").c_str());
+  if (device == "cpu")
+    dev = DeviceType::kCPU;
+  else if (device == "cuda")
+    dev = DeviceType::kCUDA;
+  else
+    throw nb::value_error(("device must be 'cpu' or 'cuda', got '" + device + "'").c_str());
   const StateLayout layout = parse_layout(state_layout);
   bool cuda_ok = false;
   std::string why = cuda_reason;
@@ -94,9 +101,10 @@ static nb::tuple can_use_decode_mtp(const std::string& device, int64_t H, int64_
     // The configuration's own verdict first (it holds on any GPU), then why no kernel runs here.
     const decode_mtp::Support anywhere = decode_mtp::can_use(dev, H, HV, K, V, S, sd, true, layout);
     if (anywhere.path != decode_mtp::Path::kUnsupported) {
-      s.reason = (why.empty() ? s.reason : why) + "; on a supported GPU this configuration "
-                 "would take the " + decode_mtp::to_string(anywhere.path) + " path (" +
-                 anywhere.reason + ")";
+      s.reason = (why.empty() ? s.reason : why) +
+                 "; on a supported GPU this configuration "
+                 "would take the " +
+                 decode_mtp::to_string(anywhere.path) + " path (" + anywhere.reason + ")";
     } else {
       s.reason = anywhere.reason;
     }
@@ -114,7 +122,8 @@ void bind_decode_mtp(nb::module_& m) {
         nb::arg("num_accepted_tokens").noconvert().none() = nb::none(),
         nb::arg("scale").none() = nb::none(), nb::arg("l2_eps") = 1e-6, nb::arg("norm_eps") = 1e-6,
         nb::arg("gate") = "silu", nb::arg("state_layout") = "vk", nb::arg("first_valid_slot") = 0,
-        nb::arg("num_k_heads") = 0, nb::arg("round_core_output") = false, nb::arg("error_count").noconvert().none() = nb::none(),
+        nb::arg("num_k_heads") = 0, nb::arg("round_core_output") = false,
+        nb::arg("error_count").noconvert().none() = nb::none(),
         nb::arg("stream").none() = nb::none(), nb::arg("split") = 0,
         "Fused GDN decode / MTP verify: updates `state` in place and writes `out`. `split` pins "
         "the CUDA kernel's CTAs per value head (1, 2, 4, 8; 0 = automatic), for benchmarks.");

@@ -32,7 +32,8 @@ CacheMode parse_mode(const std::string& s) {
   throw nb::value_error(("mode must be 'none' or 'align', got '" + s + "'").c_str());
 }
 
-// Page-locked host memory is a host array here too (see to_view): the plan and the CPU pass read it.
+// Page-locked host memory is a host array here too (see to_view): the plan and the CPU pass read
+// it.
 TensorView view_of(const Array& a, const char* name) { return to_view(a, name); }
 
 TensorView view_of(const OptArray& a, const char* name) {
@@ -99,7 +100,8 @@ std::optional<int64_t> run_state_rows(const Params& p, void* stream) {
   throw_if_error(cuda_api::metadata_state_rows(p, stream));
 #else
   (void)stream;
-  throw_if_error(Status::unsupported("plan is a CUDA array but this build of gdn has no CUDA kernels"));
+  throw_if_error(
+      Status::unsupported("plan is a CUDA array but this build of gdn has no CUDA kernels"));
 #endif
   return std::nullopt;
 }
@@ -141,10 +143,9 @@ std::string shadow_check_fn(const Array& plan, const std::vector<Array>& block_t
                             const Array& spec_state_indices, const Array& non_spec_state_indices,
                             const Array& query_start_loc, const Array& seq_lens,
                             const OptArray& num_draft_tokens, const OptArray& num_accepted_tokens,
-                            const OptArray& num_computed_tokens, int64_t num_spec,
-                            int64_t max_rows, int64_t max_tokens, const std::string& mode,
-                            int64_t block_size, std::optional<int64_t> padded_rows,
-                            int64_t pad_id) {
+                            const OptArray& num_computed_tokens, int64_t num_spec, int64_t max_rows,
+                            int64_t max_tokens, const std::string& mode, int64_t block_size,
+                            std::optional<int64_t> padded_rows, int64_t pad_id) {
   Params p = base_params(num_spec, max_rows, max_tokens, mode, block_size, pad_id);
   p.plan = view_of(plan, "plan");
   set_tables(p, block_tables);
@@ -163,7 +164,8 @@ std::string shadow_check_fn(const Array& plan, const std::vector<Array>& block_t
 }
 
 nb::dict layout_fn(int64_t max_rows, int64_t max_tokens) {
-  if (max_rows < 1 || max_tokens < 0) throw nb::value_error("max_rows must be >= 1, max_tokens >= 0");
+  if (max_rows < 1 || max_tokens < 0)
+    throw nb::value_error("max_rows must be >= 1, max_tokens >= 0");
   const metadata::Layout l = metadata::Layout::make(max_rows, max_tokens);
   nb::dict d;
   auto field = [&](const char* name, int64_t offset, int64_t length, const char* dtype) {
@@ -188,11 +190,13 @@ nb::dict layout_fn(int64_t max_rows, int64_t max_tokens) {
 
 std::vector<std::string> header_fields_fn() {
   std::vector<std::string> names;
-  for (int f = 0; f < metadata::kHeaderWords; ++f) names.emplace_back(metadata::header_field_name(f));
+  for (int f = 0; f < metadata::kHeaderWords; ++f)
+    names.emplace_back(metadata::header_field_name(f));
   return names;
 }
 
-// ---- MetadataBuilder ------------------------------------------------------------------------------
+// ---- MetadataBuilder
+// ------------------------------------------------------------------------------
 
 // Persistent buffers and block tables of one engine, imported once. A step passes only its host
 // arrays. CPU builders plan into plans[0] and run the CPU pass on it; CUDA builders plan into a
@@ -231,8 +235,8 @@ class MetadataBuilder {
     // Validate the persistent part once, as the state-row pass will see it.
     Params pass = base_;
     pass.plan = cuda_ ? device_plan_ : host_plans_[0];
-    throw_if_error(metadata::check_state_rows_arguments(
-        pass, cuda_ ? DeviceType::kCUDA : DeviceType::kCPU));
+    throw_if_error(
+        metadata::check_state_rows_arguments(pass, cuda_ ? DeviceType::kCUDA : DeviceType::kCPU));
     for (size_t k = 0; k < host_plans_.size(); ++k) {
       Params hp = base_;
       hp.plan = host_plans_[k];
@@ -330,7 +334,8 @@ class MetadataBuilder {
                      const OptArray& num_draft_tokens, const OptArray& num_accepted_tokens,
                      const OptArray& num_computed_tokens, std::optional<int64_t> padded_rows) {
     if (slot < 0 || slot >= int64_t(host_plans_.size()))
-      throw nb::value_error(("slot must be in [0, " + std::to_string(host_plans_.size()) + ")").c_str());
+      throw nb::value_error(
+          ("slot must be in [0, " + std::to_string(host_plans_.size()) + ")").c_str());
     Params p = base_;
     p.plan = host_plans_[size_t(slot)];
     set_step_inputs(p, query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens,
@@ -415,15 +420,15 @@ void bind_metadata(nb::module_& m) {
   m.attr("metadata_max_groups") = metadata::kMaxGroups;
 
   nb::class_<MetadataBuilder>(m, "MetadataBuilder")
-      .def(nb::init<const std::vector<Array>&, const Array&, const Array&,
-                    const std::vector<Array>&, const std::optional<Array>&,
-                    const std::optional<Array>&, int64_t, int64_t, int64_t, const std::string&,
-                    int64_t, int64_t>(),
-           nb::arg("block_tables").noconvert(), nb::arg("spec_state_indices").noconvert(),
-           nb::arg("non_spec_state_indices").noconvert(), nb::arg("host_plans").noconvert(),
-           nb::arg("device_plan").noconvert().none(), nb::arg("error_count").noconvert().none(),
-           nb::arg("num_spec"), nb::arg("max_rows"), nb::arg("max_tokens"), nb::arg("mode"),
-           nb::arg("block_size"), nb::arg("pad_id"))
+      .def(
+          nb::init<const std::vector<Array>&, const Array&, const Array&, const std::vector<Array>&,
+                   const std::optional<Array>&, const std::optional<Array>&, int64_t, int64_t,
+                   int64_t, const std::string&, int64_t, int64_t>(),
+          nb::arg("block_tables").noconvert(), nb::arg("spec_state_indices").noconvert(),
+          nb::arg("non_spec_state_indices").noconvert(), nb::arg("host_plans").noconvert(),
+          nb::arg("device_plan").noconvert().none(), nb::arg("error_count").noconvert().none(),
+          nb::arg("num_spec"), nb::arg("max_rows"), nb::arg("max_tokens"), nb::arg("mode"),
+          nb::arg("block_size"), nb::arg("pad_id"))
       .def("step", &MetadataBuilder::step, nb::arg("slot"), nb::arg("query_start_loc").noconvert(),
            nb::arg("seq_lens").noconvert(), nb::arg("num_draft_tokens").noconvert().none(),
            nb::arg("num_accepted_tokens").noconvert().none(),

@@ -56,7 +56,8 @@ inline TensorView to_view(const nb::ndarray<Ts...>& a, const char* name) {
     v.strides[d] = int64_t(a.stride(size_t(d)));
   }
   // Page-locked host memory (DLPack kDLCUDAHost: torch's pinned CPU tensors) is host memory.
-  if (a.device_type() == nb::device::cpu::value || a.device_type() == nb::device::cuda_host::value) {
+  if (a.device_type() == nb::device::cpu::value ||
+      a.device_type() == nb::device::cuda_host::value) {
     v.device = {DeviceType::kCPU, 0};
   } else if (a.device_type() == nb::device::cuda::value) {
     v.device = {DeviceType::kCUDA, int(a.device_id())};

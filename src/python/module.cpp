@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "common.hpp"
-#include "gdn/kernels/cuda_api.hpp"
 #include "gdn/core/support.hpp"
+#include "gdn/kernels/cuda_api.hpp"
 
 namespace nb = nanobind;
 
@@ -17,7 +17,7 @@ namespace gdn::python {
 void bind_decode_mtp(nb::module_& m);
 void bind_conv(nb::module_& m);
 void bind_metadata(nb::module_& m);
-}
+}  // namespace gdn::python
 
 NB_MODULE(_C, m) {
   m.doc() = "libgdn: Gated DeltaNet decode / MTP-verify kernels and metadata builders";
@@ -30,45 +30,60 @@ NB_MODULE(_C, m) {
   m.attr("cuda_architectures") = "";
 #endif
 
-  m.def("supported_head_ratios", [] {
-    return std::vector<int>(gdn::HeadRatios::values.begin(), gdn::HeadRatios::values.end());
-  }, "Head ratios HV / H compiled as template parameters (others run the generic path).");
-  m.def("supported_state_dtypes", [] {
-    std::vector<std::string> out;
-    for (auto d : gdn::StateDTypes::values) out.emplace_back(gdn::to_string(d));
-    return out;
-  }, "Storage dtypes of the recurrent state.");
-  m.def("cuda_head_dims", [] {
-    return std::vector<int>(gdn::CudaHeadDims::values.begin(), gdn::CudaHeadDims::values.end());
-  }, "Head dims (K = V) of the CUDA kernel.");
+  m.def(
+      "supported_head_ratios",
+      [] {
+        return std::vector<int>(gdn::HeadRatios::values.begin(), gdn::HeadRatios::values.end());
+      },
+      "Head ratios HV / H compiled as template parameters (others run the generic path).");
+  m.def(
+      "supported_state_dtypes",
+      [] {
+        std::vector<std::string> out;
+        for (auto d : gdn::StateDTypes::values) out.emplace_back(gdn::to_string(d));
+        return out;
+      },
+      "Storage dtypes of the recurrent state.");
+  m.def(
+      "cuda_head_dims",
+      [] {
+        return std::vector<int>(gdn::CudaHeadDims::values.begin(), gdn::CudaHeadDims::values.end());
+      },
+      "Head dims (K = V) of the CUDA kernel.");
   m.attr("cuda_max_spec_columns") = gdn::kCudaMaxSpecColumns;
 
-  m.def("cuda_device_count", [] {
+  m.def(
+      "cuda_device_count",
+      [] {
 #ifdef GDN_HAS_CUDA
-    return gdn::cuda_api::device_count();
+        return gdn::cuda_api::device_count();
 #else
-    return 0;
+        return 0;
 #endif
-  }, "Visible CUDA devices (0 without a driver, a device or a CUDA build).");
-  m.def("cuda_kernels_available", [](int device) {
-    std::string why = "this build of gdn has no CUDA kernels";
+      },
+      "Visible CUDA devices (0 without a driver, a device or a CUDA build).");
+  m.def(
+      "cuda_kernels_available",
+      [](int device) {
+        std::string why = "this build of gdn has no CUDA kernels";
 #ifdef GDN_HAS_CUDA
-    bool ok = gdn::cuda_api::kernels_available(device, &why);
-    return nb::make_tuple(ok, why);
+        bool ok = gdn::cuda_api::kernels_available(device, &why);
+        return nb::make_tuple(ok, why);
 #else
-    (void)device;
-    return nb::make_tuple(false, why);
+        (void)device;
+        return nb::make_tuple(false, why);
 #endif
-  }, nb::arg("device") = 0,
-     "(available, reason): whether a compiled kernel image runs on this CUDA device.");
+      },
+      nb::arg("device") = 0,
+      "(available, reason): whether a compiled kernel image runs on this CUDA device.");
 
   // Per-argument probes with the operations' own casters: the Python wrappers call them only after
   // a call was refused, to name the argument nanobind could not convert.
   using gdn::python::Array;
   using gdn::python::ConstArray;
   m.def("_accepts_array", [](const Array&) { return true; }, nb::arg("x").noconvert());
-  m.def("_accepts_readonly_array", [](const ConstArray&) { return true; },
-        nb::arg("x").noconvert());
+  m.def(
+      "_accepts_readonly_array", [](const ConstArray&) { return true; }, nb::arg("x").noconvert());
   m.def("_accepts_int", [](int64_t) { return true; }, nb::arg("x"));
   m.def("_accepts_float", [](double) { return true; }, nb::arg("x"));
   m.def("_accepts_bool", [](bool) { return true; }, nb::arg("x"));

@@ -1,5 +1,6 @@
 // A causal_conv1d_update test case with owning host buffers, a float64 reference of the tests'
-// own (gdn-math.md §3.3 / §7 conv pre-step), and comparison helpers. Shared by the CPU and GPU tests.
+// own (gdn-math.md §3.3 / §7 conv pre-step), and comparison helpers. Shared by the CPU and GPU
+// tests.
 #pragma once
 
 #include <algorithm>
@@ -24,14 +25,16 @@ struct Buffer {
   int64_t count = 0;
 
   Buffer() = default;
-  Buffer(DType t, int64_t n) : dtype(t), bytes(size_t(std::max<int64_t>(n, 1) * dtype_size(t))), count(n) {}
+  Buffer(DType t, int64_t n)
+      : dtype(t), bytes(size_t(std::max<int64_t>(n, 1) * dtype_size(t))), count(n) {}
   void set(int64_t i, float v) { store_float(bytes.data(), dtype, i, v); }
   float get(int64_t i) const { return load_float(bytes.data(), dtype, i); }
   void* data() { return bytes.data(); }
   // Element i of this and element j of `o` (same dtype) hold the same bits.
   bool bits_equal(int64_t i, const Buffer& o, int64_t j) const {
     const int64_t e = dtype_size(dtype);
-    return dtype == o.dtype && std::memcmp(bytes.data() + i * e, o.bytes.data() + j * e, size_t(e)) == 0;
+    return dtype == o.dtype &&
+           std::memcmp(bytes.data() + i * e, o.bytes.data() + j * e, size_t(e)) == 0;
   }
   bool same_bits(const Buffer& o, int64_t begin, int64_t n) const {
     const int64_t e = dtype_size(dtype);
@@ -51,7 +54,7 @@ struct Config {
   int64_t x_row_pad = 0, out_row_pad = 0, weight_row_pad = 0, slot_pad = 0;
   int64_t index_stride = 1;  // indices taken as a column of an [N, index_stride] array
   int64_t first_valid_slot = 0;
-  bool in_place = false;     // out is x itself
+  bool in_place = false;  // out is x itself
   uint32_t seed = 1;
 };
 
@@ -137,7 +140,8 @@ struct Case {
     else
       p.conv_state = TensorView::make(state.data(), cfg.state_dtype, {cfg.slots, buffer_len, cfg.D},
                                       {slot_stride, cfg.D, 1});
-    p.conv_state_indices = TensorView::make(indices.data(), cfg.index_dtype, {N}, {cfg.index_stride});
+    p.conv_state_indices =
+        TensorView::make(indices.data(), cfg.index_dtype, {N}, {cfg.index_stride});
     p.cu_seqlens = TensorView::make(cu.data(), DType::kInt32, {N + 1});
     if (!cfg.acc.empty()) p.num_accepted_tokens = TensorView::make(acc.data(), DType::kInt32, {N});
     p.layout = cfg.layout;
@@ -150,9 +154,9 @@ struct Case {
 // What the reference expects: outputs (NaN where no valid request writes) and the pool afterwards,
 // plus which state elements a call may write.
 struct Expected {
-  std::vector<double> out;     // [L, D], NaN = not written
-  std::vector<double> state;   // pool element values (as the state dtype stores them)
-  std::vector<bool> written;   // pool elements the call writes
+  std::vector<double> out;    // [L, D], NaN = not written
+  std::vector<double> state;  // pool element values (as the state dtype stores them)
+  std::vector<bool> written;  // pool elements the call writes
 };
 
 inline double stored_as(DType t, double v) {
@@ -176,8 +180,8 @@ inline Expected reference(const Case& c) {
     if (T == 0 || slot < g.first_valid_slot) continue;
     const int64_t off = (c.acc.empty() ? 1 : c.acc[size_t(i)]) - 1;  // the arrays the call reads
     for (int64_t ch = 0; ch < g.D; ++ch) {
-      std::vector<double> frame;   // stored values, oldest first
-      std::vector<double> raw;     // raw inputs of this call
+      std::vector<double> frame;  // stored values, oldest first
+      std::vector<double> raw;    // raw inputs of this call
       for (int64_t j = 0; j < g.W - 1; ++j)
         frame.push_back(e.state[size_t(c.state_index(slot, ch, off + j))]);
       for (int64_t t = 0; t < T; ++t) {
@@ -206,15 +210,18 @@ inline Expected reference(const Case& c) {
 
 // Tolerance of one output element: compute error of an fp32 W-tap sum plus one rounding to `out`.
 inline double out_tolerance(DType out, double ref) {
-  const double unit = out == DType::kBFloat16 ? 1.0 / 256 : out == DType::kFloat16 ? 1.0 / 2048 : 4e-7;
+  const double unit = out == DType::kBFloat16  ? 1.0 / 256
+                      : out == DType::kFloat16 ? 1.0 / 2048
+                                               : 4e-7;
   return unit * std::fabs(ref) + 2e-6;
 }
 
 // Empty string when `got` (outputs of a run, [L, D] at stride out_stride) and `state_after`
 // match `e`; otherwise the first mismatch. `untouched_out` says whether rows the reference
 // leaves NaN must still hold their previous value (`out_before`).
-inline std::string compare(const Case& c, const Expected& e, const Buffer& got, const Buffer& out_before,
-                           const Buffer& state_before, const Buffer& state_after) {
+inline std::string compare(const Case& c, const Expected& e, const Buffer& got,
+                           const Buffer& out_before, const Buffer& state_before,
+                           const Buffer& state_after) {
   for (int64_t l = 0; l < c.L; ++l)
     for (int64_t ch = 0; ch < c.cfg.D; ++ch) {
       const double want = e.out[size_t(l * c.cfg.D + ch)];
@@ -222,20 +229,23 @@ inline std::string compare(const Case& c, const Expected& e, const Buffer& got, 
       const double have = got.get(k);
       if (std::isnan(want)) {
         if (!got.same_bits(out_before, k, 1))
-          return "out[" + std::to_string(l) + ", " + std::to_string(ch) + "] of a skipped row was written";
+          return "out[" + std::to_string(l) + ", " + std::to_string(ch) +
+                 "] of a skipped row was written";
         continue;
       }
       if (!(std::fabs(have - want) <= out_tolerance(got.dtype, want)))
-        return "out[" + std::to_string(l) + ", " + std::to_string(ch) + "] = " + std::to_string(have) +
-               ", reference " + std::to_string(want);
+        return "out[" + std::to_string(l) + ", " + std::to_string(ch) +
+               "] = " + std::to_string(have) + ", reference " + std::to_string(want);
     }
   for (int64_t k = 0; k < state_after.count; ++k) {
     if (!e.written[size_t(k)]) {
       if (!state_after.same_bits(state_before, k, 1))
-        return "conv_state element " + std::to_string(k) + " is not the call's to write but changed";
+        return "conv_state element " + std::to_string(k) +
+               " is not the call's to write but changed";
     } else if (double(state_after.get(k)) != e.state[size_t(k)]) {
-      return "conv_state element " + std::to_string(k) + " = " + std::to_string(state_after.get(k)) +
-             ", reference " + std::to_string(e.state[size_t(k)]) + " (must be bit-exact)";
+      return "conv_state element " + std::to_string(k) + " = " +
+             std::to_string(state_after.get(k)) + ", reference " +
+             std::to_string(e.state[size_t(k)]) + " (must be bit-exact)";
     }
   }
   return {};
@@ -358,7 +368,8 @@ std::string spec_vs_sequential(conv::StateLayout layout, DType state_dtype, DTyp
       for (int64_t ch = 0; ch < D; ++ch)
         for (int64_t j = 0; j < W - 1; ++j)
           if (!spec.state.bits_equal(spec.state_index(spec.slots_[size_t(i)], ch, n_acc - 1 + j),
-                                     plain.state, plain.state_index(plain.slots_[size_t(i)], ch, j)))
+                                     plain.state,
+                                     plain.state_index(plain.slots_[size_t(i)], ch, j)))
             return "step " + std::to_string(step) + " request " + std::to_string(i) + " channel " +
                    std::to_string(ch) + " tap " + std::to_string(j) +
                    ": the next window differs from the plain history";

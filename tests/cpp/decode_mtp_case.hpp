@@ -35,10 +35,10 @@ struct CaseConfig {
   StateLayout layout = StateLayout::kVK;
   GateActivation gate = GateActivation::kSiLU;
   bool norm = true, gated = true;
-  int64_t qkv_row_pad = 0;     // extra columns per mixed_qkv row (strided rows)
-  int64_t slot_pad = 0;        // extra elements per state slot (paged pool)
+  int64_t qkv_row_pad = 0;  // extra columns per mixed_qkv row (strided rows)
+  int64_t slot_pad = 0;     // extra elements per state slot (paged pool)
   int64_t first_valid_slot = 0;
-  bool round_core_output = false;  // the reference rounds o to out_dtype before the norm
+  bool round_core_output = false;          // the reference rounds o to out_dtype before the norm
   std::vector<int64_t> null_destinations;  // (request * S + column) entries set to a null slot
   uint32_t seed = 1;
 };
@@ -87,7 +87,8 @@ struct DecodeCase {
     for (int64_t e = 0; e < N * cfg.S; ++e) indices[size_t(e)] = ids[size_t(e) % ids.size()];
     for (int64_t e : cfg.null_destinations) indices[size_t(e)] = int32_t(cfg.first_valid_slot - 1);
     acc.assign(size_t(N), 1);
-    for (int64_t i = 0; i < N && i < int64_t(cfg.acc.size()); ++i) acc[size_t(i)] = int32_t(cfg.acc[size_t(i)]);
+    for (int64_t i = 0; i < N && i < int64_t(cfg.acc.size()); ++i)
+      acc[size_t(i)] = int32_t(cfg.acc[size_t(i)]);
   }
 
   void poison_out() {
@@ -130,8 +131,8 @@ struct DecodeCase {
 
 // Float64 reference: states after every token of every request and the outputs.
 struct Reference {
-  std::vector<double> out;                    // [L, HV, V]
-  std::vector<std::vector<double>> states;    // per (request, t): [HV, V, K]
+  std::vector<double> out;                           // [L, HV, V]
+  std::vector<std::vector<double>> states;           // per (request, t): [HV, V, K]
   std::vector<std::pair<int64_t, int64_t>> written;  // (slot, state id) in write order
 };
 
@@ -167,7 +168,8 @@ inline Reference reference(const DecodeCase& c) {
           q[size_t(d)] *= scale / std::sqrt(qq + 1e-6);
           k[size_t(d)] /= std::sqrt(kk + 1e-6);
         }
-        for (int64_t d = 0; d < V; ++d) v[size_t(d)] = c.qkv.get(l * c.row_stride + 2 * H * K + hv * V + d);
+        for (int64_t d = 0; d < V; ++d)
+          v[size_t(d)] = c.qkv.get(l * c.row_stride + 2 * H * K + hv * V + d);
         const double x = double(c.ab.get(l * 2 * HV + hv)) + c.dt_bias.get(hv);
         const double sp = x > 20 ? x : std::log1p(std::exp(x));
         const double alpha = std::exp(-std::exp(double(c.A_log.get(hv))) * sp);
@@ -202,7 +204,8 @@ inline Reference reference(const DecodeCase& c) {
       }
       ref.states.push_back(M);
       const int64_t dest = c.indices[size_t(i * g.S + t)];
-      if (dest >= g.first_valid_slot) ref.written.emplace_back(dest, int64_t(ref.states.size() - 1));
+      if (dest >= g.first_valid_slot)
+        ref.written.emplace_back(dest, int64_t(ref.states.size() - 1));
     }
   }
   return ref;

@@ -24,8 +24,8 @@ inline bool gpu_present(std::string* why) {
 
 }  // namespace gdn::testing
 
-#define GDN_SKIP_WITHOUT_GPU()                                      \
-  do {                                                              \
-    std::string why_;                                               \
+#define GDN_SKIP_WITHOUT_GPU()                                     \
+  do {                                                             \
+    std::string why_;                                              \
     if (!::gdn::testing::gpu_present(&why_)) GTEST_SKIP() << why_; \
   } while (0)

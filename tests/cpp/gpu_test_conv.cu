@@ -8,16 +8,15 @@
 #include <vector>
 
 #include "conv_case.hpp"
-#include "gpu_skip.hpp"
+#include "gdn/conv/cpu.hpp"
 #include "gdn/kernels/cuda_api.hpp"
 #include "gdn/kernels/cuda_api_conv.hpp"
-#include "gdn/conv/cpu.hpp"
+#include "gpu_skip.hpp"
 
 namespace gdn::testing::conv_test {
 namespace {
 
 #define CUDA_OK(expr) ASSERT_EQ(cudaSuccess, (expr)) << #expr
-
 
 // Device copies of a case's buffers; `params()` are views over them on cuda:0.
 struct DeviceCase {
@@ -38,7 +37,8 @@ struct DeviceCase {
     cudaMemset(errors, 0, sizeof(int));
   }
   ~DeviceCase() {
-    for (void* p : {x, out, weight, state, indices, cu, acc, static_cast<void*>(errors)}) cudaFree(p);
+    for (void* p : {x, out, weight, state, indices, cu, acc, static_cast<void*>(errors)})
+      cudaFree(p);
   }
   template <class V>
   static void* upload(const V& v) {
@@ -66,8 +66,8 @@ struct DeviceCase {
     p.conv_state_indices.data = indices;
     p.cu_seqlens.data = cu;
     if (acc) p.num_accepted_tokens.data = acc;
-    for (TensorView* v : {&p.x, &p.out, &p.weight, &p.conv_state, &p.conv_state_indices, &p.cu_seqlens,
-                          &p.num_accepted_tokens})
+    for (TensorView* v : {&p.x, &p.out, &p.weight, &p.conv_state, &p.conv_state_indices,
+                          &p.cu_seqlens, &p.num_accepted_tokens})
       v->device = dev;
     if (count_errors) p.error_count = TensorView::make(errors, DType::kInt32, {1}, {}, dev);
     return p;
@@ -92,7 +92,8 @@ Status run_on_device(Case& c) {
   if (!s.is_ok()) return s;
   d.download();
   if (cudaGetLastError() != cudaSuccess) return Status(StatusCode::kCudaError, "kernel failed");
-  if (d.error_count() != 0) return Status::invalid("error counter = " + std::to_string(d.error_count()));
+  if (d.error_count() != 0)
+    return Status::invalid("error counter = " + std::to_string(d.error_count()));
   return Status::ok();
 }
 
@@ -113,13 +114,14 @@ TEST_P(GpuConvGrid, MatchesFloat64Reference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Conv, GpuConvGrid,
-    ::testing::Combine(::testing::Values(conv::StateLayout::kChannelsMajor, conv::StateLayout::kTokensMajor),
-                       ::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat16),
-                       ::testing::Values(DType::kFloat32, DType::kBFloat16),
-                       ::testing::Values(2, 4, 5 /* run-time width */)),
-    GridName());
+INSTANTIATE_TEST_SUITE_P(Conv, GpuConvGrid,
+                         ::testing::Combine(::testing::Values(conv::StateLayout::kChannelsMajor,
+                                                              conv::StateLayout::kTokensMajor),
+                                            ::testing::Values(DType::kFloat32, DType::kBFloat16,
+                                                              DType::kFloat16),
+                                            ::testing::Values(DType::kFloat32, DType::kBFloat16),
+                                            ::testing::Values(2, 4, 5 /* run-time width */)),
+                         GridName());
 
 TEST(GpuConv, MixedDtypesStridesInPlaceAndSkippedRows) {
   GDN_SKIP_WITHOUT_GPU();
@@ -166,9 +168,10 @@ TEST(GpuConv, SpecEqualsSequentialBitForBit) {
                               std::pair{DType::kBFloat16, DType::kFloat32}})
       for (int64_t W : {2, 4, 5})
         for (int64_t num_spec : {1, 3}) {
-          const std::string diff = spec_vs_sequential(layout, state, act, W, num_spec, run_on_device);
-          ASSERT_TRUE(diff.empty()) << conv::to_string(layout) << " W " << W << " num_spec " << num_spec
-                                    << ": " << diff;
+          const std::string diff =
+              spec_vs_sequential(layout, state, act, W, num_spec, run_on_device);
+          ASSERT_TRUE(diff.empty())
+              << conv::to_string(layout) << " W " << W << " num_spec " << num_spec << ": " << diff;
         }
 }
 
@@ -270,7 +273,8 @@ TEST(GpuConv, GraphCaptureAndReplay) {
   std::normal_distribution<float> n01;
   for (int replay = 0; replay < 4; ++replay) {
     for (int64_t e = 0; e < c.x.count; ++e) c.x.set(e, n01(rng));
-    for (int64_t i = 0; i < c.N; ++i) c.acc[size_t(i)] = int32_t(1 + rng() % uint32_t(g.num_spec + 1));
+    for (int64_t i = 0; i < c.N; ++i)
+      c.acc[size_t(i)] = int32_t(1 + rng() % uint32_t(g.num_spec + 1));
     std::vector<int64_t> perm(size_t(g.slots));
     std::iota(perm.begin(), perm.end(), 0);
     std::shuffle(perm.begin(), perm.end(), rng);

@@ -4,10 +4,10 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <algorithm>
 #include <random>
 #include <string>
 #include <vector>
@@ -24,7 +24,6 @@ using gdn::TensorView;
 using gdn::decode_mtp::Params;
 
 #define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << cudaGetErrorString(cudaGetLastError())
-
 
 // A host array of a run-time float dtype (bytes + element count) and its device twin.
 struct Array {
@@ -60,8 +59,10 @@ struct Array {
   void set(int64_t i, float v) { gdn::store_float(host.data(), dtype, i, v); }
   int64_t get_index(int64_t i) const { return gdn::load_index(host.data(), dtype, i); }
   void set_index(int64_t i, int64_t v) {
-    if (dtype == DType::kInt64) reinterpret_cast<int64_t*>(host.data())[i] = v;
-    else reinterpret_cast<int32_t*>(host.data())[i] = int32_t(v);
+    if (dtype == DType::kInt64)
+      reinterpret_cast<int64_t*>(host.data())[i] = v;
+    else
+      reinterpret_cast<int32_t*>(host.data())[i] = int32_t(v);
   }
   void fill_random(std::mt19937& rng, float scale) {
     std::normal_distribution<float> nd(0.0f, 1.0f);
@@ -100,8 +101,8 @@ struct Config {
   DType state = DType::kFloat32, act = DType::kFloat32, index = DType::kInt32;
   StateLayout layout = StateLayout::kVK;
   bool sigmoid_gate = false, norm = true, gate = true;
-  int64_t slot_pad = 0;    // extra elements per slot (paged pool)
-  int64_t row_pad = 0;     // extra elements per mixed_qkv / a / b / z row
+  int64_t slot_pad = 0;  // extra elements per slot (paged pool)
+  int64_t row_pad = 0;   // extra elements per mixed_qkv / a / b / z row
   int first_valid_slot = 0;
   bool null_dest = false;  // make some destinations null
   uint32_t seed = 1;
@@ -141,7 +142,8 @@ struct Problem {
     // Pool: every request owns S distinct slots; a few spare slots nobody owns.
     num_slots = c.first_valid_slot + c.N * c.S + 3;
     const int64_t slot_elems = int64_t(HV) * kDim * kDim;
-    state.init(c.state, {num_slots, HV, kDim, kDim}, {slot_elems + c.slot_pad, kDim * kDim, kDim, 1});
+    state.init(c.state, {num_slots, HV, kDim, kDim},
+               {slot_elems + c.slot_pad, kDim * kDim, kDim, 1});
     state.fill_random(rng, 0.1f);
     idx.init(c.index, {c.N, c.S});
     std::vector<int> perm(size_t(c.N * c.S));
@@ -195,7 +197,8 @@ struct Problem {
   // Layout-aware element (slot, hv, v, k) of the pool.
   int64_t state_offset(int64_t slot, int hv, int v, int k) const {
     const int64_t head = slot * state.strides[0] + int64_t(hv) * kDim * kDim;
-    return cfg.layout == StateLayout::kVK ? head + int64_t(v) * kDim + k : head + int64_t(k) * kDim + v;
+    return cfg.layout == StateLayout::kVK ? head + int64_t(v) * kDim + k
+                                          : head + int64_t(k) * kDim + v;
   }
 };
 
@@ -324,7 +327,8 @@ void check_config(const Config& cfg) {
                            std::string(gdn::to_string(cfg.act)) + ", ratio " +
                            std::to_string(cfg.ratio) + ", S " + std::to_string(cfg.S);
   for (size_t e = 0; e < ref_out.size(); ++e)
-    ASSERT_FALSE(std::isnan(gpu.out.get(int64_t(e)))) << "output element " << e << " not written; " << what;
+    ASSERT_FALSE(std::isnan(gpu.out.get(int64_t(e))))
+        << "output element " << e << " not written; " << what;
   EXPECT_LE(rel_l2(ref_out, gpu.out, all_out), out_bar) << "CUDA out vs float64; " << what;
   EXPECT_LE(rel_l2(ref_out, cpu.out, all_out), out_bar) << "CPU out vs float64; " << what;
 
@@ -493,8 +497,10 @@ TEST(DecodeMtpCuda, HostileIndicesNeverEscape) {
     const bool owned = slot == 1 || slot == 2;
     const bool same = std::memcmp(&pool_after[size_t(slot * slot_bytes)],
                                   &pool_before[size_t(slot * slot_bytes)], size_t(slot_bytes)) == 0;
-    if (!owned) EXPECT_TRUE(same) << "slot " << slot << " was written by an invalid row";
-    else EXPECT_FALSE(same) << "valid row 0 did not write slot " << slot;
+    if (!owned)
+      EXPECT_TRUE(same) << "slot " << slot << " was written by an invalid row";
+    else
+      EXPECT_FALSE(same) << "valid row 0 did not write slot " << slot;
   }
 }
 

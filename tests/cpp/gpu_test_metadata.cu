@@ -25,12 +25,11 @@ using testing::kPoison;
 using testing::random_step;
 using testing::Step;
 
-#define CUDA_OK(expr)                                                         \
-  do {                                                                        \
-    const cudaError_t err_ = (expr);                                          \
+#define CUDA_OK(expr)                                                          \
+  do {                                                                         \
+    const cudaError_t err_ = (expr);                                           \
     ASSERT_EQ(err_, cudaSuccess) << #expr << ": " << cudaGetErrorString(err_); \
   } while (0)
-
 
 // A device copy of a host vector (freed with the object). Poisoned copies use the poison value.
 struct DeviceVector {
@@ -77,13 +76,14 @@ struct DeviceStep {
     Params p = s.params();
     p.plan = device_view(*plan, {int64_t(s.plan.size())});
     for (int g = 0; g < s.G(); ++g)
-      p.block_tables[g] = device_view(*tables[size_t(g)], {s.table_rows[size_t(g)], s.table_cols[size_t(g)]},
-                                      {s.table_stride[size_t(g)], 1});
+      p.block_tables[g] =
+          device_view(*tables[size_t(g)], {s.table_rows[size_t(g)], s.table_cols[size_t(g)]},
+                      {s.table_stride[size_t(g)], 1});
     p.spec_state_indices = device_view(*spec_out, {int64_t(s.G()), s.max_rows, s.S()});
     p.non_spec_state_indices = device_view(*non_spec_out, {int64_t(s.G()), s.max_rows});
     p.error_count = device_view(*error_count, {1});
-    p.num_accepted_tokens = gather_accepted ? device_view(*accepted, {int64_t(accepted->n)})
-                                            : TensorView{};
+    p.num_accepted_tokens =
+        gather_accepted ? device_view(*accepted, {int64_t(accepted->n)}) : TensorView{};
     return p;
   }
 };
@@ -110,11 +110,12 @@ TEST(MetadataCuda, OneLaunchMatchesTheCpuPassAndPerGroupBuilds) {
             Step cpu = host;
             Params pc = cpu.params();
             ASSERT_TRUE(plan(pc).is_ok());
-            DeviceStep dev(host);  // poisoned outputs
+            DeviceStep dev(host);        // poisoned outputs
             dev.plan->upload(cpu.plan);  // the host plan (before the CPU pass touches it)
-            if (gather) pc.num_accepted_tokens = TensorView::make(
-                            cpu.num_accepted_tokens.data(), DType::kInt32,
-                            {int64_t(cpu.num_accepted_tokens.size())});
+            if (gather)
+              pc.num_accepted_tokens =
+                  TensorView::make(cpu.num_accepted_tokens.data(), DType::kInt32,
+                                   {int64_t(cpu.num_accepted_tokens.size())});
             int64_t cpu_errors = 0;
             ASSERT_TRUE(run_state_rows_cpu(pc, &cpu_errors).is_ok());
 

@@ -85,7 +85,9 @@ struct Step {
   }
 
   // Reads the header / a word of the plan buffer.
-  int32_t header(int f) const { return plan[size_t(Layout::make(max_rows, max_tokens).header + f)]; }
+  int32_t header(int f) const {
+    return plan[size_t(Layout::make(max_rows, max_tokens).header + f)];
+  }
 };
 
 // Builds a step from per-request (tokens, drafts) pairs; seq_lens = context + tokens.

@@ -33,7 +33,8 @@ TEST_P(ConvGrid, MatchesFloat64Reference) {
 
 INSTANTIATE_TEST_SUITE_P(
     Conv, ConvGrid,
-    ::testing::Combine(::testing::Values(conv::StateLayout::kChannelsMajor, conv::StateLayout::kTokensMajor),
+    ::testing::Combine(::testing::Values(conv::StateLayout::kChannelsMajor,
+                                         conv::StateLayout::kTokensMajor),
                        ::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat16),
                        ::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat16),
                        ::testing::Values(2, 3, 4, 6)),
@@ -89,9 +90,9 @@ TEST(ConvSpec, RollbackEqualsSequentialBitForBit) {
                               std::pair{DType::kBFloat16, DType::kFloat32}})
       for (int64_t W : {2, 4, 5})
         for (int64_t num_spec : {1, 3}) {
-          SCOPED_TRACE(std::string(conv::to_string(layout)) + " state " + std::string(to_string(state)) +
-                       " x " + std::string(to_string(act)) + " W " + std::to_string(W) + " num_spec " +
-                       std::to_string(num_spec));
+          SCOPED_TRACE(std::string(conv::to_string(layout)) + " state " +
+                       std::string(to_string(state)) + " x " + std::string(to_string(act)) + " W " +
+                       std::to_string(W) + " num_spec " + std::to_string(num_spec));
           const std::string diff = spec_vs_sequential(layout, state, act, W, num_spec, run_on_host);
           ASSERT_TRUE(diff.empty()) << diff;
         }
@@ -157,7 +158,8 @@ TEST(ConvErrors, ArgumentsAreNamed) {
     const Buffer state_before = c.state;
     Status s = conv::run_cpu(p);
     ASSERT_FALSE(s.is_ok()) << name;
-    EXPECT_EQ(s.reason().rfind(name, 0), 0u) << "reason should start with '" << name << "': " << s.reason();
+    EXPECT_EQ(s.reason().rfind(name, 0), 0u)
+        << "reason should start with '" << name << "': " << s.reason();
     EXPECT_TRUE(c.state.same_bits(state_before, 0, state_before.count));
   };
   expect_arg_error([](conv::Params& p) { p.weight.shape[1] = 1; }, "weight width W = 1");
@@ -169,16 +171,28 @@ TEST(ConvErrors, ArgumentsAreNamed) {
   expect_arg_error([](conv::Params& p) { p.x.strides[1] = 2; }, "x must have unit stride");
   expect_arg_error([](conv::Params& p) { p.out.shape[0] += 1; }, "out dimension 0");
   expect_arg_error([](conv::Params& p) { p.cu_seqlens.shape[0] += 1; }, "cu_seqlens dimension 0");
-  expect_arg_error([](conv::Params& p) { p.num_accepted_tokens = TensorView::make(p.cu_seqlens.data, DType::kInt32, {5}); },
-                   "num_accepted_tokens dimension 0");
+  expect_arg_error(
+      [](conv::Params& p) {
+        p.num_accepted_tokens = TensorView::make(p.cu_seqlens.data, DType::kInt32, {5});
+      },
+      "num_accepted_tokens dimension 0");
   expect_arg_error([](conv::Params& p) { p.conv_state_indices.dtype = DType::kFloat32; },
                    "conv_state_indices has dtype float32");
   expect_arg_error([](conv::Params& p) { p.first_valid_slot = -1; }, "first_valid_slot");
-  expect_arg_error([](conv::Params& p) { p.out.device = {DeviceType::kCUDA, 0}; }, "out is on cuda:0");
-  expect_arg_error([](conv::Params& p) { p.out = p.x; p.out.strides[0] = 100; p.out.dtype = DType::kBFloat16; },
-                   "out shares its data pointer");
-  expect_arg_error([](conv::Params& p) { p.error_count = TensorView::make(p.cu_seqlens.data, DType::kInt32, {2}); },
-                   "error_count");
+  expect_arg_error([](conv::Params& p) { p.out.device = {DeviceType::kCUDA, 0}; },
+                   "out is on cuda:0");
+  expect_arg_error(
+      [](conv::Params& p) {
+        p.out = p.x;
+        p.out.strides[0] = 100;
+        p.out.dtype = DType::kBFloat16;
+      },
+      "out shares its data pointer");
+  expect_arg_error(
+      [](conv::Params& p) {
+        p.error_count = TensorView::make(p.cu_seqlens.data, DType::kInt32, {2});
+      },
+      "error_count");
 }
 
 // Repeated calls on one pool with inputs, slots and accepted counts rewritten in between (what a
@@ -191,7 +205,8 @@ TEST(Conv, RepeatedCallsWithRewrittenInputs) {
   std::normal_distribution<float> n01;
   for (int call = 0; call < 4; ++call) {
     for (int64_t e = 0; e < c.x.count; ++e) c.x.set(e, n01(rng));
-    for (int64_t i = 0; i < c.N; ++i) c.acc[size_t(i)] = int32_t(1 + rng() % uint32_t(g.num_spec + 1));
+    for (int64_t i = 0; i < c.N; ++i)
+      c.acc[size_t(i)] = int32_t(1 + rng() % uint32_t(g.num_spec + 1));
     std::vector<int64_t> perm(size_t(g.slots));
     std::iota(perm.begin(), perm.end(), 0);
     std::shuffle(perm.begin(), perm.end(), rng);
@@ -218,7 +233,8 @@ TEST(Conv, LayoutsAgreeBitForBit) {
   for (int64_t slot = 0; slot < g.slots; ++slot)
     for (int64_t ch = 0; ch < g.D; ++ch)
       for (int64_t pos = 0; pos < a.buffer_len; ++pos)
-        ASSERT_EQ(b.state.get(b.state_index(slot, ch, pos)), a.state.get(a.state_index(slot, ch, pos)));
+        ASSERT_EQ(b.state.get(b.state_index(slot, ch, pos)),
+                  a.state.get(a.state_index(slot, ch, pos)));
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 // CPU decode_mtp against the tests' float64 reference, over the parameter grid, plus the contract's
-// guarantees: spec == sequential bit for bit, invalid rows write nothing, untouched slots stay intact.
+// guarantees: spec == sequential bit for bit, invalid rows write nothing, untouched slots stay
+// intact.
 #include <gtest/gtest.h>
 
 #include <tuple>
@@ -127,7 +128,11 @@ TEST(DecodeMtp, RoundedCoreOutputFollowsVllm) {
   cfg.K = cfg.V = 64;
   cfg.act_dtype = cfg.out_dtype = DType::kBFloat16;
   cfg.round_core_output = true;
-  DecodeCase rounded(cfg), exact([&] { CaseConfig e = cfg; e.round_core_output = false; return e; }());
+  DecodeCase rounded(cfg), exact([&] {
+    CaseConfig e = cfg;
+    e.round_core_output = false;
+    return e;
+  }());
   const Reference ref = reference(rounded);
   const decode_mtp::Params pr = rounded.params(), pe = exact.params();
   ASSERT_TRUE(decode_mtp::run_cpu(pr).is_ok());
@@ -144,7 +149,8 @@ TEST(DecodeMtp, RoundedCoreOutputFollowsVllm) {
   }
   EXPECT_EQ(far, 0u);
   EXPECT_LE(double(differ_ref), 0.01 * double(n)) << differ_ref << " of " << n;
-  EXPECT_GE(double(differ_flag), 0.02 * double(n)) << "the flag changed only " << differ_flag << " of " << n;
+  EXPECT_GE(double(differ_flag), 0.02 * double(n))
+      << "the flag changed only " << differ_flag << " of " << n;
   EXPECT_TRUE(rounded.state.bytes == exact.state.bytes);
 }
 
@@ -191,7 +197,8 @@ TEST(DecodeMtp, SpeculativeEqualsSequentialBitForBit) {
 
     // Sequential: n calls of T = 1. Row [dest, prev] with acc = 2 reads prev and writes dest.
     for (int64_t t = 0; t < n; ++t) {
-      const int32_t prev = t == 0 ? seq.indices[size_t(cfg.acc[0] - 1)] : seq.indices[size_t(t - 1)];
+      const int32_t prev =
+          t == 0 ? seq.indices[size_t(cfg.acc[0] - 1)] : seq.indices[size_t(t - 1)];
       int32_t row[2] = {seq.indices[size_t(t)], prev};
       int32_t cu[2] = {0, 1}, acc[1] = {2};
       decode_mtp::Params p = seq.params();
@@ -233,9 +240,16 @@ TEST(DecodeMtp, InvalidRowsWriteNothing) {
   const Bad cases[] = {
       {"acc = 0", [](DecodeCase& c) { c.acc[1] = 0; }, "num_accepted_tokens"},
       {"acc > S", [](DecodeCase& c) { c.acc[1] = int32_t(c.cfg.S + 1); }, "num_accepted_tokens"},
-      {"T > S", [](DecodeCase& c) { c.cu[2] = c.cu[1] + int32_t(c.cfg.S + 1); c.cu[3] = c.cu[2]; }, ""},
-      {"null source", [](DecodeCase& c) { c.indices[size_t(1 * c.cfg.S + c.acc[1] - 1)] = -1; }, "null"},
-      {"slot out of range", [](DecodeCase& c) { c.indices[size_t(2 * c.cfg.S)] = int32_t(c.cfg.slots); }, "slot count"},
+      {"T > S",
+       [](DecodeCase& c) {
+         c.cu[2] = c.cu[1] + int32_t(c.cfg.S + 1);
+         c.cu[3] = c.cu[2];
+       },
+       ""},
+      {"null source", [](DecodeCase& c) { c.indices[size_t(1 * c.cfg.S + c.acc[1] - 1)] = -1; },
+       "null"},
+      {"slot out of range",
+       [](DecodeCase& c) { c.indices[size_t(2 * c.cfg.S)] = int32_t(c.cfg.slots); }, "slot count"},
       {"decreasing cu_seqlens", [](DecodeCase& c) { c.cu[2] = c.cu[1] - 1; }, "cu_seqlens"},
   };
   for (const Bad& bad : cases) {
@@ -254,7 +268,8 @@ TEST(DecodeMtp, InvalidRowsWriteNothing) {
     Status s = decode_mtp::run_cpu(p);
     EXPECT_FALSE(s.is_ok()) << bad.what;
     EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << bad.what;
-    EXPECT_NE(s.reason().find(bad.reason_contains), std::string::npos) << bad.what << ": " << s.reason();
+    EXPECT_NE(s.reason().find(bad.reason_contains), std::string::npos)
+        << bad.what << ": " << s.reason();
     EXPECT_NE(s.reason().find("request row"), std::string::npos) << bad.what << ": " << s.reason();
     EXPECT_TRUE(c.state.bytes == state_before) << bad.what << ": state changed";
     EXPECT_TRUE(std::memcmp(c.out.bytes.data(), out_before.data(), out_before.size()) == 0)
@@ -313,13 +328,16 @@ TEST(DecodeMtpGuard, RatioMustDivideExactly) {
             Path::kUnsupported);
   EXPECT_EQ(can_use(DeviceType::kCUDA, 16, 32, 128, 128, 17, DType::kFloat32, true).path,
             Path::kUnsupported);
-  EXPECT_EQ(can_use(DeviceType::kCUDA, 16, 48, 128, 128, 4, DType::kBFloat16, true).path, Path::kFast);
+  EXPECT_EQ(can_use(DeviceType::kCUDA, 16, 48, 128, 128, 4, DType::kBFloat16, true).path,
+            Path::kFast);
   // The "kv" layout is the CUDA kernel's slow path, and the guard says so; the CPU does not care.
-  const auto kv = can_use(DeviceType::kCUDA, 16, 32, 128, 128, 4, DType::kFloat32, true, StateLayout::kKV);
+  const auto kv =
+      can_use(DeviceType::kCUDA, 16, 32, 128, 128, 4, DType::kFloat32, true, StateLayout::kKV);
   EXPECT_EQ(kv.path, Path::kGeneric);
   EXPECT_NE(kv.reason.find("slow path"), std::string::npos);
-  EXPECT_EQ(can_use(DeviceType::kCPU, 16, 32, 128, 128, 4, DType::kFloat32, false, StateLayout::kKV).path,
-            Path::kFast);
+  EXPECT_EQ(
+      can_use(DeviceType::kCPU, 16, 32, 128, 128, 4, DType::kFloat32, false, StateLayout::kKV).path,
+      Path::kFast);
 }
 
 TEST(Dispatch, ListedAndRuntimeValues) {
@@ -341,10 +359,10 @@ TEST(DType, SixteenBitRoundToNearestEven) {
   EXPECT_EQ(to_bf16(bits_to_float(0x3f808001u)).bits, 0x3f81);  // above tie -> up
   EXPECT_EQ(to_f16(1.0f).bits, 0x3c00);
   EXPECT_EQ(to_f16(65504.0f).bits, 0x7bff);
-  EXPECT_EQ(to_f16(65536.0f).bits, 0x7c00);                      // overflow -> inf
-  EXPECT_EQ(to_f16(1.0f + 1.0f / 2048).bits, 0x3c00);            // tie -> even
-  EXPECT_EQ(to_f16(1.0f + 3.0f / 2048).bits, 0x3c02);            // tie -> even (up)
-  EXPECT_EQ(to_f16(5.9604644775390625e-08f).bits, 0x0001);       // smallest subnormal
+  EXPECT_EQ(to_f16(65536.0f).bits, 0x7c00);                 // overflow -> inf
+  EXPECT_EQ(to_f16(1.0f + 1.0f / 2048).bits, 0x3c00);       // tie -> even
+  EXPECT_EQ(to_f16(1.0f + 3.0f / 2048).bits, 0x3c02);       // tie -> even (up)
+  EXPECT_EQ(to_f16(5.9604644775390625e-08f).bits, 0x0001);  // smallest subnormal
   for (uint32_t h = 0; h < 0x7c00; h += 7) EXPECT_EQ(to_f16(to_float(f16_t{uint16_t(h)})).bits, h);
 }
 

@@ -52,12 +52,12 @@ void expect_counts(const Step& s, Counts c) {
   EXPECT_EQ(s.header(kNumZeroLengthRows), c.zero);
 }
 
-std::vector<int32_t> words(const Step& s, int64_t Layout::*field, int64_t n) {
+std::vector<int32_t> words(const Step& s, int64_t Layout::* field, int64_t n) {
   const Layout l = Layout::make(s.max_rows, s.max_tokens);
   return {s.plan.begin() + l.*field, s.plan.begin() + l.*field + n};
 }
 
-std::vector<int> bytes(const Step& s, int64_t Layout::*field, int64_t n) {
+std::vector<int> bytes(const Step& s, int64_t Layout::* field, int64_t n) {
   const Layout l = Layout::make(s.max_rows, s.max_tokens);
   const auto* b = reinterpret_cast<const uint8_t*>(s.plan.data() + l.*field);
   return {b, b + n};
@@ -441,12 +441,18 @@ TEST(MetadataLayout, RegionsAreAlignedAndDisjoint) {
     for (int64_t T : {0, 5, 4096}) {
       const Layout l = Layout::make(R, T);
       const std::vector<std::pair<int64_t, int64_t>> regions = {
-          {l.header, kHeaderWords},          {l.spec_request, R},
-          {l.spec_start, R},                 {l.non_spec_request, R},
-          {l.non_spec_start, R},             {l.spec_query_start_loc, R + 1},
-          {l.non_spec_query_start_loc, R + 1}, {l.spec_num_accepted, R},
-          {l.spec_source_column, R},         {l.token_split, T},
-          {l.spec_sequence_masks, (R + 3) / 4}, {l.has_initial_state, (R + 3) / 4}};
+          {l.header, kHeaderWords},
+          {l.spec_request, R},
+          {l.spec_start, R},
+          {l.non_spec_request, R},
+          {l.non_spec_start, R},
+          {l.spec_query_start_loc, R + 1},
+          {l.non_spec_query_start_loc, R + 1},
+          {l.spec_num_accepted, R},
+          {l.spec_source_column, R},
+          {l.token_split, T},
+          {l.spec_sequence_masks, (R + 3) / 4},
+          {l.has_initial_state, (R + 3) / 4}};
       int64_t end = 0;
       for (auto [offset, words] : regions) {
         EXPECT_EQ(offset % 4, 0);
@@ -519,15 +525,16 @@ void poison_unused(Step& s, std::mt19937_64& rng) {
   for (int g = 0; g < s.G(); ++g) {
     for (int64_t j = spec_w; j < s.max_rows; ++j)
       for (int64_t c = 0; c < S; ++c) s.spec_out[size_t((g * s.max_rows + j) * S + c)] = any(rng);
-    for (int64_t j = ns_w; j < s.max_rows; ++j) s.non_spec_out[size_t(g * s.max_rows + j)] = any(rng);
+    for (int64_t j = ns_w; j < s.max_rows; ++j)
+      s.non_spec_out[size_t(g * s.max_rows + j)] = any(rng);
   }
 }
 
 TEST(MetadataShadow, PoisonedUnusedRowsDoNotChangeTheVerdict) {
   std::mt19937_64 rng(99);
   for (int rep = 0; rep < 40; ++rep) {
-    Step s = random_step(rng, 1 + rep % 6, 1 + rep % 9, rep % 2 ? CacheMode::kAlign : CacheMode::kNone,
-                         rep % 3 != 0);
+    Step s = random_step(rng, 1 + rep % 6, 1 + rep % 9,
+                         rep % 2 ? CacheMode::kAlign : CacheMode::kNone, rep % 3 != 0);
     build(s);
     ASSERT_TRUE(shadow(s).ok());
     poison_unused(s, rng);

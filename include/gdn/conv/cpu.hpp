@@ -39,17 +39,29 @@ void scatter_typed(T* dst, int64_t stride, int64_t n, const float* src) {
 // span, not per element).
 inline void gather(const void* p, DType t, int64_t offset, int64_t stride, int64_t n, float* dst) {
   switch (t) {
-    case DType::kBFloat16: gather_typed(static_cast<const bf16_t*>(p) + offset, stride, n, dst); break;
-    case DType::kFloat16: gather_typed(static_cast<const f16_t*>(p) + offset, stride, n, dst); break;
-    default: gather_typed(static_cast<const float*>(p) + offset, stride, n, dst); break;
+    case DType::kBFloat16:
+      gather_typed(static_cast<const bf16_t*>(p) + offset, stride, n, dst);
+      break;
+    case DType::kFloat16:
+      gather_typed(static_cast<const f16_t*>(p) + offset, stride, n, dst);
+      break;
+    default:
+      gather_typed(static_cast<const float*>(p) + offset, stride, n, dst);
+      break;
   }
 }
 
 inline void scatter(void* p, DType t, int64_t offset, int64_t stride, int64_t n, const float* src) {
   switch (t) {
-    case DType::kBFloat16: scatter_typed(static_cast<bf16_t*>(p) + offset, stride, n, src); break;
-    case DType::kFloat16: scatter_typed(static_cast<f16_t*>(p) + offset, stride, n, src); break;
-    default: scatter_typed(static_cast<float*>(p) + offset, stride, n, src); break;
+    case DType::kBFloat16:
+      scatter_typed(static_cast<bf16_t*>(p) + offset, stride, n, src);
+      break;
+    case DType::kFloat16:
+      scatter_typed(static_cast<f16_t*>(p) + offset, stride, n, src);
+      break;
+    default:
+      scatter_typed(static_cast<float*>(p) + offset, stride, n, src);
+      break;
   }
 }
 
@@ -60,7 +72,8 @@ inline void round_to(DType t, const float* src, int64_t n, float* dst) {
 
 // One request, channels [c0, c0 + n): read the accepted window, shift the buffer, convolve the
 // new tokens. Per element the sum runs over the taps in ascending order, as on every path.
-inline void run_block(const Params& p, const Problem& pr, const RowInfo& row, int64_t c0, int64_t n) {
+inline void run_block(const Params& p, const Problem& pr, const RowInfo& row, int64_t c0,
+                      int64_t n) {
   const int64_t W = pr.W;
   // Buffer position `pos` of channels c0.. : base offset and the stride between channels.
   const int64_t channel_stride = p.layout == StateLayout::kChannelsMajor ? pr.buffer_len : 1;
@@ -72,7 +85,8 @@ inline void run_block(const Params& p, const Problem& pr, const RowInfo& row, in
   float x[kBlock], acc[kBlock];
   float* window[kConvMaxWidth];
   for (int64_t j = 0; j < W; ++j)
-    gather(p.weight.data, p.weight.dtype, c0 * p.weight.strides[0] + j, p.weight.strides[0], n, w[j]);
+    gather(p.weight.data, p.weight.dtype, c0 * p.weight.strides[0] + j, p.weight.strides[0], n,
+           w[j]);
   // Read the whole accepted window before the buffer is rewritten (old and new windows overlap).
   for (int64_t j = 0; j < W - 1; ++j) {
     window[j] = storage[j];

@@ -2,8 +2,8 @@
 // Indices live in device memory and are never synchronised on: the kernel applies the row rules
 // of params.hpp itself. An invalid row writes no state, zero-fills its output rows (when its
 // cu_seqlens range is sane; otherwise it cannot tell which rows are its own and writes nothing)
-// and bumps the optional error counter. T = 0 rows and null-slot rows are skipped (nothing written).
-// Every global access is bounds-checked against the validated shapes.
+// and bumps the optional error counter. T = 0 rows and null-slot rows are skipped (nothing
+// written). Every global access is bounds-checked against the validated shapes.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -56,14 +56,16 @@ __global__ void __launch_bounds__(128) conv_update_kernel(const KernelArgs args)
   }
   const int64_t T = end - begin;
   if (T == 0) return;
-  const int64_t slot = dev::load_index(args.conv_state_indices, args.index_dtype, i * args.index_stride);
+  const int64_t slot =
+      dev::load_index(args.conv_state_indices, args.index_dtype, i * args.index_stride);
   if (slot < args.first_valid_slot) return;
   const int64_t acc =
       args.num_accepted_tokens ? dev::load_index(args.num_accepted_tokens, args.acc_dtype, i) : 1;
   if (slot >= args.num_slots || T > args.S || acc < 1 || acc > args.S) {
     if (reporter && args.error_count) atomicAdd(args.error_count, 1);
     if (c < args.D)
-      for (int64_t t = 0; t < T; ++t) dev::store_value(args.out, args.out_dtype, (begin + t) * args.out_row_stride + c, 0.0f);
+      for (int64_t t = 0; t < T; ++t)
+        dev::store_value(args.out, args.out_dtype, (begin + t) * args.out_row_stride + c, 0.0f);
     return;
   }
   if (c >= args.D) return;
@@ -75,7 +77,8 @@ __global__ void __launch_bounds__(128) conv_update_kernel(const KernelArgs args)
   float window[kMax];
 #pragma unroll
   for (int j = 0; j < kMax; ++j)
-    if (j < W) w[j] = dev::load_value(args.weight, args.weight_dtype, c * args.weight_row_stride + j);
+    if (j < W)
+      w[j] = dev::load_value(args.weight, args.weight_dtype, c * args.weight_row_stride + j);
   // Read the whole accepted window before the buffer is rewritten (old and new windows overlap).
 #pragma unroll
   for (int j = 0; j < kMax - 1; ++j)
@@ -85,7 +88,8 @@ __global__ void __launch_bounds__(128) conv_update_kernel(const KernelArgs args)
     if (j < W - 2) dev::store_value(args.conv_state, args.state_dtype, at(j), window[j + 1]);
   for (int64_t t = 0; t < T; ++t) {
     const int64_t l = begin + t;
-    const float xv = dev::load_value(args.x, args.x_dtype, l * args.x_row_stride + c);  // before out: may alias
+    const float xv =
+        dev::load_value(args.x, args.x_dtype, l * args.x_row_stride + c);  // before out: may alias
     // Fixed order, no contraction: the same sum as the CPU path and as T one-token calls.
     float sum = 0.0f;
 #pragma unroll
@@ -115,8 +119,8 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream) {
   constexpr int kThreads = 128;
   const int64_t channel_blocks = (pr.D + kThreads - 1) / kThreads;
   if (pr.N > 0x7fffffff || channel_blocks > 65535)
-    return Status::unsupported("causal_conv1d_update: N = " + std::to_string(pr.N) + ", D = " +
-                               std::to_string(pr.D) + " exceed the launch grid");
+    return Status::unsupported("causal_conv1d_update: N = " + std::to_string(pr.N) +
+                               ", D = " + std::to_string(pr.D) + " exceed the launch grid");
   cuda_detail::KernelArgs a{};
   a.x = p.x.data;
   a.weight = p.weight.data;

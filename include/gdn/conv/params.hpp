@@ -25,8 +25,8 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
-#include <vector>
 #include <utility>
+#include <vector>
 
 #include "gdn/core/status.hpp"
 #include "gdn/core/support.hpp"
@@ -48,9 +48,9 @@ inline const char* to_string(StateLayout layout) noexcept {
 
 // One call's arguments: non-owning views and scalars. Optional views are left absent (ndim = -1).
 struct Params {
-  TensorView x;                    // [L, D] raw (pre-conv) inputs, unit column stride, any row stride
-  TensorView weight;               // [D, W], unit column stride, any row stride >= W
-  TensorView conv_state;           // [slots, D, Lbuf] or [slots, Lbuf, D]; inner dims contiguous
+  TensorView x;           // [L, D] raw (pre-conv) inputs, unit column stride, any row stride
+  TensorView weight;      // [D, W], unit column stride, any row stride >= W
+  TensorView conv_state;  // [slots, D, Lbuf] or [slots, Lbuf, D]; inner dims contiguous
   TensorView conv_state_indices;   // [N] int32/int64, any stride (e.g. column 0 of [N, S] indices)
   TensorView cu_seqlens;           // [N+1] int32/int64, contiguous
   TensorView num_accepted_tokens;  // [N] int32/int64 or absent (all 1)
@@ -73,8 +73,8 @@ struct Problem {
 };
 
 // Element offset of (slot, channel c, buffer position pos) in the conv state pool.
-constexpr int64_t state_offset(StateLayout layout, int64_t slot_stride, int64_t D, int64_t buffer_len,
-                               int64_t slot, int64_t c, int64_t pos) noexcept {
+constexpr int64_t state_offset(StateLayout layout, int64_t slot_stride, int64_t D,
+                               int64_t buffer_len, int64_t slot, int64_t c, int64_t pos) noexcept {
   return slot * slot_stride +
          (layout == StateLayout::kChannelsMajor ? c * buffer_len + pos : pos * D + c);
 }
@@ -92,7 +92,8 @@ inline Status check_arguments(const Params& p, Problem* out_problem) {
   GDN_RETURN_IF_ERROR(nonnegative_strides(p.weight, "weight"));
   pr.D = p.weight.shape[0];
   pr.W = p.weight.shape[1];
-  if (pr.D < 1) return Status::invalid("weight has no channels (shape " + shape_string(p.weight) + ")");
+  if (pr.D < 1)
+    return Status::invalid("weight has no channels (shape " + shape_string(p.weight) + ")");
   if (pr.W < 2 || pr.W > kConvMaxWidth)
     return Status::invalid("weight width W = " + std::to_string(pr.W) + " is outside [2, " +
                            std::to_string(kConvMaxWidth) + "] (weight is [D, W])");
@@ -103,19 +104,21 @@ inline Status check_arguments(const Params& p, Problem* out_problem) {
   GDN_RETURN_IF_ERROR(ndim(p.conv_state, "conv_state", 3));
   GDN_RETURN_IF_ERROR(dtype_in(p.conv_state, "conv_state", kFloats));
   const bool channels_major = p.layout == StateLayout::kChannelsMajor;
-  const char* layout_shape = channels_major ? "[slots, D, Lbuf] (channels_major)"
-                                            : "[slots, Lbuf, D] (tokens_major)";
+  const char* layout_shape =
+      channels_major ? "[slots, D, Lbuf] (channels_major)" : "[slots, Lbuf, D] (tokens_major)";
   pr.num_slots = p.conv_state.shape[0];
   const int64_t state_D = channels_major ? p.conv_state.shape[1] : p.conv_state.shape[2];
   pr.buffer_len = channels_major ? p.conv_state.shape[2] : p.conv_state.shape[1];
   if (state_D != pr.D)
-    return Status::invalid("conv_state has " + std::to_string(state_D) + " channels but weight has D = " +
-                           std::to_string(pr.D) + " (conv_state is " + layout_shape + ", shape " +
+    return Status::invalid("conv_state has " + std::to_string(state_D) +
+                           " channels but weight has D = " + std::to_string(pr.D) +
+                           " (conv_state is " + layout_shape + ", shape " +
                            shape_string(p.conv_state) + ")");
   if (pr.buffer_len < pr.W - 1)
-    return Status::invalid("conv_state holds Lbuf = " + std::to_string(pr.buffer_len) +
-                           " positions per channel, fewer than W - 1 = " + std::to_string(pr.W - 1) +
-                           " (conv_state is " + layout_shape + ", Lbuf = W - 1 + num_spec)");
+    return Status::invalid(
+        "conv_state holds Lbuf = " + std::to_string(pr.buffer_len) +
+        " positions per channel, fewer than W - 1 = " + std::to_string(pr.W - 1) +
+        " (conv_state is " + layout_shape + ", Lbuf = W - 1 + num_spec)");
   pr.S = pr.buffer_len - pr.W + 2;
   GDN_RETURN_IF_ERROR(contiguous_from(p.conv_state, "conv_state", 1));
   GDN_RETURN_IF_ERROR(nonnegative_strides(p.conv_state, "conv_state"));
@@ -142,12 +145,14 @@ inline Status check_arguments(const Params& p, Problem* out_problem) {
   // In place is x itself (same memory, same strides, same dtype); any other overlap is undefined.
   if (p.out.data == p.x.data && pr.L > 0 &&
       (p.out.dtype != p.x.dtype || (pr.L > 1 && p.out.strides[0] != p.x.strides[0])))
-    return Status::invalid("out shares its data pointer with x but not its dtype and row stride; "
-                           "in-place use needs out to be x itself");
+    return Status::invalid(
+        "out shares its data pointer with x but not its dtype and row stride; "
+        "in-place use needs out to be x itself");
 
   GDN_RETURN_IF_ERROR(present(p.conv_state_indices, "conv_state_indices"));
   GDN_RETURN_IF_ERROR(ndim(p.conv_state_indices, "conv_state_indices", 1));
-  GDN_RETURN_IF_ERROR(dtype_in(p.conv_state_indices, "conv_state_indices", {DType::kInt32, DType::kInt64}));
+  GDN_RETURN_IF_ERROR(
+      dtype_in(p.conv_state_indices, "conv_state_indices", {DType::kInt32, DType::kInt64}));
   GDN_RETURN_IF_ERROR(nonnegative_strides(p.conv_state_indices, "conv_state_indices"));
   pr.N = p.conv_state_indices.shape[0];
 
@@ -160,12 +165,17 @@ inline Status check_arguments(const Params& p, Problem* out_problem) {
   GDN_RETURN_IF_ERROR(optional_counter(p.error_count, "error_count"));
 
   if (p.first_valid_slot < 0)
-    return Status::invalid("first_valid_slot must be >= 0, got " + std::to_string(p.first_valid_slot));
+    return Status::invalid("first_valid_slot must be >= 0, got " +
+                           std::to_string(p.first_valid_slot));
 
   const std::pair<const TensorView*, const char*> all[] = {
-      {&p.x, "x"}, {&p.conv_state, "conv_state"}, {&p.conv_state_indices, "conv_state_indices"},
-      {&p.cu_seqlens, "cu_seqlens"}, {&p.num_accepted_tokens, "num_accepted_tokens"},
-      {&p.out, "out"}, {&p.error_count, "error_count"}};
+      {&p.x, "x"},
+      {&p.conv_state, "conv_state"},
+      {&p.conv_state_indices, "conv_state_indices"},
+      {&p.cu_seqlens, "cu_seqlens"},
+      {&p.num_accepted_tokens, "num_accepted_tokens"},
+      {&p.out, "out"},
+      {&p.error_count, "error_count"}};
   for (auto [view, name] : all) GDN_RETURN_IF_ERROR(same_device(*view, name, pr.device));
 
   if (out_problem) *out_problem = pr;
@@ -181,24 +191,26 @@ enum class RowAction : int {
 
 // Per-row facts resolved from host-visible cu_seqlens / num_accepted_tokens / conv_state_indices.
 struct RowInfo {
-  int64_t begin = 0;  // first token row
-  int64_t T = 0;      // tokens
-  int64_t slot = 0;   // conv state slot
-  int64_t offset = 0; // window offset acc - 1
+  int64_t begin = 0;   // first token row
+  int64_t T = 0;       // tokens
+  int64_t slot = 0;    // conv state slot
+  int64_t offset = 0;  // window offset acc - 1
 };
 
 // Classifies one request row; for an invalid row the reason names the row and what is wrong.
 // The same rules run inside the CUDA kernel (without the messages).
-inline Status check_row(const Params& p, const Problem& pr, int64_t i, RowInfo* info, RowAction* action) {
+inline Status check_row(const Params& p, const Problem& pr, int64_t i, RowInfo* info,
+                        RowAction* action) {
   const int64_t begin = load_index(p.cu_seqlens.data, p.cu_seqlens.dtype, i);
   const int64_t end = load_index(p.cu_seqlens.data, p.cu_seqlens.dtype, i + 1);
   // The message prefix is only built for a row that fails.
   const auto row = [i] { return "request row " + std::to_string(i) + ": "; };
   *action = RowAction::kInvalid;
   if (begin < 0 || end < begin || end > pr.L)
-    return Status::invalid(row() + "cu_seqlens[" + std::to_string(i) + "..] = (" + std::to_string(begin) +
-                           ", " + std::to_string(end) + ") is not a non-decreasing range inside [0, L = " +
-                           std::to_string(pr.L) + "]");
+    return Status::invalid(
+        row() + "cu_seqlens[" + std::to_string(i) + "..] = (" + std::to_string(begin) + ", " +
+        std::to_string(end) +
+        ") is not a non-decreasing range inside [0, L = " + std::to_string(pr.L) + "]");
   info->begin = begin;
   info->T = end - begin;
   if (info->T == 0) {
@@ -213,18 +225,20 @@ inline Status check_row(const Params& p, const Problem& pr, int64_t i, RowInfo* 
     return Status::ok();
   }
   if (slot >= pr.num_slots)
-    return Status::invalid(row() + "conv_state_indices[" + std::to_string(i) + "] = " + std::to_string(slot) +
-                           " is >= the pool's slot count " + std::to_string(pr.num_slots));
+    return Status::invalid(row() + "conv_state_indices[" + std::to_string(i) +
+                           "] = " + std::to_string(slot) + " is >= the pool's slot count " +
+                           std::to_string(pr.num_slots));
   if (info->T > pr.S)
-    return Status::invalid(row() + "has T = " + std::to_string(info->T) +
-                           " tokens but conv_state holds only num_spec + 1 = " + std::to_string(pr.S) +
-                           " (Lbuf = " + std::to_string(pr.buffer_len) + ", W = " + std::to_string(pr.W) + ")");
+    return Status::invalid(
+        row() + "has T = " + std::to_string(info->T) +
+        " tokens but conv_state holds only num_spec + 1 = " + std::to_string(pr.S) +
+        " (Lbuf = " + std::to_string(pr.buffer_len) + ", W = " + std::to_string(pr.W) + ")");
   const int64_t acc = p.num_accepted_tokens.present()
                           ? load_index(p.num_accepted_tokens.data, p.num_accepted_tokens.dtype, i)
                           : 1;
   if (acc < 1 || acc > pr.S)
-    return Status::invalid(row() + "num_accepted_tokens = " + std::to_string(acc) + " is outside [1, num_spec + 1 = " +
-                           std::to_string(pr.S) + "]");
+    return Status::invalid(row() + "num_accepted_tokens = " + std::to_string(acc) +
+                           " is outside [1, num_spec + 1 = " + std::to_string(pr.S) + "]");
   info->offset = acc - 1;
   *action = RowAction::kRun;
   return Status::ok();
@@ -232,8 +246,10 @@ inline Status check_row(const Params& p, const Problem& pr, int64_t i, RowInfo* 
 
 // Validates every row of a call whose indices are host-visible. Nothing may be written before this
 // succeeds.
-inline Status check_rows(const Params& p, const Problem& pr, std::vector<RowInfo>* runnable = nullptr) {
-  if (p.conv_state_indices.device.type != DeviceType::kCPU || p.cu_seqlens.device.type != DeviceType::kCPU ||
+inline Status check_rows(const Params& p, const Problem& pr,
+                         std::vector<RowInfo>* runnable = nullptr) {
+  if (p.conv_state_indices.device.type != DeviceType::kCPU ||
+      p.cu_seqlens.device.type != DeviceType::kCPU ||
       (p.num_accepted_tokens.present() && p.num_accepted_tokens.device.type != DeviceType::kCPU))
     return Status::invalid("check_rows needs host-visible index arrays");
   // `runnable` (if given) receives the rows that run (not padded, not null), in order.

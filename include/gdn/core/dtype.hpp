@@ -12,26 +12,40 @@ enum class DType : int { kFloat32, kBFloat16, kFloat16, kInt32, kInt64, kBool, k
 
 constexpr int dtype_size(DType t) noexcept {
   switch (t) {
-    case DType::kFloat32: return 4;
-    case DType::kBFloat16: return 2;
-    case DType::kFloat16: return 2;
-    case DType::kInt32: return 4;
-    case DType::kInt64: return 8;
-    case DType::kBool: return 1;
-    case DType::kFloat64: return 8;
+    case DType::kFloat32:
+      return 4;
+    case DType::kBFloat16:
+      return 2;
+    case DType::kFloat16:
+      return 2;
+    case DType::kInt32:
+      return 4;
+    case DType::kInt64:
+      return 8;
+    case DType::kBool:
+      return 1;
+    case DType::kFloat64:
+      return 8;
   }
   return 0;
 }
 
 constexpr std::string_view to_string(DType t) noexcept {
   switch (t) {
-    case DType::kFloat32: return "float32";
-    case DType::kBFloat16: return "bfloat16";
-    case DType::kFloat16: return "float16";
-    case DType::kInt32: return "int32";
-    case DType::kInt64: return "int64";
-    case DType::kBool: return "bool";
-    case DType::kFloat64: return "float64";
+    case DType::kFloat32:
+      return "float32";
+    case DType::kBFloat16:
+      return "bfloat16";
+    case DType::kFloat16:
+      return "float16";
+    case DType::kInt32:
+      return "int32";
+    case DType::kInt64:
+      return "int64";
+    case DType::kBool:
+      return "bool";
+    case DType::kFloat64:
+      return "float64";
   }
   return "unknown";
 }
@@ -88,7 +102,7 @@ inline f16_t to_f16(float f) noexcept {
   uint32_t u = float_to_bits(f);
   const uint32_t sign = (u >> 16) & 0x8000u;
   u &= 0x7fffffffu;
-  if (u > 0x7f800000u) return f16_t{uint16_t(sign | 0x7e00u)};  // nan
+  if (u > 0x7f800000u) return f16_t{uint16_t(sign | 0x7e00u)};   // nan
   if (u >= 0x477ff000u) return f16_t{uint16_t(sign | 0x7c00u)};  // rounds to inf
   if (u < 0x38800000u) {
     // Result is subnormal or zero: scale to units of 2^-24 and round half to even.
@@ -107,51 +121,80 @@ inline f16_t to_f16(float f) noexcept {
 template <class T>
 inline T from_float(float f) noexcept;
 template <>
-inline float from_float<float>(float f) noexcept { return f; }
+inline float from_float<float>(float f) noexcept {
+  return f;
+}
 template <>
-inline bf16_t from_float<bf16_t>(float f) noexcept { return to_bf16(f); }
+inline bf16_t from_float<bf16_t>(float f) noexcept {
+  return to_bf16(f);
+}
 template <>
-inline f16_t from_float<f16_t>(float f) noexcept { return to_f16(f); }
+inline f16_t from_float<f16_t>(float f) noexcept {
+  return to_f16(f);
+}
 
 // Host storage type of a floating DType.
 template <DType D>
 struct host_type;
 template <>
-struct host_type<DType::kFloat32> { using type = float; };
+struct host_type<DType::kFloat32> {
+  using type = float;
+};
 template <>
-struct host_type<DType::kBFloat16> { using type = bf16_t; };
+struct host_type<DType::kBFloat16> {
+  using type = bf16_t;
+};
 template <>
-struct host_type<DType::kFloat16> { using type = f16_t; };
+struct host_type<DType::kFloat16> {
+  using type = f16_t;
+};
 template <DType D>
 using host_type_t = typename host_type<D>::type;
 
 // Reads element i of a floating array whose dtype is only known at run time.
 inline float load_float(const void* p, DType t, int64_t i) noexcept {
   switch (t) {
-    case DType::kFloat32: return static_cast<const float*>(p)[i];
-    case DType::kBFloat16: return to_float(static_cast<const bf16_t*>(p)[i]);
-    case DType::kFloat16: return to_float(static_cast<const f16_t*>(p)[i]);
-    case DType::kFloat64: return float(static_cast<const double*>(p)[i]);
-    default: return 0.0f;
+    case DType::kFloat32:
+      return static_cast<const float*>(p)[i];
+    case DType::kBFloat16:
+      return to_float(static_cast<const bf16_t*>(p)[i]);
+    case DType::kFloat16:
+      return to_float(static_cast<const f16_t*>(p)[i]);
+    case DType::kFloat64:
+      return float(static_cast<const double*>(p)[i]);
+    default:
+      return 0.0f;
   }
 }
 
 inline void store_float(void* p, DType t, int64_t i, float v) noexcept {
   switch (t) {
-    case DType::kFloat32: static_cast<float*>(p)[i] = v; break;
-    case DType::kBFloat16: static_cast<bf16_t*>(p)[i] = to_bf16(v); break;
-    case DType::kFloat16: static_cast<f16_t*>(p)[i] = to_f16(v); break;
-    case DType::kFloat64: static_cast<double*>(p)[i] = double(v); break;
-    default: break;
+    case DType::kFloat32:
+      static_cast<float*>(p)[i] = v;
+      break;
+    case DType::kBFloat16:
+      static_cast<bf16_t*>(p)[i] = to_bf16(v);
+      break;
+    case DType::kFloat16:
+      static_cast<f16_t*>(p)[i] = to_f16(v);
+      break;
+    case DType::kFloat64:
+      static_cast<double*>(p)[i] = double(v);
+      break;
+    default:
+      break;
   }
 }
 
 // v rounded to dtype t and back (round to nearest even); the identity for fp32 and fp64.
 inline float round_to(DType t, float v) noexcept {
   switch (t) {
-    case DType::kBFloat16: return to_float(to_bf16(v));
-    case DType::kFloat16: return to_float(to_f16(v));
-    default: return v;
+    case DType::kBFloat16:
+      return to_float(to_bf16(v));
+    case DType::kFloat16:
+      return to_float(to_f16(v));
+    default:
+      return v;
   }
 }
 

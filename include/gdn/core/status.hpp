@@ -16,10 +16,14 @@ enum class StatusCode {
 
 constexpr std::string_view to_string(StatusCode code) noexcept {
   switch (code) {
-    case StatusCode::kSuccess: return "success";
-    case StatusCode::kInvalidArgument: return "invalid argument";
-    case StatusCode::kUnsupported: return "unsupported";
-    case StatusCode::kCudaError: return "CUDA error";
+    case StatusCode::kSuccess:
+      return "success";
+    case StatusCode::kInvalidArgument:
+      return "invalid argument";
+    case StatusCode::kUnsupported:
+      return "unsupported";
+    case StatusCode::kCudaError:
+      return "CUDA error";
   }
   return "unknown";
 }
@@ -50,8 +54,8 @@ class [[nodiscard]] Status {
 }  // namespace gdn
 
 // Propagates a failed Status out of the enclosing function.
-#define GDN_RETURN_IF_ERROR(expr)     \
-  do {                                \
-    ::gdn::Status gdn_status_ = (expr); \
+#define GDN_RETURN_IF_ERROR(expr)                 \
+  do {                                            \
+    ::gdn::Status gdn_status_ = (expr);           \
     if (!gdn_status_.is_ok()) return gdn_status_; \
   } while (0)

@@ -8,7 +8,10 @@
 namespace gdn {
 
 enum class GateActivation : int { kSiLU, kSigmoid };
-enum class StateLayout : int { kVK, kKV };  // kVK: [slots, HV, V, K] (K contiguous); kKV: [.., K, V]
+enum class StateLayout : int {
+  kVK,
+  kKV
+};  // kVK: [slots, HV, V, K] (K contiguous); kKV: [.., K, V]
 
 // Head ratios r = HV / H compiled as template parameters (other integral ratios take the generic
 // run-time-ratio path).

@@ -125,11 +125,10 @@ inline Status contiguous_from(const TensorView& t, const char* name, int first) 
   int64_t expected = 1;
   for (int d = t.ndim - 1; d >= first; --d) {
     if (t.shape[d] > 1 && t.strides[d] != expected)
-      return Status::invalid(std::string(name) + " must be contiguous in dimensions " +
-                             std::to_string(first) + ".." + std::to_string(t.ndim - 1) +
-                             " (stride of dimension " + std::to_string(d) + " is " +
-                             std::to_string(t.strides[d]) + ", expected " +
-                             std::to_string(expected) + ")");
+      return Status::invalid(
+          std::string(name) + " must be contiguous in dimensions " + std::to_string(first) + ".." +
+          std::to_string(t.ndim - 1) + " (stride of dimension " + std::to_string(d) + " is " +
+          std::to_string(t.strides[d]) + ", expected " + std::to_string(expected) + ")");
     expected *= t.shape[d];
   }
   return Status::ok();

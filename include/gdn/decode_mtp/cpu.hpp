@@ -43,7 +43,7 @@ inline void l2_normalize(float* x, int64_t n, float eps, float scale) {
 // Row r of head hv in slot `slot`: K elements, contiguous in "vk", strided by V in "kv".
 template <class StateT>
 struct StateRow {
-  StateT* base;     // element (r = 0, k = 0) of this head
+  StateT* base;      // element (r = 0, k = 0) of this head
   int64_t row_step;  // distance between rows r and r + 1
   int64_t k_step;    // distance between k and k + 1
 

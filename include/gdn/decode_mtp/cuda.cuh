@@ -29,12 +29,12 @@
 namespace gdn::decode_mtp {
 namespace cuda_detail {
 
-using gdn::cuda::DeviceInfo;
-using gdn::cuda::device_info;
-using gdn::cuda::kMaxDevices;
-using gdn::cuda::kernel_ptx_version;
 using gdn::cuda::allow_dynamic_shared;
+using gdn::cuda::device_info;
 using gdn::cuda::device_type;
+using gdn::cuda::DeviceInfo;
+using gdn::cuda::kernel_ptx_version;
+using gdn::cuda::kMaxDevices;
 
 template <class StateT>
 inline size_t shared_bytes(int S, int split, int buffers) {
@@ -75,8 +75,9 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
   if (split != 1 && split != 2 && split != 4 && split != 8)
     return Status::invalid("decode_mtp: split must be 1, 2, 4 or 8, got " + std::to_string(split));
   if (split > 1 && !hopper)
-    return Status::unsupported("decode_mtp: splitting a head over CTAs needs thread-block "
-                               "clusters (sm_90 and a kernel image built for it)");
+    return Status::unsupported(
+        "decode_mtp: splitting a head over CTAs needs thread-block "
+        "clusters (sm_90 and a kernel image built for it)");
   if (heads * split > int64_t(INT_MAX))
     return Status::unsupported("decode_mtp: too many (request, value head) pairs for one launch");
   args.split = split;
@@ -143,9 +144,12 @@ static_assert(StateDTypes::size == 3 && StateDTypes::contains(DType::kFloat32) &
                   StateDTypes::contains(DType::kBFloat16) && StateDTypes::contains(DType::kFloat16),
               "one compiled translation unit per state dtype: update src/cuda/decode_mtp_*.cu");
 namespace cuda_detail {
-extern template Status launch_state_dtype<DType::kFloat32>(const KernelArgs&, int, int, cudaStream_t);
-extern template Status launch_state_dtype<DType::kBFloat16>(const KernelArgs&, int, int, cudaStream_t);
-extern template Status launch_state_dtype<DType::kFloat16>(const KernelArgs&, int, int, cudaStream_t);
+extern template Status launch_state_dtype<DType::kFloat32>(const KernelArgs&, int, int,
+                                                           cudaStream_t);
+extern template Status launch_state_dtype<DType::kBFloat16>(const KernelArgs&, int, int,
+                                                            cudaStream_t);
+extern template Status launch_state_dtype<DType::kFloat16>(const KernelArgs&, int, int,
+                                                           cudaStream_t);
 }  // namespace cuda_detail
 #endif
 
@@ -162,7 +166,8 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream, int split = 0) {
                            " must be >= 0 (slot ids below it are null)");
   const Support support =
       can_use(DeviceType::kCUDA, pr.H, pr.HV, pr.K, pr.V, pr.S, p.state.dtype, true, p.layout);
-  if (support.path == Path::kUnsupported) return Status::unsupported("decode_mtp: " + support.reason);
+  if (support.path == Path::kUnsupported)
+    return Status::unsupported("decode_mtp: " + support.reason);
   if (pr.N == 0) return Status::ok();
   if (pr.HV > 65535 || pr.H > 65535)
     return Status::unsupported("decode_mtp: more than 65535 heads");
@@ -213,8 +218,9 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream, int split = 0) {
   args.state_vector = !args.state_kv && aligned(p.state.data, state_chunk) &&
                       (size_t(p.state.strides[0]) * state_bytes) % state_chunk == 0;
   const size_t qkv_chunk = 4 * size_t(dtype_size(p.mixed_qkv.dtype));
-  args.qkv_vector = aligned(p.mixed_qkv.data, qkv_chunk) &&
-                    (size_t(p.mixed_qkv.strides[0]) * size_t(dtype_size(p.mixed_qkv.dtype))) % qkv_chunk == 0;
+  args.qkv_vector =
+      aligned(p.mixed_qkv.data, qkv_chunk) &&
+      (size_t(p.mixed_qkv.strides[0]) * size_t(dtype_size(p.mixed_qkv.dtype))) % qkv_chunk == 0;
   args.gate_sigmoid = p.gate == GateActivation::kSigmoid;
   args.round_core_output = p.round_core_output;
   args.scale = pr.scale;

@@ -10,9 +10,9 @@
 // global -> shared memory as one bulk copy completing on its buffer's mbarrier, issued by one
 // thread as soon as the source slot is known: no registers are held while the bytes are in
 // flight, and the warps start on a chunk as soon as it lands. A buffer is refilled with a later
-// chunk once every warp holds its rows in registers (KernelArgs::buffers). Elsewhere (a kernel image without
-// sm_90, the "kv" layout, or a pool whose slot stride is not 16-byte aligned) the CTA loads each
-// chunk into the same buffers with plain loads: the slow path.
+// chunk once every warp holds its rows in registers (KernelArgs::buffers). Elsewhere (a kernel
+// image without sm_90, the "kv" layout, or a pool whose slot stride is not 16-byte aligned) the CTA
+// loads each chunk into the same buffers with plain loads: the slow path.
 //
 // A warp owns 8 rows of a group at a time; lane l holds K columns 4l..4l+3 of each (a float4 in
 // registers, fp32 whatever the storage dtype). Dot products over K are 4 lane-local products and
@@ -39,35 +39,36 @@
 namespace gdn::decode_mtp::cuda_detail {
 
 namespace dev = gdn::cuda;
-using dev::StateBits;
-using dev::bits_to_f32;
+using dev::allow_dependent_launch;
 using dev::bits4_to_f32;
+using dev::bits_to_f32;
+using dev::bulk_load;
+using dev::cluster_arrive;
+using dev::cluster_peer;
+using dev::cluster_wait;
+using dev::l2_evict_first_policy;
 using dev::load_bits;
 using dev::load_bits4;
-using dev::store_value;
-using dev::sigmoid;
-using dev::softplus;
-using dev::warp_sum;
-using dev::transpose_reduce8;
-using dev::cluster_arrive;
-using dev::cluster_wait;
-using dev::cluster_peer;
-using dev::wait_for_prior_grids;
-using dev::allow_dependent_launch;
 using dev::mbarrier_init;
 using dev::mbarrier_init_fence;
 using dev::mbarrier_wait;
-using dev::bulk_load;
-using dev::l2_evict_first_policy;
+using dev::sigmoid;
+using dev::softplus;
+using dev::StateBits;
+using dev::store_value;
+using dev::transpose_reduce8;
+using dev::wait_for_prior_grids;
+using dev::warp_sum;
 
-inline constexpr int kHeadDim = 128;                        // K = V of this kernel
-inline constexpr int kRowsPerGroup = 8;                     // V rows a warp holds at a time
+inline constexpr int kHeadDim = 128;                             // K = V of this kernel
+inline constexpr int kRowsPerGroup = 8;                          // V rows a warp holds at a time
 inline constexpr int kGroupsPerHead = kHeadDim / kRowsPerGroup;  // 16
 inline constexpr int kWarps = 4;
 inline constexpr int kThreads = kWarps * 32;
-inline constexpr int kChunkRows = kWarps * kRowsPerGroup;   // rows per bulk copy (one pass of the warps)
-inline constexpr int kMaxChunks = kHeadDim / kChunkRows;    // 4
-inline constexpr int kMaxSplit = 8;                         // CTAs per head (portable cluster size)
+inline constexpr int kChunkRows =
+    kWarps * kRowsPerGroup;  // rows per bulk copy (one pass of the warps)
+inline constexpr int kMaxChunks = kHeadDim / kChunkRows;  // 4
+inline constexpr int kMaxSplit = 8;                       // CTAs per head (portable cluster size)
 // Register budget for six CTAs per SM (24 warps; 80 registers, no spills).
 inline constexpr int kMinCtasPerSm = 6;
 // Shared-memory chunk buffers of a CTA (1..kMaxChunks, chosen by the launcher): a buffer is
@@ -120,24 +121,25 @@ struct SmemPlan {
     rows_per_chunk = R < kChunkRows ? R : kChunkRows;
     chunks = R / rows_per_chunk;
     buffers = chunks < max_buffers ? chunks : max_buffers;
-    bars = 0;                                               // uint64_t[kMaxChunks]
-    meta = 64;                                              // RowMeta
-    tile = 256;                                             // [buffers][rows_per_chunk][128] state
+    bars = 0;    // uint64_t[kMaxChunks]
+    meta = 64;   // RowMeta
+    tile = 256;  // [buffers][rows_per_chunk][128] state
     qk = tile + buffers * rows_per_chunk * kHeadDim * state_bytes;  // float [S][2][128] q, k
-    v = qk + S * 2 * kHeadDim * 4;                          // float [S][R]
-    gates = v + S * R * 4;                                  // float [S][2] alpha, beta
-    o = gates + S * 2 * 4;                                  // float [S][R] core output
-    z = o + S * R * 4;                                      // float [S][R] act(z)
-    ss = z + S * R * 4;                                     // float [S][16] group partials of o^2
-    rstd = ss + S * kGroupsPerHead * 4;                     // float [S]
-    w = rstd + S * 4;                                       // float [R] norm weight
+    v = qk + S * 2 * kHeadDim * 4;                                  // float [S][R]
+    gates = v + S * R * 4;                                          // float [S][2] alpha, beta
+    o = gates + S * 2 * 4;                                          // float [S][R] core output
+    z = o + S * R * 4;                                              // float [S][R] act(z)
+    ss = z + S * R * 4;                  // float [S][16] group partials of o^2
+    rstd = ss + S * kGroupsPerHead * 4;  // float [S]
+    w = rstd + S * 4;                    // float [R] norm weight
     total = w + R * 4;
   }
 };
 static_assert(sizeof(RowMeta) <= 256 - 64, "RowMeta fits between the barriers and the tile");
 
 template <class StateT, int kRatio>
-__global__ void __launch_bounds__(kThreads, kMinCtasPerSm) decode_mtp_kernel(const __grid_constant__ KernelArgs args) {
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
+    decode_mtp_kernel(const __grid_constant__ KernelArgs args) {
   extern __shared__ __align__(128) unsigned char smem[];
   using Bits = StateBits<StateT>;
   using Raw = typename Bits::Raw;
@@ -162,7 +164,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) decode_mtp_kernel(con
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int rank = int(blockIdx.x & unsigned(split - 1));
-  const unsigned head = blockIdx.x >> (7 - log2_R);   // heads * split <= INT_MAX (host check)
+  const unsigned head = blockIdx.x >> (7 - log2_R);  // heads * split <= INT_MAX (host check)
   const int64_t n = head / unsigned(HV);
   const int hv = int(head - unsigned(n) * unsigned(HV));
   const int h = hv / (kRatio == kRuntimeValue ? args.ratio : kRatio);  // key head of hv
@@ -196,7 +198,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) decode_mtp_kernel(con
                    ? dev::load_index(args.num_accepted_tokens, args.acc_dtype, n)
                    : int64_t(1);
   }
-  const uint32_t w_bits = norm && tid < R ? load_bits(args.norm_weight, args.norm_dtype, row0 + tid) : 0u;
+  const uint32_t w_bits =
+      norm && tid < R ? load_bits(args.norm_weight, args.norm_dtype, row0 + tid) : 0u;
   __syncthreads();
 
   // 2. Validity (every thread decides the same, from shared memory).
@@ -223,13 +226,15 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) decode_mtp_kernel(con
 
   // 3. The first chunks of the source slice in flight. Every row is read before it is written (rows
   //    evolve independently, so a chunk may be refilled while earlier rows are being stored).
-  const StateT* src = static_cast<const StateT*>(args.state) + source * args.slot_stride + head_offset;
+  const StateT* src =
+      static_cast<const StateT*>(args.state) + source * args.slot_stride + head_offset;
   const int chunk_elems = rows_per_chunk * kHeadDim;
   const uint32_t chunk_bytes = uint32_t(chunk_elems * int(sizeof(StateT)));
   const uint64_t policy = bulk && tid == 0 ? l2_evict_first_policy() : 0;
   auto issue_chunk = [&](int c) {  // one thread
-    bulk_load(tile + (c % buffers) * chunk_elems, src + int64_t(row0 + c * rows_per_chunk) * kHeadDim,
-              chunk_bytes, &bars[c % buffers], policy);
+    bulk_load(tile + (c % buffers) * chunk_elems,
+              src + int64_t(row0 + c * rows_per_chunk) * kHeadDim, chunk_bytes, &bars[c % buffers],
+              policy);
   };
   auto plain_load_chunk = [&](int c) {  // the whole CTA
     StateT* buf = tile + (c % buffers) * chunk_elems;
@@ -250,15 +255,16 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) decode_mtp_kernel(con
   for (int t = warp; t < T; t += kWarps) {
     const int64_t l = c0 + t;
     const int64_t base = l * args.qkv_row_stride;
-    const uint4 qb = load_bits4(args.mixed_qkv, args.qkv_dtype, base + int64_t(h) * kHeadDim + 4 * lane,
-                                args.qkv_vector);
+    const uint4 qb = load_bits4(args.mixed_qkv, args.qkv_dtype,
+                                base + int64_t(h) * kHeadDim + 4 * lane, args.qkv_vector);
     const uint4 kb = load_bits4(args.mixed_qkv, args.qkv_dtype,
                                 base + int64_t(args.H + h) * kHeadDim + 4 * lane, args.qkv_vector);
     const int64_t vbase = base + int64_t(2 * args.H + hv) * kHeadDim + row0;
     uint32_t vb[kHeadDim / 32];
 #pragma unroll
     for (int i = 0; i < kHeadDim / 32; ++i)
-      vb[i] = lane + 32 * i < R ? load_bits(args.mixed_qkv, args.qkv_dtype, vbase + lane + 32 * i) : 0u;
+      vb[i] =
+          lane + 32 * i < R ? load_bits(args.mixed_qkv, args.qkv_dtype, vbase + lane + 32 * i) : 0u;
     uint32_t ab = 0, bb = 0, Ab = 0, db = 0;
     if (lane == 0) {
       ab = load_bits(args.a, args.a_dtype, l * args.a_row_stride + hv);
@@ -274,13 +280,15 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) decode_mtp_kernel(con
     const float kinv = 1.0f / sqrtf(kk + args.l2_eps);
     float* qk = qk_s + t * 2 * kHeadDim + 4 * lane;
     *reinterpret_cast<float4*>(qk) = make_float4(q.x * qinv, q.y * qinv, q.z * qinv, q.w * qinv);
-    *reinterpret_cast<float4*>(qk + kHeadDim) = make_float4(k.x * kinv, k.y * kinv, k.z * kinv, k.w * kinv);
+    *reinterpret_cast<float4*>(qk + kHeadDim) =
+        make_float4(k.x * kinv, k.y * kinv, k.z * kinv, k.w * kinv);
 #pragma unroll
     for (int i = 0; i < kHeadDim / 32; ++i)
       if (lane + 32 * i < R) v_s[t * R + lane + 32 * i] = bits_to_f32(vb[i], args.qkv_dtype);
     if (lane == 0) {
       const float A = -expf(bits_to_f32(Ab, args.A_log_dtype));
-      const float g = A * softplus(bits_to_f32(ab, args.a_dtype) + bits_to_f32(db, args.dt_bias_dtype));
+      const float g =
+          A * softplus(bits_to_f32(ab, args.a_dtype) + bits_to_f32(db, args.dt_bias_dtype));
       gates_s[2 * t] = expf(g);
       gates_s[2 * t + 1] = sigmoid(bits_to_f32(bb, args.b_dtype));
     }
@@ -288,9 +296,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) decode_mtp_kernel(con
   if (gated) {
     for (int e = tid; e < (T << log2_R); e += kThreads) {
       const int t = e >> log2_R, r = e & (R - 1);
-      const float zv = bits_to_f32(
-          load_bits(args.z, args.z_dtype, (c0 + t) * args.z_row_stride + hv * args.z_head_stride + row0 + r),
-          args.z_dtype);
+      const float zv =
+          bits_to_f32(load_bits(args.z, args.z_dtype,
+                                (c0 + t) * args.z_row_stride + hv * args.z_head_stride + row0 + r),
+                      args.z_dtype);
       z_s[e] = args.gate_sigmoid ? sigmoid(zv) : zv * sigmoid(zv);
     }
   }
@@ -313,7 +322,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) decode_mtp_kernel(con
     }
     float4 s[kRowsPerGroup];
     if (g < groups) {
-      const StateT* rows = tile + (c % buffers) * chunk_elems + warp * kRowsPerGroup * kHeadDim + 4 * lane;
+      const StateT* rows =
+          tile + (c % buffers) * chunk_elems + warp * kRowsPerGroup * kHeadDim + 4 * lane;
 #pragma unroll
       for (int i = 0; i < kRowsPerGroup; ++i)
         s[i] = Bits::to_f32(*reinterpret_cast<const Raw*>(rows + i * kHeadDim));
@@ -326,8 +336,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) decode_mtp_kernel(con
       }
     }
     if (g >= groups) continue;
-    const int grow = g * kRowsPerGroup;             // first row of the group in this CTA
-    const int my_row = grow + ((lane >> 2) & 7);   // row this lane holds after a reduction
+    const int grow = g * kRowsPerGroup;           // first row of the group in this CTA
+    const int my_row = grow + ((lane >> 2) & 7);  // row this lane holds after a reduction
     const int64_t row_offset = head_offset + (row0 + grow) * row_step + 4 * lane * col_step;
 
     for (int t = 0; t < T; ++t) {
@@ -341,7 +351,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) decode_mtp_kernel(con
       float p[kRowsPerGroup];
 #pragma unroll
       for (int i = 0; i < kRowsPerGroup; ++i) {
-        s[i].x *= alpha; s[i].y *= alpha; s[i].z *= alpha; s[i].w *= alpha;
+        s[i].x *= alpha;
+        s[i].y *= alpha;
+        s[i].z *= alpha;
+        s[i].w *= alpha;
         p[i] = s[i].x * kt.x + s[i].y * kt.y + s[i].z * kt.z + s[i].w * kt.w;
       }
       const float u = transpose_reduce8(p, lane);
@@ -351,7 +364,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) decode_mtp_kernel(con
 #pragma unroll
       for (int i = 0; i < kRowsPerGroup; ++i) {
         const float d = __shfl_sync(0xffffffffu, delta_mine, 4 * i);
-        s[i].x += kt.x * d; s[i].y += kt.y * d; s[i].z += kt.z * d; s[i].w += kt.w * d;
+        s[i].x += kt.x * d;
+        s[i].y += kt.y * d;
+        s[i].z += kt.z * d;
+        s[i].w += kt.w * d;
         p[i] = s[i].x * qt.x + s[i].y * qt.y + s[i].z * qt.z + s[i].w * qt.w;
       }
       float o = transpose_reduce8(p, lane);
@@ -363,7 +379,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) decode_mtp_kernel(con
         StateT* dst = pool + dest * args.slot_stride + row_offset;
         if (args.state_vector) {
 #pragma unroll
-          for (int i = 0; i < kRowsPerGroup; ++i) Bits::store_streaming(dst + i * kHeadDim, Bits::from_f32(s[i]));
+          for (int i = 0; i < kRowsPerGroup; ++i)
+            Bits::store_streaming(dst + i * kHeadDim, Bits::from_f32(s[i]));
         } else {
 #pragma unroll
           for (int i = 0; i < kRowsPerGroup; ++i)

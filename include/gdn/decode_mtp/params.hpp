@@ -72,7 +72,8 @@ Status check_step_arguments(const StepArgs& p, Problem* out_problem,
   Problem pr;
   GDN_RETURN_IF_ERROR(present(p.state, "state"));
   GDN_RETURN_IF_ERROR(ndim(p.state, "state", 4));
-  GDN_RETURN_IF_ERROR(dtype_in(p.state, "state", {DType::kFloat32, DType::kBFloat16, DType::kFloat16}));
+  GDN_RETURN_IF_ERROR(
+      dtype_in(p.state, "state", {DType::kFloat32, DType::kBFloat16, DType::kFloat16}));
   pr.device = p.state.device;
   pr.num_slots = p.state.shape[0];
   pr.HV = p.state.shape[1];
@@ -90,7 +91,8 @@ Status check_step_arguments(const StepArgs& p, Problem* out_problem,
 
   GDN_RETURN_IF_ERROR(present(p.mixed_qkv, "mixed_qkv"));
   GDN_RETURN_IF_ERROR(ndim(p.mixed_qkv, "mixed_qkv", 2));
-  GDN_RETURN_IF_ERROR(dtype_in(p.mixed_qkv, "mixed_qkv", {DType::kBFloat16, DType::kFloat16, DType::kFloat32}));
+  GDN_RETURN_IF_ERROR(
+      dtype_in(p.mixed_qkv, "mixed_qkv", {DType::kBFloat16, DType::kFloat16, DType::kFloat32}));
   GDN_RETURN_IF_ERROR(unit_stride(p.mixed_qkv, "mixed_qkv", 1));
   GDN_RETURN_IF_ERROR(nonnegative_strides(p.mixed_qkv, "mixed_qkv"));
   pr.L = p.mixed_qkv.shape[0];
@@ -99,18 +101,17 @@ Status check_step_arguments(const StepArgs& p, Problem* out_problem,
   if (key_width <= 0 || key_width % (2 * pr.K) != 0)
     return Status::invalid(
         "state has HV = " + std::to_string(pr.HV) + " value heads (dim 1 of state " +
-        shape_string(p.state) + "; K = " + std::to_string(pr.K) + ", V = " +
-        std::to_string(pr.V) + " from dims " + (vk ? "3 and 2" : "2 and 3") + ", layout \"" +
-        (vk ? "vk" : "kv") + "\"), but mixed_qkv width " + std::to_string(width) +
-        " = 2*H*K + HV*V leaves " + std::to_string(width) + " - " + std::to_string(pr.HV) + "*" +
-        std::to_string(pr.V) + " = " + std::to_string(key_width) +
-        " columns for q|k, not a positive multiple of 2*K = " + std::to_string(2 * pr.K) +
-        ": check state's head count (dim 1) or mixed_qkv's width");
+        shape_string(p.state) + "; K = " + std::to_string(pr.K) + ", V = " + std::to_string(pr.V) +
+        " from dims " + (vk ? "3 and 2" : "2 and 3") + ", layout \"" + (vk ? "vk" : "kv") +
+        "\"), but mixed_qkv width " + std::to_string(width) + " = 2*H*K + HV*V leaves " +
+        std::to_string(width) + " - " + std::to_string(pr.HV) + "*" + std::to_string(pr.V) + " = " +
+        std::to_string(key_width) + " columns for q|k, not a positive multiple of 2*K = " +
+        std::to_string(2 * pr.K) + ": check state's head count (dim 1) or mixed_qkv's width");
   pr.H = key_width / (2 * pr.K);
   if (p.num_k_heads != 0 && p.num_k_heads != pr.H)
-    return Status::invalid("num_k_heads = " + std::to_string(p.num_k_heads) +
-                           " disagrees with the mixed_qkv width, which gives H = " +
-                           std::to_string(pr.H));
+    return Status::invalid(
+        "num_k_heads = " + std::to_string(p.num_k_heads) +
+        " disagrees with the mixed_qkv width, which gives H = " + std::to_string(pr.H));
   GDN_RETURN_IF_ERROR(row_stride_at_least(p.mixed_qkv, "mixed_qkv", width));
   // The ratio must divide exactly: checked before the quotient is used.
   if (pr.HV % pr.H != 0)
@@ -141,8 +142,9 @@ Status check_step_arguments(const StepArgs& p, Problem* out_problem,
                                           {DType::kFloat32, DType::kBFloat16, DType::kFloat16},
                                           pr.V, "V"));
   if (p.z.present() && !p.norm_weight.present())
-    return Status::invalid("z (the output gate) was given without norm_weight; the gate is applied "
-                           "inside the gated RMSNorm, so pass norm_weight too or drop z");
+    return Status::invalid(
+        "z (the output gate) was given without norm_weight; the gate is applied "
+        "inside the gated RMSNorm, so pass norm_weight too or drop z");
 
   GDN_RETURN_IF_ERROR(check_own_sizes(pr));
   GDN_RETURN_IF_ERROR(contiguous_vector(p.cu_seqlens, "cu_seqlens", {DType::kInt32, DType::kInt64},
@@ -201,9 +203,9 @@ inline Status check_arguments(const Params& p, Problem* out_problem) {
 
 // Per-row facts, resolved from host-visible cu_seqlens / num_accepted_tokens / state_indices.
 struct RowInfo {
-  int64_t begin = 0;  // first token row
-  int64_t T = 0;      // tokens
-  int64_t source = 0; // slot the initial state is read from
+  int64_t begin = 0;   // first token row
+  int64_t T = 0;       // tokens
+  int64_t source = 0;  // slot the initial state is read from
 };
 
 // The prefix of every row error ("request row i: "); only built for a row that fails.
@@ -244,8 +246,9 @@ inline Status check_row(const Params& p, const Problem& pr, int64_t i, RowInfo* 
   const int64_t T = info->T;
   if (T == 0) return Status::ok();  // padded row: nothing is read or written
   if (T > pr.S)
-    return Status::invalid(row_prefix(i) + "has T = " + std::to_string(T) + " tokens but state_indices has only S = " +
-                           std::to_string(pr.S) + " columns");
+    return Status::invalid(row_prefix(i) + "has T = " + std::to_string(T) +
+                           " tokens but state_indices has only S = " + std::to_string(pr.S) +
+                           " columns");
   const int64_t acc = p.num_accepted_tokens.present()
                           ? load_index(p.num_accepted_tokens.data, p.num_accepted_tokens.dtype, i)
                           : 1;
@@ -255,16 +258,17 @@ inline Status check_row(const Params& p, const Problem& pr, int64_t i, RowInfo* 
   for (int64_t c = 0; c < pr.S; ++c) {
     const int64_t slot = load_index(p.state_indices.data, p.state_indices.dtype, i * pr.S + c);
     if (slot >= pr.num_slots)
-      return Status::invalid(row_prefix(i) + "state_indices[" + std::to_string(i) + ", " + std::to_string(c) +
-                             "] = " + std::to_string(slot) + " is >= the pool's slot count " +
-                             std::to_string(pr.num_slots));
+      return Status::invalid(row_prefix(i) + "state_indices[" + std::to_string(i) + ", " +
+                             std::to_string(c) + "] = " + std::to_string(slot) +
+                             " is >= the pool's slot count " + std::to_string(pr.num_slots));
   }
-  const int64_t source = load_index(p.state_indices.data, p.state_indices.dtype, i * pr.S + acc - 1);
+  const int64_t source =
+      load_index(p.state_indices.data, p.state_indices.dtype, i * pr.S + acc - 1);
   if (source < p.first_valid_slot)
-    return Status::invalid(row_prefix(i) + "source slot state_indices[" + std::to_string(i) + ", " +
-                           std::to_string(acc - 1) + "] = " + std::to_string(source) +
-                           " is null (below first_valid_slot = " +
-                           std::to_string(p.first_valid_slot) + ")");
+    return Status::invalid(
+        row_prefix(i) + "source slot state_indices[" + std::to_string(i) + ", " +
+        std::to_string(acc - 1) + "] = " + std::to_string(source) +
+        " is null (below first_valid_slot = " + std::to_string(p.first_valid_slot) + ")");
   info->source = source;
   return Status::ok();
 }
@@ -275,19 +279,24 @@ inline Status check_rows(const Params& p, const Problem& pr, std::vector<RowInfo
   GDN_RETURN_IF_ERROR(check_rows_readable(p, pr, {&p.state_indices, &p.num_accepted_tokens}));
   if (rows) rows->assign(size_t(pr.N), RowInfo{});
   RowInfo info;
-  for (int64_t i = 0; i < pr.N; ++i) GDN_RETURN_IF_ERROR(check_row(p, pr, i, rows ? &(*rows)[size_t(i)] : &info));
+  for (int64_t i = 0; i < pr.N; ++i)
+    GDN_RETURN_IF_ERROR(check_row(p, pr, i, rows ? &(*rows)[size_t(i)] : &info));
   return Status::ok();
 }
 
-// ---- Guard ---------------------------------------------------------------------------------------
+// ---- Guard
+// ---------------------------------------------------------------------------------------
 
 enum class Path : int { kFast, kGeneric, kUnsupported };
 
 inline const char* to_string(Path path) noexcept {
   switch (path) {
-    case Path::kFast: return "fast";
-    case Path::kGeneric: return "generic";
-    case Path::kUnsupported: return "unsupported";
+    case Path::kFast:
+      return "fast";
+    case Path::kGeneric:
+      return "generic";
+    case Path::kUnsupported:
+      return "unsupported";
   }
   return "unknown";
 }
@@ -314,9 +323,11 @@ inline Support can_use(DeviceType device, int64_t H, int64_t HV, int64_t K, int6
   const int64_t ratio = HV / H;
   const bool listed = ratio <= 8 && HeadRatios::contains(int(ratio));
   if (device == DeviceType::kCPU) {
-    if (listed) return {Path::kFast, "CPU kernel specialised for head ratio " + std::to_string(ratio)};
-    return {Path::kGeneric, "head ratio " + std::to_string(ratio) +
-                                " is not compiled in; the CPU kernel runs it with a run-time ratio"};
+    if (listed)
+      return {Path::kFast, "CPU kernel specialised for head ratio " + std::to_string(ratio)};
+    return {Path::kGeneric,
+            "head ratio " + std::to_string(ratio) +
+                " is not compiled in; the CPU kernel runs it with a run-time ratio"};
   }
   if (!cuda_available)
     return {Path::kUnsupported, "this build has no CUDA kernel image for the device"};
@@ -328,9 +339,11 @@ inline Support can_use(DeviceType device, int64_t H, int64_t HV, int64_t K, int6
                                     " state columns, got " + std::to_string(S)};
   // The "kv" pool cannot be bulk-copied row by row: plain loads and strided 4-byte stores.
   if (layout == StateLayout::kKV)
-    return {Path::kGeneric, "state layout \"kv\" runs the CUDA kernel's slow path (plain loads, "
-                            "strided stores); use \"vk\" for full speed"};
-  if (listed) return {Path::kFast, "CUDA kernel specialised for head ratio " + std::to_string(ratio)};
+    return {Path::kGeneric,
+            "state layout \"kv\" runs the CUDA kernel's slow path (plain loads, "
+            "strided stores); use \"vk\" for full speed"};
+  if (listed)
+    return {Path::kFast, "CUDA kernel specialised for head ratio " + std::to_string(ratio)};
   return {Path::kGeneric, "head ratio " + std::to_string(ratio) +
                               " is not compiled in; the CUDA kernel runs it with a run-time ratio"};
 }

@@ -1,6 +1,6 @@
 // Host-callable CUDA entry point of causal_conv1d_update (src/cuda/conv_update.cu, target
-// gdn::kernels). Declared without CUDA headers so host-compiled code (the binding, a C++ engine) can
-// call it; cudaStream_t travels as void*.
+// gdn::kernels). Declared without CUDA headers so host-compiled code (the binding, a C++ engine)
+// can call it; cudaStream_t travels as void*.
 #pragma once
 
 #include "gdn/conv/params.hpp"

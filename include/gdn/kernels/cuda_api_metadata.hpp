@@ -21,8 +21,8 @@ Status metadata_step(const metadata::Params& params, const TensorView& device_pl
 
 // One cudaMemcpyAsync of a planned host buffer into the device plan buffer (same layout): what a
 // step does before replaying a graph that captured the state-row launch.
-Status metadata_copy_plan(const TensorView& host_plan, const TensorView& device_plan,
-                          int64_t words, void* stream);
+Status metadata_copy_plan(const TensorView& host_plan, const TensorView& device_plan, int64_t words,
+                          void* stream);
 
 // Waits for `stream`. For benchmarks and the debug shadow check only; the builder never calls it.
 Status synchronize_stream(void* stream);

@@ -32,33 +32,34 @@ inline const char* to_string(CacheMode m) noexcept {
 
 // Header of the plan buffer (int32 words at offset 0): the step's counts.
 enum HeaderField : int {
-  kNumRequests,          // N
-  kNumPrefills,          // non-spec rows with > 1 token, plus reclassified 1-token rows
+  kNumRequests,  // N
+  kNumPrefills,  // non-spec rows with > 1 token, plus reclassified 1-token rows
   kNumPrefillTokens,
-  kNumDecodes,           // non-spec 1-token rows; 0 whenever spec rows exist
+  kNumDecodes,  // non-spec 1-token rows; 0 whenever spec rows exist
   kNumDecodeTokens,
-  kNumSpecDecodes,       // spec (verify) rows
+  kNumSpecDecodes,  // spec (verify) rows
   kNumSpecDecodeTokens,
-  kNumActualTokens,      // query_start_loc[N] (live tokens, not padded)
-  kNumNonSpecRows,       // prefills + decodes + zero-length rows, in request order
-  kNumZeroLengthRows,    // non-spec rows with no token (padding): neither prefill nor decode
-  kSpecRowsWritten,      // spec rows the step writes: padded_rows when padded, else live spec rows
-  kNonSpecRowsWritten,   // non-spec rows the step writes: padded_rows when padded, else live
-  kMaskRowsWritten,      // entries of spec_sequence_masks written: padded_rows or N
-  kMaxColumnEnd,         // largest block-table column any live row reads, plus one
-  kNumSpecColumns,       // S = num_spec + 1
-  kPaddedRows,           // padded_rows, or -1 when the step is not padded
+  kNumActualTokens,     // query_start_loc[N] (live tokens, not padded)
+  kNumNonSpecRows,      // prefills + decodes + zero-length rows, in request order
+  kNumZeroLengthRows,   // non-spec rows with no token (padding): neither prefill nor decode
+  kSpecRowsWritten,     // spec rows the step writes: padded_rows when padded, else live spec rows
+  kNonSpecRowsWritten,  // non-spec rows the step writes: padded_rows when padded, else live
+  kMaskRowsWritten,     // entries of spec_sequence_masks written: padded_rows or N
+  kMaxColumnEnd,        // largest block-table column any live row reads, plus one
+  kNumSpecColumns,      // S = num_spec + 1
+  kPaddedRows,          // padded_rows, or -1 when the step is not padded
   kHeaderWords = 16,
 };
 
 inline const char* header_field_name(int f) noexcept {
-  static const char* const names[kHeaderWords] = {
-      "num_requests",          "num_prefills",           "num_prefill_tokens",
-      "num_decodes",           "num_decode_tokens",      "num_spec_decodes",
-      "num_spec_decode_tokens", "num_actual_tokens",     "num_non_spec_rows",
-      "num_zero_length_rows",  "spec_rows_written",      "non_spec_rows_written",
-      "mask_rows_written",     "max_column_end",         "num_spec_columns",
-      "padded_rows"};
+  static const char* const names[kHeaderWords] = {"num_requests",           "num_prefills",
+                                                  "num_prefill_tokens",     "num_decodes",
+                                                  "num_decode_tokens",      "num_spec_decodes",
+                                                  "num_spec_decode_tokens", "num_actual_tokens",
+                                                  "num_non_spec_rows",      "num_zero_length_rows",
+                                                  "spec_rows_written",      "non_spec_rows_written",
+                                                  "mask_rows_written",      "max_column_end",
+                                                  "num_spec_columns",       "padded_rows"};
   return (f >= 0 && f < kHeaderWords) ? names[f] : "unknown";
 }
 
@@ -66,8 +67,8 @@ inline const char* header_field_name(int f) noexcept {
 // device buffers allocated once for the largest batch share it. Every region starts on a 16-byte
 // boundary; the two bool fields are packed one byte per row.
 struct Layout {
-  int64_t max_rows = 0;    // R: most requests (and padded rows) a step may have
-  int64_t max_tokens = 0;  // most token rows a step may have
+  int64_t max_rows = 0;                  // R: most requests (and padded rows) a step may have
+  int64_t max_tokens = 0;                // most token rows a step may have
   int64_t header = 0;                    // int32[kHeaderWords]
   int64_t spec_request = 0;              // int32[R]   request index of spec row j
   int64_t spec_start = 0;                // int32[R]   first block-table column of spec row j
@@ -127,11 +128,11 @@ struct Params {
   TensorView num_accepted_tokens;
 
   // ---- scalars ----
-  int64_t num_spec = 0;           // drafts per verify row at most; S = num_spec + 1 columns
+  int64_t num_spec = 0;  // drafts per verify row at most; S = num_spec + 1 columns
   CacheMode mode = CacheMode::kNone;
-  int64_t block_size = 0;         // tokens per block; mode "align" only
-  int64_t padded_rows = -1;       // CUDA-graph batch size the step replays (>= N), or -1
-  int32_t pad_id = 0;             // state id of padded / unreadable rows (0: null block, or -1)
+  int64_t block_size = 0;    // tokens per block; mode "align" only
+  int64_t padded_rows = -1;  // CUDA-graph batch size the step replays (>= N), or -1
+  int32_t pad_id = 0;        // state id of padded / unreadable rows (0: null block, or -1)
 
   // ---- the plan buffer: int32 [Layout::make(max_rows, max_tokens).total_words] ----
   TensorView plan;
@@ -139,12 +140,12 @@ struct Params {
   int64_t max_tokens = 0;
 
   // ---- state rows ----
-  int num_groups = 0;                    // G, 1..kMaxGroups
-  TensorView block_tables[kMaxGroups];   // int32 [rows_g, cols_g], unit column stride
-  TensorView spec_state_indices;         // int32 [G, R', S], contiguous, R' >= launch rows
-  TensorView non_spec_state_indices;     // int32 [G, R'], contiguous
-  TensorView error_count;                // optional int32 [1]: unreadable rows are added to it
-  int64_t launch_rows = 0;               // rows the pass covers (0: max_rows); >= rows written
+  int num_groups = 0;                   // G, 1..kMaxGroups
+  TensorView block_tables[kMaxGroups];  // int32 [rows_g, cols_g], unit column stride
+  TensorView spec_state_indices;        // int32 [G, R', S], contiguous, R' >= launch rows
+  TensorView non_spec_state_indices;    // int32 [G, R'], contiguous
+  TensorView error_count;               // optional int32 [1]: unreadable rows are added to it
+  int64_t launch_rows = 0;              // rows the pass covers (0: max_rows); >= rows written
 
   int64_t num_state_columns() const noexcept { return num_spec + 1; }
   Layout layout() const noexcept { return Layout::make(max_rows, max_tokens); }
@@ -174,10 +175,12 @@ inline Status host_int32_vector(const TensorView& t, const char* name, int64_t l
 
 // Scalars and the plan buffer, shared by both parts.
 inline Status check_common(const Params& p) {
-  if (p.num_spec < 0) return Status::invalid("num_spec must be >= 0, got " + std::to_string(p.num_spec));
+  if (p.num_spec < 0)
+    return Status::invalid("num_spec must be >= 0, got " + std::to_string(p.num_spec));
   if (p.num_spec + 1 > (int64_t(1) << 20))
     return Status::invalid("num_spec = " + std::to_string(p.num_spec) + " is unreasonably large");
-  if (p.max_rows < 1) return Status::invalid("max_rows must be >= 1, got " + std::to_string(p.max_rows));
+  if (p.max_rows < 1)
+    return Status::invalid("max_rows must be >= 1, got " + std::to_string(p.max_rows));
   if (p.max_tokens < 0)
     return Status::invalid("max_tokens must be >= 0, got " + std::to_string(p.max_tokens));
   if (p.max_rows > INT32_MAX / 2 || p.max_tokens > INT32_MAX / 2)
@@ -208,8 +211,8 @@ inline Status check_state_rows_arguments(const Params& p, DeviceType device) {
   const int64_t S = p.num_state_columns();
   const int64_t rows = p.launch_rows > 0 ? p.launch_rows : p.max_rows;
   if (rows > p.max_rows)
-    return Status::invalid("launch_rows = " + std::to_string(p.launch_rows) + " exceeds max_rows = " +
-                           std::to_string(p.max_rows));
+    return Status::invalid("launch_rows = " + std::to_string(p.launch_rows) +
+                           " exceeds max_rows = " + std::to_string(p.max_rows));
   for (int g = 0; g < p.num_groups; ++g) {
     const std::string name = "block_tables[" + std::to_string(g) + "]";
     const TensorView& t = p.block_tables[g];

@@ -22,9 +22,10 @@ namespace gdn::metadata {
 inline Status check_plan_arguments(const Params& p, int64_t* num_requests) {
   GDN_RETURN_IF_ERROR(check_common(p));
   if (p.plan.device.type != DeviceType::kCPU)
-    return Status::invalid("plan must be a host array: the plan is written on the host (copy it "
-                           "to the device buffer afterwards), got one on " +
-                           to_string(p.plan.device));
+    return Status::invalid(
+        "plan must be a host array: the plan is written on the host (copy it "
+        "to the device buffer afterwards), got one on " +
+        to_string(p.plan.device));
   GDN_RETURN_IF_ERROR(detail::int32_vector(p.query_start_loc, "query_start_loc"));
   if (p.query_start_loc.device.type != DeviceType::kCPU)
     return Status::invalid("query_start_loc must be a host array, got one on " +
@@ -32,18 +33,18 @@ inline Status check_plan_arguments(const Params& p, int64_t* num_requests) {
   const int64_t N = p.query_start_loc.shape[0] - 1;
   if (N < 0) return Status::invalid("query_start_loc must have N + 1 >= 1 entries, got 0");
   if (N > p.max_rows)
-    return Status::invalid("the step has N = " + std::to_string(N) + " requests but max_rows = " +
-                           std::to_string(p.max_rows));
+    return Status::invalid("the step has N = " + std::to_string(N) +
+                           " requests but max_rows = " + std::to_string(p.max_rows));
   GDN_RETURN_IF_ERROR(detail::host_int32_vector(p.seq_lens, "seq_lens", N, "N (requests)"));
   if (p.num_computed_tokens.present())
-    GDN_RETURN_IF_ERROR(detail::host_int32_vector(p.num_computed_tokens, "num_computed_tokens", N,
-                                                  "N (requests)"));
+    GDN_RETURN_IF_ERROR(
+        detail::host_int32_vector(p.num_computed_tokens, "num_computed_tokens", N, "N (requests)"));
   if (p.num_draft_tokens.present())
     GDN_RETURN_IF_ERROR(
         detail::host_int32_vector(p.num_draft_tokens, "num_draft_tokens", N, "N (requests)"));
   if (p.num_accepted_tokens.present() && p.num_accepted_tokens.device.type == DeviceType::kCPU)
-    GDN_RETURN_IF_ERROR(detail::host_int32_vector(p.num_accepted_tokens, "num_accepted_tokens", N,
-                                                  "N (requests)"));
+    GDN_RETURN_IF_ERROR(
+        detail::host_int32_vector(p.num_accepted_tokens, "num_accepted_tokens", N, "N (requests)"));
   if (p.padded_rows != -1 && (p.padded_rows < N || p.padded_rows > p.max_rows))
     return Status::invalid("padded_rows = " + std::to_string(p.padded_rows) +
                            " must be -1 (not padded) or in [N = " + std::to_string(N) +
@@ -62,10 +63,10 @@ inline Status plan(const Params& p) {
       p.num_computed_tokens.present() ? p.num_computed_tokens.ptr<const int32_t>() : nullptr;
   const int32_t* drafts =
       p.num_draft_tokens.present() ? p.num_draft_tokens.ptr<const int32_t>() : nullptr;
-  const int32_t* accepted = (p.num_accepted_tokens.present() &&
-                             p.num_accepted_tokens.device.type == DeviceType::kCPU)
-                                ? p.num_accepted_tokens.ptr<const int32_t>()
-                                : nullptr;
+  const int32_t* accepted =
+      (p.num_accepted_tokens.present() && p.num_accepted_tokens.device.type == DeviceType::kCPU)
+          ? p.num_accepted_tokens.ptr<const int32_t>()
+          : nullptr;
   const int64_t S = p.num_state_columns();
 
   // ---- pass 1: validate and count (nothing is written) ----
@@ -78,17 +79,17 @@ inline Status plan(const Params& p) {
       return Status::invalid("query_start_loc decreases at request " + std::to_string(i) + ": " +
                              std::to_string(qsl[i]) + " -> " + std::to_string(qsl[i + 1]));
     if (seq_lens[i] < 0)
-      return Status::invalid("seq_lens[" + std::to_string(i) + "] = " +
-                             std::to_string(seq_lens[i]) + " is negative");
+      return Status::invalid("seq_lens[" + std::to_string(i) +
+                             "] = " + std::to_string(seq_lens[i]) + " is negative");
     if (!computed && seq_lens[i] < T)
       return Status::invalid("seq_lens[" + std::to_string(i) + "] = " +
                              std::to_string(seq_lens[i]) + " is smaller than the request's " +
                              std::to_string(T) + " query tokens (context would be negative)");
     if (drafts) {
       if (drafts[i] < -1 || drafts[i] > p.num_spec)
-        return Status::invalid("num_draft_tokens[" + std::to_string(i) + "] = " +
-                               std::to_string(drafts[i]) + " is outside [-1, num_spec = " +
-                               std::to_string(p.num_spec) + "]");
+        return Status::invalid("num_draft_tokens[" + std::to_string(i) +
+                               "] = " + std::to_string(drafts[i]) +
+                               " is outside [-1, num_spec = " + std::to_string(p.num_spec) + "]");
       spec_step = spec_step || drafts[i] > 0;
     }
   }
@@ -102,12 +103,12 @@ inline Status plan(const Params& p) {
     if (spec_step && drafts[i] >= 0) {
       if (T > S)
         return Status::invalid("spec row of request " + std::to_string(i) + " has " +
-                               std::to_string(T) + " tokens but S = num_spec + 1 = " +
-                               std::to_string(S));
+                               std::to_string(T) +
+                               " tokens but S = num_spec + 1 = " + std::to_string(S));
       if (accepted && (accepted[i] < 1 || accepted[i] > S))
-        return Status::invalid("num_accepted_tokens[" + std::to_string(i) + "] = " +
-                               std::to_string(accepted[i]) + " is outside [1, S = " +
-                               std::to_string(S) + "] for a spec row");
+        return Status::invalid("num_accepted_tokens[" + std::to_string(i) +
+                               "] = " + std::to_string(accepted[i]) +
+                               " is outside [1, S = " + std::to_string(S) + "] for a spec row");
       ++num_spec_rows;
       num_spec_tokens += T;
     } else {
@@ -146,7 +147,8 @@ inline Status plan(const Params& p) {
   ns_qsl[0] = 0;
   for (int64_t i = 0; i < N; ++i) {
     const int32_t begin = qsl[i], T = qsl[i + 1] - qsl[i];
-    const int32_t start = align ? int32_t(std::max<int64_t>((seq_lens[i] - 1) / p.block_size, 0)) : 0;
+    const int32_t start =
+        align ? int32_t(std::max<int64_t>((seq_lens[i] - 1) / p.block_size, 0)) : 0;
     const bool is_spec = spec_step && drafts[i] >= 0;
     mask[i] = is_spec;
     if (is_spec) {

@@ -24,12 +24,12 @@ namespace gdn::metadata {
 // Everything one group's builder produces, over the rows the step writes.
 struct GroupMetadata {
   int64_t header[kHeaderWords] = {};
-  std::vector<uint8_t> spec_sequence_masks;     // [mask rows written]
-  std::vector<int32_t> non_spec_token_indx;     // [non-spec tokens]
-  std::vector<int32_t> spec_token_indx;         // [spec tokens]
-  std::vector<int32_t> spec_query_start_loc;    // [spec rows written + 1]
+  std::vector<uint8_t> spec_sequence_masks;   // [mask rows written]
+  std::vector<int32_t> non_spec_token_indx;   // [non-spec tokens]
+  std::vector<int32_t> spec_token_indx;       // [spec tokens]
+  std::vector<int32_t> spec_query_start_loc;  // [spec rows written + 1]
   std::vector<int32_t> non_spec_query_start_loc;
-  std::vector<int32_t> spec_num_accepted;       // [spec rows written]
+  std::vector<int32_t> spec_num_accepted;  // [spec rows written]
   std::vector<int32_t> spec_source_column;
   std::vector<uint8_t> has_initial_state;       // [non-spec rows written]
   std::vector<int32_t> spec_state_indices;      // [spec rows written * S]
@@ -220,11 +220,10 @@ struct Comparer {
   void value(const char* field, int64_t row, int64_t column, int64_t fused, int64_t expected) {
     if (fused == expected) return;
     if (report->mismatches++ > 0) return;
-    report->message = "group " + std::to_string(group) + ", field " + field + ", row " +
-                      std::to_string(row) +
-                      (column >= 0 ? ", column " + std::to_string(column) : std::string()) +
-                      ": shared/fused = " + std::to_string(fused) +
-                      ", per-group = " + std::to_string(expected);
+    report->message =
+        "group " + std::to_string(group) + ", field " + field + ", row " + std::to_string(row) +
+        (column >= 0 ? ", column " + std::to_string(column) : std::string()) +
+        ": shared/fused = " + std::to_string(fused) + ", per-group = " + std::to_string(expected);
   }
   template <class T, class U>
   void vector(const char* field, const T* fused, const std::vector<U>& expected) {
@@ -254,13 +253,13 @@ inline Status shadow_check(const Params& p, ShadowReport* report) {
         ns_written > p.non_spec_state_indices.shape[1] || spec_written > p.max_rows ||
         ns_written > p.max_rows ||
         int64_t(m.spec_token_indx.size() + m.non_spec_token_indx.size()) > p.max_tokens)
-      return Status::invalid("the step writes more rows or tokens than the buffers under check hold");
+      return Status::invalid(
+          "the step writes more rows or tokens than the buffers under check hold");
     shadow_detail::Comparer cmp{report, g};
     for (int f = 0; f < kHeaderWords; ++f)
-      cmp.value((std::string("header.") + header_field_name(f)).c_str(), 0, -1,
-                w[l.header + f], m.header[f]);
-    cmp.vector("spec_sequence_masks",
-               reinterpret_cast<const uint8_t*>(w + l.spec_sequence_masks),
+      cmp.value((std::string("header.") + header_field_name(f)).c_str(), 0, -1, w[l.header + f],
+                m.header[f]);
+    cmp.vector("spec_sequence_masks", reinterpret_cast<const uint8_t*>(w + l.spec_sequence_masks),
                m.spec_sequence_masks);
     cmp.vector("non_spec_token_indx", w + l.token_split, m.non_spec_token_indx);
     cmp.vector("spec_token_indx", w + l.token_split + m.non_spec_token_indx.size(),
@@ -272,7 +271,8 @@ inline Status shadow_check(const Params& p, ShadowReport* report) {
     cmp.vector("spec_source_column", w + l.spec_source_column, m.spec_source_column);
     cmp.vector("has_initial_state", reinterpret_cast<const uint8_t*>(w + l.has_initial_state),
                m.has_initial_state);
-    const int32_t* spec = p.spec_state_indices.ptr<const int32_t>() + g * p.spec_state_indices.strides[0];
+    const int32_t* spec =
+        p.spec_state_indices.ptr<const int32_t>() + g * p.spec_state_indices.strides[0];
     for (int64_t j = 0; j < spec_written; ++j)
       for (int64_t c = 0; c < S; ++c)
         cmp.value("spec_state_indices", j, c, spec[j * S + c],

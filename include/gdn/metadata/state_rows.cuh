@@ -71,12 +71,14 @@ inline Status launch_state_rows_cuda(const Params& p, cudaStream_t stream) {
   GDN_RETURN_IF_ERROR(check_state_rows_arguments(p, DeviceType::kCUDA));
   const StateRowsArgs a = make_state_rows_args(p);
   const int64_t elements = int64_t(a.launch_rows) * (a.S + 1);
-  const int64_t blocks = (elements + cuda_detail::kStateRowThreads - 1) / cuda_detail::kStateRowThreads;
+  const int64_t blocks =
+      (elements + cuda_detail::kStateRowThreads - 1) / cuda_detail::kStateRowThreads;
   if (blocks > INT32_MAX)
     return Status::unsupported("launch_rows x (S + 1) = " + std::to_string(elements) +
                                " elements exceed one grid");
   const dim3 grid(unsigned(blocks), unsigned(a.num_groups));
-  cuda_detail::state_rows_kernel<cuda_detail::kStateRowThreads><<<grid, cuda_detail::kStateRowThreads, 0, stream>>>(a);
+  cuda_detail::state_rows_kernel<cuda_detail::kStateRowThreads>
+      <<<grid, cuda_detail::kStateRowThreads, 0, stream>>>(a);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)
     return Status(StatusCode::kCudaError,

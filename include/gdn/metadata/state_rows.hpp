@@ -38,7 +38,7 @@ struct StateRowsArgs {
   int32_t* plan = nullptr;  // plan buffer (accepted counts are written into it when gathered)
   int64_t spec_request = 0, spec_start = 0, non_spec_request = 0, non_spec_start = 0;
   int64_t spec_num_accepted = 0, spec_source_column = 0;  // word offsets (Layout)
-  int32_t* spec_out = nullptr;      // [G, spec_group_stride / S, S]
+  int32_t* spec_out = nullptr;                            // [G, spec_group_stride / S, S]
   int64_t spec_group_stride = 0;
   int32_t* non_spec_out = nullptr;  // [G, non_spec_group_stride]
   int64_t non_spec_group_stride = 0;
@@ -117,9 +117,9 @@ inline StateRowsArgs make_state_rows_args(const Params& p) {
   a.spec_num_accepted = l.spec_num_accepted;
   a.spec_source_column = l.spec_source_column;
   a.spec_out = p.spec_state_indices.ptr<int32_t>();
-  a.spec_group_stride = p.spec_state_indices.shape[0] > 1 ? p.spec_state_indices.strides[0]
-                                                          : p.spec_state_indices.shape[1] *
-                                                                p.spec_state_indices.shape[2];
+  a.spec_group_stride = p.spec_state_indices.shape[0] > 1
+                            ? p.spec_state_indices.strides[0]
+                            : p.spec_state_indices.shape[1] * p.spec_state_indices.shape[2];
   a.non_spec_out = p.non_spec_state_indices.ptr<int32_t>();
   a.non_spec_group_stride = p.non_spec_state_indices.shape[0] > 1
                                 ? p.non_spec_state_indices.strides[0]

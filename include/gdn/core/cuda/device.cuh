@@ -28,11 +28,17 @@ namespace gdn::cuda {
 template <DType D>
 struct device_type;
 template <>
-struct device_type<DType::kFloat32> { using type = float; };
+struct device_type<DType::kFloat32> {
+  using type = float;
+};
 template <>
-struct device_type<DType::kBFloat16> { using type = __nv_bfloat16; };
+struct device_type<DType::kBFloat16> {
+  using type = __nv_bfloat16;
+};
 template <>
-struct device_type<DType::kFloat16> { using type = __half; };
+struct device_type<DType::kFloat16> {
+  using type = __half;
+};
 
 // Four consecutive elements of a state row as raw bits: a float4 for fp32, two packed 16-bit
 // pairs for bf16/fp16 (kept packed until used, so data in flight costs half the registers).
@@ -48,7 +54,10 @@ struct StateBits<float> {
     __stcs(reinterpret_cast<float4*>(p), r);
   }
   static __device__ __forceinline__ void store_scalar(float* p, int64_t step, Raw r) {
-    p[0] = r.x; p[step] = r.y; p[2 * step] = r.z; p[3 * step] = r.w;
+    p[0] = r.x;
+    p[step] = r.y;
+    p[2 * step] = r.z;
+    p[3 * step] = r.w;
   }
 };
 template <class Half>
@@ -86,8 +95,10 @@ struct StateBits16 {
   }
   static __device__ __forceinline__ void store_scalar(Half* p, int64_t step, Raw r) {
     uint16_t* q = reinterpret_cast<uint16_t*>(p);
-    q[0] = uint16_t(r.x); q[step] = uint16_t(r.x >> 16);
-    q[2 * step] = uint16_t(r.y); q[3 * step] = uint16_t(r.y >> 16);
+    q[0] = uint16_t(r.x);
+    q[step] = uint16_t(r.x >> 16);
+    q[2 * step] = uint16_t(r.y);
+    q[3 * step] = uint16_t(r.y >> 16);
   }
 };
 template <>
@@ -118,13 +129,17 @@ __device__ __forceinline__ uint4 load_bits4(const void* p, DType t, int64_t i, b
     if (vector) {
       r = *reinterpret_cast<const uint4*>(q);
     } else {
-      r.x = q[0]; r.y = q[1]; r.z = q[2]; r.w = q[3];
+      r.x = q[0];
+      r.y = q[1];
+      r.z = q[2];
+      r.w = q[3];
     }
   } else {
     const uint16_t* q = static_cast<const uint16_t*>(p) + i;
     if (vector) {
       const uint2 h = *reinterpret_cast<const uint2*>(q);
-      r.x = h.x; r.y = h.y;
+      r.x = h.x;
+      r.y = h.y;
     } else {
       r.x = uint32_t(q[0]) | (uint32_t(q[1]) << 16);
       r.y = uint32_t(q[2]) | (uint32_t(q[3]) << 16);
@@ -148,9 +163,15 @@ __device__ __forceinline__ float4 bits4_to_f32(uint4 r, DType t) {
 
 __device__ __forceinline__ void store_value(void* p, DType t, int64_t i, float v) {
   switch (t) {
-    case DType::kBFloat16: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v); break;
-    case DType::kFloat16: static_cast<__half*>(p)[i] = __float2half_rn(v); break;
-    default: static_cast<float*>(p)[i] = v; break;
+    case DType::kBFloat16:
+      static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v);
+      break;
+    case DType::kFloat16:
+      static_cast<__half*>(p)[i] = __float2half_rn(v);
+      break;
+    default:
+      static_cast<float*>(p)[i] = v;
+      break;
   }
 }
 
@@ -254,7 +275,8 @@ __device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t arrivals) 
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(shared_address(bar)), "r"(arrivals)
                : "memory");
 #else
-  (void)bar; (void)arrivals;
+  (void)bar;
+  (void)arrivals;
 #endif
 }
 __device__ __forceinline__ void mbarrier_init_fence() {
@@ -286,9 +308,10 @@ __device__ __forceinline__ uint64_t l2_evict_first_policy() {
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar,
                                           uint64_t policy) {
 #if GDN_CUDA_SM90
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(bar)),
-               "r"(bytes)
-               : "memory");
+  asm volatile(
+      "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(bar)),
+      "r"(bytes)
+      : "memory");
   if (policy != 0) {
     asm volatile(
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
@@ -303,7 +326,11 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
         : "memory");
   }
 #else
-  (void)dst; (void)src; (void)bytes; (void)bar; (void)policy;
+  (void)dst;
+  (void)src;
+  (void)bytes;
+  (void)bar;
+  (void)policy;
 #endif
 }
 
@@ -320,7 +347,8 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
       "r"(parity)
       : "memory");
 #else
-  (void)bar; (void)parity;
+  (void)bar;
+  (void)parity;
 #endif
 }
 

@@ -24,7 +24,8 @@ inline Status device_info(int device, DeviceInfo* info) {
   static std::atomic<int> major[kMaxDevices];
   static std::atomic<int> shared_per_sm[kMaxDevices];
   if (device < 0 || device >= kMaxDevices)
-    return Status(StatusCode::kCudaError, "device index " + std::to_string(device) + " out of range");
+    return Status(StatusCode::kCudaError,
+                  "device index " + std::to_string(device) + " out of range");
   int sms = sm_count[device].load(std::memory_order_acquire);
   if (sms == 0) {
     int mj = 0, smem = 0;
@@ -71,12 +72,15 @@ template <class Kernel>
 inline Status allow_dynamic_shared(Kernel kernel, int device, int bytes,
                                    std::atomic<int> (&cache)[kMaxDevices]) {
   if (device < 0 || device >= kMaxDevices)
-    return Status(StatusCode::kCudaError, "device index " + std::to_string(device) + " out of range");
-  if (cache[device].load(std::memory_order_acquire) >= bytes) return Status::ok();
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) != cudaSuccess) {
-    const cudaError_t err = cudaGetLastError();
     return Status(StatusCode::kCudaError,
-                  std::string("cannot set the kernel's shared memory size: ") + cudaGetErrorString(err));
+                  "device index " + std::to_string(device) + " out of range");
+  if (cache[device].load(std::memory_order_acquire) >= bytes) return Status::ok();
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) !=
+      cudaSuccess) {
+    const cudaError_t err = cudaGetLastError();
+    return Status(
+        StatusCode::kCudaError,
+        std::string("cannot set the kernel's shared memory size: ") + cudaGetErrorString(err));
   }
   cache[device].store(bytes, std::memory_order_release);
   return Status::ok();
@@ -90,18 +94,21 @@ inline Status on_device(const std::string& op, int device, F&& launch) {
   int previous = -1;
   if (cudaGetDevice(&previous) != cudaSuccess) {
     const cudaError_t err = cudaGetLastError();
-    return Status(StatusCode::kCudaError, op + ": no usable CUDA device: " + cudaGetErrorString(err));
+    return Status(StatusCode::kCudaError,
+                  op + ": no usable CUDA device: " + cudaGetErrorString(err));
   }
   if (previous != device && cudaSetDevice(device) != cudaSuccess) {
     const cudaError_t err = cudaGetLastError();
     return Status(StatusCode::kCudaError, op + ": cannot select CUDA device " +
-                                              std::to_string(device) + ": " + cudaGetErrorString(err));
+                                              std::to_string(device) + ": " +
+                                              cudaGetErrorString(err));
   }
   Status status = launch();
   const cudaError_t err = status.is_ok() ? cudaGetLastError() : cudaSuccess;
   if (previous != device) (void)cudaSetDevice(previous);  // was current a moment ago
   if (err != cudaSuccess)
-    return Status(StatusCode::kCudaError, op + ": CUDA error after launch: " + cudaGetErrorString(err));
+    return Status(StatusCode::kCudaError,
+                  op + ": CUDA error after launch: " + cudaGetErrorString(err));
   return status;
 }
 
