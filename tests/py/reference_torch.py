@@ -366,3 +366,18 @@ def _compare(case: Case, ref: RefResult, before: torch.Tensor, *, out_tol: float
         pad_now = case.pool_buffer.view(torch.uint8).reshape(before.shape[0], -1)[:, slot_bytes:]
         pad_before = before.view(torch.uint8).reshape(before.shape[0], -1)[:, slot_bytes:]
         assert torch.equal(pad_now, pad_before), "padding between slots was written"
+
+
+# ---- CUDA availability ---------------------------------------------------------------------------
+
+def cuda_skip_reason() -> Optional[str]:
+    """Why CUDA tests cannot run here (None when they can): no device for torch, a build of gdn
+    without CUDA kernels, or no kernel image for the device."""
+    import gdn
+
+    if not torch.cuda.is_available():
+        return "no CUDA device visible to torch"
+    if not gdn._C.built_with_cuda:
+        return "this build of gdn has no CUDA kernels"
+    ok, why = gdn.cuda_kernels_available(torch.cuda.current_device())
+    return None if ok else why

@@ -20,21 +20,12 @@ import torch
 import gdn
 from reference_torch import (
     BF16, F64, FP16, FP32, FP32_BAR, MIXED_DTYPE_IDS, MIXED_DTYPES, OUT16_BAR, STATE16_BAR,
-    _compare, decode_mtp_ref, make_case, out_bar, rel_l2, state_bar)
+    _compare, cuda_skip_reason, decode_mtp_ref, make_case, out_bar, rel_l2, state_bar)
 
 I32, I64 = torch.int32, torch.int64
 
 
-def _cuda_reason():
-    if not torch.cuda.is_available():
-        return "no CUDA device visible to torch"
-    if not gdn._C.built_with_cuda:
-        return "this build of gdn has no CUDA kernels"
-    ok, why = gdn.cuda_kernels_available(torch.cuda.current_device())
-    return None if ok else why
-
-
-_REASON = _cuda_reason()
+_REASON = cuda_skip_reason()
 requires_cuda = pytest.mark.skipif(_REASON is not None, reason=f"CUDA decode_mtp: {_REASON}")
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.jit._script")
 
@@ -555,8 +546,8 @@ def test_vllm_numerics_match_vllms_rounding(gen, device):
     reference rounding at the same point, the bf16 outputs carry the same bits nearly everywhere
     (never more than 1 ulp apart), which is what vLLM's 5e-4 comparisons need; the exact default
     differs from that reference far more often."""
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no GPU: CUDA is not available to torch")
+    if device == "cuda" and _REASON is not None:
+        pytest.skip(f"CUDA decode_mtp: {_REASON}")
     K = 128 if device == "cuda" else 32
     rates = {}
     for numerics in (True, False):

@@ -18,7 +18,7 @@ from gdn import metadata as M
 
 torch = pytest.importorskip("torch")
 
-from reference_torch import check_case, make_case  # noqa: E402 (needs torch)
+from reference_torch import check_case, cuda_skip_reason, make_case  # noqa: E402 (needs torch)
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -148,16 +148,7 @@ def test_model_parameters_are_accepted(gen, fn):
 # ---- every torch.ops.gdn op ----------------------------------------------------------------------
 
 
-def _cuda_reason():
-    if not torch.cuda.is_available():
-        return "no CUDA device visible to torch"
-    if not gdn._C.built_with_cuda:
-        return "this build of gdn has no CUDA kernels"
-    ok, why = gdn.cuda_kernels_available(torch.cuda.current_device())
-    return None if ok else why
-
-
-_CUDA_REASON = _cuda_reason()
+_CUDA_REASON = cuda_skip_reason()
 _needs_cuda = pytest.mark.skipif(_CUDA_REASON is not None, reason=f"CUDA: {_CUDA_REASON}")
 
 # The Tensor arguments each gdn function may write (its contract), by op name.
