@@ -10,12 +10,16 @@ and distinct, accepted counts random in 1..T. Before timing, the timed launch it
 against the CPU path of gdn on two of its requests (outputs and every written state).
 
 Bytes (libgdn): per request, one state read + T state writes + T x (packed mixed_qkv row, a, b, z,
-out) in bf16. FLA: one state read + T writes (T = 1: a fresh final state) + T x (q, k, v, out in
+out) in bf16. Replay verify (gdn.decode_mtp_replay, docs replay.md; the "fold, fused" scheme of
+performance.md): per request one checkpoint read and one write, the n replayed window tokens (raw
+k, v, a, b) read, the T new tokens' activations as above, and their k, v, a, b saved to the window;
+its pool holds one slot per request, the window is full (window_len = T) and n is random in 1..T
+(T > 1 rows only). FLA: one state read + T writes (T = 1: a fresh final state) + T x (q, k, v, out in
 bf16, raw gate and beta in fp32; the KDA kernel's gate is per K channel). Bandwidth is reported
 against a device-to-device copy measured in the same process (read + write bytes) and the 4.8 TB/s
 datasheet value.
 
-Usage: python benchmarks/bench_decode_mtp.py [--quick] [--sweep-split] [--no-fla]
+Usage: python benchmarks/bench_decode_mtp.py [--quick] [--sweep-split] [--no-fla] [--no-replay]
        [--json PATH] [--png PATH] [--budget SECONDS]
 """
 
@@ -144,6 +148,79 @@ def gdn_call(st, prm, HV, split=None):
                           prm["dt_bias"], st["pool"], st["idx"], st["cu"], st["out"], z=st["z"],
                           norm_weight=prm["norm_weight"], num_accepted_tokens=st["acc"],
                           stream=torch.cuda.current_stream().cuda_stream, split=split)
+
+
+def make_replay_sets(H, HV, B, T, state_dtype, n_sets, seed):
+    """Replay-verify buffer sets: a pool of one checkpoint slot per request and full windows of T
+    tokens per set (layer); slot ids, token offsets and replay counts shared."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    L = B * T
+    D = 2 * H * DIM + HV * DIM
+    pool = torch.randn(n_sets, B, HV, DIM, DIM, device="cuda", generator=g).mul_(0.01)
+    pool = pool.to(state_dtype)
+    qkv = torch.randn(n_sets, L, D, device="cuda", generator=g).to(torch.bfloat16)
+    ba = torch.randn(n_sets, L, 2 * HV, device="cuda", generator=g).to(torch.bfloat16)
+    z = torch.randn(n_sets, L, HV, DIM, device="cuda", generator=g).to(torch.bfloat16)
+    out = torch.empty(n_sets, L, HV, DIM, device="cuda", dtype=torch.bfloat16)
+    win_kv = torch.randn(n_sets, B, T, H * DIM + HV * DIM, device="cuda", generator=g)
+    win_kv = win_kv.to(torch.bfloat16)
+    win_ab = torch.randn(n_sets, B, T, 2 * HV, device="cuda", generator=g).to(torch.bfloat16)
+    win_len = torch.full((n_sets, B), T, device="cuda", dtype=torch.int32)
+    slots = torch.randperm(B, device="cuda", generator=g).to(torch.int32)
+    acc = torch.randint(1, T + 1, (B,), device="cuda", generator=g).to(torch.int32)
+    cu = torch.arange(0, L + 1, T, device="cuda", dtype=torch.int32)
+    return [{"pool": pool[i], "mixed_qkv": qkv[i], "ba": ba[i], "z": z[i], "out": out[i],
+             "wk": win_kv[i][..., : H * DIM], "wv": win_kv[i][..., H * DIM:],
+             "wa": win_ab[i][..., :HV], "wb": win_ab[i][..., HV:], "wlen": win_len[i],
+             "slots": slots, "acc": acc, "cu": cu} for i in range(n_sets)]
+
+
+def replay_call(st, prm, HV, split=None, fn=None):
+    args = (st["mixed_qkv"], st["ba"][:, :HV], st["ba"][:, HV:], prm["A_log"], prm["dt_bias"],
+            st["pool"], st["slots"], st["cu"], st["out"], st["wk"], st["wv"], st["wa"], st["wb"],
+            st["wlen"], st["acc"])
+    if fn is not None:  # another implementation of the same call (validation)
+        return fn(*args, z=st["z"], norm_weight=prm["norm_weight"])
+    if split is None:
+        gdn.decode_mtp_replay(*args, z=st["z"], norm_weight=prm["norm_weight"])
+    else:
+        gdn._C.decode_mtp_replay(*args, z=st["z"], norm_weight=prm["norm_weight"],
+                                 stream=torch.cuda.current_stream().cuda_stream, split=split)
+
+
+def replay_bytes(H, HV, B, T, state_dtype, replayed):
+    """Bytes of one replay call; `replayed` = window tokens replayed over all requests."""
+    state = HV * DIM * DIM * torch.finfo(state_dtype).bits // 8
+    act = ((2 * H * DIM + HV * DIM) + 2 * HV + 2 * HV * DIM) * 2
+    window = (H * DIM + HV * DIM + 2 * HV) * 2
+    return B * (2 * state + T * (act + window)) + replayed * window
+
+
+def validate_replay(st, prm, H, HV, B, T):
+    """The timed launch once on set `st` against the CPU path on copies of requests 0 and B-1
+    (their checkpoint slots, windows and tokens); returns the worst rel L2 of outputs and
+    checkpoints."""
+    reqs = sorted({0, B - 1})
+    slots = [int(st["slots"][i]) for i in reqs]
+    rows = torch.cat([torch.arange(i * T, i * T + T) for i in reqs]).cuda()
+    cpu = {"pool": st["pool"][slots].cpu(), "mixed_qkv": st["mixed_qkv"][rows].cpu(),
+           "ba": st["ba"][rows].cpu(), "z": st["z"][rows].cpu(),
+           "out": torch.full((len(reqs) * T, HV, DIM), float("nan"), dtype=torch.bfloat16),
+           "slots": torch.arange(len(reqs), dtype=torch.int32),
+           "acc": st["acc"][reqs].cpu(),
+           "cu": torch.arange(0, len(reqs) * T + 1, T, dtype=torch.int32)}
+    kv = torch.cat([st["wk"][slots], st["wv"][slots]], -1).cpu()
+    ab = torch.cat([st["wa"][slots], st["wb"][slots]], -1).cpu()
+    cpu.update(wk=kv[..., : H * DIM], wv=kv[..., H * DIM:], wa=ab[..., :HV], wb=ab[..., HV:],
+               wlen=st["wlen"][slots].cpu())
+    replay_call(cpu, {k: v.cpu() for k, v in prm.items()}, HV, fn=gdn.decode_mtp_replay)
+    st["out"].fill_(float("nan"))
+    replay_call(st, prm, HV)
+    torch.cuda.synchronize()
+    worst = _rel(st["out"][rows].cpu(), cpu["out"])
+    for j, s in enumerate(slots):
+        worst = max(worst, _rel(st["pool"][s].cpu(), cpu["pool"][j]))
+    return worst
 
 
 def gdn_bytes(H, HV, B, T, state_dtype):
@@ -293,7 +370,36 @@ def time_graph(calls, warm=2, reps=7):
     return times[len(times) // 2], times[0], times[-1]
 
 
-def bench_config(shape, B, T, sdt, with_fla, copy_tbps, split=None):
+def bench_replay(shape, B, T, sdt, copy_tbps, split=None):
+    H, HV = SHAPES[shape]
+    state_dtype = DTYPES[sdt]
+    set_bytes = B * HV * DIM * DIM * torch.finfo(state_dtype).bits // 8
+    n_sets = max(1, min(MAX_SETS, math.ceil(ROTATE_BYTES / set_bytes)))
+    sets = make_replay_sets(H, HV, B, T, state_dtype, n_sets, 2000 + B + 10 * T)
+    prm = make_params(HV, 7)
+    n_calls = max(MIN_CALLS, n_sets)
+    rec = dict(impl="replay", shape=shape, H=H, HV=HV, B=B, T=T, state=sdt, sets=n_sets,
+               calls=n_calls, split=split)
+    try:
+        rec["rel_err"] = validate_replay(sets[0], prm, H, HV, B, T)
+        rec["valid"] = rec["rel_err"] <= 1e-2
+        calls = [(lambda st=sets[i % n_sets]: replay_call(st, prm, HV, split))
+                 for i in range(n_calls)]
+        nbytes = replay_bytes(H, HV, B, T, state_dtype, int(sets[0]["acc"].sum()))
+        med, lo, hi = time_graph(calls)
+        tbps = nbytes / med / 1e12
+        rec.update(us=med * 1e6, us_min=lo * 1e6, us_max=hi * 1e6, bytes=nbytes, tbps=tbps,
+                   pct_copy=100 * tbps / copy_tbps, pct_spec=100 * tbps / SPEC_TBPS,
+                   pool_bytes_per_request=HV * DIM * DIM * torch.finfo(state_dtype).bits // 8,
+                   window_bytes_per_request=T * (H * DIM + HV * DIM + 2 * HV) * 2 + 4)
+    except Exception as e:  # noqa: BLE001 - one failing config must not end the run
+        rec["error"] = repr(e)[:300]
+    sets = None
+    torch.cuda.empty_cache()
+    return [rec]
+
+
+def bench_config(shape, B, T, sdt, with_fla, copy_tbps, split=None, with_replay=False):
     H, HV = SHAPES[shape]
     state_dtype = DTYPES[sdt]
     set_bytes = B * T * HV * DIM * DIM * torch.finfo(state_dtype).bits // 8
@@ -329,10 +435,15 @@ def bench_config(shape, B, T, sdt, with_fla, copy_tbps, split=None):
         fl = None  # frees the FLA inputs before the next implementation
     sets = None
     torch.cuda.empty_cache()
+    if with_replay:
+        results += bench_replay(shape, B, T, sdt, copy_tbps, split)
     return results
 
 
 # ---- report --------------------------------------------------------------------------------------
+
+LABELS = {"gdn": "libgdn", "fla": "FLA", "replay": "libgdn replay"}
+
 
 def plot(results, env, path):
     import matplotlib
@@ -343,14 +454,14 @@ def plot(results, env, path):
     for ax, shape in zip(axes.flat, SHAPES):
         for sdt, color in (("fp32", "tab:blue"), ("bf16", "tab:orange")):
             for T, marker in zip(TOKENS, "os^D"):
-                for impl, style in (("gdn", "-"), ("fla", ":")):
+                for impl, style in (("gdn", "-"), ("fla", ":"), ("replay", "--")):
                     pts = sorted((r["B"], r["tbps"]) for r in results
                                  if r.get("tbps") and r["shape"] == shape and r["state"] == sdt
                                  and r["T"] == T and r["impl"] == impl and r.get("split") is None)
                     if pts:
                         ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker=marker,
                                 color=color, alpha=1.0 if impl == "gdn" else 0.6,
-                                label=f"{'libgdn' if impl == 'gdn' else 'FLA'} {sdt} T={T}")
+                                label=f"{LABELS[impl]} {sdt} T={T}")
         ax.axhline(env["copy_tbps"], color="gray", lw=0.8, ls="--")
         ax.set_xscale("log", base=2)
         ax.set_title(f"{shape} (H={SHAPES[shape][0]}, HV={SHAPES[shape][1]})")
@@ -359,22 +470,22 @@ def plot(results, env, path):
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=6, ncol=2)
     fig.suptitle(f"decode_mtp on {env['gpu']} (copy {env['copy_tbps']:.2f} TB/s, dashed gray); "
-                 f"libgdn solid, FLA dotted")
+                 f"libgdn solid, libgdn replay dashed, FLA dotted")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def summary(results):
-    lines = ["impl  shape   state  T    B      us      TB/s  %copy  valid"]
+    lines = ["impl   shape   state  T    B      us      TB/s  %copy  valid"]
     for r in results:
         if r.get("split") is not None:
             continue
         if "us" in r:
-            lines.append(f"{r['impl']:5} {r['shape']:7} {r['state']:5} {r['T']:2} {r['B']:4} "
+            lines.append(f"{r['impl']:6} {r['shape']:7} {r['state']:5} {r['T']:2} {r['B']:4} "
                          f"{r['us']:8.2f} {r['tbps']:7.2f} {r['pct_copy']:6.1f}  "
                          f"{r['valid']} ({r['rel_err']:.1e})")
         else:
-            lines.append(f"{r['impl']:5} {r['shape']:7} {r['state']:5} {r['T']:2} {r['B']:4} "
+            lines.append(f"{r['impl']:6} {r['shape']:7} {r['state']:5} {r['T']:2} {r['B']:4} "
                          f"ERROR {r.get('error')}")
     return "\n".join(lines)
 
@@ -385,6 +496,7 @@ def main():
     ap.add_argument("--sweep-split", action="store_true",
                     help="also time every head split (CTAs per value head) on TP1")
     ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--no-replay", action="store_true", help="skip replay verify (T > 1 rows)")
     ap.add_argument("--json", default="benchmarks/results/decode_mtp_h200.json")
     ap.add_argument("--png", default="benchmarks/results/decode_mtp_h200.png")
     ap.add_argument("--budget", type=float, default=220.0, help="stop starting configs after this")
@@ -413,16 +525,17 @@ def main():
             continue
         shape, B, T, sdt = cfg[:4]
         split = cfg[4] if len(cfg) > 4 else None
-        recs = bench_config(shape, B, T, sdt, with_fla and split is None, env["copy_tbps"], split)
+        recs = bench_config(shape, B, T, sdt, with_fla and split is None, env["copy_tbps"], split,
+                            with_replay=not args.no_replay and split is None and T > 1)
         for r in recs:
             results.append(r)
             if "us" in r:
-                print(f"{r['impl']:4} {shape:6} {sdt} T={T} B={B:3}"
+                print(f"{r['impl']:6} {shape:6} {sdt} T={T} B={B:3}"
                       f"{'' if split is None else f' split={split}'}: {r['us']:9.2f} us "
                       f"{r['tbps']:5.2f} TB/s ({r['pct_copy']:5.1f}% copy) "
                       f"valid={r['valid']} err={r['rel_err']:.1e}", flush=True)
             else:
-                print(f"{r['impl']:4} {shape:6} {sdt} T={T} B={B}: {r.get('error')}", flush=True)
+                print(f"{r['impl']:6} {shape:6} {sdt} T={T} B={B}: {r.get('error')}", flush=True)
     env["elapsed_s"] = time.time() - t0
     doc = {"environment": env, "method": __doc__, "results": results,
            "skipped_for_time": [list(c) for c in skipped]}

@@ -22,6 +22,7 @@ from ._C import (
 # function too); reach the module with importlib.import_module("gdn.decode_mtp").
 from .decode_mtp import can_use_decode_mtp, decode_mtp
 from .conv import causal_conv1d_update
+from .replay import ReplayWindow, decode_mtp_replay
 from . import metadata
 
 __version__ = _C.__version__
@@ -34,6 +35,8 @@ __all__ = [
     "cuda_device_count",
     "cuda_kernels_available",
     "decode_mtp",
+    "decode_mtp_replay",
+    "ReplayWindow",
     "include_dir",
     "metadata",
     "supported_head_ratios",

@@ -171,7 +171,7 @@ class GDNCache:
     Block 0 is the null block; each group hands every request its own random blocks."""
 
     def __init__(self, model: TinyHybridGDN, num_requests: int, num_spec: int, conv_layout: str,
-                 seed: int):
+                 seed: int, replay: bool = False):
         cfg, dev = model.cfg, model.device
         self.num_spec, self.S, self.conv_layout = num_spec, num_spec + 1, conv_layout
         self.num_blocks = 1 + num_requests * self.S
@@ -182,6 +182,12 @@ class GDNCache:
         self.ssm = [torch.zeros(self.num_blocks, cfg.HV, cfg.V, cfg.K, device=dev)
                     for _ in range(cfg.layers)]
         self.conv = [torch.zeros(*conv_shape, device=dev) for _ in range(cfg.layers)]
+        # Replay verify: a request's state lives in one checkpoint block (column 0 of its row)
+        # plus, per layer, a window of its last step's raw k, v, a, b rows.
+        self.windows = ([gdn.ReplayWindow.allocate(self.num_blocks, self.S, H=cfg.H, HV=cfg.HV,
+                                                   K=cfg.K, V=cfg.V, dtype=torch.float32,
+                                                   device=dev)
+                         for _ in range(cfg.layers)] if replay else None)
         g = torch.Generator().manual_seed(seed)
         # Tables wider than S (spare columns), so the builder must pick the right ones.
         cols = self.S + 2
@@ -243,6 +249,9 @@ class StepSlots:
     state_indices: List[torch.Tensor]            # per group [R, S] (decode_mtp)
     conv_indices: List[torch.Tensor]             # per group [R] (column 0 of state_indices)
     num_accepted_tokens: Optional[torch.Tensor]  # [R] or None (all 1)
+    # Replay verify (decode_mtp_replay): window tokens each row replays; the checkpoint block is
+    # conv_indices' (column 0). None: write-every-token decode_mtp.
+    replay_counts: Optional[torch.Tensor] = None
 
 
 class DecodePath:
@@ -283,12 +292,21 @@ class DecodePath:
                     slots.cu_seqlens, mixed_qkv, num_accepted_tokens=slots.num_accepted_tokens,
                     state_layout=self.cache.conv_layout, first_valid_slot=NULL_BLOCK + 1,
                     error_count=self.error_count)
-            with self._region(timer, event_log, "decode_mtp"):
-                gdn.decode_mtp(
-                    mixed_qkv, a, b, layer["A_log"], layer["dt_bias"], self.cache.ssm[li],
-                    slots.state_indices[g], slots.cu_seqlens, self.core[:rows], z=z,
-                    norm_weight=layer["gnorm"], num_accepted_tokens=slots.num_accepted_tokens,
-                    first_valid_slot=NULL_BLOCK + 1, error_count=self.error_count)
+            if slots.replay_counts is not None:
+                with self._region(timer, event_log, "replay"):
+                    gdn.decode_mtp_replay(
+                        mixed_qkv, a, b, layer["A_log"], layer["dt_bias"], self.cache.ssm[li],
+                        slots.conv_indices[g], slots.cu_seqlens, self.core[:rows],
+                        **self.cache.windows[li].arrays(), num_accepted_tokens=slots.replay_counts,
+                        z=z, norm_weight=layer["gnorm"], first_valid_slot=NULL_BLOCK + 1,
+                        error_count=self.error_count)
+            else:
+                with self._region(timer, event_log, "decode_mtp"):
+                    gdn.decode_mtp(
+                        mixed_qkv, a, b, layer["A_log"], layer["dt_bias"], self.cache.ssm[li],
+                        slots.state_indices[g], slots.cu_seqlens, self.core[:rows], z=z,
+                        norm_weight=layer["gnorm"], num_accepted_tokens=slots.num_accepted_tokens,
+                        first_valid_slot=NULL_BLOCK + 1, error_count=self.error_count)
             h.add_(exact_linear(self.core[:rows].view(rows, HVV), layer["out_proj"]))
         torch.argmax(m.logits(h), dim=-1, out=self.pred[:rows])
 

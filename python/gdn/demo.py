@@ -12,7 +12,11 @@ model (vocab, embedding, a stack of GDN layers split into KV-cache groups, final
 Prompts are prefilled through the same decode path, one token per step. Every step builds its
 metadata with gdn.metadata (one shared plan + one pass filling all groups' state rows) and runs,
 in every GDN layer, gdn.causal_conv1d_update and gdn.decode_mtp over all requests at once.
-The demo prints PASS when every request's generated tokens are identical in both runs.
+With --state-mode replay the verify step runs gdn.decode_mtp_replay instead (one checkpoint
+block per request and layer, which replays the tokens the previous step accepted); the demo then
+decodes speculatively in both state modes, checks both against plain decoding, and prints the
+GDN state each mode keeps per request and the verify time of each.
+The demo prints PASS when every request's generated tokens are identical in every run.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ examples:
   python -m gdn demo                          # CPU, default sizes, under a minute on 2 cores
   python -m gdn demo --device cuda --graphs   # GPU, verify step replayed from a CUDA graph
   python -m gdn demo --requests 16 --num-spec 2 --new-tokens 96
+  python -m gdn demo --state-mode replay      # also replay verify: pool sizes and verify times
 """
 
 
@@ -61,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="(cuda) capture the target's verify step once in a CUDA graph and "
                           "replay it every step; metadata is built before each replay into the "
                           "builder's persistent buffers the graph reads")
+    run.add_argument("--state-mode", choices=["write-all", "replay"], default="write-all",
+                     help="write-all: the verify step writes the state after every token to its "
+                          "own block (decode_mtp, S blocks per request and layer); replay: one "
+                          "checkpoint block per request and layer (decode_mtp_replay), run next "
+                          "to write-all for comparison (default: write-all)")
     run.add_argument("--seed", type=int, default=0,
                      help="seed of the weights, the prompts and the block tables (default: 0)")
     run.add_argument("--no-progress", action="store_true",
@@ -163,7 +173,8 @@ class RunStats:
 class Engine:
     """One decoding run: its own caches, metadata builder and decode path."""
 
-    def __init__(self, model, num_requests: int, num_spec: int, conv_layout: str, seed: int):
+    def __init__(self, model, num_requests: int, num_spec: int, conv_layout: str, seed: int,
+                 replay: bool = False):
         import torch
 
         import gdn
@@ -171,7 +182,10 @@ class Engine:
 
         self.torch = torch
         self.model, self.N, self.num_spec, self.T = model, num_requests, num_spec, num_spec + 1
-        self.cache = GDNCache(model, num_requests, num_spec, conv_layout, seed)
+        self.cache = GDNCache(model, num_requests, num_spec, conv_layout, seed, replay=replay)
+        # Replay verify: window tokens each spec row replays (a persistent buffer the graph reads).
+        self.replay_counts = (torch.zeros(num_requests, dtype=torch.int32, device=model.device)
+                              if replay else None)
         self.max_tokens = num_requests * self.T
         # The metadata builder: persistent buffers for all groups, one plan + one pass per step.
         self.builder = gdn.metadata.Builder(
@@ -225,12 +239,14 @@ class Engine:
             cu_seqlens=md.spec_query_start_loc,
             state_indices=[md.spec_state_indices[g] for g in range(G)],
             conv_indices=[md.spec_state_indices[g][:, 0] for g in range(G)],  # conv slot: column 0
-            num_accepted_tokens=md.spec_num_accepted)
+            num_accepted_tokens=md.spec_num_accepted, replay_counts=self.replay_counts)
 
-    def verify_step(self, live: List[int], tokens, acc: np.ndarray, context: np.ndarray, timer):
+    def verify_step(self, live: List[int], tokens, acc: np.ndarray, context: np.ndarray, timer,
+                    replay_n: Optional[np.ndarray] = None):
         """One verify step: live requests (indices, in order) each verify T tokens (`tokens`
-        [len(live), T] on the device: last token + drafts). Returns the target's greedy choice
-        after every verified position, [len(live), T] on the host."""
+        [len(live), T] on the device: last token + drafts); with replay verify, request i first
+        replays replay_n[i] tokens of its window. Returns the target's greedy choice after every
+        verified position, [len(live), T] on the host."""
         N, T = self.N, self.T
         is_live = np.zeros(N, bool)
         is_live[live] = True
@@ -248,6 +264,10 @@ class Engine:
         assert list(md.host.spec_request_index[: len(live)].tolist()) == list(live)
         rows = len(live) * T
         self.path.tokens[:rows].copy_(tokens.reshape(-1))
+        if self.replay_counts is not None:  # spec row j is live[j]; padded rows replay nothing
+            counts = np.zeros(N, np.int32)
+            counts[: len(live)] = replay_n[live]
+            self.replay_counts.copy_(self.torch.from_numpy(counts))
         if self.graph is not None:
             self.graph.replay()
         else:
@@ -345,14 +365,15 @@ def run_plain(model, prompts, new_tokens, args, progress) -> Tuple[List[List[int
     return out, stats
 
 
-def run_speculative(model, prompts, new_tokens, args, progress) -> Tuple[List[List[int]], RunStats, str]:
+def run_speculative(model, prompts, new_tokens, args, progress,
+                    replay: bool = False) -> Tuple[List[List[int]], RunStats, str]:
     import torch
 
     from gdn._demo_model import Timer
 
     stats = RunStats()
     N, ns = len(prompts), args.num_spec
-    engine = Engine(model, N, ns, args.conv_layout, args.seed + 2)
+    engine = Engine(model, N, ns, args.conv_layout, args.seed + 2, replay=replay)
     timer = Timer(model.device)
     out = [[t] for t in prefill(engine, prompts, timer, stats, progress)]
     context = np.array([len(p) + len(o) - 1 for p, o in zip(prompts, out)], np.int64)
@@ -361,6 +382,8 @@ def run_speculative(model, prompts, new_tokens, args, progress) -> Tuple[List[Li
     _sync(model)
     timer = Timer(model.device)
     acc = np.ones(N, np.int64)  # after prefill every request continues from column 0
+    # Replay verify: after prefill the state is in the checkpoint and the window is empty.
+    replay_n = np.zeros(N, np.int64)
     t0 = time.perf_counter()
     while True:
         live = [i for i in range(N) if len(out[i]) < new_tokens]
@@ -372,7 +395,7 @@ def run_speculative(model, prompts, new_tokens, args, progress) -> Tuple[List[Li
             tokens[:, 0] = last
             for j in range(ns):
                 tokens[:, j + 1] = model.draft_next(tokens[:, j])
-        pred = engine.verify_step(live, tokens, acc, context, timer)
+        pred = engine.verify_step(live, tokens, acc, context, timer, replay_n)
         with timer.host("acceptance"):
             drafts = tokens[:, 1:].cpu().numpy()
             for k, i in enumerate(live):
@@ -384,6 +407,7 @@ def run_speculative(model, prompts, new_tokens, args, progress) -> Tuple[List[Li
                 stats.drafted += ns
                 stats.accepted += n
                 acc[i] = n + 1
+                replay_n[i] = n + 1  # the fed tokens it accepted: last token + n drafts
                 context[i] += n + 1
         stats.decode_steps += 1
         progress.update(sum(len(o) for o in out))
@@ -419,7 +443,8 @@ def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> List[List[i
 def breakdown_line(stats: RunStats) -> str:
     total = stats.decode_seconds
     b = stats.breakdown
-    parts = [(name, b.get(name, 0.0)) for name in ("metadata", "conv", "decode_mtp")]
+    verify = "replay" if "replay" in b else "decode_mtp"
+    parts = [(name, b.get(name, 0.0)) for name in ("metadata", "conv", verify)]
     rest = max(total - sum(v for _, v in parts), 0.0)
     line = " | ".join(f"{name} {100 * v / total:.1f} %" for name, v in parts)
     extra = [(n, b[n]) for n in ("drafter", "acceptance") if n in b]
@@ -499,25 +524,38 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     bar = Progress("speculative", total, show)
     spec, ss, graph_note = run_speculative(model, prompts, new, args, bar)
     bar.close()
+    replay = args.state_mode == "replay"
+    if replay:
+        bar = Progress("speculative, replay", total, show)
+        spec_rp, rs, _ = run_speculative(model, prompts, new, args, bar, replay=True)
+        bar.close()
     # Timed repeats after the warm-up run above (single runs swing widely with machine load);
     # every repeat must generate the same tokens again.
-    plain_rates, spec_rates = [], []
+    plain_rates, spec_rates, replay_rates = [], [], []
     for _ in range(max(args.repeats, 1) - 1):
         again, st = run_plain(model, prompts, new, args, Progress("plain greedy", total, False))
         plain_rates.append(st.decode_tokens / st.decode_seconds)
-        same_plain = again == plain
+        same = again == plain
         again, st, _ = run_speculative(model, prompts, new, args, Progress("speculative", total, False))
         spec_rates.append(st.decode_tokens / st.decode_seconds)
-        if not (same_plain and again == spec):
+        same = same and again == spec
+        if replay:
+            again, st, _ = run_speculative(model, prompts, new, args,
+                                           Progress("speculative", total, False), replay=True)
+            replay_rates.append(st.decode_tokens / st.decode_seconds)
+            same = same and again == spec_rp
+        if not same:
             print("FAIL (a repeated run generated different tokens)")
             return 1
 
     mismatches = []
-    for i, (a, b) in enumerate(zip(plain, spec)):
-        if a != b:
-            k = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            mismatches.append(f"request {i}: first difference at generated token {k} "
-                              f"(plain {a[k:k + 4]}, speculative {b[k:k + 4]})")
+    runs = [("speculative", spec)] + ([("replay", spec_rp)] if replay else [])
+    for name, tokens in runs:
+        for i, (a, b) in enumerate(zip(plain, tokens)):
+            if a != b:
+                k = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                mismatches.append(f"{name} request {i}: first difference at generated token {k} "
+                                  f"(plain {a[k:k + 4]}, {name} {b[k:k + 4]})")
 
     print()
     print(f"plain greedy : prefill {ps.prefill_steps} steps ({fmt_seconds(ps.prefill_seconds)}); "
@@ -542,17 +580,45 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if graph_note:
         print(f"              ({graph_note})")
     print(f"time, plain decode      : {breakdown_line(ps)}")
+    if replay:
+        print()
+        print(replay_report(cfg, args, ss, rs, spec_rates, replay_rates))
     if mismatches:
-        print(f"check: {len(mismatches)} of {args.requests} requests differ from plain greedy decoding:")
+        print(f"check: {len(mismatches)} runs x requests differ from plain greedy decoding:")
         for m in mismatches:
             print("  " + m)
         print("FAIL (speculative != plain decoding)")
         return 1
-    print(f"check: all {args.requests} requests generated exactly the plain greedy tokens "
-          f"({sum(len(s) for s in spec)} tokens compared, token for token; the decode counts "
-          f"above exclude each request's first token, which its last prefill step produces)")
+    both = " in both state modes" if replay else ""
+    print(f"check: all {args.requests} requests generated exactly the plain greedy tokens{both} "
+          f"({sum(len(s) for s in spec)} tokens compared per run, token for token; the decode "
+          f"counts above exclude each request's first token, which its last prefill step produces)")
     print("PASS (speculative == plain decoding)")
     return 0
+
+
+def replay_report(cfg, args, ws: RunStats, rs: RunStats, ws_rates, rs_rates) -> str:
+    """Pool per request and layer, and verify time, of write-every-token and replay verify."""
+    S = args.num_spec + 1
+    state = cfg.HV * cfg.V * cfg.K * 4  # fp32 state
+    window = S * (cfg.H * cfg.K + cfg.HV * cfg.V + 2 * cfg.HV) * 4 + 4  # fp32 activations
+    kib = lambda b: f"{b / 1024:.1f} KiB"  # noqa: E731
+    t_w = ws.breakdown.get("decode_mtp", 0.0) / max(ws.decode_steps, 1)
+    t_r = rs.breakdown.get("replay", 0.0) / max(rs.decode_steps, 1)
+    lines = [
+        "state modes (per request and GDN layer):",
+        f"  write-all : {S} states = {kib(S * state)}; verify kernel "
+        f"{1e6 * t_w / cfg.layers:.1f} us per layer call",
+        f"  replay    : 1 state + window of {S} tokens = {kib(state)} + {kib(window)} = "
+        f"{kib(state + window)}; verify kernel {1e6 * t_r / cfg.layers:.1f} us per layer call",
+        f"  pool      : replay keeps {100 * (state + window) / (S * state):.0f} % of write-all's "
+        f"bytes",
+    ]
+    if ws_rates and rs_rates:
+        ratio = float(np.median(rs_rates)) / float(np.median(ws_rates))
+        lines.append(f"  decode    : replay at {ratio:.2f}x write-all's token rate (median of "
+                     f"{len(rs_rates)} timed runs)")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":  # pragma: no cover

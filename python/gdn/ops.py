@@ -24,6 +24,7 @@ from .conv import causal_conv1d_update as _causal_conv1d_update
 from .decode_mtp import decode_mtp as _decode_mtp
 from .metadata import plan as _metadata_plan
 from .metadata import state_rows as _metadata_state_rows
+from .replay import decode_mtp_replay as _decode_mtp_replay
 
 #: The one list of function arguments a torch op cannot take as they are: name -> (the op's name
 #: for it, None when the op leaves it out; why).
@@ -101,6 +102,41 @@ def decode_mtp(
     error_count: Optional[torch.Tensor] = None,
 ) -> None:
     """torch op form of :func:`gdn.decode_mtp`."""
+
+
+@_op(_decode_mtp_replay, mutates_args=("state", "out", "window_k", "window_v", "window_a",
+                                        "window_b", "window_len", "error_count"))
+def decode_mtp_replay(
+    mixed_qkv: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    out: torch.Tensor,
+    window_k: torch.Tensor,
+    window_v: torch.Tensor,
+    window_a: torch.Tensor,
+    window_b: torch.Tensor,
+    window_len: torch.Tensor,
+    num_accepted_tokens: torch.Tensor,
+    *,
+    z: Optional[torch.Tensor] = None,
+    norm_weight: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    l2_eps: float = 1e-6,
+    norm_eps: float = 1e-6,
+    gate: str = "silu",
+    state_layout: str = "vk",
+    first_valid_slot: int = 0,
+    num_k_heads: int = 0,
+    round_core_output: bool = False,
+    error_count: Optional[torch.Tensor] = None,
+) -> None:
+    """torch op form of :func:`gdn.decode_mtp_replay`. The window views may share buffers (k and
+    v of one tensor, a and b of another): they are written, never aliased with an input."""
 
 
 @_op(_causal_conv1d_update, mutates_args=("conv_state", "out", "error_count"))

@@ -2,5 +2,6 @@
 #include "gdn/decode_mtp/cuda.cuh"
 
 namespace gdn::decode_mtp::cuda_detail {
-template Status launch_state_dtype<DType::kFloat16>(const KernelArgs&, int, int, cudaStream_t);
+template Status launch_state_dtype<DType::kFloat16, false>(const KernelArgs&, int, int,
+                                                           cudaStream_t);
 }  // namespace gdn::decode_mtp::cuda_detail

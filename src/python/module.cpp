@@ -17,6 +17,7 @@ namespace gdn::python {
 void bind_decode_mtp(nb::module_& m);
 void bind_conv(nb::module_& m);
 void bind_metadata(nb::module_& m);
+void bind_replay(nb::module_& m);
 }  // namespace gdn::python
 
 NB_MODULE(_C, m) {
@@ -93,4 +94,5 @@ NB_MODULE(_C, m) {
   gdn::python::bind_decode_mtp(m);
   gdn::python::bind_conv(m);
   gdn::python::bind_metadata(m);
+  gdn::python::bind_replay(m);
 }

@@ -154,6 +154,8 @@ _needs_cuda = pytest.mark.skipif(_CUDA_REASON is not None, reason=f"CUDA: {_CUDA
 # The Tensor arguments each gdn function may write (its contract), by op name.
 WRITES = {
     "decode_mtp": {"state", "out", "error_count"},
+    "decode_mtp_replay": {"state", "out", "window_k", "window_v", "window_a", "window_b",
+                          "window_len", "error_count"},
     "causal_conv1d_update": {"conv_state", "out", "error_count"},
     "metadata_plan": {"plan"},
     "metadata_state_rows": {"plan", "spec_state_indices", "non_spec_state_indices", "error_count"},
@@ -220,6 +222,37 @@ def _conv_call(gen, device):
                   ("error_count",), frozenset({"conv_state", "out"}))
 
 
+def _replay_call(gen, device):
+    K = 128 if device == "cuda" else 32
+    H, HV, S, slots = 1, 2, 3, 6
+    case = make_case(gen, H=H, HV=HV, K=K, V=K, S=S, T=(3, 0, 2))
+    names = ("mixed_qkv", "a", "b", "A_log", "dt_bias", "state", "state_indices", "cu_seqlens",
+             "out", "window_k", "window_v", "window_a", "window_b", "window_len",
+             "num_accepted_tokens")
+    opt = ("z", "norm_weight")
+    t = {n: getattr(case, n) for n in names[:9] + opt}
+    t["state"] = torch.randn(slots, HV, K, K, generator=gen)
+    t["state_indices"] = torch.tensor([4, 1, 2], dtype=I32)
+    window = gdn.ReplayWindow.allocate(slots, S, H=H, HV=HV, K=K, V=K, dtype=case.mixed_qkv.dtype,
+                                       ab_dtype=case.a.dtype)
+    for x in (window.k, window.v, window.a, window.b):
+        x.copy_(torch.randn(x.shape, generator=gen))
+    window.len.copy_(torch.tensor([0, 1, 2, 3, 2, 0], dtype=I32))
+    t.update(window_k=window.k, window_v=window.v, window_a=window.a, window_b=window.b,
+             window_len=window.len, num_accepted_tokens=torch.tensor([2, 3, 1], dtype=I32),
+             error_count=torch.zeros(1, dtype=I32))
+    t = {n: x.to(device) for n, x in t.items()}
+    t["out"].fill_(float("nan"))
+
+    def call(f, t, **extra):
+        f(*(t[n] for n in names), **{n: t[n] for n in opt}, **extra)
+
+    written = frozenset({"state", "out", "window_k", "window_v", "window_a", "window_b",
+                         "window_len"})
+    return OpCall(t, lambda t, **e: call(torch.ops.gdn.decode_mtp_replay, t, **e),
+                  lambda t: call(gdn.decode_mtp_replay, t), written, ("error_count",), written)
+
+
 # A host plan of 3 requests (spec, decode, spec; num_spec 2) for R rows / T tokens.
 R, T_MAX, NUM_SPEC = 6, 16, 2
 
@@ -279,7 +312,8 @@ def _metadata_state_rows_call(gen, device):
                   ("num_accepted_tokens", "error_count"), frozenset(WRITES["metadata_state_rows"]))
 
 
-CALLS = {"decode_mtp": _decode_mtp_call, "causal_conv1d_update": _conv_call,
+CALLS = {"decode_mtp": _decode_mtp_call, "decode_mtp_replay": _replay_call,
+         "causal_conv1d_update": _conv_call,
          "metadata_plan": _metadata_plan_call, "metadata_state_rows": _metadata_state_rows_call}
 
 
@@ -353,8 +387,9 @@ def test_schema_marks_every_written_tensor_mutable(gen, name):
 # ---- one signature: each op takes its function's arguments ---------------------------------------
 
 # The gdn function behind each op, written out here (gdn.ops.FUNCTIONS must agree).
-FUNCTIONS = {"decode_mtp": gdn.decode_mtp, "causal_conv1d_update": gdn.causal_conv1d_update,
-             "metadata_plan": M.plan, "metadata_state_rows": M.state_rows}
+FUNCTIONS = {"decode_mtp": gdn.decode_mtp, "decode_mtp_replay": gdn.decode_mtp_replay,
+             "causal_conv1d_update": gdn.causal_conv1d_update, "metadata_plan": M.plan,
+             "metadata_state_rows": M.state_rows}
 _NO_DEFAULT = "<required>"
 
 

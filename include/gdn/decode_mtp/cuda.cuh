@@ -37,8 +37,8 @@ using gdn::cuda::kernel_ptx_version;
 using gdn::cuda::kMaxDevices;
 
 template <class StateT>
-inline size_t shared_bytes(int S, int split, int buffers) {
-  return size_t(SmemPlan(S, kHeadDim / split, int(sizeof(StateT)), buffers).total);
+inline size_t shared_bytes(int S, int split, int buffers, bool replay) {
+  return size_t(SmemPlan(S, kHeadDim / split, int(sizeof(StateT)), buffers, replay).total);
 }
 
 // Chunk buffers per CTA. A 16-bit slice keeps one per chunk. An fp32 slice streams its 4 chunks
@@ -58,11 +58,11 @@ inline int choose_split(int64_t heads, int sm_count, bool clusters) {
   return split;
 }
 
-template <DType kState, int kRatio>
+template <DType kState, int kRatio, bool kReplay>
 inline Status launch_kernel(const KernelArgs& args_in, int device, int split_request,
                             cudaStream_t stream) {
   using StateT = typename device_type<kState>::type;
-  constexpr auto kernel = decode_mtp_kernel<StateT, kRatio>;
+  constexpr auto kernel = decode_mtp_kernel<StateT, kRatio, kReplay>;
   KernelArgs args = args_in;
   DeviceInfo info;
   GDN_RETURN_IF_ERROR(device_info(device, &info));
@@ -84,9 +84,10 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
   args.bulk_load = hopper && args.state_vector;
   args.buffers = choose_buffers(int(sizeof(StateT)), heads, info.sm_count);
 
-  const size_t smem = shared_bytes<StateT>(args.S, split, args.buffers);
+  const size_t smem = shared_bytes<StateT>(args.S, split, args.buffers, kReplay);
   GDN_RETURN_IF_ERROR(allow_dynamic_shared(
-      kernel, device, int(shared_bytes<StateT>(kCudaMaxSpecColumns, 1, kMaxChunks)), smem_cache));
+      kernel, device, int(shared_bytes<StateT>(kCudaMaxSpecColumns, 1, kMaxChunks, kReplay)),
+      smem_cache));
 
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(unsigned(heads * split));
@@ -118,14 +119,15 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
   return Status::ok();
 }
 
-// All head ratios of one state dtype (HeadRatios, plus the run-time-ratio kernel). The compiled
-// library instantiates this once per state dtype, in its own translation unit.
-template <DType kState>
+// All head ratios of one state dtype (HeadRatios, plus the run-time-ratio kernel), decode_mtp
+// (kReplay = false) or replay verify. The compiled library instantiates this once per state dtype
+// and mode, each in its own translation unit.
+template <DType kState, bool kReplay>
 Status launch_state_dtype(const KernelArgs& args, int device, int split, cudaStream_t stream) {
   Status status;
   const int ratio = args.ratio <= 8 ? args.ratio : kRuntimeValue;
   dispatch_or_runtime<HeadRatios>(ratio, [&]<int kRatio>() {
-    (void)(status = launch_kernel<kState, kRatio>(args, device, split, stream));
+    (void)(status = launch_kernel<kState, kRatio, kReplay>(args, device, split, stream));
   });
   return status;
 }
@@ -137,43 +139,50 @@ inline bool aligned(const void* p, size_t bytes) {
 }  // namespace cuda_detail
 
 // The compiled library (gdn_kernels, which defines GDN_HAS_CUDA) holds one explicit instantiation
-// per state dtype in src/cuda/decode_mtp_<dtype>.cu; code that includes this header on its own
-// instantiates what it uses.
+// per state dtype in src/cuda/decode_mtp_<dtype>.cu and src/cuda/replay_<dtype>.cu; code that
+// includes this header on its own instantiates what it uses.
 #if defined(GDN_HAS_CUDA)
-static_assert(StateDTypes::size == 3 && StateDTypes::contains(DType::kFloat32) &&
-                  StateDTypes::contains(DType::kBFloat16) && StateDTypes::contains(DType::kFloat16),
-              "one compiled translation unit per state dtype: update src/cuda/decode_mtp_*.cu");
+static_assert(
+    StateDTypes::size == 3 && StateDTypes::contains(DType::kFloat32) &&
+        StateDTypes::contains(DType::kBFloat16) && StateDTypes::contains(DType::kFloat16),
+    "one compiled translation unit per state dtype: update src/cuda/decode_mtp_*.cu, replay_*.cu");
 namespace cuda_detail {
-extern template Status launch_state_dtype<DType::kFloat32>(const KernelArgs&, int, int,
-                                                           cudaStream_t);
-extern template Status launch_state_dtype<DType::kBFloat16>(const KernelArgs&, int, int,
-                                                            cudaStream_t);
-extern template Status launch_state_dtype<DType::kFloat16>(const KernelArgs&, int, int,
-                                                           cudaStream_t);
+#define GDN_DECODE_MTP_EXTERN(kState)                                                   \
+  extern template Status launch_state_dtype<kState, false>(const KernelArgs&, int, int, \
+                                                           cudaStream_t);               \
+  extern template Status launch_state_dtype<kState, true>(const KernelArgs&, int, int,  \
+                                                          cudaStream_t);
+GDN_DECODE_MTP_EXTERN(DType::kFloat32)
+GDN_DECODE_MTP_EXTERN(DType::kBFloat16)
+GDN_DECODE_MTP_EXTERN(DType::kFloat16)
+#undef GDN_DECODE_MTP_EXTERN
 }  // namespace cuda_detail
 #endif
 
-// Validates on the host (reads no device memory), applies the guard and launches on `stream`,
-// on the current device (which must hold the arrays). `split` = CTAs per value head (1, 2, 4, 8;
-// 0 = chosen from the problem size and the device). Never synchronises; safe in graph capture.
-inline Status launch_cuda(const Params& p, cudaStream_t stream, int split = 0) {
-  Problem pr;
-  GDN_RETURN_IF_ERROR(check_arguments(p, &pr));
+namespace cuda_detail {
+
+// The host checks a CUDA launch of a step operation adds to check_arguments: the device, the null
+// slot rule and the guard. `what` names the operation in errors.
+inline Status check_cuda_step(const StepArgs& p, const Problem& pr, const char* what) {
   if (pr.device.type != DeviceType::kCUDA)
-    return Status::invalid("decode_mtp CUDA launcher was given arrays on " + to_string(pr.device));
+    return Status::invalid(std::string(what) + " CUDA launcher was given arrays on " +
+                           to_string(pr.device));
   if (p.first_valid_slot < 0)
     return Status::invalid("first_valid_slot = " + std::to_string(p.first_valid_slot) +
                            " must be >= 0 (slot ids below it are null)");
   const Support support =
       can_use(DeviceType::kCUDA, pr.H, pr.HV, pr.K, pr.V, pr.S, p.state.dtype, true, p.layout);
   if (support.path == Path::kUnsupported)
-    return Status::unsupported("decode_mtp: " + support.reason);
-  if (pr.N == 0) return Status::ok();
+    return Status::unsupported(std::string(what) + ": " + support.reason);
   if (pr.HV > 65535 || pr.H > 65535)
-    return Status::unsupported("decode_mtp: more than 65535 heads");
+    return Status::unsupported(std::string(what) + ": more than 65535 heads");
+  return Status::ok();
+}
 
-  using cuda_detail::aligned;
-  cuda_detail::KernelArgs args{};
+// The kernel arguments every step operation shares (StepArgs, checked into `pr`); the caller adds
+// its slot table, accepted counts and (replay) window.
+inline KernelArgs step_kernel_args(const StepArgs& p, const Problem& pr) {
+  KernelArgs args{};
   args.mixed_qkv = p.mixed_qkv.data;
   args.a = p.a.data;
   args.b = p.b.data;
@@ -182,9 +191,7 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream, int split = 0) {
   args.z = p.z.present() ? p.z.data : nullptr;
   args.norm_weight = p.norm_weight.present() ? p.norm_weight.data : nullptr;
   args.state = p.state.data;
-  args.state_indices = p.state_indices.data;
   args.cu_seqlens = p.cu_seqlens.data;
-  args.num_accepted_tokens = p.num_accepted_tokens.present() ? p.num_accepted_tokens.data : nullptr;
   args.out = p.out.data;
   args.error_count = p.error_count.present() ? static_cast<int*>(p.error_count.data) : nullptr;
   args.qkv_row_stride = p.mixed_qkv.strides[0];
@@ -209,9 +216,7 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream, int split = 0) {
   args.z_dtype = p.z.present() ? p.z.dtype : DType::kFloat32;
   args.norm_dtype = p.norm_weight.present() ? p.norm_weight.dtype : DType::kFloat32;
   args.out_dtype = p.out.dtype;
-  args.index_dtype = p.state_indices.dtype;
   args.cu_dtype = p.cu_seqlens.dtype;
-  args.acc_dtype = p.num_accepted_tokens.present() ? p.num_accepted_tokens.dtype : DType::kInt32;
   args.state_kv = p.layout == StateLayout::kKV;
   const size_t state_bytes = size_t(dtype_size(p.state.dtype));
   const size_t state_chunk = 16;  // bulk copies and vector row accesses
@@ -226,18 +231,43 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream, int split = 0) {
   args.scale = pr.scale;
   args.l2_eps = p.l2_eps;
   args.norm_eps = p.norm_eps;
+  return args;
+}
 
+// Launches the decode_mtp (kReplay = false) or replay kernel for the state dtype on `stream`, on
+// the current device.
+template <bool kReplay>
+inline Status launch_step(const KernelArgs& args, DType state_dtype, int split, cudaStream_t stream,
+                          const char* what) {
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) {
     const cudaError_t err = cudaGetLastError();
-    return Status(StatusCode::kCudaError, std::string("decode_mtp: ") + cudaGetErrorString(err));
+    return Status(StatusCode::kCudaError, std::string(what) + ": " + cudaGetErrorString(err));
   }
-  Status status = Status::unsupported("decode_mtp: state dtype " +
-                                      std::string(to_string(p.state.dtype)) + " not compiled in");
-  StateDTypes::dispatch(p.state.dtype, [&]<DType kState>() {
-    (void)(status = cuda_detail::launch_state_dtype<kState>(args, device, split, stream));
+  Status status = Status::unsupported(std::string(what) + ": state dtype " +
+                                      std::string(to_string(state_dtype)) + " not compiled in");
+  StateDTypes::dispatch(state_dtype, [&]<DType kState>() {
+    (void)(status = launch_state_dtype<kState, kReplay>(args, device, split, stream));
   });
   return status;
+}
+
+}  // namespace cuda_detail
+
+// Validates on the host (reads no device memory), applies the guard and launches on `stream`,
+// on the current device (which must hold the arrays). `split` = CTAs per value head (1, 2, 4, 8;
+// 0 = chosen from the problem size and the device). Never synchronises; safe in graph capture.
+inline Status launch_cuda(const Params& p, cudaStream_t stream, int split = 0) {
+  Problem pr;
+  GDN_RETURN_IF_ERROR(check_arguments(p, &pr));
+  GDN_RETURN_IF_ERROR(cuda_detail::check_cuda_step(p, pr, "decode_mtp"));
+  if (pr.N == 0) return Status::ok();
+  cuda_detail::KernelArgs args = cuda_detail::step_kernel_args(p, pr);
+  args.state_indices = p.state_indices.data;
+  args.index_dtype = p.state_indices.dtype;
+  args.num_accepted_tokens = p.num_accepted_tokens.present() ? p.num_accepted_tokens.data : nullptr;
+  args.acc_dtype = p.num_accepted_tokens.present() ? p.num_accepted_tokens.dtype : DType::kInt32;
+  return cuda_detail::launch_step<false>(args, p.state.dtype, split, stream, "decode_mtp");
 }
 
 }  // namespace gdn::decode_mtp

@@ -24,6 +24,13 @@
 // order, reading other CTAs' partials through distributed shared memory. The result does not
 // depend on the split.
 //
+// Replay verify (kReplay, docs replay.md) runs on the same mapping: the slice comes from the
+// request's one checkpoint slot, the staged token list is the n accepted window tokens (raw k, v,
+// a, b read from the slot's window; no q, no output) followed by the T new ones, the rows are
+// stored once, to the checkpoint, after the n-th token (not at all for n = 0), and the new tokens
+// produce outputs only. This kernel only reads the window; a second launch saves the new tokens
+// into it (gdn/replay/cuda.cuh), so no CTA can overwrite a window row another CTA still replays.
+//
 // Math and rounding follow gdn/decode_mtp/cpu.hpp (fp32 throughout, o kept fp32 into the norm,
 // 16-bit state stored round-to-nearest-even). Invalid rows (device-side indices) write no state,
 // zero-fill their output rows inside [0, L) and bump the optional error counter once. Every
@@ -86,6 +93,7 @@ struct KernelArgs {
   const void* norm_weight;  // null: out = o
   void* state;
   const void* state_indices;
+  int64_t index_stride;  // replay: element stride of state_indices
   const void* cu_seqlens;
   const void* num_accepted_tokens;  // null: all 1
   void* out;
@@ -104,30 +112,58 @@ struct KernelArgs {
   bool gate_sigmoid;
   bool round_core_output;  // o rounded to out's dtype before the norm (vLLM's numerics)
   float scale, l2_eps, norm_eps;
+  // Replay verify only: the window, [slot, token, column] views with unit column stride (k and v
+  // in qkv_dtype, a in a_dtype, b in b_dtype) and window_len [slots] (read here, written by the
+  // window-save launch that follows).
+  const void* window_k;
+  const void* window_v;
+  const void* window_a;
+  const void* window_b;
+  const int* window_len;
+  int64_t wk_slot_stride, wk_token_stride, wv_slot_stride, wv_token_stride;
+  int64_t wa_slot_stride, wa_token_stride, wb_slot_stride, wb_token_stride;
+  bool window_k_vector;  // k chunks of 4 elements of the window are naturally aligned
 };
+
+// A replay request row, decided exactly as gdn::replay::check_row decides it on the host (same
+// order of checks). `stored` = window_len[slot]; pass INT64_MAX before it is known.
+enum class ReplayRow { kPadded, kInvalid, kLive };
+__device__ __forceinline__ ReplayRow classify_replay_row(int64_t c0, int64_t c1, int64_t L,
+                                                         int64_t S, int64_t slot, int64_t num_slots,
+                                                         int64_t first_valid, int64_t n,
+                                                         int64_t stored) {
+  if (c0 < 0 || c1 < c0 || c1 > L) return ReplayRow::kInvalid;
+  if (c1 == c0) return ReplayRow::kPadded;
+  if (c1 - c0 > S || slot >= num_slots) return ReplayRow::kInvalid;
+  if (slot < first_valid || slot < 0) return ReplayRow::kPadded;  // null checkpoint slot
+  if (n < 0 || n > S || n > stored) return ReplayRow::kInvalid;
+  return ReplayRow::kLive;
+}
 
 // The request row of a CTA, read once from device memory.
 struct RowMeta {
   int64_t slot[kCudaMaxSpecColumns];
   int64_t c0, c1, acc;
-  int64_t pad;
+  int64_t stored;  // replay: window_len[slot]
 };
 
-// Byte offsets of a CTA's shared arrays. S = state columns (T <= S), R = rows of the CTA.
+// Byte offsets of a CTA's shared arrays. S = state columns (T <= S), R = rows of the CTA; a
+// replay CTA stages up to 2S tokens (n <= S replayed, T <= S new).
 struct SmemPlan {
   int rows_per_chunk, chunks, buffers;
   int bars, meta, tile, qk, v, gates, o, z, ss, rstd, w, total;
-  __host__ __device__ SmemPlan(int S, int R, int state_bytes, int max_buffers) {
+  __host__ __device__ SmemPlan(int S, int R, int state_bytes, int max_buffers, bool replay) {
+    const int staged = replay ? 2 * S : S;  // token slots of qk, v and gates
     rows_per_chunk = R < kChunkRows ? R : kChunkRows;
     chunks = R / rows_per_chunk;
     buffers = chunks < max_buffers ? chunks : max_buffers;
     bars = 0;    // uint64_t[kMaxChunks]
     meta = 64;   // RowMeta
     tile = 256;  // [buffers][rows_per_chunk][128] state
-    qk = tile + buffers * rows_per_chunk * kHeadDim * state_bytes;  // float [S][2][128] q, k
-    v = qk + S * 2 * kHeadDim * 4;                                  // float [S][R]
-    gates = v + S * R * 4;                                          // float [S][2] alpha, beta
-    o = gates + S * 2 * 4;                                          // float [S][R] core output
+    qk = tile + buffers * rows_per_chunk * kHeadDim * state_bytes;  // float [staged][2][128] q, k
+    v = qk + staged * 2 * kHeadDim * 4;                             // float [staged][R]
+    gates = v + staged * R * 4;                                     // float [staged][2] alpha, beta
+    o = gates + staged * 2 * 4;                                     // float [S][R] core output
     z = o + S * R * 4;                                              // float [S][R] act(z)
     ss = z + S * R * 4;                  // float [S][16] group partials of o^2
     rstd = ss + S * kGroupsPerHead * 4;  // float [S]
@@ -137,7 +173,7 @@ struct SmemPlan {
 };
 static_assert(sizeof(RowMeta) <= 256 - 64, "RowMeta fits between the barriers and the tile");
 
-template <class StateT, int kRatio>
+template <class StateT, int kRatio, bool kReplay>
 __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     decode_mtp_kernel(const __grid_constant__ KernelArgs args) {
   extern __shared__ __align__(128) unsigned char smem[];
@@ -149,7 +185,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
   const int groups = R / kRowsPerGroup;
   const int S = args.S;
   const int HV = args.HV;
-  const SmemPlan plan(S, R, int(sizeof(StateT)), args.buffers);
+  const SmemPlan plan(S, R, int(sizeof(StateT)), args.buffers, kReplay);
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + plan.bars);
   RowMeta& meta = *reinterpret_cast<RowMeta*>(smem + plan.meta);
   StateT* tile = reinterpret_cast<StateT*>(smem + plan.tile);
@@ -186,9 +222,11 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
   wait_for_prior_grids();  // nothing below may read what earlier launches write before this
   allow_dependent_launch();
 
-  // 1. The request's slot ids, token range and accepted count (one round trip).
-  if (tid < S) {
-    meta.slot[tid] = dev::load_index(args.state_indices, args.index_dtype, n * S + tid);
+  // 1. The request's slot ids (replay: its checkpoint slot), token range and accepted count (one
+  //    round trip).
+  if (kReplay ? tid == 0 : tid < S) {
+    meta.slot[tid] = dev::load_index(args.state_indices, args.index_dtype,
+                                     kReplay ? n * args.index_stride : n * S + tid);
   } else if (tid == 32) {
     meta.c0 = dev::load_index(args.cu_seqlens, args.cu_dtype, n);
   } else if (tid == 33) {
@@ -202,15 +240,27 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
       norm && tid < R ? load_bits(args.norm_weight, args.norm_dtype, row0 + tid) : 0u;
   __syncthreads();
 
-  // 2. Validity (every thread decides the same, from shared memory).
+  // 2. Validity (every thread decides the same, from shared memory). A replay row's window_len is
+  //    read only in step 3 (it depends on the slot); the rest is decided here.
   const int64_t c0 = meta.c0, c1 = meta.c1, acc = meta.acc;
-  const bool range_ok = c0 >= 0 && c1 >= c0 && c1 <= args.L;
-  bool valid = range_ok && c1 - c0 <= S && acc >= 1 && acc <= S;
-  for (int c = 0; c < S; ++c) valid = valid && meta.slot[c] < args.num_slots;
-  const int64_t source = valid ? meta.slot[acc - 1] : -1;
-  valid = valid && source >= args.first_valid_slot && source >= 0;
-  if (range_ok && c1 == c0) return;  // padded row: nothing to read or write
-  if (!valid) {
+  bool valid;
+  int64_t source;
+  if constexpr (kReplay) {
+    source = meta.slot[0];
+    const ReplayRow row = classify_replay_row(c0, c1, args.L, S, source, args.num_slots,
+                                              args.first_valid_slot, acc, INT64_MAX);
+    if (row == ReplayRow::kPadded) return;  // nothing to read or write, out rows included
+    valid = row == ReplayRow::kLive;
+  } else {
+    const bool range_ok = c0 >= 0 && c1 >= c0 && c1 <= args.L;
+    valid = range_ok && c1 - c0 <= S && acc >= 1 && acc <= S;
+    for (int c = 0; c < S; ++c) valid = valid && meta.slot[c] < args.num_slots;
+    source = valid ? meta.slot[acc - 1] : -1;
+    valid = valid && source >= args.first_valid_slot && source >= 0;
+    if (range_ok && c1 == c0) return;  // padded row: nothing to read or write
+  }
+  // An invalid row stores nothing, zero-fills its output rows inside [0, L) and is counted once.
+  auto reject_row = [&]() {
     const int64_t lo = c0 < 0 ? 0 : c0, hi = c1 > args.L ? args.L : c1;
     const int64_t count = hi > lo ? (hi - lo) * R : 0;
     for (int64_t e = tid; e < count; e += kThreads) {
@@ -218,9 +268,14 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
       store_value(args.out, args.out_dtype, (l * HV + hv) * kHeadDim + row0 + (e & (R - 1)), 0.0f);
     }
     if (args.error_count && hv == 0 && rank == 0 && tid == 0) atomicAdd(args.error_count, 1);
+  };
+  if (!valid) {
+    reject_row();
     return;
   }
   const int T = int(c1 - c0);
+  const int n_replay = kReplay ? int(acc) : 0;  // window tokens replayed before the new ones
+  const int tokens = n_replay + T;              // staged tokens
   const int64_t head_elems = int64_t(kHeadDim) * kHeadDim;
   const int64_t head_offset = int64_t(hv) * head_elems;
 
@@ -250,36 +305,63 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
   };
   if (bulk && tid == 0)
     for (int c = 0; c < buffers; ++c) issue_chunk(c);
+  if (kReplay && tid == 0) meta.stored = *(args.window_len + source);  // overlaps the copies
 
-  // 4. Activations of every token (warp w stages tokens w, w + 4, ...), act(z), norm weight.
-  for (int t = warp; t < T; t += kWarps) {
-    const int64_t l = c0 + t;
-    const int64_t base = l * args.qkv_row_stride;
-    const uint4 qb = load_bits4(args.mixed_qkv, args.qkv_dtype,
-                                base + int64_t(h) * kHeadDim + 4 * lane, args.qkv_vector);
-    const uint4 kb = load_bits4(args.mixed_qkv, args.qkv_dtype,
-                                base + int64_t(args.H + h) * kHeadDim + 4 * lane, args.qkv_vector);
-    const int64_t vbase = base + int64_t(2 * args.H + hv) * kHeadDim + row0;
+  // 4. Activations of every staged token (warp w stages tokens w, w + 4, ...), act(z), norm
+  //    weight. Replay: tokens 0..n-1 come from the checkpoint slot's window (raw k, v, a, b; the
+  //    same math as their first pass), tokens n.. from this call's rows.
+  for (int t = warp; t < tokens; t += kWarps) {
+    const bool replayed = kReplay && t < n_replay;
+    const void* kv_src = args.mixed_qkv;
+    const void* a_src = args.a;
+    const void* b_src = args.b;
+    int64_t k_off, v_off, a_off, b_off;
+    bool k_vector = args.qkv_vector;
+    uint4 qb = make_uint4(0u, 0u, 0u, 0u);
+    if (replayed) {
+      kv_src = nullptr;  // k and v come from two window arrays
+      k_off = source * args.wk_slot_stride + t * args.wk_token_stride + int64_t(h) * kHeadDim;
+      v_off = source * args.wv_slot_stride + t * args.wv_token_stride + int64_t(hv) * kHeadDim;
+      a_src = args.window_a;
+      b_src = args.window_b;
+      a_off = source * args.wa_slot_stride + t * args.wa_token_stride + hv;
+      b_off = source * args.wb_slot_stride + t * args.wb_token_stride + hv;
+      k_vector = args.window_k_vector;
+    } else {
+      const int64_t l = c0 + (t - n_replay);
+      const int64_t base = l * args.qkv_row_stride;
+      qb = load_bits4(args.mixed_qkv, args.qkv_dtype, base + int64_t(h) * kHeadDim + 4 * lane,
+                      args.qkv_vector);
+      k_off = base + int64_t(args.H + h) * kHeadDim;
+      v_off = base + int64_t(2 * args.H + hv) * kHeadDim;
+      a_off = l * args.a_row_stride + hv;
+      b_off = l * args.b_row_stride + hv;
+    }
+    const void* k_src = replayed ? args.window_k : kv_src;
+    const void* v_src = replayed ? args.window_v : kv_src;
+    const uint4 kb = load_bits4(k_src, args.qkv_dtype, k_off + 4 * lane, k_vector);
+    const int64_t vbase = v_off + row0;
     uint32_t vb[kHeadDim / 32];
 #pragma unroll
     for (int i = 0; i < kHeadDim / 32; ++i)
-      vb[i] =
-          lane + 32 * i < R ? load_bits(args.mixed_qkv, args.qkv_dtype, vbase + lane + 32 * i) : 0u;
+      vb[i] = lane + 32 * i < R ? load_bits(v_src, args.qkv_dtype, vbase + lane + 32 * i) : 0u;
     uint32_t ab = 0, bb = 0, Ab = 0, db = 0;
     if (lane == 0) {
-      ab = load_bits(args.a, args.a_dtype, l * args.a_row_stride + hv);
-      bb = load_bits(args.b, args.b_dtype, l * args.b_row_stride + hv);
+      ab = load_bits(a_src, args.a_dtype, a_off);
+      bb = load_bits(b_src, args.b_dtype, b_off);
       Ab = load_bits(args.A_log, args.A_log_dtype, hv);
       db = load_bits(args.dt_bias, args.dt_bias_dtype, hv);
     }
-    const float4 q = bits4_to_f32(qb, args.qkv_dtype);
     const float4 k = bits4_to_f32(kb, args.qkv_dtype);
-    const float qq = warp_sum(q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w);
     const float kk = warp_sum(k.x * k.x + k.y * k.y + k.z * k.z + k.w * k.w);
-    const float qinv = args.scale / sqrtf(qq + args.l2_eps);
     const float kinv = 1.0f / sqrtf(kk + args.l2_eps);
     float* qk = qk_s + t * 2 * kHeadDim + 4 * lane;
-    *reinterpret_cast<float4*>(qk) = make_float4(q.x * qinv, q.y * qinv, q.z * qinv, q.w * qinv);
+    if (!replayed) {  // a replayed token produces no output: no q
+      const float4 q = bits4_to_f32(qb, args.qkv_dtype);
+      const float qq = warp_sum(q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w);
+      const float qinv = args.scale / sqrtf(qq + args.l2_eps);
+      *reinterpret_cast<float4*>(qk) = make_float4(q.x * qinv, q.y * qinv, q.z * qinv, q.w * qinv);
+    }
     *reinterpret_cast<float4*>(qk + kHeadDim) =
         make_float4(k.x * kinv, k.y * kinv, k.z * kinv, k.w * kinv);
 #pragma unroll
@@ -304,11 +386,20 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     }
   }
   if (norm && tid < R) w_s[tid] = bits_to_f32(w_bits, args.norm_dtype);
-  __syncthreads();  // staged tokens visible
+  __syncthreads();  // staged tokens (and a replay row's window_len) visible
+
+  if constexpr (kReplay) {  // the replay count against the tokens the window holds
+    if (acc > meta.stored) {
+      if (bulk)  // no bulk copy may still be writing this CTA's shared memory when it exits
+        for (int c = 0; c < buffers; ++c) mbarrier_wait(&bars[c], 0u);
+      reject_row();
+      return;
+    }
+  }
 
   // 5. Chunks of 32 rows (4 groups of 8, one per warp) in order; a buffer is refilled with chunk
   //    c + buffers once every warp holds its rows of chunk c in registers.
-  const int64_t my_slot = lane < S ? meta.slot[lane] : 0;
+  const int64_t my_slot = kReplay ? source : lane < S ? meta.slot[lane] : 0;
   const int64_t row_step = args.state_kv ? 1 : kHeadDim;  // element distance between rows
   const int64_t col_step = args.state_kv ? kHeadDim : 1;  // ... and between K columns
   StateT* const pool = static_cast<StateT*>(args.state);
@@ -340,7 +431,22 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     const int my_row = grow + ((lane >> 2) & 7);  // row this lane holds after a reduction
     const int64_t row_offset = head_offset + (row0 + grow) * row_step + 4 * lane * col_step;
 
-    for (int t = 0; t < T; ++t) {
+    // The group's rows to slot `dest` of the pool, from registers.
+    auto store_rows = [&](int64_t dest) {
+      StateT* dst = pool + dest * args.slot_stride + row_offset;
+      if (args.state_vector) {
+#pragma unroll
+        for (int i = 0; i < kRowsPerGroup; ++i)
+          Bits::store_streaming(dst + i * kHeadDim, Bits::from_f32(s[i]));
+      } else {
+#pragma unroll
+        for (int i = 0; i < kRowsPerGroup; ++i)
+          Bits::store_scalar(dst + i * row_step, col_step, Bits::from_f32(s[i]));
+      }
+    };
+
+    for (int t = 0; t < tokens; ++t) {
+      const bool output = !kReplay || t >= n_replay;  // replayed tokens only advance the state
       const float* qk = qk_s + t * 2 * kHeadDim + 4 * lane;
       const float4 kt = *reinterpret_cast<const float4*>(qk + kHeadDim);
       const float alpha = gates_s[2 * t];
@@ -360,7 +466,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
       const float u = transpose_reduce8(p, lane);
       const float delta_mine = beta * (v - u);
       // rank-1 write S += delta k^T, then the output o = S q of the updated state
-      const float4 qt = *reinterpret_cast<const float4*>(qk);
+      const float4 qt = output ? *reinterpret_cast<const float4*>(qk) : kt;
 #pragma unroll
       for (int i = 0; i < kRowsPerGroup; ++i) {
         const float d = __shfl_sync(0xffffffffu, delta_mine, 4 * i);
@@ -368,33 +474,27 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
         s[i].y += kt.y * d;
         s[i].z += kt.z * d;
         s[i].w += kt.w * d;
-        p[i] = s[i].x * qt.x + s[i].y * qt.y + s[i].z * qt.z + s[i].w * qt.w;
+        if (output) p[i] = s[i].x * qt.x + s[i].y * qt.y + s[i].z * qt.z + s[i].w * qt.w;
+      }
+      if (kReplay && !output) {  // after the last replayed token: the checkpoint, stored once
+        if (t == n_replay - 1) store_rows(source);
+        continue;
       }
       float o = transpose_reduce8(p, lane);
       if (args.round_core_output) o = dev::round_to(args.out_dtype, o);
-
-      // state after token t -> slot state_indices[n, t] (null: skipped)
-      const int64_t dest = __shfl_sync(0xffffffffu, my_slot, t);
-      if (dest >= args.first_valid_slot && dest >= 0) {
-        StateT* dst = pool + dest * args.slot_stride + row_offset;
-        if (args.state_vector) {
-#pragma unroll
-          for (int i = 0; i < kRowsPerGroup; ++i)
-            Bits::store_streaming(dst + i * kHeadDim, Bits::from_f32(s[i]));
-        } else {
-#pragma unroll
-          for (int i = 0; i < kRowsPerGroup; ++i)
-            Bits::store_scalar(dst + i * row_step, col_step, Bits::from_f32(s[i]));
-        }
+      if constexpr (!kReplay) {  // state after token t -> slot state_indices[n, t] (null: skipped)
+        const int64_t dest = __shfl_sync(0xffffffffu, my_slot, t);
+        if (dest >= args.first_valid_slot && dest >= 0) store_rows(dest);
       }
 
-      if ((lane & 3) == 0) o_s[t * R + my_row] = o;
+      const int to = t - n_replay;  // output token
+      if ((lane & 3) == 0) o_s[to * R + my_row] = o;
       if (norm) {  // the group's share of sum(o^2), fixed order over its 8 rows
         float sq = o * o;
         sq += __shfl_xor_sync(0xffffffffu, sq, 4);
         sq += __shfl_xor_sync(0xffffffffu, sq, 8);
         sq += __shfl_xor_sync(0xffffffffu, sq, 16);
-        if (lane == 0) ss_s[t * kGroupsPerHead + g] = sq;
+        if (lane == 0) ss_s[to * kGroupsPerHead + g] = sq;
       }
     }
   }

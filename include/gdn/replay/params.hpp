@@ -56,7 +56,8 @@ using decode_mtp::Support;
 // state, cu_seqlens, out, error_count and the scalars) plus the checkpoint table and the window.
 struct Params : decode_mtp::StepArgs {
   // state is the checkpoint pool [slots, HV, V, K] ("vk") or [slots, HV, K, V] ("kv").
-  TensorView state_indices;       // [N] int32/int64: checkpoint slot of each request (null: padded)
+  TensorView state_indices;       // [N] int32/int64, any stride (e.g. column 0 of a block table):
+                                  // checkpoint slot of each request (null: padded)
   TensorView window_k;            // [slots, S, H*K], dtype of mixed_qkv   (read, then written)
   TensorView window_v;            // [slots, S, HV*V], dtype of mixed_qkv  (read, then written)
   TensorView window_a, window_b;  // [slots, S, HV], dtypes of a and b     (read, then written)
@@ -109,7 +110,7 @@ inline Status check_arguments(const Params& p, Problem* out_problem) {
     GDN_RETURN_IF_ERROR(present(p.state_indices, "state_indices"));
     GDN_RETURN_IF_ERROR(ndim(p.state_indices, "state_indices", 1));
     GDN_RETURN_IF_ERROR(dtype_in(p.state_indices, "state_indices", {DType::kInt32, DType::kInt64}));
-    GDN_RETURN_IF_ERROR(contiguous_from(p.state_indices, "state_indices", 0));
+    GDN_RETURN_IF_ERROR(nonnegative_strides(p.state_indices, "state_indices"));
     pr.N = p.state_indices.shape[0];
     GDN_RETURN_IF_ERROR(present(p.window_k, "window_k"));
     GDN_RETURN_IF_ERROR(ndim(p.window_k, "window_k", 3));
@@ -178,7 +179,8 @@ inline Status check_row(const Params& p, const Problem& pr, int64_t i, RowInfo* 
     return Status::invalid(row_prefix(i) + "has T = " + std::to_string(T) +
                            " tokens but the window holds only S = " + std::to_string(pr.S) +
                            " (dim 1 of window_k)");
-  const int64_t slot = load_index(p.state_indices.data, p.state_indices.dtype, i);
+  const int64_t slot =
+      load_index(p.state_indices.data, p.state_indices.dtype, i * p.state_indices.strides[0]);
   const std::string at = "state_indices[" + std::to_string(i) + "] = " + std::to_string(slot);
   if (slot >= pr.num_slots)
     return Status::invalid(row_prefix(i) + at + " is >= the pool's slot count " +
