@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One script for a GPU machine (H200): build the extension and the C++ tests, run ctest (labels gpu
 # and cpu) and the whole pytest suite, run compute-sanitizer (memcheck, racecheck) on the decode_mtp
-# GPU tests, then the decode_mtp benchmark. Logs, results JSON and plot go to $OUT.
+# and replay GPU tests, the demo in both state modes, then the decode_mtp benchmark. Logs, results JSON and plot go to $OUT.
 #
 #   STAGES="build test bench demo sanitize profile" benchmarks/gpu_check.sh     (default: all six)
 #   BENCH_ARGS="--quick --sweep-split" STAGES="build bench" benchmarks/gpu_check.sh
@@ -79,7 +79,7 @@ fi
 if has demo; then
   stage demo
   {
-    for flags in "" "--graphs"; do
+    for flags in "" "--graphs" "--state-mode replay" "--state-mode replay --graphs"; do
       echo "--- python -m gdn demo --device cuda $flags"
       python3 -m gdn demo --device cuda $flags --no-progress
       echo "demo${flags:+ $flags} exit $?"
@@ -92,8 +92,10 @@ fi
 if has sanitize; then
   stage sanitize
   {
-    # memcheck on every device test; racecheck where shared memory is used (decode_mtp only).
-    for run in "memcheck:*" "racecheck:*DecodeMtp*"; do
+    # memcheck on every device test (one of the long replay chains); racecheck where shared
+    # memory is used (the decode_mtp kernel, also in replay mode).
+    for run in "memcheck:*:-*ReplayCudaChain*" "memcheck:*ReplayCudaChain*r8*" \
+               "racecheck:*DecodeMtp*:*ReplayCuda.*"; do
       tool=${run%%:*}
       filter=${run#*:}
       echo "--- compute-sanitizer --tool $tool (gdn_gpu_tests, $filter)"
@@ -105,7 +107,8 @@ if has sanitize; then
       echo "--- compute-sanitizer --tool memcheck (pytest, device-index and strided cases)"
       timeout "${SANITIZE_TIMEOUT:-120}" compute-sanitizer --tool memcheck --error-exitcode 3 \
         python3 -m pytest -q -p no:cacheprovider tests/py/test_decode_mtp_cuda.py \
-        -k "hostile or large_batch or strided_views" 2>&1 | tail -8
+        tests/py/test_replay.py -k "hostile or large_batch or strided_views or (replay and cuda)" \
+        2>&1 | tail -8
       echo "pytest-memcheck exit ${PIPESTATUS[0]}"
     fi
   } > "$OUT/sanitize.log" 2>&1
