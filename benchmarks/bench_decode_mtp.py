@@ -497,6 +497,7 @@ def main():
                     help="also time every head split (CTAs per value head) on TP1")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--no-replay", action="store_true", help="skip replay verify (T > 1 rows)")
+    ap.add_argument("--tokens", type=int, nargs="+", help="T values (default: 1 2 4 8; --quick: 1 4)")
     ap.add_argument("--json", default="benchmarks/results/decode_mtp_h200.json")
     ap.add_argument("--png", default="benchmarks/results/decode_mtp_h200.png")
     ap.add_argument("--budget", type=float, default=220.0, help="stop starting configs after this")
@@ -510,7 +511,7 @@ def main():
     print(f"{env['gpu']}, {env['sm_count']} SMs, copy {env['copy_tbps']:.3f} TB/s, "
           f"fla {env['fla']}, triton {env['triton']}", flush=True)
     shapes = ["TP1"] if args.quick else list(SHAPES)
-    tokens = [1, 4] if args.quick else TOKENS
+    tokens = args.tokens or ([1, 4] if args.quick else TOKENS)
     results, skipped = [], []
     configs = [(sh, B, T, sdt) for sh in shapes for sdt in DTYPES for T in tokens for B in BATCHES]
     if args.sweep_split:

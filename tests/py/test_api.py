@@ -224,8 +224,8 @@ def test_package_layout_per_operation():
     assert decode_mtp_reference is module.decode_mtp_reference
     assert conv_ref is causal_conv1d_update_reference and step_reference is M.step_reference
     from gdn import ops
-    assert set(ops.FUNCTIONS) == {"decode_mtp", "causal_conv1d_update", "metadata_plan",
-                                  "metadata_state_rows"}
+    assert set(ops.FUNCTIONS) == {"decode_mtp", "decode_mtp_replay", "causal_conv1d_update",
+                                  "metadata_plan", "metadata_state_rows"}
 
 
 # ---- self-contained contracts ------------------------------------------------------------------
