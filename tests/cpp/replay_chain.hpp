@@ -6,7 +6,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -18,14 +17,10 @@
 
 namespace gdn::testing {
 
-// Where a chain runs its calls: on host arrays, by the CPU paths or by a device mirror. `exact`:
-// replay must equal write-every-token and sequential decoding bit for bit (the CPU computes every
-// token the same way); otherwise within kCloseOut / kCloseState relative L2 (the CUDA replay
-// regroups a phase's tokens, see gdn/decode_mtp/cuda_kernel.cuh).
+// Where a chain runs its calls: on host arrays, by the CPU paths or by a device mirror.
 struct Runner {
   Status (*replay)(const replay::Params&) = replay::run_cpu;
   Status (*decode)(const decode_mtp::Params&) = decode_mtp::run_cpu;
-  bool exact = true;
 };
 
 inline std::vector<double> out_rows(const Batch& b, int64_t begin, int64_t T, int64_t row) {
@@ -42,24 +37,6 @@ inline std::string sci(double x) {
 
 inline bool same_bytes(const uint8_t* a, const uint8_t* b, int64_t n) {
   return std::memcmp(a, b, size_t(n)) == 0;
-}
-
-// Relative L2 bars of an inexact runner: fp32 values, and 16-bit outputs (one rounding flip).
-inline constexpr double kCloseOut32 = 2e-5, kCloseOut16 = 4e-3, kCloseState = 2e-5;
-
-// Equal bytes (tol = 0), or the values of `dtype` within relative L2 `tol` (NaN where both NaN).
-inline bool close_values(const uint8_t* a, const uint8_t* b, int64_t bytes, DType dtype,
-                         double tol) {
-  if (tol == 0) return same_bytes(a, b, bytes);
-  double num = 0, den = 0;
-  for (int64_t i = 0; i < bytes / dtype_size(dtype); ++i) {
-    const double x = load_float(a, dtype, i), y = load_float(b, dtype, i);
-    if (std::isnan(x) != std::isnan(y)) return false;
-    if (std::isnan(x)) continue;
-    num += (x - y) * (x - y);
-    den += y * y;
-  }
-  return num <= tol * tol * den;
 }
 
 // A chain of replay steps over one ReplayCase. Each step draws per request T (0 now and then: a
@@ -116,10 +93,6 @@ struct Chain {
   int64_t T(int64_t i) const { return int64_t(tokens[size_t(i)].size()); }
 
   Status run_replay() { return runner.replay(rc.replay_params(batch, slot_ids, n)); }
-  double out_tol() const {
-    return runner.exact ? 0 : rc.cfg.act_dtype == DType::kFloat32 ? kCloseOut32 : kCloseOut16;
-  }
-  double state_tol() const { return runner.exact ? 0 : kCloseState; }
 
   // The window of request i's slot holds this step's raw rows, bytes as given, and its count.
   void expect_window_saved(int64_t i) const {
@@ -197,8 +170,8 @@ struct WriteEveryToken {
     Batch b = rc.batch(ch.tokens);
     Status s = ch.runner.decode(rc.mtp_params(b, pool, n_slots, indices, S, acc));
     ASSERT_TRUE(s.is_ok()) << s.reason();
-    EXPECT_TRUE(close_values(b.out.bytes.data(), ch.batch.out.bytes.data(),
-                             int64_t(b.out.bytes.size()), rc.cfg.act_dtype, ch.out_tol()))
+    EXPECT_TRUE(
+        same_bytes(b.out.bytes.data(), ch.batch.out.bytes.data(), int64_t(b.out.bytes.size())))
         << "outputs differ from write-every-token decode_mtp";
     for (int64_t i = 0; i < rc.cfg.N; ++i) {
       if (ch.T(i) == 0) continue;
@@ -239,17 +212,16 @@ struct Sequential {
       if (ch.T(i) == 0) continue;
       const int64_t accepted = first + 2 * i, scratch = accepted + 1;
       for (const Token& tok : ch.replayed(i)) decode(ch, rc, tok, accepted);
-      EXPECT_TRUE(close_values(rc.slot_ptr(pool, accepted),
-                               rc.slot_ptr(rc.state, ch.slot_ids[size_t(i)]), rc.state_bytes(),
-                               rc.cfg.state_dtype, ch.state_tol()))
+      EXPECT_TRUE(same_bytes(rc.slot_ptr(pool, accepted),
+                             rc.slot_ptr(rc.state, ch.slot_ids[size_t(i)]), rc.state_bytes()))
           << "request " << i << ": checkpoint differs from one-token-at-a-time decoding";
       std::memcpy(rc.slot_ptr(pool, scratch), rc.slot_ptr(pool, accepted),
                   size_t(rc.state_bytes()));
       for (int64_t t = 0; t < ch.T(i); ++t) {
         const Batch one = decode(ch, rc, ch.tokens[size_t(i)][size_t(t)], scratch);
-        EXPECT_TRUE(close_values(one.out.bytes.data(),
-                                 ch.batch.out.bytes.data() + (ch.begin(i) + t) * rc.HVV * esz,
-                                 rc.HVV * esz, rc.cfg.act_dtype, ch.out_tol()))
+        EXPECT_TRUE(same_bytes(one.out.bytes.data(),
+                               ch.batch.out.bytes.data() + (ch.begin(i) + t) * rc.HVV * esz,
+                               rc.HVV * esz))
             << "request " << i << " token " << t
             << ": output differs from one-token-at-a-time decoding";
       }
@@ -296,9 +268,8 @@ struct ChainParam {
 };
 
 // A chain of param.steps steps: every step's window save, the float64 reference, write-every-token
-// decode_mtp and one-token-at-a-time decoding (bit for bit when runner.exact), all run by
-// `runner`; then the spare slots and what the chain exercised (each kind of row at least
-// steps / 40 times).
+// decode_mtp and one-token-at-a-time decoding (bit for bit), all run by `runner`; then the spare
+// slots and what the chain exercised (each kind of row at least steps / 40 times).
 inline void run_chain_bit_for_bit(const ChainParam& param, Runner runner) {
   Chain ch(param.cfg, runner);
   const ReplayCase initial = ch.rc;

@@ -26,19 +26,10 @@
 //
 // Replay verify (kReplay, docs replay.md) runs on the same mapping: the slice comes from the
 // request's one checkpoint slot, the staged token list is the n accepted window tokens (raw k, v,
-// a, b read from the slot's window; no q, no output) followed by the T new ones. No state is
-// stored per token, so a row runs each phase (the n replayed tokens, then the T new ones) in
-// chunked form: with G_j the cumulative log decay of the phase, c_ij = k_i . k_j, e_it = k_i . q_t,
-//   delta_j = beta_j (v_j - e^{G_j} (s . k_j) - sum_{i<j} e^{G_j - G_i} c_ij delta_i)
-//   s'      = e^{G_last} s + sum_i e^{G_last - G_i} delta_i k_i      (replay phase: the checkpoint)
-//   o_t     = e^{G_t} (s . q_t) + sum_{i<=t} e^{G_t - G_i} e_it delta_i (new phase: the outputs)
-// which is the token-by-token recurrence regrouped: every dot product of a phase reads the same
-// registers (independent reductions instead of a chain), the per-row scalars run on 8 lanes, and
-// the state is updated once per phase (once per call: the new tokens' state is never stored).
-// The coefficients (e^{G_j - G_i} c_ij, ...) are per head, computed once per CTA. The rows are
-// stored once, to the checkpoint (not at all for n = 0). This kernel only reads the window; a
-// second launch saves the new tokens into it (gdn/replay/cuda.cuh), so no CTA can overwrite a
-// window row another CTA still replays.
+// a, b read from the slot's window; no q, no output) followed by the T new ones, the rows are
+// stored once, to the checkpoint, after the n-th token (not at all for n = 0), and the new tokens
+// produce outputs only. This kernel only reads the window; a second launch saves the new tokens
+// into it (gdn/replay/cuda.cuh), so no CTA can overwrite a window row another CTA still replays.
 //
 // Math and rounding follow gdn/decode_mtp/cpu.hpp (fp32 throughout, o kept fp32 into the norm,
 // 16-bit state stored round-to-nearest-even). Invalid rows (device-side indices) write no state,
@@ -160,7 +151,7 @@ struct RowMeta {
 // replay CTA stages up to 2S tokens (n <= S replayed, T <= S new).
 struct SmemPlan {
   int rows_per_chunk, chunks, buffers;
-  int bars, meta, tile, qk, v, gates, o, z, ss, rstd, w, coef, scratch, total;
+  int bars, meta, tile, qk, v, gates, o, z, ss, rstd, w, total;
   __host__ __device__ SmemPlan(int S, int R, int state_bytes, int max_buffers, bool replay) {
     const int staged = replay ? 2 * S : S;  // token slots of qk, v and gates
     rows_per_chunk = R < kChunkRows ? R : kChunkRows;
@@ -177,116 +168,10 @@ struct SmemPlan {
     ss = z + S * R * 4;                  // float [S][16] group partials of o^2
     rstd = ss + S * kGroupsPerHead * 4;  // float [S]
     w = rstd + S * 4;                    // float [R] norm weight
-    coef = w + R * 4;  // replay: float [3][S][S] + [5][S] head coefficients (ReplayCoefficients)
-    scratch = coef + (replay ? (3 * S * S + 5 * S) * 4 : 0);  // replay: float [warps][3][8][S]
-    total = scratch + (replay ? kWarps * 3 * kRowsPerGroup * S * 4 : 0);
+    total = w + R * 4;
   }
 };
 static_assert(sizeof(RowMeta) <= 256 - 64, "RowMeta fits between the barriers and the tile");
-
-// Lane-partial dot products of the group's 8 rows with a float4 of a token vector.
-__device__ __forceinline__ void row_partials(const float4 (&s)[kRowsPerGroup], float4 x,
-                                             float (&p)[kRowsPerGroup]) {
-#pragma unroll
-  for (int i = 0; i < kRowsPerGroup; ++i)
-    p[i] = s[i].x * x.x + s[i].y * x.y + s[i].z * x.z + s[i].w * x.w;
-}
-
-// Replay verify on one warp's group of 8 rows (registers s, lane l holding K columns 4l..4l+3),
-// in the chunked form at the top of this file: the replay phase's dots, deltas and the one state
-// update (then `store_checkpoint`), then the new phase's dots, deltas and outputs (o_s and the
-// group's share of sum(o^2) in ss_s). Per-row scalars go through the warp's shared scratch
-// [3][8][S]: dots with k, dots with q, deltas.
-template <class StoreCheckpoint>
-__device__ __forceinline__ void replay_rows(float4 (&s)[kRowsPerGroup], int lane, int warp, int g,
-                                            int grow, int T, int n, int S, int R, const float* qk_s,
-                                            const float* v_s, const float* gates_s,
-                                            const float* rp_M, const float* rp_v, const float* nw_M,
-                                            const float* nw_N, const float* nw_v, float* scratch,
-                                            float* o_s, float* ss_s, bool round_core_output,
-                                            DType out_dtype, bool norm,
-                                            StoreCheckpoint&& store_checkpoint) {
-  float* const dk = scratch + warp * 3 * kRowsPerGroup * S;  // [8][S] s . k_j
-  float* const dq = dk + kRowsPerGroup * S;                  // [8][S] s . q_t
-  float* const dl = dq + kRowsPerGroup * S;                  // [8][S] delta_j
-  const int quad_row = (lane >> 2) & 7;                      // row a reduction leaves in this lane
-  const bool writer = (lane & 3) == 0;
-  float p[kRowsPerGroup];
-  __syncwarp();  // the previous group's scalars are consumed
-  if (n > 0) {
-    for (int j = 0; j < n; ++j) {
-      row_partials(
-          s, *reinterpret_cast<const float4*>(qk_s + j * 2 * kHeadDim + kHeadDim + 4 * lane), p);
-      const float d = transpose_reduce8(p, lane);
-      if (writer) dk[quad_row * S + j] = d;
-    }
-    __syncwarp();
-    if (lane < kRowsPerGroup) {  // row `lane`: deltas in token order, then their weights
-      const int r = grow + lane;
-      for (int j = 0; j < n; ++j) {
-        float u = rp_v[j] * dk[lane * S + j];
-        for (int i = 0; i < j; ++i) u += rp_M[j * S + i] * dl[lane * S + i];
-        dl[lane * S + j] = gates_s[2 * j + 1] * (v_s[j * R + r] - u);
-      }
-      for (int j = 0; j < n; ++j) dl[lane * S + j] *= rp_v[S + j];
-    }
-    __syncwarp();
-    const float decay = rp_v[n - 1];  // e^{G_n-1}
-#pragma unroll
-    for (int i = 0; i < kRowsPerGroup; ++i) {
-      s[i].x *= decay;
-      s[i].y *= decay;
-      s[i].z *= decay;
-      s[i].w *= decay;
-    }
-    for (int j = 0; j < n; ++j) {
-      const float4 kj =
-          *reinterpret_cast<const float4*>(qk_s + j * 2 * kHeadDim + kHeadDim + 4 * lane);
-#pragma unroll
-      for (int i = 0; i < kRowsPerGroup; ++i) {
-        const float w = dl[i * S + j];
-        s[i].x += kj.x * w;
-        s[i].y += kj.y * w;
-        s[i].z += kj.z * w;
-        s[i].w += kj.w * w;
-      }
-    }
-    store_checkpoint();
-    __syncwarp();  // every lane has read the replay deltas
-  }
-  for (int t = 0; t < T; ++t) {
-    const float* tok = qk_s + (n + t) * 2 * kHeadDim + 4 * lane;
-    row_partials(s, *reinterpret_cast<const float4*>(tok + kHeadDim), p);
-    const float d = transpose_reduce8(p, lane);
-    row_partials(s, *reinterpret_cast<const float4*>(tok), p);
-    const float e = transpose_reduce8(p, lane);
-    if (writer) {
-      dk[quad_row * S + t] = d;
-      dq[quad_row * S + t] = e;
-    }
-  }
-  __syncwarp();
-  if (lane < kRowsPerGroup) {  // row `lane`: deltas and outputs in token order
-    const int r = grow + lane;
-    for (int t = 0; t < T; ++t) {
-      float u = nw_v[t] * dk[lane * S + t];
-      for (int i = 0; i < t; ++i) u += nw_M[t * S + i] * dl[lane * S + i];
-      const float delta = gates_s[2 * (n + t) + 1] * (v_s[(n + t) * R + r] - u);
-      dl[lane * S + t] = delta;
-      float o = nw_v[t] * dq[lane * S + t] + nw_N[t * S + t] * delta;
-      for (int i = 0; i < t; ++i) o += nw_N[t * S + i] * dl[lane * S + i];
-      if (round_core_output) o = gdn::cuda::round_to(out_dtype, o);
-      o_s[t * R + r] = o;
-      if (norm) {  // the group's share of sum(o^2), fixed order over its 8 rows
-        float sq = o * o;
-        sq += __shfl_xor_sync(0xffu, sq, 1);
-        sq += __shfl_xor_sync(0xffu, sq, 2);
-        sq += __shfl_xor_sync(0xffu, sq, 4);
-        if (lane == 0) ss_s[t * kGroupsPerHead + g] = sq;
-      }
-    }
-  }
-}
 
 template <class StateT, int kRatio, bool kReplay>
 __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
@@ -486,7 +371,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
       const float A = -expf(bits_to_f32(Ab, args.A_log_dtype));
       const float g =
           A * softplus(bits_to_f32(ab, args.a_dtype) + bits_to_f32(db, args.dt_bias_dtype));
-      gates_s[2 * t] = kReplay ? g : expf(g);  // replay: the log decay (cumulated below)
+      gates_s[2 * t] = expf(g);
       gates_s[2 * t + 1] = sigmoid(bits_to_f32(bb, args.b_dtype));
     }
   }
@@ -512,64 +397,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     }
   }
 
-  // Replay: per-head coefficients of both phases (see the top of this file), in shared memory.
-  //   rp_M[j][i] = e^{G_j - G_i} c_ij (i < j < n), rp_v: [0][j] = e^{G_j}, [1][i] = e^{G_n-1 - G_i}
-  //   nw_M[t][i] = e^{G_t - G_i} c_it (i < t < T), nw_N[t][i] = e^{G_t - G_i} e_it (i <= t),
-  //   nw_v[t] = e^{G_t}; G cumulated from each phase's first token.
-  float* const rp_M = reinterpret_cast<float*>(smem + plan.coef);  // [S][S]
-  float* const nw_M = rp_M + S * S;                                // [S][S]
-  float* const nw_N = nw_M + S * S;                                // [S][S]
-  float* const rp_v = nw_N + S * S;                                // [2][S]
-  float* const nw_v = rp_v + 2 * S;                                // [S]
-  float* const cum = nw_v + S;  // [2S]: cumulative log decay within each phase
-  if constexpr (kReplay) {
-    if (tid == 0) {
-      float G = 0.0f;
-      for (int t = 0; t < tokens; ++t) {
-        G = (t == n_replay ? 0.0f : G) + gates_s[2 * t];
-        cum[t] = G;
-      }
-    }
-    __syncthreads();
-    // Pairs of the replay phase (i < j), then of the new phase (i <= t: c for i < t, e for all),
-    // one per warp in turn: dot products of 128 over the warp.
-    const int rp_pairs = n_replay * (n_replay - 1) / 2, nw_pairs = T * (T + 1) / 2;
-    for (int pair = warp; pair < rp_pairs + nw_pairs; pair += kWarps) {
-      const bool replay_pair = pair < rp_pairs;
-      int x = replay_pair ? pair : pair - rp_pairs, j = 0;
-      while (x >= j + (replay_pair ? 0 : 1)) x -= j++ + (replay_pair ? 0 : 1);
-      const int i = x;  // replay: i < j; new: i <= j
-      const int base = replay_pair ? 0 : n_replay;
-      const float4 ki =
-          *reinterpret_cast<const float4*>(qk_s + (base + i) * 2 * kHeadDim + kHeadDim + 4 * lane);
-      const float* tj = qk_s + (base + j) * 2 * kHeadDim + 4 * lane;
-      const float4 kj = *reinterpret_cast<const float4*>(tj + kHeadDim);
-      const float4 qj = *reinterpret_cast<const float4*>(tj);
-      const float c = warp_sum(ki.x * kj.x + ki.y * kj.y + ki.z * kj.z + ki.w * kj.w);
-      const float e =
-          replay_pair ? 0.0f : warp_sum(ki.x * qj.x + ki.y * qj.y + ki.z * qj.z + ki.w * qj.w);
-      if (lane == 0) {
-        const float decay = expf(cum[base + j] - cum[base + i]);
-        if (replay_pair) {
-          rp_M[j * S + i] = decay * c;
-        } else {
-          nw_M[j * S + i] = decay * c;  // the diagonal is never read
-          nw_N[j * S + i] = decay * e;
-        }
-      }
-    }
-    if (tid < n_replay) {
-      rp_v[tid] = expf(cum[tid]);
-      rp_v[S + tid] = expf(cum[n_replay - 1] - cum[tid]);
-    } else if (tid >= 32 && tid < 32 + T) {
-      nw_v[tid - 32] = expf(cum[n_replay + tid - 32]);
-    }
-    __syncthreads();
-  }
-
   // 5. Chunks of 32 rows (4 groups of 8, one per warp) in order; a buffer is refilled with chunk
   //    c + buffers once every warp holds its rows of chunk c in registers.
-  const int64_t my_slot = !kReplay && lane < S ? meta.slot[lane] : 0;
+  const int64_t my_slot = kReplay ? source : lane < S ? meta.slot[lane] : 0;
   const int64_t row_step = args.state_kv ? 1 : kHeadDim;  // element distance between rows
   const int64_t col_step = args.state_kv ? kHeadDim : 1;  // ... and between K columns
   StateT* const pool = static_cast<StateT*>(args.state);
@@ -615,55 +445,56 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
       }
     };
 
-    if constexpr (kReplay) {
-      replay_rows(s, lane, warp, g, grow, T, n_replay, S, R, qk_s, v_s, gates_s, rp_M, rp_v, nw_M,
-                  nw_N, nw_v, reinterpret_cast<float*>(smem + plan.scratch), o_s, ss_s,
-                  args.round_core_output, args.out_dtype, norm, [&]() { store_rows(source); });
-    } else {
-      for (int t = 0; t < T; ++t) {
-        const float* qk = qk_s + t * 2 * kHeadDim + 4 * lane;
-        const float4 kt = *reinterpret_cast<const float4*>(qk + kHeadDim);
-        const float alpha = gates_s[2 * t];
-        const float beta = gates_s[2 * t + 1];
-        const float v = v_s[t * R + my_row];
+    for (int t = 0; t < tokens; ++t) {
+      const bool output = !kReplay || t >= n_replay;  // replayed tokens only advance the state
+      const float* qk = qk_s + t * 2 * kHeadDim + 4 * lane;
+      const float4 kt = *reinterpret_cast<const float4*>(qk + kHeadDim);
+      const float alpha = gates_s[2 * t];
+      const float beta = gates_s[2 * t + 1];
+      const float v = v_s[t * R + my_row];
 
-        // decay, read u = S k
-        float p[kRowsPerGroup];
+      // decay, read u = S k
+      float p[kRowsPerGroup];
 #pragma unroll
-        for (int i = 0; i < kRowsPerGroup; ++i) {
-          s[i].x *= alpha;
-          s[i].y *= alpha;
-          s[i].z *= alpha;
-          s[i].w *= alpha;
-          p[i] = s[i].x * kt.x + s[i].y * kt.y + s[i].z * kt.z + s[i].w * kt.w;
-        }
-        const float u = transpose_reduce8(p, lane);
-        const float delta_mine = beta * (v - u);
-        // rank-1 write S += delta k^T, then the output o = S q of the updated state
-        const float4 qt = *reinterpret_cast<const float4*>(qk);
+      for (int i = 0; i < kRowsPerGroup; ++i) {
+        s[i].x *= alpha;
+        s[i].y *= alpha;
+        s[i].z *= alpha;
+        s[i].w *= alpha;
+        p[i] = s[i].x * kt.x + s[i].y * kt.y + s[i].z * kt.z + s[i].w * kt.w;
+      }
+      const float u = transpose_reduce8(p, lane);
+      const float delta_mine = beta * (v - u);
+      // rank-1 write S += delta k^T, then the output o = S q of the updated state
+      const float4 qt = output ? *reinterpret_cast<const float4*>(qk) : kt;
 #pragma unroll
-        for (int i = 0; i < kRowsPerGroup; ++i) {
-          const float d = __shfl_sync(0xffffffffu, delta_mine, 4 * i);
-          s[i].x += kt.x * d;
-          s[i].y += kt.y * d;
-          s[i].z += kt.z * d;
-          s[i].w += kt.w * d;
-          p[i] = s[i].x * qt.x + s[i].y * qt.y + s[i].z * qt.z + s[i].w * qt.w;
-        }
-        float o = transpose_reduce8(p, lane);
-        if (args.round_core_output) o = dev::round_to(args.out_dtype, o);
-        // state after token t -> slot state_indices[n, t] (null: skipped)
+      for (int i = 0; i < kRowsPerGroup; ++i) {
+        const float d = __shfl_sync(0xffffffffu, delta_mine, 4 * i);
+        s[i].x += kt.x * d;
+        s[i].y += kt.y * d;
+        s[i].z += kt.z * d;
+        s[i].w += kt.w * d;
+        if (output) p[i] = s[i].x * qt.x + s[i].y * qt.y + s[i].z * qt.z + s[i].w * qt.w;
+      }
+      if (kReplay && !output) {  // after the last replayed token: the checkpoint, stored once
+        if (t == n_replay - 1) store_rows(source);
+        continue;
+      }
+      float o = transpose_reduce8(p, lane);
+      if (args.round_core_output) o = dev::round_to(args.out_dtype, o);
+      if constexpr (!kReplay) {  // state after token t -> slot state_indices[n, t] (null: skipped)
         const int64_t dest = __shfl_sync(0xffffffffu, my_slot, t);
         if (dest >= args.first_valid_slot && dest >= 0) store_rows(dest);
+      }
 
-        if ((lane & 3) == 0) o_s[t * R + my_row] = o;
-        if (norm) {  // the group's share of sum(o^2), fixed order over its 8 rows
-          float sq = o * o;
-          sq += __shfl_xor_sync(0xffffffffu, sq, 4);
-          sq += __shfl_xor_sync(0xffffffffu, sq, 8);
-          sq += __shfl_xor_sync(0xffffffffu, sq, 16);
-          if (lane == 0) ss_s[t * kGroupsPerHead + g] = sq;
-        }
+      const int to = t - n_replay;  // output token
+      if ((lane & 3) == 0) o_s[to * R + my_row] = o;
+      if (norm) {  // the group's share of sum(o^2), fixed order over its 8 rows
+        float sq = o * o;
+        sq += __shfl_xor_sync(0xffffffffu, sq, 4);
+        sq += __shfl_xor_sync(0xffffffffu, sq, 8);
+        sq += __shfl_xor_sync(0xffffffffu, sq, 16);
+        if (lane == 0) ss_s[to * kGroupsPerHead + g] = sq;
       }
     }
   }
