@@ -57,20 +57,54 @@ struct WindowSaveArgs {
   bool vector;  // every k / v row starts and ends 16-byte aligned on both sides
 };
 
-// `bytes` bytes from src to dst by the whole CTA, in 16-byte pieces when `vector`, else in
-// elements of `size` bytes (2 or 4).
-__device__ __forceinline__ void cta_copy(char* dst, const char* src, int64_t bytes, bool vector,
-                                         int size) {
-  if (vector) {
-    for (int64_t e = threadIdx.x; e < bytes / 16; e += kSaveThreads)
-      reinterpret_cast<uint4*>(dst)[e] = reinterpret_cast<const uint4*>(src)[e];
-  } else if (size == 4) {
-    for (int64_t e = threadIdx.x; e < bytes / 4; e += kSaveThreads)
-      reinterpret_cast<uint32_t*>(dst)[e] = reinterpret_cast<const uint32_t*>(src)[e];
-  } else {
-    for (int64_t e = threadIdx.x; e < bytes / 2; e += kSaveThreads)
-      reinterpret_cast<uint16_t*>(dst)[e] = reinterpret_cast<const uint16_t*>(src)[e];
+// Copies `count` units of `Unit` (element i of token t at src(t) + i, dst(t) + i) by the whole CTA.
+// Each thread loads kBatch units before storing them, so a request's copy costs a few memory
+// round trips rather than one per token (the loads do not wait behind the previous stores).
+template <class Unit, class Src, class Dst>
+__device__ __forceinline__ void cta_copy_tokens(int64_t tokens, int64_t per_token, Src src,
+                                                Dst dst) {
+  constexpr int kBatch = 8;
+  const int64_t count = tokens * per_token;
+  for (int64_t base = threadIdx.x; base < count; base += int64_t(kBatch) * kSaveThreads) {
+    Unit u[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int64_t e = base + int64_t(b) * kSaveThreads;
+      if (e < count) u[b] = reinterpret_cast<const Unit*>(src(e / per_token))[e % per_token];
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int64_t e = base + int64_t(b) * kSaveThreads;
+      if (e < count) reinterpret_cast<Unit*>(dst(e / per_token))[e % per_token] = u[b];
+    }
   }
+}
+
+// One token's k and v (k_bytes + v_bytes, contiguous in mixed_qkv's row, split in the window),
+// in units of `Unit`.
+template <class Unit>
+__device__ __forceinline__ void copy_kv(const WindowSaveArgs& args, int64_t slot, int64_t c0,
+                                        int64_t T) {
+  const int64_t k_units = args.k_bytes / int64_t(sizeof(Unit));
+  const int64_t v_units = args.v_bytes / int64_t(sizeof(Unit));
+  cta_copy_tokens<Unit>(
+      T, k_units,
+      [&](int64_t t) { return args.mixed_qkv + (c0 + t) * args.qkv_row + args.k_bytes; },
+      [&](int64_t t) { return args.window_k + slot * args.wk_slot + t * args.wk_token; });
+  cta_copy_tokens<Unit>(
+      T, v_units,
+      [&](int64_t t) { return args.mixed_qkv + (c0 + t) * args.qkv_row + 2 * args.k_bytes; },
+      [&](int64_t t) { return args.window_v + slot * args.wv_slot + t * args.wv_token; });
+}
+
+// a or b (HV elements per token, `size` bytes each) of T tokens into its window.
+template <class Unit>
+__device__ __forceinline__ void copy_gate(const char* src, int64_t src_row, char* dst,
+                                          int64_t dst_slot, int64_t dst_token, int64_t slot,
+                                          int64_t c0, int64_t T, int HV) {
+  cta_copy_tokens<Unit>(
+      T, HV, [&](int64_t t) { return src + (c0 + t) * src_row; },
+      [&](int64_t t) { return dst + slot * dst_slot + t * dst_token; });
 }
 
 // One CTA per request row. A template so that a header-defined kernel has one definition however
@@ -78,7 +112,7 @@ __device__ __forceinline__ void cta_copy(char* dst, const char* src, int64_t byt
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads)
     save_window_kernel(const __grid_constant__ WindowSaveArgs args) {
-  static_assert(kThreads == kSaveThreads, "cta_copy strides by kSaveThreads");
+  static_assert(kThreads == kSaveThreads, "the copies stride by kSaveThreads");
   __shared__ int64_t meta[5];         // slot, c0, c1, replay count, window_len[slot]
   gdn::cuda::wait_for_prior_grids();  // the replay launch has read every window it replays
   gdn::cuda::allow_dependent_launch();
@@ -93,32 +127,29 @@ __global__ void __launch_bounds__(kThreads)
     meta[4] = slot >= 0 && slot < args.num_slots ? int64_t(args.window_len[slot]) : 0;
   }
   __syncthreads();
-  const int64_t slot = meta[0], c0 = meta[1], c1 = meta[2];
+  const int64_t slot = meta[0], c0 = meta[1], c1 = meta[2], T = c1 - c0;
   if (classify_replay_row(c0, c1, args.L, args.S, slot, args.num_slots, args.first_valid_slot,
                           meta[3], meta[4]) != ReplayRow::kLive)
     return;
-  for (int64_t t = 0; t < c1 - c0; ++t) {
-    const char* row = args.mixed_qkv + (c0 + t) * args.qkv_row;
-    cta_copy(args.window_k + slot * args.wk_slot + t * args.wk_token, row + args.k_bytes,
-             args.k_bytes, args.vector, args.qkv_size);
-    cta_copy(args.window_v + slot * args.wv_slot + t * args.wv_token, row + 2 * args.k_bytes,
-             args.v_bytes, args.vector, args.qkv_size);
-    for (int e = int(threadIdx.x); e < 2 * args.HV; e += kThreads) {
-      const bool is_a = e < args.HV;
-      const int hv = is_a ? e : e - args.HV;
-      const int size = is_a ? args.a_size : args.b_size;
-      const char* src = (is_a ? args.a + (c0 + t) * args.a_row : args.b + (c0 + t) * args.b_row) +
-                        int64_t(hv) * size;
-      char* dst = (is_a ? args.window_a + slot * args.wa_slot + t * args.wa_token
-                        : args.window_b + slot * args.wb_slot + t * args.wb_token) +
-                  int64_t(hv) * size;
-      if (size == 4)
-        *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(src);
-      else
-        *reinterpret_cast<uint16_t*>(dst) = *reinterpret_cast<const uint16_t*>(src);
-    }
-  }
-  if (threadIdx.x == 0) args.window_len[slot] = int(c1 - c0);  // this thread read it above
+  if (args.vector)
+    copy_kv<uint4>(args, slot, c0, T);
+  else if (args.qkv_size == 4)
+    copy_kv<uint32_t>(args, slot, c0, T);
+  else
+    copy_kv<uint16_t>(args, slot, c0, T);
+  if (args.a_size == 4)
+    copy_gate<uint32_t>(args.a, args.a_row, args.window_a, args.wa_slot, args.wa_token, slot, c0, T,
+                        args.HV);
+  else
+    copy_gate<uint16_t>(args.a, args.a_row, args.window_a, args.wa_slot, args.wa_token, slot, c0, T,
+                        args.HV);
+  if (args.b_size == 4)
+    copy_gate<uint32_t>(args.b, args.b_row, args.window_b, args.wb_slot, args.wb_token, slot, c0, T,
+                        args.HV);
+  else
+    copy_gate<uint16_t>(args.b, args.b_row, args.window_b, args.wb_slot, args.wb_token, slot, c0, T,
+                        args.HV);
+  if (threadIdx.x == 0) args.window_len[slot] = int(T);  // this thread read it above
 }
 
 inline Status launch_save_window(const WindowSaveArgs& args, int64_t N, cudaStream_t stream) {
