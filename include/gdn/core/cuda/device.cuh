@@ -304,7 +304,8 @@ __device__ __forceinline__ uint64_t l2_evict_first_policy() {
 }
 
 // Arms `bar` for `bytes` and copies them from global to shared memory; the barrier's phase
-// completes when they have landed. dst, src and bytes are multiples of 16. policy 0: no L2 hint.
+// completes when they have landed. dst, src and bytes are multiples of 16; policy is an L2 cache
+// policy (l2_evict_first_policy).
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar,
                                           uint64_t policy) {
 #if GDN_CUDA_SM90
@@ -312,19 +313,11 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
       "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(bar)),
       "r"(bytes)
       : "memory");
-  if (policy != 0) {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
-        " [%0], [%1], %2, [%3], %4;\n" ::"r"(shared_address(dst)),
-        "l"(src), "r"(bytes), "r"(shared_address(bar)), "l"(policy)
-        : "memory");
-  } else {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
-        " [%0], [%1], %2, [%3];\n" ::"r"(shared_address(dst)),
-        "l"(src), "r"(bytes), "r"(shared_address(bar))
-        : "memory");
-  }
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1], %2, [%3], %4;\n" ::"r"(shared_address(dst)),
+      "l"(src), "r"(bytes), "r"(shared_address(bar)), "l"(policy)
+      : "memory");
 #else
   (void)dst;
   (void)src;
