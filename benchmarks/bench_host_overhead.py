@@ -1,18 +1,30 @@
 """Host cost of one eager decode_mtp call, next to torch's own floor, and where it goes.
 
 Engines run GDN layers eagerly in mixed prefill/decode steps, so the host time of a call is paid
-per layer per step. This measures, in one process, the wall time per call of N back-to-back calls
-(one synchronisation at the end, so on CUDA the GPU work overlaps and the host is what is timed):
+per layer per step. This measures, in one process, the wall time per call of back-to-back eager
+calls (``--calls`` per repeat, fewer where a CPU kernel takes milliseconds; median of
+``--repeats`` repeats). Each repeat times ``x.add_(1)`` right before the call it is compared
+with, so load on the machine moves both; the ratio reported is the median of those paired
+ratios. On CUDA the loop is timed without its closing
+synchronisation and holds fewer launches than the launch queue, so the host is what is timed even
+where the GPU work of a call is longer.
 
-- ``x.add_(1)`` on a small tensor: torch's floor for launching one kernel from Python;
-- ``gdn.decode_mtp`` (the Python function), ``torch.ops.gdn.decode_mtp`` (the custom op) and
-  ``gdn._C.decode_mtp`` with the stream given (the binding alone);
-- the pieces: ``torch.cuda.current_stream()``, one ``tensor.__dlpack__()``.
+Rows (T tokens per request, B requests; H = 2, HV = 4, K = V = 128 on CUDA, 8 on the CPU):
 
-On the CPU the kernel itself runs inside the call, so shapes are tiny (K = V = 8) and the numbers
-are an upper bound on the host overhead. Target (GPU): each gdn call <= 2x ``x.add_(1)``.
+- ``x.add_(1)`` on a 16-element tensor: torch's floor for one op from Python;
+- ``gdn.decode_mtp`` (the Python function) and ``torch.ops.gdn.decode_mtp`` (the torch op) at
+  T in {1, 4} and B in {1, 128}; target (issue 8): each <= 2x ``x.add_(1)`` at every T and B;
+- ``gdn._C.decode_mtp`` with the stream given, positional (the binding alone);
+- pieces: one ``tensor.__dlpack__()`` (what nanobind's import calls per array),
+  ``torch.cuda.current_stream()``, and one array through the binding's argument converter.
 
-Usage: python benchmarks/bench_host_overhead.py [--device cpu|cuda] [--calls N] [--json PATH]
+On the CPU the kernel itself runs inside the call, so the rows above include the CPU kernel's
+work, which grows with B and T; the rows marked "trivial kernel" (one request with T = 0 tokens:
+the call imports and validates every argument, then has no token to run) give the host cost of
+a call on the CPU.
+
+Usage: python benchmarks/bench_host_overhead.py [--device cpu|cuda] [--calls N] [--repeats R]
+                                                [--json PATH]
 """
 
 from __future__ import annotations
@@ -29,85 +41,146 @@ import torch
 
 import gdn
 
+H, HV = 2, 4
 
-def per_call_us(fn, device, calls, repeats=7):
-    """Median over repeats of the wall time per call of `calls` back-to-back calls."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(max(calls // 10, 10)):  # warm-up
+
+def _loop_us(fn, calls):
+    t0 = time.perf_counter()
+    for _ in range(calls):
         fn()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def measure(fn, floor, device, calls, repeats):
+    """(median us per call of `fn`, median us per call of `floor`, median of their ratios), the
+    two timed back to back in every repeat."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for f in (fn, floor):  # warm-up
+        _loop_us(f, 10)
     sync()
-    times = []
+    # Calls that run a CPU kernel of milliseconds get fewer calls per repeat (~20 ms a repeat).
+    calls = max(5, min(calls, int(20e3 / max(_loop_us(fn, 3), 1e-3))))
+    sync()
+    fs, gs, ratios = [], [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
+        g = _loop_us(floor, calls)
         sync()
-        times.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(times)
+        f = _loop_us(fn, calls)
+        sync()
+        fs.append(f)
+        gs.append(g)
+        ratios.append(f / g)
+    return statistics.median(fs), statistics.median(gs), statistics.median(ratios)
 
 
-def make_call(device, B, T, dim):
-    H, HV = 2, 4
+def make_call(device, B, T, dim, trivial=False):
+    """The three forms of one decode_mtp call on fresh tensors. `trivial`: B requests with no
+    tokens (cu_seqlens all zero) over T token rows: every argument is imported and validated, no
+    token runs."""
     g = torch.Generator(device=device.type).manual_seed(B * 10 + T)
     L = B * T
     kw = dict(device=device, generator=g)
-    args = dict(
-        mixed_qkv=torch.randn(L, 2 * H * dim + HV * dim, **kw).bfloat16(),
-        ba=torch.randn(L, 2 * HV, **kw).bfloat16(),
-        A_log=0.5 * torch.randn(HV, **kw), dt_bias=0.1 * torch.randn(HV, **kw),
-        state=0.01 * torch.randn(B * T + 1, HV, dim, dim, **kw),
-        state_indices=torch.arange(1, B * T + 1, device=device, dtype=torch.int32).view(B, T),
-        cu_seqlens=torch.arange(0, L + 1, T, device=device, dtype=torch.int32),
-        out=torch.empty(L, HV, dim, device=device, dtype=torch.bfloat16),
-        z=torch.randn(L, HV, dim, **kw).bfloat16(), norm_weight=torch.ones(dim, device=device),
-        acc=torch.ones(B, device=device, dtype=torch.int32),
-    )
-    a, b = args["ba"][:, :HV], args["ba"][:, HV:]
-    pos = (args["mixed_qkv"], a, b, args["A_log"], args["dt_bias"], args["state"],
-           args["state_indices"], args["cu_seqlens"], args["out"])
-    kwargs = dict(z=args["z"], norm_weight=args["norm_weight"], num_accepted_tokens=args["acc"])
-    stream = torch.cuda.current_stream().cuda_stream if device.type == "cuda" else None
+    mixed_qkv = torch.randn(L, 2 * H * dim + HV * dim, **kw).bfloat16()
+    ba = torch.randn(L, 2 * HV, **kw).bfloat16()
+    a, b = ba[:, :HV], ba[:, HV:]  # strided views, as an engine passes them
+    A_log, dt_bias = 0.5 * torch.randn(HV, **kw), 0.1 * torch.randn(HV, **kw)
+    state = 0.01 * torch.randn(B * T + 1, HV, dim, dim, **kw)
+    state_indices = torch.arange(1, B * T + 1, device=device, dtype=torch.int32).view(B, T)
+    cu_seqlens = (torch.zeros(B + 1, device=device, dtype=torch.int32) if trivial
+                  else torch.arange(0, L + 1, T, device=device, dtype=torch.int32))
+    out = torch.empty(L, HV, dim, device=device, dtype=torch.bfloat16)
+    z = torch.randn(L, HV, dim, **kw).bfloat16()
+    norm_weight = torch.ones(dim, device=device)
+    acc = torch.ones(B, device=device, dtype=torch.int32)
+    pos = (mixed_qkv, a, b, A_log, dt_bias, state, state_indices, cu_seqlens, out)
+    kwargs = dict(z=z, norm_weight=norm_weight, num_accepted_tokens=acc)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    binding_args = pos + (z, norm_weight, acc, None, 1e-6, 1e-6, "silu", "vk", 0, 0, False, None,
+                          stream)
     return {
         "gdn.decode_mtp": lambda: gdn.decode_mtp(*pos, **kwargs),
         "torch.ops.gdn.decode_mtp": lambda: torch.ops.gdn.decode_mtp(*pos, **kwargs),
-        "gdn._C.decode_mtp (stream given)": lambda: gdn._C.decode_mtp(*pos, **kwargs, stream=stream),
+        "gdn._C.decode_mtp (stream given)": lambda: gdn._C.decode_mtp(*binding_args),
     }
+
+
+def _git_sha():
+    sha = os.environ.get("GDN_GIT_SHA")
+    if sha:
+        return sha
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except OSError:
+        return ""
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--calls", type=int, default=200,
+                    help="back-to-back calls per repeat (keep below the CUDA launch queue, ~1000)")
+    ap.add_argument("--repeats", type=int, default=21)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     device = torch.device(args.device)
     dim = 128 if device.type == "cuda" else 8
     x = torch.zeros(16, device=device)
+    floor = lambda: x.add_(1)  # noqa: E731
     t = torch.zeros(16, device=device)
-    rows = [("x.add_(1)", per_call_us(lambda: x.add_(1), device, args.calls)),
-            ("tensor.__dlpack__()", per_call_us(lambda: t.__dlpack__(), device, args.calls))]
+
+    def timed(fn):
+        return measure(fn, floor, device, args.calls, args.repeats)
+
+    pieces = {"tensor.__dlpack__()": timed(lambda: t.__dlpack__())}
     if device.type == "cuda":
-        rows.append(("torch.cuda.current_stream()",
-                     per_call_us(torch.cuda.current_stream, device, args.calls)))
-    floor = rows[0][1]
+        pieces["torch.cuda.current_stream()"] = timed(torch.cuda.current_stream)
+    pieces["one array through the binding's converter"] = timed(
+        lambda: gdn._C._accepts_readonly_array(t))
+    fast = getattr(gdn._C, "_fast_import_available", None)
+    fast_import = bool(fast(t)) if fast else False
+
+    shapes = [(B, T) for T in (1, 4) for B in (1, 128)]
     results = []
-    for B, T in ((1, 1), (1, 4), (8, 1), (8, 4)):
+    for B, T in shapes:
         for name, fn in make_call(device, B, T, dim).items():
-            us = per_call_us(fn, device, args.calls)
-            results.append(dict(call=name, B=B, T=T, us=us, vs_add=us / floor))
-    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else platform.processor()}), "
-          f"torch {torch.__version__}, gdn {gdn.__version__}, K = V = {dim}")
-    for name, us in rows:
-        print(f"  {name:<34} {us:8.2f} us")
+            us, add_us, ratio = timed(fn)
+            results.append(dict(call=name, B=B, T=T, us=us, add_us=add_us, vs_add=ratio,
+                                kernel="cpu, inside the call" if device.type == "cpu"
+                                else "cuda, asynchronous"))
+    if device.type == "cpu":
+        for name, fn in make_call(device, 1, 1, dim, trivial=True).items():
+            us, add_us, ratio = timed(fn)
+            results.append(dict(call=name, B=1, T=1, us=us, add_us=add_us, vs_add=ratio,
+                                kernel="trivial (no token runs): host cost only"))
+
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+    print(f"device {device} ({where}), torch {torch.__version__}, gdn {gdn.__version__}, "
+          f"H = {H}, HV = {HV}, K = V = {dim}; {args.calls} calls x {args.repeats} repeats; "
+          f"torch tensors through the DLPack C exchange API: {'yes' if fast_import else 'no'}")
+    if device.type == "cpu":
+        print("CPU: the kernel runs inside the call, so rows grow with B and T; the 'trivial "
+              "kernel' rows (T = 0: no token runs) are the host cost of a call.")
+    add_us = statistics.median([p[1] for p in pieces.values()] + [r["add_us"] for r in results])
+    print(f"  {'x.add_(1) (median of all paired timings)':<44} {add_us:8.2f} us")
+    for name, (us, _, ratio) in pieces.items():
+        print(f"  {name:<44} {us:8.2f} us  ({ratio:.2f}x add_)")
     for r in results:
-        print(f"  {r['call']:<34} B={r['B']} T={r['T']}: {r['us']:8.2f} us  ({r['vs_add']:.1f}x add_)")
+        label = f"{r['call']}{' [trivial kernel]' if r['kernel'].startswith('trivial') else ''}"
+        print(f"  {label:<44} B={r['B']:<3} T={r['T']}: {r['us']:8.2f} us  "
+              f"({r['vs_add']:.2f}x add_ at {r['add_us']:.2f} us)")
     if args.json:
-        sha = os.environ.get("GDN_GIT_SHA") or subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-        doc = {"environment": {"git_sha": sha, "device": str(device), "torch": torch.__version__,
-                               "cpu": platform.processor(), "cpus": os.cpu_count(),
-                               "python": platform.python_version(), "K": dim, "calls": args.calls},
-               "reference_us": dict(rows), "results": results, "method": __doc__}
+        doc = {"environment": {"git_sha": _git_sha(), "device": str(device), "device_name": where,
+                               "torch": torch.__version__, "gdn": gdn.__version__,
+                               "built_with_cuda": bool(gdn._C.built_with_cuda),
+                               "python": platform.python_version(), "cpu": platform.processor(),
+                               "cpus": os.cpu_count(), "H": H, "HV": HV, "K": dim, "V": dim,
+                               "calls": args.calls, "repeats": args.repeats,
+                               "fast_import": fast_import},
+               "add_us": add_us,
+               "pieces": {name: {"us": us, "add_us": add_us, "vs_add": ratio}
+                          for name, (us, add_us, ratio) in pieces.items()},
+               "results": results, "method": __doc__}
         with open(args.json, "w") as fh:
             json.dump(doc, fh, indent=1)
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One script for a GPU machine (H200): build the extension and the C++ tests, run ctest (labels gpu
 # and cpu) and the whole pytest suite, run compute-sanitizer (memcheck, racecheck) on the decode_mtp
-# and replay GPU tests, the demo in both state modes, then the decode_mtp benchmark. Logs, results JSON and plot go to $OUT.
+# and replay GPU tests, the demo in both state modes, then the decode_mtp and host-overhead benchmarks. Logs, results JSON and plot go to $OUT.
 #
 #   STAGES="build test bench demo sanitize profile" benchmarks/gpu_check.sh     (default: all six)
 #   BENCH_ARGS="--quick --sweep-split" STAGES="build bench" benchmarks/gpu_check.sh
@@ -74,6 +74,10 @@ if has bench; then
   python3 benchmarks/bench_decode_mtp.py ${BENCH_ARGS:-} --json "$OUT/decode_mtp_h200.json" \
     --png "$OUT/decode_mtp_h200.png" > "$OUT/bench.log" 2>&1 || status=1
   tail -n 60 "$OUT/bench.log"
+  # Host cost of one eager call (function, torch op, binding) next to x.add_(1).
+  python3 benchmarks/bench_host_overhead.py --device cuda --json "$OUT/host_overhead_h200.json" \
+    > "$OUT/host_overhead.log" 2>&1 || status=1
+  tail -n 20 "$OUT/host_overhead.log"
 fi
 
 if has demo; then

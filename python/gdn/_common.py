@@ -10,7 +10,9 @@ from . import _C
 
 def _stream_of(x: Any, stream: Any) -> Optional[int]:
     """The CUDA stream to launch on: the one given, else torch's current stream for torch tensors,
-    else CuPy's current stream for CuPy arrays (None: the legacy default stream)."""
+    else CuPy's current stream for CuPy arrays (None: the legacy default stream). The operation
+    bindings call it for a state given without a stream that did not come through the DLPack C
+    exchange API (whose producer names its stream in C)."""
     if stream is not None:
         try:
             return int(stream)

@@ -81,12 +81,12 @@ def causal_conv1d_update(
     ``torch.ops.gdn.causal_conv1d_update`` is the same call as a torch op (all but ``stream``;
     there ``out`` must not be ``x``).
     """
+    # Positional, and stream=None for the binding to find, as in decode_mtp.
     try:
         _C.causal_conv1d_update(
-            x, weight, conv_state, conv_state_indices, cu_seqlens, out,
-            num_accepted_tokens=num_accepted_tokens, activation=activation,
-            state_layout=state_layout, first_valid_slot=first_valid_slot,
-            error_count=error_count, stream=_stream_of(conv_state, stream),
+            x, weight, conv_state, conv_state_indices, cu_seqlens, out, num_accepted_tokens,
+            activation, state_layout, first_valid_slot, error_count,
+            None if stream is None else _stream_of(conv_state, stream),
         )
     except TypeError:
         raise_argument_error("causal_conv1d_update", _KINDS, locals())

@@ -132,14 +132,14 @@ def decode_mtp(
     :func:`can_use_decode_mtp` says whether a configuration takes the fast, generic or no path;
     ``torch.ops.gdn.decode_mtp`` is the same call as a torch custom op (all but ``stream``).
     """
+    # Positional (keywords cost nanobind a name match each); stream=None lets the binding ask the
+    # state's framework for its current stream (in C for torch tensors).
     try:
         _C.decode_mtp(
-            mixed_qkv, a, b, A_log, dt_bias, state, state_indices, cu_seqlens, out,
-            z=z, norm_weight=norm_weight, num_accepted_tokens=num_accepted_tokens, scale=scale,
-            l2_eps=l2_eps, norm_eps=norm_eps, gate=gate, state_layout=state_layout,
-            first_valid_slot=first_valid_slot, num_k_heads=num_k_heads,
-            round_core_output=round_core_output, error_count=error_count,
-            stream=_stream_of(state, stream),
+            mixed_qkv, a, b, A_log, dt_bias, state, state_indices, cu_seqlens, out, z,
+            norm_weight, num_accepted_tokens, scale, l2_eps, norm_eps, gate, state_layout,
+            first_valid_slot, num_k_heads, round_core_output, error_count,
+            None if stream is None else _stream_of(state, stream),
         )
     except TypeError:
         raise_argument_error("decode_mtp", _KINDS, locals())

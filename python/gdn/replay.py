@@ -103,14 +103,13 @@ def decode_mtp_replay(
     ``torch.ops.gdn.decode_mtp_replay`` is the same call as a torch custom op (all but
     ``stream``).
     """
+    # Positional, and stream=None lets the binding find the current stream (as decode_mtp does).
     try:
         _C.decode_mtp_replay(
             mixed_qkv, a, b, A_log, dt_bias, state, state_indices, cu_seqlens, out, window_k,
-            window_v, window_a, window_b, window_len, num_accepted_tokens, z=z,
-            norm_weight=norm_weight, scale=scale, l2_eps=l2_eps, norm_eps=norm_eps, gate=gate,
-            state_layout=state_layout, first_valid_slot=first_valid_slot,
-            num_k_heads=num_k_heads, round_core_output=round_core_output, error_count=error_count,
-            stream=_stream_of(state, stream),
+            window_v, window_a, window_b, window_len, num_accepted_tokens, z, norm_weight, scale,
+            l2_eps, norm_eps, gate, state_layout, first_valid_slot, num_k_heads,
+            round_core_output, error_count, None if stream is None else _stream_of(state, stream),
         )
     except TypeError:
         raise_argument_error("decode_mtp_replay", _KINDS, locals())

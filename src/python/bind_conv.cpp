@@ -27,11 +27,13 @@ static conv::Activation parse_activation(const std::string& s) {
   throw nb::value_error(("activation must be 'silu' or 'none', got '" + s + "'").c_str());
 }
 
-static void causal_conv1d_update(const Array& x, const Array& weight, const Array& conv_state,
-                                 const Array& conv_state_indices, const Array& cu_seqlens,
-                                 const Array& out, const OptArray& num_accepted_tokens,
+static void causal_conv1d_update(const FastWritableArray& x, const FastWritableArray& weight,
+                                 const FastWritableArray& conv_state,
+                                 const FastWritableArray& conv_state_indices,
+                                 const FastWritableArray& cu_seqlens, const FastWritableArray& out,
+                                 const OptFastWritableArray& num_accepted_tokens,
                                  const std::string& activation, const std::string& state_layout,
-                                 int64_t first_valid_slot, const OptArray& error_count,
+                                 int64_t first_valid_slot, const OptFastWritableArray& error_count,
                                  std::optional<uintptr_t> stream) {
   conv::Params p;
   p.x = to_view(x, "x");
@@ -52,8 +54,9 @@ static void causal_conv1d_update(const Array& x, const Array& weight, const Arra
     status = conv::run_cpu(p);
   } else {
 #ifdef GDN_HAS_CUDA
+    void* launch_on = launch_stream(stream, conv_state);
     nb::gil_scoped_release release;
-    status = cuda_api::causal_conv1d_update(p, reinterpret_cast<void*>(stream.value_or(0)));
+    status = cuda_api::causal_conv1d_update(p, launch_on);
 #else
     (void)stream;
     status =
@@ -67,13 +70,14 @@ void bind_conv(nb::module_& m) {
   m.def("causal_conv1d_update", &causal_conv1d_update, nb::arg("x").noconvert(),
         nb::arg("weight").noconvert(), nb::arg("conv_state").noconvert(),
         nb::arg("conv_state_indices").noconvert(), nb::arg("cu_seqlens").noconvert(),
-        nb::arg("out").noconvert(), nb::kw_only(),
-        nb::arg("num_accepted_tokens").noconvert().none() = nb::none(),
+        nb::arg("out").noconvert(), nb::arg("num_accepted_tokens").noconvert().none() = nb::none(),
         nb::arg("activation") = "silu", nb::arg("state_layout") = "channels_major",
         nb::arg("first_valid_slot") = 0, nb::arg("error_count").noconvert().none() = nb::none(),
         nb::arg("stream").none() = nb::none(),
         "Depthwise causal conv1d over each request's tokens with speculative rollback of the conv "
-        "state: updates `conv_state` in place and writes `out` (which may be `x`).");
+        "state: updates `conv_state` in place and writes `out` (which may be `x`). `stream`: the "
+        "CUDA stream handle; None launches on the current stream of `conv_state`'s framework "
+        "(torch, CuPy), else on the legacy default stream.");
 }
 
 }  // namespace gdn::python

@@ -7,56 +7,30 @@
 #include "gdn/decode_mtp/cpu.hpp"
 #include "gdn/decode_mtp/params.hpp"
 #include "gdn/kernels/cuda_api.hpp"
+#include "step_args.hpp"
 
 namespace gdn::python {
 
-static void decode_mtp(const ConstArray& mixed_qkv, const ConstArray& a, const ConstArray& b,
-                       const ConstArray& A_log, const ConstArray& dt_bias, const Array& state,
-                       const ConstArray& state_indices, const ConstArray& cu_seqlens,
-                       const Array& out, const OptConstArray& z, const OptConstArray& norm_weight,
-                       const OptConstArray& num_accepted_tokens, std::optional<double> scale,
-                       double l2_eps, double norm_eps, const std::string& gate,
-                       const std::string& state_layout, int64_t first_valid_slot,
-                       int64_t num_k_heads, bool round_core_output, const OptArray& error_count,
-                       std::optional<uintptr_t> stream, int split) {
+static void decode_mtp(
+    const FastConstArray& mixed_qkv, const FastConstArray& a, const FastConstArray& b,
+    const FastConstArray& A_log, const FastConstArray& dt_bias, const FastWritableArray& state,
+    const FastConstArray& state_indices, const FastConstArray& cu_seqlens,
+    const FastWritableArray& out, const OptFastConstArray& z, const OptFastConstArray& norm_weight,
+    const OptFastConstArray& num_accepted_tokens, std::optional<double> scale, double l2_eps,
+    double norm_eps, const std::string& gate, const std::string& state_layout,
+    int64_t first_valid_slot, int64_t num_k_heads, bool round_core_output,
+    const OptFastWritableArray& error_count, std::optional<uintptr_t> stream, int split) {
   decode_mtp::Params p;
-  p.mixed_qkv = to_view(mixed_qkv, "mixed_qkv");
-  p.a = to_view(a, "a");
-  p.b = to_view(b, "b");
-  p.A_log = to_view(A_log, "A_log");
-  p.dt_bias = to_view(dt_bias, "dt_bias");
-  p.state = to_view(state, "state");
+  set_step_args(
+      {mixed_qkv, a, b, A_log, dt_bias, state, cu_seqlens, out, z, norm_weight, scale, l2_eps,
+       norm_eps, gate, state_layout, first_valid_slot, num_k_heads, round_core_output, error_count},
+      p);
   p.state_indices = to_view(state_indices, "state_indices");
-  p.cu_seqlens = to_view(cu_seqlens, "cu_seqlens");
-  p.out = to_view(out, "out");
-  p.z = to_view(z, "z");
-  p.norm_weight = to_view(norm_weight, "norm_weight");
   p.num_accepted_tokens = to_view(num_accepted_tokens, "num_accepted_tokens");
-  p.error_count = to_view(error_count, "error_count");
-  p.scale = scale ? float(*scale) : NAN;
-  p.l2_eps = float(l2_eps);
-  p.norm_eps = float(norm_eps);
-  p.gate = parse_gate(gate);
-  p.layout = parse_layout(state_layout);
-  p.first_valid_slot = first_valid_slot;
-  p.num_k_heads = num_k_heads;
-  p.round_core_output = round_core_output;
-
-  Status status;
-  if (p.state.device.type == DeviceType::kCPU) {
-    nb::gil_scoped_release release;
-    status = decode_mtp::run_cpu(p);
-  } else {
-#ifdef GDN_HAS_CUDA
-    nb::gil_scoped_release release;
-    status = cuda_api::decode_mtp(p, reinterpret_cast<void*>(stream.value_or(0)), split);
-#else
-    (void)stream;
-    (void)split;
-    status = Status::unsupported("state is a CUDA array but this build of gdn has no CUDA kernels");
-#endif
-  }
-  throw_if_error(status);
+  run_step(
+      p, state, stream, [&] { return decode_mtp::run_cpu(p); },
+      // Generic, so that a build without CUDA kernels never instantiates (links) the call.
+      [&](auto on) { return cuda_api::decode_mtp(p, on, split); });
 }
 
 // `cuda_available` / `cuda_reason` answer for a named architecture instead of probing a device
@@ -116,7 +90,7 @@ void bind_decode_mtp(nb::module_& m) {
   m.def("decode_mtp", &decode_mtp, nb::arg("mixed_qkv").noconvert(), nb::arg("a").noconvert(),
         nb::arg("b").noconvert(), nb::arg("A_log").noconvert(), nb::arg("dt_bias").noconvert(),
         nb::arg("state").noconvert(), nb::arg("state_indices").noconvert(),
-        nb::arg("cu_seqlens").noconvert(), nb::arg("out").noconvert(), nb::kw_only(),
+        nb::arg("cu_seqlens").noconvert(), nb::arg("out").noconvert(),
         nb::arg("z").noconvert().none() = nb::none(),
         nb::arg("norm_weight").noconvert().none() = nb::none(),
         nb::arg("num_accepted_tokens").noconvert().none() = nb::none(),
@@ -125,8 +99,10 @@ void bind_decode_mtp(nb::module_& m) {
         nb::arg("num_k_heads") = 0, nb::arg("round_core_output") = false,
         nb::arg("error_count").noconvert().none() = nb::none(),
         nb::arg("stream").none() = nb::none(), nb::arg("split") = 0,
-        "Fused GDN decode / MTP verify: updates `state` in place and writes `out`. `split` pins "
-        "the CUDA kernel's CTAs per value head (1, 2, 4, 8; 0 = automatic), for benchmarks.");
+        "Fused GDN decode / MTP verify: updates `state` in place and writes `out`. `stream`: the "
+        "CUDA stream handle; None launches on the current stream of `state`'s framework (torch, "
+        "CuPy), else on the legacy default stream. `split` pins the CUDA kernel's CTAs per value "
+        "head (1, 2, 4, 8; 0 = automatic), for benchmarks.");
   m.def("can_use_decode_mtp", &can_use_decode_mtp, nb::arg("device"), nb::arg("H"), nb::arg("HV"),
         nb::arg("K") = 128, nb::arg("V") = 128, nb::arg("S") = 1,
         nb::arg("state_dtype") = "float32", nb::arg("device_index") = 0,

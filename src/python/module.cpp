@@ -80,11 +80,37 @@ NB_MODULE(_C, m) {
 
   // Per-argument probes with the operations' own casters: the Python wrappers call them only after
   // a call was refused, to name the argument nanobind could not convert.
-  using gdn::python::Array;
-  using gdn::python::ConstArray;
-  m.def("_accepts_array", [](const Array&) { return true; }, nb::arg("x").noconvert());
+  using gdn::python::FastConstArray;
+  using gdn::python::FastWritableArray;
+  m.def("_accepts_array", [](const FastWritableArray&) { return true; }, nb::arg("x").noconvert());
   m.def(
-      "_accepts_readonly_array", [](const ConstArray&) { return true; }, nb::arg("x").noconvert());
+      "_accepts_readonly_array", [](const FastConstArray&) { return true; },
+      nb::arg("x").noconvert());
+  m.def(
+      "_fast_import_available",
+      [](nb::handle x, bool readonly) {
+        return readonly ? FastConstArray().import_fast(x.ptr())
+                        : FastWritableArray().import_fast(x.ptr());
+      },
+      nb::arg("x").none(), nb::arg("readonly") = false,
+      "Whether `x` is read through the DLPack C exchange API of its type (no Python call), as an "
+      "argument that is written (or, with `readonly`, only read); False: nanobind's import.");
+  m.def(
+      "_array_view",
+      [](const FastWritableArray& a) {
+        nb::list shape, strides;
+        for (int d = 0; d < a.ndim && d < gdn::TensorView::kMaxDims; ++d) {
+          shape.append(a.shape[d]);
+          strides.append(a.strides[d]);
+        }
+        return nb::make_tuple(a.api != nullptr, reinterpret_cast<uintptr_t>(a.data),
+                              nb::make_tuple(a.dtype.code, a.dtype.bits, a.dtype.lanes),
+                              nb::make_tuple(a.device.device_type, a.device.device_id), a.ndim,
+                              nb::tuple(shape), nb::tuple(strides));
+      },
+      nb::arg("x").noconvert(),
+      "(fast import, data pointer, (dtype code, bits, lanes), (device type, id), ndim, shape, "
+      "strides) of `x` as a written argument reads it (at most 4 dimensions listed).");
   m.def("_accepts_int", [](int64_t) { return true; }, nb::arg("x"));
   m.def("_accepts_float", [](double) { return true; }, nb::arg("x"));
   m.def("_accepts_bool", [](bool) { return true; }, nb::arg("x"));
