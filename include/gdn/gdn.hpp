@@ -11,6 +11,7 @@
 #include "gdn/core/tensor_view.hpp"
 #include "gdn/decode_mtp/cpu.hpp"
 #include "gdn/decode_mtp/params.hpp"
+#include "gdn/metadata/builder.hpp"
 #include "gdn/metadata/params.hpp"
 #include "gdn/metadata/plan.hpp"
 #include "gdn/metadata/shadow.hpp"

@@ -3,12 +3,22 @@
 
 A step is built in two parts:
 
-1. the **plan** (host, once per step, never touches a device): classification (spec rows, decodes,
-   prefills, zero-length rows; 1-token decodes become prefills when spec rows exist) and every
-   field the groups share, written into one int32 *plan buffer* whose layout depends only on the
+1. the **plan** (host, once per step, never touches a device): classification and every field
+   the groups share, written into one int32 *plan buffer* whose layout depends only on the
    capacity (``max_rows``, ``max_tokens``);
 2. the **state rows** of all G groups in one pass: a CPU loop, or one CUDA launch reading the
    device copy of the plan buffer and every group's block table.
+
+Semantics are vLLM's GDN builder's (docs metadata.md §2.1, §2.2):
+
+- decodes and prefills: without spec rows the decodes are the *leading run* of rows with at most
+  one token (zero-length rows in it included) and every row from the first longer one on is a
+  prefill; with spec rows the 1-token rows are decodes reclassified as prefills and zero-length
+  rows are in neither count;
+- every row reads its state where the previous step left it: spec rows keep their S-column rows
+  (``decode_mtp`` reads column acc - 1), non-spec rows get ``non_spec_state_indices`` (the
+  destination, column ``start``) and ``non_spec_source_indices`` (column ``start + acc - 1``),
+  with ``acc`` from ``num_accepted_tokens`` (every row; 1 when absent).
 
 Free functions (:func:`plan`, :func:`state_rows`, :func:`shadow_check`) take any DLPack arrays;
 :func:`step_reference` is a NumPy reference of one group's metadata, for tests.
@@ -24,7 +34,7 @@ way after each step (synchronising) and raises ``RuntimeError`` naming the first
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -64,7 +74,7 @@ _STATE_ROWS_KINDS = {
     "plan": "array", "block_tables": "arrays", "spec_state_indices": "array",
     "non_spec_state_indices": "array", "num_spec": "int", "max_rows": "int", "max_tokens": "int",
     "pad_id": "int", "launch_rows": "int", "num_accepted_tokens": "array?",
-    "error_count": "array?",
+    "error_count": "array?", "non_spec_source_indices": "array?",
 }
 _SHADOW_KINDS = {k: v for k, v in _STATE_ROWS_KINDS.items()
                  if k not in ("launch_rows", "num_accepted_tokens", "error_count")}
@@ -110,8 +120,9 @@ def plan(
     - ``seq_lens`` [N]: tokens after this step, drafts included.
     - ``num_draft_tokens`` [N] or None: drafts of a spec row, -1 for a non-spec row; None: no
       spec rows.
-    - ``num_accepted_tokens`` [N] or None (all 1): the previous step's accepted counts 1..S; a
-      device array is left for the state-row pass to gather.
+    - ``num_accepted_tokens`` [N] or None (all 1): the previous step's accepted counts 1..S of
+      every row (a non-spec row reads its state from column ``start + acc - 1``); a device array
+      is left for the state-row pass to gather.
     - ``num_computed_tokens`` [N] or None (``seq_lens`` - query length): tokens already cached.
     - ``num_spec``: draft tokens per spec row; ``max_rows``, ``max_tokens``: the buffer's
       capacity in requests and tokens.
@@ -121,8 +132,10 @@ def plan(
       rows get ``pad_id`` slots and zero tokens.
     - ``pad_id``: the slot id of padded and unreadable rows.
 
-    Classification: spec rows, 1-token decodes, prefills and zero-length rows; with spec rows
-    present, decodes become prefills. :func:`step_reference` builds the same fields with NumPy.
+    Classification as vLLM's builder (module docstring): spec rows; without them decodes are the
+    leading run of rows with <= 1 token, the rest prefills; with them 1-token rows are prefills
+    and zero-length rows in neither count. :func:`step_reference` builds the same fields with
+    NumPy.
     Invalid input raises ``ValueError`` naming the argument and row, a value the binding cannot
     take raises ``TypeError`` naming the argument; in both cases nothing is written.
     """
@@ -151,6 +164,7 @@ def state_rows(
     launch_rows: int = 0,
     num_accepted_tokens: Any = None,
     error_count: Any = None,
+    non_spec_source_indices: Any = None,
     stream: Optional[int] = None,
 ) -> Optional[int]:
     """Fills every group's state rows in one pass from a planned buffer on the same device.
@@ -160,13 +174,18 @@ def state_rows(
     - ``block_tables``: a list of one int32 [rows_g, cols_g] array per KV-cache group (unit
       column stride, any row stride), G <= ``MAX_GROUPS``.
     - ``spec_state_indices`` [G, R, S] and ``non_spec_state_indices`` [G, R] (int32, contiguous,
-      R >= ``launch_rows``): written, rows past the step's untouched.
+      R >= ``launch_rows``): written, rows past the step's untouched. ``non_spec_state_indices``
+      is each non-spec row's destination (column ``start``).
     - ``num_spec``, ``max_rows``, ``max_tokens``: as given to :func:`plan`.
     - ``pad_id``: the slot id of rows whose columns fall outside their table.
     - ``launch_rows``: rows a CUDA launch covers (0: ``max_rows``); fix it for a CUDA graph.
     - ``num_accepted_tokens`` [N] or None: accepted counts on the pass's device, gathered into
       the plan buffer (so a device tensor needs no host copy).
     - ``error_count`` int32 [1] or None: the count of padded-for-bounds rows is added to it.
+    - ``non_spec_source_indices`` [G, R] or None: written like ``non_spec_state_indices`` with
+      each non-spec row's source (column ``start + acc - 1``, where the previous step left the
+      state). A non-spec row whose columns ``start .. start + acc - 1`` are not all in its table
+      gets ``pad_id`` in both and is counted.
     - ``stream``: CUDA stream handle; default torch's current stream for torch tensors.
 
     On CUDA this is one kernel launch on ``stream`` (capturable in a CUDA graph; it reads its
@@ -182,7 +201,8 @@ def state_rows(
             plan, list(block_tables), spec_state_indices, non_spec_state_indices,
             num_spec=num_spec, max_rows=max_rows, max_tokens=max_tokens, pad_id=pad_id,
             launch_rows=launch_rows, num_accepted_tokens=num_accepted_tokens,
-            error_count=error_count, stream=_stream_of(plan, stream),
+            error_count=error_count, non_spec_source_indices=non_spec_source_indices,
+            stream=_stream_of(plan, stream),
         )
     except TypeError:
         raise_argument_error("metadata.state_rows", _STATE_ROWS_KINDS, locals())
@@ -207,14 +227,16 @@ def shadow_check(
     block_size: int = 0,
     padded_rows: Optional[int] = None,
     pad_id: int = 0,
+    non_spec_source_indices: Any = None,
 ) -> str:
     """Compares a step's ``plan`` and state rows (``spec_state_indices``,
-    ``non_spec_state_indices``; host arrays) against per-group builds from ``block_tables`` and
-    the step's inputs (``query_start_loc``, ``seq_lens``, ``num_draft_tokens``,
-    ``num_accepted_tokens``, ``num_computed_tokens``, ``num_spec``, ``max_rows``, ``max_tokens``,
-    ``mode``, ``block_size``, ``padded_rows``, ``pad_id``: as given to :func:`plan`), exactly,
-    on the rows the step writes. Returns ``""`` when they agree, else a message naming the group,
-    field, row and both values. Rows outside the written range are never read."""
+    ``non_spec_state_indices``, and ``non_spec_source_indices`` when given; host arrays) against
+    per-group builds from ``block_tables`` and the step's inputs (``query_start_loc``,
+    ``seq_lens``, ``num_draft_tokens``, ``num_accepted_tokens``, ``num_computed_tokens``,
+    ``num_spec``, ``max_rows``, ``max_tokens``, ``mode``, ``block_size``, ``padded_rows``,
+    ``pad_id``: as given to :func:`plan`), exactly, on the rows the step writes. Returns ``""``
+    when they agree, else a message naming the group, field, row and both values. Rows outside
+    the written range are never read."""
     try:
         return _C.metadata_shadow_check(
             plan, list(block_tables), spec_state_indices, non_spec_state_indices,
@@ -222,6 +244,7 @@ def shadow_check(
             num_accepted_tokens=num_accepted_tokens, num_computed_tokens=num_computed_tokens,
             num_spec=num_spec, max_rows=max_rows, max_tokens=max_tokens, mode=mode,
             block_size=block_size, padded_rows=padded_rows, pad_id=pad_id,
+            non_spec_source_indices=non_spec_source_indices,
         )
     except TypeError:
         raise_argument_error("metadata.shadow_check", _SHADOW_KINDS, locals())
@@ -250,8 +273,9 @@ def step_reference(
     Returns ``{"counts": {header field: int}, "unreadable": rows padded for bounds, field: array}``
     with the fields of :class:`StepMetadata` (``spec_sequence_masks``, ``spec_token_indx``,
     ``non_spec_token_indx``, ``spec_query_start_loc``, ``non_spec_query_start_loc``,
-    ``spec_num_accepted``, ``spec_source_column``, ``has_initial_state``) and this group's
-    ``spec_state_indices`` [rows, S] and ``non_spec_state_indices`` [rows].
+    ``spec_num_accepted``, ``spec_source_column``, ``non_spec_source_column``,
+    ``has_initial_state``) and this group's ``spec_state_indices`` [rows, S],
+    ``non_spec_state_indices`` [rows] and ``non_spec_source_indices`` [rows].
     """
     i32 = np.int32
     qsl = np.asarray(query_start_loc, np.int64)
@@ -266,13 +290,17 @@ def step_reference(
     else:
         mask = drafts >= 0
     ns_len = qlen[~mask]
-    decodes = int((ns_len == 1).sum())
     zero = int((ns_len == 0).sum())
-    prefills = int((~mask).sum()) - decodes - zero
-    if mask.any() and decodes:  # with spec rows present, decodes run as prefills
-        prefills, decodes = prefills + decodes, 0
-    order = np.argsort(np.repeat(mask, qlen), kind="stable")
     n_ns_tok = int(ns_len.sum())
+    if mask.any():  # 1-token rows run as prefills, zero-length rows in neither count
+        decodes = decode_tokens = 0
+        prefills = int((~mask).sum()) - zero
+    else:  # vLLM's split_decodes_and_prefills: the leading run of rows with <= 1 token
+        longer = np.flatnonzero(qlen > 1)
+        decodes = int(longer[0]) if len(longer) else N
+        decode_tokens = int(qsl[decodes])
+        prefills = N - decodes
+    order = np.argsort(np.repeat(mask, qlen), kind="stable")
     context = (lens - qlen if num_computed_tokens is None
                else np.asarray(num_computed_tokens, np.int64))
     if mode == "align":
@@ -294,20 +322,25 @@ def step_reference(
     ok = (spec_idx < rows) & (spec_cols[:, -1] < cols) if len(spec_idx) else np.zeros(0, bool)
     spec_state = np.full((len(spec_idx), S), pad_id, i32)
     spec_state[ok] = table[spec_idx[ok, None], spec_cols[ok]]
-    ns_ok = (ns_idx < rows) & (start[ns_idx] < cols)
+    acc = (np.asarray(num_accepted_tokens, np.int64) if num_accepted_tokens is not None
+           else np.ones(N, np.int64))
+    # Non-spec rows: destination column start, source column start + acc - 1 (both or neither).
+    ns_src_col = start[ns_idx] + acc[ns_idx] - 1
+    ns_ok = (ns_idx < rows) & (ns_src_col < cols)
     ns_state = np.full(len(ns_idx), pad_id, i32)
     ns_state[ns_ok] = table[ns_idx[ns_ok], start[ns_idx][ns_ok]]
-    spec_acc = (np.asarray(num_accepted_tokens, i32)[mask] if num_accepted_tokens is not None
-                else np.ones(len(spec_idx), i32))
+    ns_source = np.full(len(ns_idx), pad_id, i32)
+    ns_source[ns_ok] = table[ns_idx[ns_ok], ns_src_col[ns_ok]]
+    spec_acc = acc[mask].astype(i32)
     return dict(
         counts=dict(
-            num_requests=N, num_prefills=prefills, num_prefill_tokens=n_ns_tok - decodes,
-            num_decodes=decodes, num_decode_tokens=decodes, num_spec_decodes=len(spec_idx),
+            num_requests=N, num_prefills=prefills, num_prefill_tokens=n_ns_tok - decode_tokens,
+            num_decodes=decodes, num_decode_tokens=decode_tokens, num_spec_decodes=len(spec_idx),
             num_spec_decode_tokens=int(qlen[mask].sum()), num_actual_tokens=int(qsl[-1]),
             num_non_spec_rows=len(ns_idx), num_zero_length_rows=zero,
             spec_rows_written=n_spec_rows, non_spec_rows_written=n_ns_rows,
-            mask_rows_written=n_mask, num_spec_columns=S,
-            padded_rows=-1 if padded_rows is None else padded_rows,
+            mask_rows_written=n_mask, max_column_end=int((start + S).max()) if N else 0,
+            num_spec_columns=S, padded_rows=-1 if padded_rows is None else padded_rows,
         ),
         unreadable=int((~ok).sum() + (~ns_ok).sum()),
         spec_sequence_masks=pad_to(mask, n_mask, False),
@@ -320,9 +353,11 @@ def step_reference(
             np.concatenate([[0], np.cumsum(ns_len)]).astype(i32), n_ns_rows + 1, n_ns_tok),
         spec_num_accepted=pad_to(spec_acc, n_spec_rows, 1),
         spec_source_column=pad_to(spec_acc - 1, n_spec_rows, 0),
+        non_spec_source_column=pad_to((acc[ns_idx] - 1).astype(i32), n_ns_rows, 0),
         has_initial_state=pad_to(context[~mask] > 0, n_ns_rows, False),
         spec_state_indices=pad_to(spec_state.reshape(-1), n_spec_rows * S, pad_id).reshape(-1, S),
         non_spec_state_indices=pad_to(ns_state, n_ns_rows, pad_id),
+        non_spec_source_indices=pad_to(ns_source, n_ns_rows, pad_id),
     )
 
 
@@ -404,6 +439,11 @@ class PlanView:
         return self._v["spec_source_column"][: self.spec_rows]
 
     @property
+    def non_spec_source_column(self) -> Any:
+        """acc - 1 of each non-spec row: its source column, counted from the row's start."""
+        return self._v["non_spec_source_column"][: self.non_spec_rows]
+
+    @property
     def has_initial_state(self) -> Any:
         return self._v["has_initial_state"][: self.non_spec_rows]
 
@@ -432,14 +472,17 @@ class PlanView:
 
 
 class StepMetadata(PlanView):
-    """One step's metadata: views of the builder's persistent buffers (valid until the next step).
+    """One step's metadata: views of the builder's persistent buffers (valid until the next step;
+    the builder hands out one such object per host plan buffer).
 
     Shared fields (on the builder's device): ``spec_sequence_masks``, ``spec_token_indx``,
     ``non_spec_token_indx``, ``spec_query_start_loc``, ``non_spec_query_start_loc``,
     ``spec_num_accepted``, ``spec_source_column``, ``has_initial_state``; counts as attributes
     (``num_prefills``, ``num_spec_decodes``, ...). Per group: ``spec_state_indices`` [G, rows, S],
-    ``non_spec_state_indices`` [G, rows]. ``host`` views the host plan of the step (accepted
-    counts gathered on the device read 1 there).
+    ``non_spec_state_indices`` [G, rows] (where each non-spec row writes its state) and
+    ``non_spec_source_indices`` [G, rows] (where it reads it: the slot the previous step left
+    it in). ``host`` views the host plan of the step (accepted counts gathered on the device
+    read 1 there).
     """
 
     __slots__ = ("_b", "host")
@@ -457,6 +500,10 @@ class StepMetadata(PlanView):
     def non_spec_state_indices(self) -> Any:
         return self._b.non_spec_state_indices[:, : self.non_spec_rows]
 
+    @property
+    def non_spec_source_indices(self) -> Any:
+        return self._b.non_spec_source_indices[:, : self.non_spec_rows]
+
     def decode_mtp_args(self, group: int) -> Dict[str, Any]:
         """``state_indices``, ``cu_seqlens`` and ``num_accepted_tokens`` of group ``group``'s spec
         rows, ready for :func:`gdn.decode_mtp` (its mixed_qkv rows are ``spec_token_indx``)."""
@@ -469,6 +516,10 @@ class StepMetadata(PlanView):
 
 class Builder:
     """Persistent metadata buffers for an engine's G KV-cache groups, filled in place each step.
+
+    A thin owner of the buffers (NumPy or torch, CPU or CUDA) around the C++ builder
+    ``gdn::metadata::Builder`` (``include/gdn/metadata/builder.hpp``), which does the work: the
+    plan, the staging ring, the one launch, graph-safe prepare/launch and the shadow check.
 
     ``block_tables``: one int32 [rows_g, cols_g] array per group (the engine's persistent block
     tables; their addresses are imported once). NumPy arrays or torch CPU tensors give a CPU
@@ -504,6 +555,8 @@ class Builder:
         tables = list(block_tables)
         if not tables or len(tables) > MAX_GROUPS:
             raise ValueError(f"block_tables must hold 1..{MAX_GROUPS} arrays, got {len(tables)}")
+        if staging not in ("pinned", "pageable"):
+            raise ValueError(f"staging must be 'pinned' or 'pageable', got {staging!r}")
         self.num_groups = len(tables)
         self.num_spec = int(num_spec)
         self.max_rows = int(max_rows)
@@ -519,9 +572,9 @@ class Builder:
         S = self.num_spec + 1
         G, R = self.num_groups, self.max_rows
         words = plan_words(self.max_rows, self.max_tokens)
-        self._events: List[Any] = []  # pinned CUDA staging: one event per slot
         self._torch = _is_torch(tables[0])
         self._cuda = self._torch and tables[0].device.type == "cuda"
+        pinned = self._cuda and staging == "pinned"
         if self._torch:
             import torch
 
@@ -530,39 +583,34 @@ class Builder:
             zeros = lambda *shape: torch.zeros(*shape, dtype=torch.int32, device=dev)  # noqa: E731
             self.spec_state_indices = zeros(G, R, S)
             self.non_spec_state_indices = zeros(G, R)
+            self.non_spec_source_indices = zeros(G, R)
             self.error_count = zeros(1)
+            self.device_plan = zeros(words) if self._cuda else None
+            self.host_plans = [
+                torch.zeros(words, dtype=torch.int32, pin_memory=pinned)
+                for _ in range(max(1, int(staging_slots)) if pinned else 1)
+            ]
             if self._cuda:
-                if staging not in ("pinned", "pageable"):
-                    raise ValueError(f"staging must be 'pinned' or 'pageable', got {staging!r}")
-                pinned = staging == "pinned"
-                self.device_plan = zeros(words)
-                self.host_plans = [
-                    torch.zeros(words, dtype=torch.int32, pin_memory=pinned)
-                    for _ in range(max(1, staging_slots) if pinned else 1)
-                ]
-                self._events = [torch.cuda.Event() for _ in self.host_plans] if pinned else []
-                self._recorded = [False] * len(self.host_plans)
                 raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
                 index = dev.index if dev.index is not None else torch.cuda.current_device()
                 self._current_stream = (
                     (lambda: raw(index)) if raw is not None
                     else (lambda: torch.cuda.current_stream(dev).cuda_stream)
                 )
-            else:
-                self.device_plan = None
-                self.host_plans = [torch.zeros(words, dtype=torch.int32)]
         else:
             self.device = "cpu"
             self.spec_state_indices = np.zeros((G, R, S), np.int32)
             self.non_spec_state_indices = np.zeros((G, R), np.int32)
+            self.non_spec_source_indices = np.zeros((G, R), np.int32)
             self.error_count = np.zeros(1, np.int32)
             self.device_plan = None
             self.host_plans = [np.zeros(words, np.int32)]
         try:
             self._native = _C.MetadataBuilder(
-                tables, self.spec_state_indices, self.non_spec_state_indices, self.host_plans,
-                self.device_plan, self.error_count, self.num_spec, self.max_rows,
-                self.max_tokens, mode, self.block_size, self.pad_id,
+                tables, self.spec_state_indices, self.non_spec_state_indices,
+                self.non_spec_source_indices, self.host_plans, self.device_plan,
+                self.error_count, self.num_spec, self.max_rows, self.max_tokens, mode,
+                self.block_size, self.pad_id, pinned, False,
             )
         except TypeError:
             raise_argument_error("metadata.Builder", {"block_tables": "arrays", "mode": "str"},
@@ -575,32 +623,17 @@ class Builder:
         self._host_counts = [
             (h.numpy() if self._torch else h)[: len(HEADER_FIELDS)] for h in self.host_plans
         ]
-        self._slot = 0
+        # A step's metadata is views of the buffers: one object per host plan buffer serves
+        # every step that plans into it.
+        self._metadata = [StepMetadata(self, PlanView(v, c))
+                          for v, c in zip(self._host_views, self._host_counts)]
 
     # -- the step ---------------------------------------------------------------------------------
-
-    def _next_slot(self) -> int:
-        k = self._slot
-        self._slot = (k + 1) % len(self.host_plans)
-        if self._events and self._recorded[k]:
-            # The copy from this slot has executed (normally long ago).
-            self._events[k].synchronize()
-        return k
 
     def _stream(self, stream: Optional[int]) -> Optional[int]:
         if stream is not None:
             return _stream_of(None, stream)
         return self._current_stream() if self._cuda else None
-
-    def _record(self, k: int, stream: Optional[int]) -> None:
-        if self._events:
-            import torch
-
-            if stream is None:
-                self._events[k].record()  # torch's current stream
-            else:
-                self._events[k].record(torch.cuda.ExternalStream(int(stream), device=self.device))
-            self._recorded[k] = True
 
     def step(
         self,
@@ -615,21 +648,17 @@ class Builder:
     ) -> StepMetadata:
         """Plans the step (host arrays, see :func:`plan`; ``num_accepted_tokens`` may live on the
         device, then the launch gathers it) and fills every group's state rows in one pass."""
-        k = self._next_slot()
+        s = self._stream(stream)
         try:
-            self._native.step(
-                k, query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens,
-                num_computed_tokens, padded_rows, self._stream(stream),
-            )
+            k = self._native.step(query_start_loc, seq_lens, num_draft_tokens,
+                                  num_accepted_tokens, num_computed_tokens, padded_rows, s)
         except TypeError:
             raise_argument_error("metadata.Builder.step", _BUILDER_STEP_KINDS, locals())
             raise
-        self._record(k, stream)
-        md = StepMetadata(self, PlanView(self._host_views[k], self._host_counts[k]))
         if self.shadow:
-            self._shadow(md, query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens,
-                         num_computed_tokens, padded_rows)
-        return md
+            self._check(s, query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens,
+                        num_computed_tokens, padded_rows)
+        return self._metadata[k]
 
     def prepare(
         self,
@@ -644,17 +673,14 @@ class Builder:
     ) -> StepMetadata:
         """Plans the step and copies the plan to the device buffer, without the state-row launch:
         what precedes the replay of a CUDA graph that captured :meth:`launch`."""
-        k = self._next_slot()
         try:
-            self._native.prepare(
-                k, query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens,
-                num_computed_tokens, padded_rows, self._stream(stream),
-            )
+            k = self._native.prepare(query_start_loc, seq_lens, num_draft_tokens,
+                                     num_accepted_tokens, num_computed_tokens, padded_rows,
+                                     self._stream(stream))
         except TypeError:
             raise_argument_error("metadata.Builder.prepare", _BUILDER_STEP_KINDS, locals())
             raise
-        self._record(k, stream)
-        return StepMetadata(self, PlanView(self._host_views[k], self._host_counts[k]))
+        return self._metadata[k]
 
     def launch(
         self,
@@ -674,49 +700,10 @@ class Builder:
 
     # -- debug ------------------------------------------------------------------------------------
 
-    def _shadow(self, md, qsl, seq_lens, drafts, accepted, computed, padded_rows) -> None:
-        def host(x):
-            if x is None:
-                return None
-            if _is_torch(x):
-                return x.detach().cpu().numpy()
-            return np.asarray(x)
-
-        if self._cuda:
-            import torch
-
-            torch.cuda.synchronize(self.device)
-        plan_buffer = self.device_plan if self._cuda else self.host_plans[0]
-        message = shadow_check(
-            host(plan_buffer), [host(t) for t in self.block_tables],
-            host(self.spec_state_indices), host(self.non_spec_state_indices), host(qsl),
-            host(seq_lens), num_draft_tokens=host(drafts), num_accepted_tokens=host(accepted),
-            num_computed_tokens=host(computed), num_spec=self.num_spec, max_rows=self.max_rows,
-            max_tokens=self.max_tokens, mode=self.mode, block_size=self.block_size,
-            padded_rows=padded_rows, pad_id=self.pad_id,
-        )
+    def _check(self, stream, qsl, seq_lens, drafts, accepted, computed, padded_rows) -> None:
+        """The shadow check (C++): every group rebuilt on its own from the step's inputs and
+        compared with the buffers; synchronises the stream on CUDA."""
+        message = self._native.check(qsl, seq_lens, drafts, accepted, computed, padded_rows,
+                                     stream)
         if message:
             raise RuntimeError(message)
-
-    # -- benchmarks -------------------------------------------------------------------------------
-
-    def time_step(
-        self,
-        path: str,
-        iters: int,
-        query_start_loc: Any,
-        seq_lens: Any,
-        *,
-        num_draft_tokens: Any = None,
-        num_accepted_tokens: Any = None,
-        num_computed_tokens: Any = None,
-        padded_rows: Optional[int] = None,
-        stream: Optional[int] = None,
-    ) -> float:
-        """Host seconds per step measured in C++: ``path`` "fused" (one plan, one pass for all
-        groups), "per_group" (plan + pass per group) or "per_group_reference" (the shadow check's
-        per-group build; CPU builders only)."""
-        return self._native.time_step(
-            path, iters, 0, query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens,
-            num_computed_tokens, padded_rows, self._stream(stream),
-        )

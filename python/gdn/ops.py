@@ -186,7 +186,8 @@ def metadata_plan(
 
 
 @_op(_metadata_state_rows,
-     mutates_args=("plan", "spec_state_indices", "non_spec_state_indices", "error_count"))
+     mutates_args=("plan", "spec_state_indices", "non_spec_state_indices", "error_count",
+                   "non_spec_source_indices"))
 def metadata_state_rows(
     plan: torch.Tensor,
     block_tables: List[torch.Tensor],
@@ -200,6 +201,7 @@ def metadata_state_rows(
     launch_rows: int = 0,
     num_accepted_tokens: Optional[torch.Tensor] = None,
     error_count: Optional[torch.Tensor] = None,
+    non_spec_source_indices: Optional[torch.Tensor] = None,
 ) -> None:
     """torch op form of :func:`gdn.metadata.state_rows` (``plan`` is written only when
     ``num_accepted_tokens`` is gathered; the CPU count of padded rows is not returned)."""

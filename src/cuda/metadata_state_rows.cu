@@ -5,6 +5,7 @@
 
 #include "gdn/core/cuda/device_info.cuh"
 #include "gdn/kernels/cuda_api_metadata.hpp"
+#include "gdn/metadata/builder.cuh"
 #include "gdn/metadata/plan.hpp"
 #include "gdn/metadata/state_rows.cuh"
 
@@ -49,6 +50,8 @@ Status metadata_copy_plan(const TensorView& host_plan, const TensorView& device_
     return Status::ok();
   });
 }
+
+const metadata::DeviceOps& metadata_builder_ops() { return metadata::cuda_builder_ops(); }
 
 Status synchronize_stream(void* stream) {
   const cudaError_t err = cudaStreamSynchronize(static_cast<cudaStream_t>(stream));

@@ -1,7 +1,8 @@
-// Metadata state rows on the GPU: the one-launch pass against the CPU pass and the per-group
-// shadow check on random steps (G 1..6, S up to 16, both modes, with and without padding),
-// accepted counts gathered on the device, bounds, the whole-step entry point, and a CUDA-graph
-// capture replayed with new plans. Skips with a reason when no CUDA device is present.
+// Metadata state rows on the GPU: the one-launch pass against the CPU pass, the per-group shadow
+// check and the tests' own vLLM-semantics reference (destinations, sources, counts) on random
+// steps (G 1..6, S up to 16, both modes, with and without padding), accepted counts gathered on
+// the device, bounds, the whole-step entry point, and a CUDA-graph capture replayed with new
+// plans. Skips with a reason when no CUDA device is present.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "gdn/kernels/cuda_api_metadata.hpp"
+#include "gdn/metadata/builder.cuh"
 #include "gdn/metadata/plan.hpp"
 #include "gdn/metadata/shadow.hpp"
 #include "gdn/metadata/state_rows.cuh"
@@ -24,6 +26,7 @@ namespace {
 using testing::kPoison;
 using testing::random_step;
 using testing::Step;
+using testing::vllm_expected;
 
 #define CUDA_OK(expr)                                                          \
   do {                                                                         \
@@ -60,13 +63,15 @@ TensorView device_view(const DeviceVector& d, std::initializer_list<int64_t> sha
 // Device mirror of a Step's tables and buffers.
 struct DeviceStep {
   std::vector<std::unique_ptr<DeviceVector>> tables;
-  std::unique_ptr<DeviceVector> plan, spec_out, non_spec_out, error_count, accepted;
+  std::unique_ptr<DeviceVector> plan, spec_out, non_spec_out, non_spec_src_out, error_count,
+      accepted;
 
   explicit DeviceStep(const Step& s) {
     for (const auto& t : s.tables) tables.push_back(std::make_unique<DeviceVector>(t));
     plan = std::make_unique<DeviceVector>(s.plan);
     spec_out = std::make_unique<DeviceVector>(s.spec_out);
     non_spec_out = std::make_unique<DeviceVector>(s.non_spec_out);
+    non_spec_src_out = std::make_unique<DeviceVector>(s.non_spec_src_out);
     error_count = std::make_unique<DeviceVector>(std::vector<int32_t>{0});
     accepted = std::make_unique<DeviceVector>(s.num_accepted_tokens);
   }
@@ -81,6 +86,8 @@ struct DeviceStep {
                       {s.table_stride[size_t(g)], 1});
     p.spec_state_indices = device_view(*spec_out, {int64_t(s.G()), s.max_rows, s.S()});
     p.non_spec_state_indices = device_view(*non_spec_out, {int64_t(s.G()), s.max_rows});
+    if (s.with_source)
+      p.non_spec_source_indices = device_view(*non_spec_src_out, {int64_t(s.G()), s.max_rows});
     p.error_count = device_view(*error_count, {1});
     p.num_accepted_tokens =
         gather_accepted ? device_view(*accepted, {int64_t(accepted->n)}) : TensorView{};
@@ -93,6 +100,7 @@ void download(const DeviceStep& d, Step* s) {
   s->plan = d.plan->to_host();
   s->spec_out = d.spec_out->to_host();
   s->non_spec_out = d.non_spec_out->to_host();
+  s->non_spec_src_out = d.non_spec_src_out->to_host();
   s->error_count = d.error_count->to_host()[0];
 }
 
@@ -131,6 +139,7 @@ TEST(MetadataCuda, OneLaunchMatchesTheCpuPassAndPerGroupBuilds) {
             EXPECT_EQ(got.plan, cpu.plan) << "G=" << G << " S=" << S;
             EXPECT_EQ(got.spec_out, cpu.spec_out) << "G=" << G << " S=" << S;
             EXPECT_EQ(got.non_spec_out, cpu.non_spec_out) << "G=" << G << " S=" << S;
+            EXPECT_EQ(got.non_spec_src_out, cpu.non_spec_src_out) << "G=" << G << " S=" << S;
             // And the per-group shadow check agrees.
             got.with_accepted = true;
             ShadowReport r;
@@ -138,6 +147,46 @@ TEST(MetadataCuda, OneLaunchMatchesTheCpuPassAndPerGroupBuilds) {
             ASSERT_TRUE(shadow_check(pg, &r).is_ok());
             ASSERT_TRUE(r.ok()) << "G=" << G << " S=" << S << ": " << r.message;
           }
+}
+
+// The tests' own vLLM-semantics reference (metadata_case.hpp) against the device pass, outputs
+// poisoned beforehand, accepted counts from the plan or gathered on the device.
+TEST(MetadataCuda, DevicePassMatchesTheVllmReference) {
+  GDN_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(555);
+  for (int rep = 0; rep < 120; ++rep) {
+    const int G = 1 + rep % 6;
+    const int64_t S = 1 + (rep / 6) % 9;
+    const bool gather = rep % 2;
+    Step s = random_step(rng, G, S, rep % 3 ? CacheMode::kNone : CacheMode::kAlign, rep % 4 < 2);
+    const testing::VllmExpected e = vllm_expected(s);
+    Step host = s;
+    if (gather) host.with_accepted = false;  // the plan leaves them to the device pass
+    Params ph = host.params();
+    ASSERT_TRUE(plan(ph).is_ok());
+    DeviceStep dev(host);
+    dev.plan->upload(host.plan);
+    Params pd = dev.params(host, gather);
+    ASSERT_TRUE(launch_state_rows_cuda(pd, nullptr).is_ok());
+    CUDA_OK(cudaDeviceSynchronize());
+    Step got = host;
+    download(dev, &got);
+    EXPECT_EQ(got.header(kNumDecodes), e.num_decodes) << rep;
+    EXPECT_EQ(got.header(kNumDecodeTokens), e.num_decode_tokens) << rep;
+    EXPECT_EQ(got.header(kNumPrefills), e.num_prefills) << rep;
+    EXPECT_EQ(got.header(kNumPrefillTokens), e.num_prefill_tokens) << rep;
+    EXPECT_EQ(got.error_count, e.unreadable) << rep;
+    const int64_t R = s.max_rows;
+    for (int g = 0; g < G; ++g)
+      for (int64_t j = 0; j < R; ++j) {
+        const size_t k = size_t(g * R + j);
+        const bool written = j < e.rows_written;
+        ASSERT_EQ(got.non_spec_out[k], written ? e.destination[size_t(g)][size_t(j)] : kPoison)
+            << rep << " group " << g << " row " << j;
+        ASSERT_EQ(got.non_spec_src_out[k], written ? e.source[size_t(g)][size_t(j)] : kPoison)
+            << rep << " group " << g << " row " << j;
+      }
+  }
 }
 
 TEST(MetadataCuda, OutOfRangeColumnsArePaddedAndCountedOnTheDevice) {
@@ -262,6 +311,222 @@ TEST(MetadataCuda, DeviceArgumentsAreChecked) {
   const Status st = launch_state_rows_cuda(p, nullptr);
   EXPECT_FALSE(st.is_ok());
   EXPECT_NE(st.reason().find("block_tables[1] is on cpu"), std::string::npos) << st.reason();
+}
+
+// ---- the C++ builder (builder.hpp + builder.cuh) on the GPU
+// --------------------------------------
+
+#define GDN_OK(expr)                                           \
+  do {                                                         \
+    const ::gdn::Status st_ = (expr);                          \
+    ASSERT_TRUE(st_.is_ok()) << #expr << ": " << st_.reason(); \
+  } while (0)
+
+// Device copies of a base step's tables, and a builder configuration over them.
+struct DeviceTables {
+  std::vector<std::unique_ptr<DeviceVector>> tables;
+  explicit DeviceTables(const Step& base) {
+    for (const auto& t : base.tables) tables.push_back(std::make_unique<DeviceVector>(t));
+  }
+  BuilderConfig config(Step& base) const {
+    BuilderConfig c = base.config();
+    for (int g = 0; g < base.G(); ++g)
+      c.block_tables[g] =
+          device_view(*tables[size_t(g)], {base.table_rows[size_t(g)], base.table_cols[size_t(g)]},
+                      {base.table_stride[size_t(g)], 1});
+    return c;
+  }
+};
+
+std::vector<int32_t> to_host_vector(const TensorView& v) {
+  std::vector<int32_t> h(size_t(v.numel()));
+  if (!h.empty()) cudaMemcpy(h.data(), v.data, h.size() * 4, cudaMemcpyDeviceToHost);
+  return h;
+}
+
+// The builder's device buffers after a step against the tests' own vLLM reference of `s`.
+void expect_device_builder_matches(const Builder& b, Step& s, const std::string& where) {
+  const testing::VllmExpected e = vllm_expected(s);
+  const int32_t* h = b.host_plan(b.last_slot()) + b.layout().header;
+  EXPECT_EQ(h[kNumDecodes], e.num_decodes) << where;
+  EXPECT_EQ(h[kNumPrefills], e.num_prefills) << where;
+  EXPECT_EQ(h[kNumPrefillTokens], e.num_prefill_tokens) << where;
+  const std::vector<int32_t> dst = to_host_vector(b.buffers().non_spec_state_indices);
+  const std::vector<int32_t> src = to_host_vector(b.buffers().non_spec_source_indices);
+  const std::vector<int32_t> spec = to_host_vector(b.buffers().spec_state_indices);
+  const int64_t R = s.max_rows, S = s.S();
+  for (int g = 0; g < s.G(); ++g) {
+    for (int64_t j = 0; j < e.rows_written; ++j) {
+      ASSERT_EQ(dst[size_t(g * R + j)], e.destination[size_t(g)][size_t(j)])
+          << where << " group " << g << " row " << j;
+      ASSERT_EQ(src[size_t(g * R + j)], e.source[size_t(g)][size_t(j)])
+          << where << " group " << g << " row " << j;
+    }
+    for (int64_t k = 0; k < e.spec_rows_written * S; ++k)
+      ASSERT_EQ(spec[size_t(g * R * S + k)], e.spec[size_t(g)][size_t(k)])
+          << where << " group " << g << " element " << k;
+  }
+}
+
+TEST(MetadataBuilderCuda, StepsMatchTheReferenceForEveryOpsTableAndStaging) {
+  GDN_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(91);
+  const DeviceOps* tables_of_ops[] = {&cuda_builder_ops(), &cuda_api::metadata_builder_ops()};
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  int run = 0;
+  for (const DeviceOps* ops : tables_of_ops)
+    for (int staging : {0, 1, 2}) {  // pinned ring of 2, pinned single buffer, pageable
+      Step base = random_step(rng, 1 + run % 6, 2 + run % 5,
+                              run % 2 ? CacheMode::kAlign : CacheMode::kNone, false);
+      base.max_rows = 48;
+      base.max_tokens = 48 * 20;
+      base.make_tables(base.G(), 48, base.mode == CacheMode::kNone ? base.S() + 1 : base.S() + 6);
+      base.allocate();
+      const DeviceTables dev(base);
+      BuilderConfig c = dev.config(base);
+      c.staging_slots = staging == 0 ? 2 : 1;
+      c.pinned_staging = staging != 2;
+      c.shadow = run % 2 == 0;
+      Builder b;
+      GDN_OK(b.initialize(c, ops));
+      ASSERT_TRUE(b.is_cuda());
+      for (int k = 0; k < 12; ++k) {
+        Step s = random_step_on(rng, base, k % 2);
+        GDN_OK(b.step(s.inputs(), stream));
+        CUDA_OK(cudaStreamSynchronize(stream));
+        expect_device_builder_matches(b, s,
+                                      "run " + std::to_string(run) + " step " + std::to_string(k));
+      }
+      // Back-to-back steps (host buffers reused while earlier copies may be pending): the last
+      // one's rows are what the buffers hold.
+      Step last;
+      for (int k = 0; k < 16; ++k) {
+        last = random_step_on(rng, base, true);
+        GDN_OK(b.step(last.inputs(), stream));
+      }
+      CUDA_OK(cudaStreamSynchronize(stream));
+      expect_device_builder_matches(b, last, "run " + std::to_string(run) + " back to back");
+      ShadowReport r;
+      GDN_OK(b.check(last.inputs(), stream, &r));
+      EXPECT_TRUE(r.ok()) << r.message;
+      ++run;
+    }
+  cudaStreamDestroy(stream);
+}
+
+TEST(MetadataBuilderCuda, DeviceAcceptedCountsAreGatheredByTheLaunch) {
+  GDN_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(92);
+  Step base = random_step(rng, 4, 5, CacheMode::kAlign, false);
+  base.max_rows = 40;
+  base.max_tokens = 40 * 20;
+  base.make_tables(4, 40, 12);
+  base.allocate();
+  const DeviceTables dev(base);
+  Builder b;
+  GDN_OK(b.initialize(dev.config(base), &cuda_api::metadata_builder_ops()));
+  for (int k = 0; k < 10; ++k) {
+    Step s = random_step_on(rng, base, k % 2);
+    DeviceVector acc(s.num_accepted_tokens);
+    StepInputs in = s.inputs();
+    in.num_accepted_tokens = device_view(acc, {int64_t(acc.n)});
+    GDN_OK(b.step(in, nullptr));
+    CUDA_OK(cudaDeviceSynchronize());
+    expect_device_builder_matches(b, s, "step " + std::to_string(k));
+    ShadowReport r;
+    GDN_OK(b.check(in, nullptr, &r));  // copies the device counts to compare
+    EXPECT_TRUE(r.ok()) << r.message;
+  }
+}
+
+TEST(MetadataBuilderCuda, CapturedLaunchReplaysPreparedSteps) {
+  GDN_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(93);
+  const int64_t B = 24;
+  Step base = random_step(rng, 6, 5, CacheMode::kNone, false);
+  base.max_rows = 32;
+  base.max_tokens = 32 * 16;
+  base.make_tables(6, 32, 7);
+  base.allocate();
+  const DeviceTables dev(base);
+  Builder b;
+  GDN_OK(b.initialize(dev.config(base), &cuda_builder_ops()));
+  DeviceVector acc(std::vector<int32_t>(size_t(B), 1));
+  const TensorView acc_view = device_view(acc, {B});
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  Step first = random_step_on(rng, base, true);
+  while (first.N() > B) first = random_step_on(rng, base, true);
+  first.padded_rows = B;
+  GDN_OK(b.prepare(first.inputs(), stream));
+  GDN_OK(b.launch(B, acc_view, stream));  // outside the capture first
+  CUDA_OK(cudaStreamSynchronize(stream));
+  cudaGraph_t graph;
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  const Status st = b.launch(B, acc_view, stream);
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  GDN_OK(st);
+  size_t nodes = 0;
+  CUDA_OK(cudaGraphGetNodes(graph, nullptr, &nodes));
+  EXPECT_EQ(nodes, 1u) << "the captured state rows must be one launch";
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 8; ++replay) {
+    Step s = random_step_on(rng, base, true);
+    while (s.N() > B) s = random_step_on(rng, base, true);
+    s.padded_rows = B;
+    s.num_accepted_tokens.resize(size_t(B), 1);
+    acc.upload(s.num_accepted_tokens);
+    s.num_accepted_tokens.resize(size_t(s.N()));
+    StepInputs in = s.inputs();
+    in.num_accepted_tokens = TensorView{};  // gathered by the captured launch
+    GDN_OK(b.prepare(in, stream));
+    CUDA_OK(cudaGraphLaunch(exec, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    expect_device_builder_matches(b, s, "replay " + std::to_string(replay));
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+TEST(MetadataBuilderCuda, CallerProvidedBuffersAndErrors) {
+  GDN_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(94);
+  Step s = random_step(rng, 3, 4, CacheMode::kAlign, true);
+  DeviceStep d(s);
+  int32_t* pinned[2] = {};
+  for (auto& p : pinned) CUDA_OK(cudaMallocHost(&p, s.plan.size() * 4));
+  Params dp = d.params(s, false);
+  BuilderConfig c = s.config();
+  for (int g = 0; g < s.G(); ++g) c.block_tables[g] = dp.block_tables[g];
+  BuilderBuffers buf;
+  buf.spec_state_indices = dp.spec_state_indices;
+  buf.non_spec_state_indices = dp.non_spec_state_indices;
+  buf.non_spec_source_indices = dp.non_spec_source_indices;
+  buf.error_count = dp.error_count;
+  buf.device_plan = dp.plan;
+  buf.num_host_plans = 2;
+  for (int k = 0; k < 2; ++k)
+    buf.host_plans[k] = TensorView::make(pinned[k], DType::kInt32, {int64_t(s.plan.size())});
+  auto owner = std::make_unique<Builder>();  // freed before the pinned buffers it uses
+  Builder& b = *owner;
+  EXPECT_NE(b.initialize(c, buf).reason().find("needs the CUDA operations"), std::string::npos);
+  GDN_OK(b.initialize(c, buf, &cuda_builder_ops()));
+  GDN_OK(b.step(s.inputs(), nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  expect_device_builder_matches(b, s, "caller buffers");
+  Step got = s;
+  download(d, &got);
+  EXPECT_EQ(got.error_count, vllm_expected(s).unreadable);
+  // A device accepted-count array on the host side of launch() is refused, naming it.
+  EXPECT_NE(b.launch(0, s.inputs().num_accepted_tokens, nullptr)
+                .reason()
+                .find("num_accepted_tokens of launch() must be on the builder's CUDA device"),
+            std::string::npos);
+  owner.reset();
+  for (auto& p : pinned) cudaFreeHost(p);
 }
 
 }  // namespace

@@ -2,10 +2,12 @@
 // that point at them, and a random step generator.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <random>
 #include <vector>
 
+#include "gdn/metadata/builder.hpp"
 #include "gdn/metadata/params.hpp"
 
 namespace gdn::metadata::testing {
@@ -24,8 +26,9 @@ struct Step {
   CacheMode mode = CacheMode::kNone;
   int32_t pad_id = 0;
   // buffers (poisoned)
-  std::vector<int32_t> plan, spec_out, non_spec_out;
+  std::vector<int32_t> plan, spec_out, non_spec_out, non_spec_src_out;
   int32_t error_count = 0;
+  bool with_source = true;  // pass non_spec_source_indices
 
   int64_t N() const { return int64_t(query_start_loc.size()) - 1; }
   int64_t S() const { return num_spec + 1; }
@@ -35,6 +38,7 @@ struct Step {
     plan.assign(size_t(Layout::make(max_rows, max_tokens).total_words), kPoison);
     spec_out.assign(size_t(G() * max_rows * S()), kPoison);
     non_spec_out.assign(size_t(G() * max_rows), kPoison);
+    non_spec_src_out.assign(size_t(G() * max_rows), kPoison);
     error_count = 0;
   }
 
@@ -80,8 +84,39 @@ struct Step {
         TensorView::make(spec_out.data(), DType::kInt32, {int64_t(G()), max_rows, S()});
     p.non_spec_state_indices =
         TensorView::make(non_spec_out.data(), DType::kInt32, {int64_t(G()), max_rows});
+    if (with_source)
+      p.non_spec_source_indices =
+          TensorView::make(non_spec_src_out.data(), DType::kInt32, {int64_t(G()), max_rows});
     p.error_count = TensorView::make(&error_count, DType::kInt32, {1});
     return p;
+  }
+
+  // The step's host arrays as a builder takes them.
+  StepInputs inputs() {
+    const Params p = params();
+    StepInputs in;
+    in.query_start_loc = p.query_start_loc;
+    in.seq_lens = p.seq_lens;
+    in.num_draft_tokens = p.num_draft_tokens;
+    in.num_accepted_tokens = p.num_accepted_tokens;
+    in.num_computed_tokens = p.num_computed_tokens;
+    in.padded_rows = padded_rows;
+    return in;
+  }
+
+  // A builder configuration over this step's (host) tables and scalars.
+  BuilderConfig config() {
+    const Params p = params();
+    BuilderConfig c;
+    c.num_groups = G();
+    for (int g = 0; g < G(); ++g) c.block_tables[g] = p.block_tables[g];
+    c.num_spec = num_spec;
+    c.max_rows = max_rows;
+    c.max_tokens = max_tokens;
+    c.mode = mode;
+    c.block_size = block_size;
+    c.pad_id = pad_id;
+    return c;
   }
 
   // Reads the header / a word of the plan buffer.
@@ -123,12 +158,13 @@ inline Step random_step(std::mt19937_64& rng, int G, int64_t S, CacheMode mode, 
   s.pad_id = uni(0, 1) ? 0 : -1;
   const int64_t N = uni(0, 24);
   const bool spec_allowed = uni(0, 3) != 0;
+  const bool zero_drafts = uni(0, 5) == 0;  // verify rows without drafts: a step with no spec rows
   s.query_start_loc = {0};
   for (int64_t i = 0; i < N; ++i) {
     int32_t T, d;
     const int64_t kind = uni(0, 9);
     if (spec_allowed && kind < 5) {
-      d = int32_t(uni(0, S - 1));
+      d = zero_drafts ? 0 : int32_t(uni(0, S - 1));
       T = uni(0, 9) == 0 ? int32_t(uni(0, S)) : d + 1;  // mostly 1 + drafts
     } else {
       d = -1;
@@ -160,6 +196,115 @@ inline Step random_step(std::mt19937_64& rng, int G, int64_t S, CacheMode mode, 
   }
   s.allocate();
   return s;
+}
+
+// A random step over the builder-lifetime parts of `base`: its tables, capacity, S, mode, block
+// size and pad id (what a builder keeps from one step to the next).
+inline Step random_step_on(std::mt19937_64& rng, const Step& base, bool padded) {
+  for (;;) {
+    Step s = random_step(rng, base.G(), base.S(), base.mode, padded);
+    if (s.N() > base.max_rows || s.query_start_loc.back() > base.max_tokens) continue;
+    s.max_rows = base.max_rows;
+    s.max_tokens = base.max_tokens;
+    if (s.padded_rows > s.max_rows) s.padded_rows = s.max_rows;
+    s.block_size = base.block_size;
+    s.pad_id = base.pad_id;
+    s.tables = base.tables;
+    s.table_rows = base.table_rows;
+    s.table_cols = base.table_cols;
+    s.table_stride = base.table_stride;
+    s.allocate();
+    return s;
+  }
+}
+
+// ---- the tests' own per-group reference of vLLM's semantics ----------------------------------
+// Written from vLLM's GDN builder (split_decodes_and_prefills with threshold 1, the spec-row
+// reclassification, spec_decode_src_indices) and metadata.md §2.1-2.2; shares no code with the
+// library or its shadow check. Expects a step the plan accepts.
+
+struct VllmExpected {
+  int64_t num_decodes = 0, num_decode_tokens = 0, num_prefills = 0, num_prefill_tokens = 0;
+  int64_t num_spec_decodes = 0, num_spec_decode_tokens = 0;
+  int64_t rows_written = 0;  // per kind: padded_rows, or the live rows of that kind
+  int64_t spec_rows_written = 0;
+  // [G][row]: non-spec destination / source ids, spec rows [G][row * S + c]
+  std::vector<std::vector<int32_t>> destination, source, spec;
+  int64_t unreadable = 0;  // (group, row) pairs padded because a column is missing
+};
+
+inline VllmExpected vllm_expected(const Step& s) {
+  VllmExpected e;
+  const int64_t N = s.N(), S = s.S();
+  std::vector<int64_t> len(static_cast<size_t>(N));
+  for (int64_t i = 0; i < N; ++i)
+    len[size_t(i)] = s.query_start_loc[size_t(i + 1)] - s.query_start_loc[size_t(i)];
+  int64_t drafted = 0;
+  for (int64_t i = 0; s.with_drafts && i < N; ++i)
+    drafted += std::max(0, s.num_draft_tokens[size_t(i)]);
+  auto is_spec = [&](int64_t i) { return drafted > 0 && s.num_draft_tokens[size_t(i)] >= 0; };
+  std::vector<int64_t> spec_rows, non_spec_rows;
+  for (int64_t i = 0; i < N; ++i) (is_spec(i) ? spec_rows : non_spec_rows).push_back(i);
+  const int64_t total = N ? s.query_start_loc[size_t(N)] : 0;
+  if (spec_rows.empty()) {
+    // max_query_len <= 1: all decodes; first row longer: all prefills; else split at the first.
+    int64_t first_prefill = N;
+    for (int64_t i = 0; i < N && first_prefill == N; ++i)
+      if (len[size_t(i)] > 1) first_prefill = i;
+    e.num_decodes = first_prefill;
+    e.num_prefills = N - first_prefill;
+    e.num_decode_tokens = s.query_start_loc[size_t(first_prefill)];
+    e.num_prefill_tokens = total - e.num_decode_tokens;
+  } else {
+    int64_t zeros = 0, non_spec_tokens = 0;
+    for (int64_t i : non_spec_rows) {
+      zeros += len[size_t(i)] == 0;
+      non_spec_tokens += len[size_t(i)];
+    }
+    e.num_decodes = 0;  // 1-token rows are reclassified as prefills; zero-length rows in neither
+    e.num_prefills = int64_t(non_spec_rows.size()) - zeros;
+    e.num_prefill_tokens = non_spec_tokens;
+    for (int64_t i : spec_rows) e.num_spec_decode_tokens += len[size_t(i)];
+  }
+  e.num_spec_decodes = int64_t(spec_rows.size());
+  e.rows_written = s.padded_rows >= 0 ? s.padded_rows : int64_t(non_spec_rows.size());
+  e.spec_rows_written = s.padded_rows >= 0 ? s.padded_rows : int64_t(spec_rows.size());
+  for (int g = 0; g < s.G(); ++g) {
+    const auto& t = s.tables[size_t(g)];
+    const int64_t rows = s.table_rows[size_t(g)], cols = s.table_cols[size_t(g)];
+    const int64_t stride = s.table_stride[size_t(g)];
+    auto start_of = [&](int64_t i) -> int64_t {
+      if (s.mode == CacheMode::kNone) return 0;
+      const int64_t last = int64_t(s.seq_lens[size_t(i)]) - 1;
+      return last > 0 ? last / s.block_size : 0;
+    };
+    std::vector<int32_t> dst(size_t(e.rows_written), s.pad_id), src = dst;
+    for (size_t j = 0; j < non_spec_rows.size(); ++j) {
+      const int64_t i = non_spec_rows[j];
+      const int64_t acc = s.with_accepted ? s.num_accepted_tokens[size_t(i)] : 1;
+      const int64_t c0 = start_of(i), c1 = c0 + acc - 1;
+      if (i < rows && c1 < cols) {
+        dst[j] = t[size_t(i * stride + c0)];
+        src[j] = t[size_t(i * stride + c1)];
+      } else {
+        ++e.unreadable;
+      }
+    }
+    std::vector<int32_t> spec(size_t(e.spec_rows_written * S), s.pad_id);
+    for (size_t j = 0; j < spec_rows.size(); ++j) {
+      const int64_t i = spec_rows[j], c0 = start_of(i);
+      if (i < rows && c0 + S <= cols) {
+        for (int64_t c = 0; c < S; ++c)
+          spec[j * size_t(S) + size_t(c)] = t[size_t(i * stride + c0 + c)];
+      } else {
+        ++e.unreadable;
+      }
+    }
+    e.destination.push_back(std::move(dst));
+    e.source.push_back(std::move(src));
+    e.spec.push_back(std::move(spec));
+  }
+  return e;
 }
 
 }  // namespace gdn::metadata::testing

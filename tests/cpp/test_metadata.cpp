@@ -1,9 +1,11 @@
-// Metadata builder on the host: classification (the cases of vLLM's GDN builder tests), every
-// shared field on hand-checked steps, state rows in both cache modes, graph padding, bounds,
-// argument errors, and the shared + fused result against independent per-group builds (the shadow
-// check) on random steps, including an injected mismatch and poisoned unused rows.
+// Metadata builder on the host: classification (the cases of vLLM's GDN builder tests, vLLM's
+// decode/prefill counts), every shared field on hand-checked steps, state rows (destination and
+// source) in both cache modes, graph padding, bounds, argument errors, the shared + fused result
+// against the tests' own vLLM-semantics reference and against independent per-group builds (the
+// shadow check) on random steps, including an injected mismatch and poisoned unused rows.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <random>
 #include <string>
 #include <vector>
@@ -18,6 +20,7 @@ using testing::kPoison;
 using testing::make_step;
 using testing::random_step;
 using testing::Step;
+using testing::vllm_expected;
 
 // Plans `s`, runs the CPU pass, and returns its error count.
 int64_t build(Step& s) {
@@ -119,17 +122,44 @@ TEST(MetadataClassification, SeveralDecodesReclassified) {
   EXPECT_TRUE(shadow(s).ok());
 }
 
-TEST(MetadataClassification, ZeroLengthPaddingCountedInNeither) {
+TEST(MetadataClassification, ZeroLengthRowsWithSpecRowsAreInNeitherCount) {
   // With spec rows: the zero-length rows stay non-spec rows with 0 tokens.
   Step s = make_step({{3, 2}, {0, -1}, {3, 2}, {0, -1}}, 2);
   build(s);
   expect_counts(s, {0, 0, 0, 0, 2, 6, 2});
   EXPECT_EQ(s.header(kNumNonSpecRows), 2);
   EXPECT_EQ(words(s, &Layout::non_spec_query_start_loc, 3), (std::vector<int32_t>{0, 0, 0}));
-  // Without spec rows: decodes and a prefill, the padding counted in neither.
+  EXPECT_TRUE(shadow(s).ok());
+}
+
+// Without spec rows, vLLM's split_decodes_and_prefills(threshold 1): the decodes are the leading
+// run of rows with <= 1 token; everything from the first longer row on is a prefill.
+TEST(MetadataClassification, WithoutSpecRowsDecodesAreTheLeadingRun) {
+  // The issue's example: a 1-token row after a 2-token row is a prefill.
+  Step s = make_step({{2, -1}, {1, -1}}, 2);
+  build(s);
+  expect_counts(s, {2, 3, 0, 0, 0, 0, 0});
+  // Zero-length rows inside the run count as decodes, after it as prefills.
+  s = make_step({{0, -1}, {1, -1}, {0, -1}, {4, -1}, {1, -1}, {0, -1}}, 2);
+  build(s);
+  expect_counts(s, {3, 5, 3, 1, 0, 0, 3});
+  EXPECT_TRUE(shadow(s).ok());
   s = make_step({{1, -1}, {4, -1}, {0, -1}, {1, -1}, {0, -1}}, 2);
   build(s);
-  expect_counts(s, {1, 4, 2, 2, 0, 0, 2});
+  expect_counts(s, {4, 5, 1, 1, 0, 0, 2});
+  // Only rows of <= 1 token: all decodes, zero-length ones included.
+  s = make_step({{1, -1}, {0, -1}, {1, -1}}, 2);
+  build(s);
+  expect_counts(s, {0, 0, 3, 2, 0, 0, 1});
+  // A leading prefill: no decodes at all.
+  s = make_step({{5, -1}, {1, -1}, {1, -1}}, 2);
+  s.with_drafts = false;
+  build(s);
+  expect_counts(s, {3, 7, 0, 0, 0, 0, 0});
+  // Drafts summing to 0 leave a step without spec rows: the same rule.
+  s = make_step({{1, 0}, {3, -1}, {1, 0}}, 2);
+  build(s);
+  expect_counts(s, {2, 4, 1, 1, 0, 0, 0});
   EXPECT_TRUE(shadow(s).ok());
 }
 
@@ -161,6 +191,67 @@ TEST(MetadataFields, AcceptedSourceColumnAndInitialState) {
   build(s);
   EXPECT_EQ(bytes(s, &Layout::has_initial_state, 2), (std::vector<int>{0, 1}));
   EXPECT_TRUE(shadow(s).ok());
+}
+
+// metadata.md §2.1: a non-spec row reads its state from column start + acc - 1 and writes column
+// start. The issue's example: table [[11, 12, 13]], num_spec 2, drafts [0], accepted [3].
+TEST(MetadataFields, NonSpecRowReadsWhereThePreviousStepLeftTheState) {
+  Step s = make_step({{1, 0}}, 2);
+  s.num_accepted_tokens = {3};
+  s.tables = {{11, 12, 13}};
+  s.table_rows = {1};
+  s.table_cols = {3};
+  s.table_stride = {3};
+  s.allocate();
+  EXPECT_EQ(build(s), 0);
+  EXPECT_EQ(s.header(kNumSpecDecodes), 0);  // drafts summing to 0: no spec rows
+  EXPECT_EQ(s.non_spec_out[0], 11);         // destination
+  EXPECT_EQ(s.non_spec_src_out[0], 13);     // source
+  EXPECT_EQ(words(s, &Layout::non_spec_source_column, 1), (std::vector<int32_t>{2}));
+  EXPECT_TRUE(shadow(s).ok());
+}
+
+TEST(MetadataFields, SourceColumnsOfMixedStepsAndAlignMode) {
+  // Spec rows, a zero-draft spec row, a decode, a prefill and a zero-length row; G = 2.
+  Step s = make_step({{3, 2}, {1, -1}, {1, 0}, {6, -1}, {0, -1}}, 2, /*G=*/2);
+  s.num_accepted_tokens = {2, 3, 2, 1, 2};
+  s.allocate();
+  EXPECT_EQ(build(s), 0);
+  const int64_t R = s.max_rows;
+  // Non-spec rows: requests 1, 3, 4 (the zero-draft row 2 is a spec row in this step).
+  EXPECT_EQ(words(s, &Layout::non_spec_request, 3), (std::vector<int32_t>{1, 3, 4}));
+  EXPECT_EQ(words(s, &Layout::non_spec_source_column, 3), (std::vector<int32_t>{2, 0, 1}));
+  for (int g = 0; g < 2; ++g) {
+    const int32_t base = 100000 * (g + 1);
+    EXPECT_EQ(s.non_spec_out[size_t(g * R + 0)], base + 100);
+    EXPECT_EQ(s.non_spec_src_out[size_t(g * R + 0)], base + 102);
+    EXPECT_EQ(s.non_spec_out[size_t(g * R + 1)], base + 300);
+    EXPECT_EQ(s.non_spec_src_out[size_t(g * R + 1)], base + 300);
+    EXPECT_EQ(s.non_spec_src_out[size_t(g * R + 2)], base + 401);
+    EXPECT_EQ(s.non_spec_src_out[size_t(g * R + 3)], kPoison);  // past the rows written
+  }
+  EXPECT_TRUE(shadow(s).ok());
+  // Align mode: both columns are offset by the row's start block.
+  s = make_step({{1, -1}, {2, 1}, {4, -1}}, 1, /*G=*/1);
+  s.mode = CacheMode::kAlign;
+  s.block_size = 4;
+  s.seq_lens = {9, 6, 13};  // starts 2, 1, 3
+  s.num_accepted_tokens = {2, 1, 2};
+  s.make_tables(1, s.max_rows, 6);
+  s.allocate();
+  EXPECT_EQ(build(s), 0);
+  EXPECT_EQ(s.non_spec_out[0], 100000 + 2);
+  EXPECT_EQ(s.non_spec_src_out[0], 100000 + 3);
+  EXPECT_EQ(s.non_spec_out[1], 100000 + 203);
+  EXPECT_EQ(s.non_spec_src_out[1], 100000 + 204);
+  EXPECT_TRUE(shadow(s).ok());
+  // Without the source output the destinations are the same.
+  Step t = s;
+  t.with_source = false;
+  t.allocate();
+  EXPECT_EQ(build(t), 0);
+  EXPECT_EQ(t.non_spec_out, s.non_spec_out);
+  EXPECT_EQ(t.non_spec_src_out[0], kPoison);
 }
 
 TEST(MetadataFields, StateRowsModeNone) {
@@ -229,11 +320,13 @@ TEST(MetadataPadding, PaddedRowsFollowTheContract) {
               (std::vector<int32_t>{0, 3, 5, 8, 8, 8, 8}));
     EXPECT_EQ(words(s, &Layout::spec_num_accepted, 6), (std::vector<int32_t>{2, 3, 1, 1, 1, 1}));
     EXPECT_EQ(words(s, &Layout::spec_source_column, 6), (std::vector<int32_t>{1, 2, 0, 0, 0, 0}));
+    EXPECT_EQ(words(s, &Layout::non_spec_source_column, 6), (std::vector<int32_t>(6, 0)));
     EXPECT_EQ(bytes(s, &Layout::spec_sequence_masks, 6), (std::vector<int>{1, 1, 1, 0, 0, 0}));
     for (int g = 0; g < 2; ++g) {
       for (int64_t j = 3; j < 6; ++j) {
         for (int64_t c = 0; c < S; ++c) EXPECT_EQ(s.spec_out[size_t((g * R + j) * S + c)], pad_id);
         EXPECT_EQ(s.non_spec_out[size_t(g * R + j)], pad_id);
+        EXPECT_EQ(s.non_spec_src_out[size_t(g * R + j)], pad_id);
       }
       EXPECT_EQ(s.spec_out[size_t((g * R + 6) * S)], kPoison);  // beyond padded_rows: untouched
     }
@@ -291,7 +384,27 @@ TEST(MetadataBounds, ColumnsPastTheTableArePaddedAndCounted) {
     for (int c = 0; c < S; ++c) EXPECT_EQ(s.spec_out[size_t((g * R + 1) * S + c)], -1);
     EXPECT_EQ(s.non_spec_out[size_t(g * R)], -1);
   }
-  EXPECT_EQ(s.header(kMaxColumnEnd), 10);
+  EXPECT_EQ(s.header(kMaxColumnEnd), 12);  // the non-spec row at start 9 may read S columns
+  EXPECT_TRUE(shadow(s).ok());
+}
+
+TEST(MetadataBounds, SourceColumnPastTheTablePadsTheWholeRow) {
+  // A 2-column table: acc 3 puts the source at column 2, which does not exist. The row gets the
+  // pad id for both fields (the guard columns past cols hold poison: never read) and is counted
+  // once per group; acc 2 still fits.
+  Step s = make_step({{1, -1}, {1, -1}}, 2, /*G=*/2);
+  s.num_accepted_tokens = {3, 2};
+  s.pad_id = -1;
+  s.make_tables(2, s.max_rows, 2, /*extra_stride=*/4);
+  s.allocate();
+  EXPECT_EQ(build(s), 2);
+  const int64_t R = s.max_rows;
+  for (int g = 0; g < 2; ++g) {
+    EXPECT_EQ(s.non_spec_out[size_t(g * R)], -1);
+    EXPECT_EQ(s.non_spec_src_out[size_t(g * R)], -1);
+    EXPECT_EQ(s.non_spec_out[size_t(g * R + 1)], 100000 * (g + 1) + 100);
+    EXPECT_EQ(s.non_spec_src_out[size_t(g * R + 1)], 100000 * (g + 1) + 101);
+  }
   EXPECT_TRUE(shadow(s).ok());
 }
 
@@ -354,6 +467,29 @@ TEST(MetadataBounds, GatheredAcceptedCountsAreCheckedPerRow) {
   EXPECT_EQ(words(s, &Layout::spec_num_accepted, 3), (std::vector<int32_t>{2, 0, 1}));
 }
 
+TEST(MetadataBounds, GatheredCountsOfNonSpecRowsPadBadRows) {
+  // Non-spec rows gather their counts too: a bad one pads the row in every group and is counted.
+  Step s = make_step({{1, -1}, {4, -1}, {1, -1}}, 2, /*G=*/2);
+  s.with_accepted = false;
+  s.allocate();
+  Params p = s.params();
+  ASSERT_TRUE(plan(p).is_ok());
+  std::vector<int32_t> acc = {3, 4, 2};  // 4 > S
+  p.num_accepted_tokens = TensorView::make(acc.data(), DType::kInt32, {3});
+  int64_t errors = 0;
+  ASSERT_TRUE(run_state_rows_cpu(p, &errors).is_ok());
+  EXPECT_EQ(errors, 2);
+  EXPECT_EQ(words(s, &Layout::non_spec_source_column, 3), (std::vector<int32_t>{2, 3, 1}));
+  const int64_t R = s.max_rows;
+  for (int g = 0; g < 2; ++g) {
+    const int32_t base = 100000 * (g + 1);
+    EXPECT_EQ(s.non_spec_src_out[size_t(g * R + 0)], base + 2);
+    EXPECT_EQ(s.non_spec_out[size_t(g * R + 1)], 0);
+    EXPECT_EQ(s.non_spec_src_out[size_t(g * R + 1)], 0);
+    EXPECT_EQ(s.non_spec_src_out[size_t(g * R + 2)], base + 201);
+  }
+}
+
 // ---- argument errors: named, and nothing written ----------------------------------------------
 
 void expect_plan_error(Step& s, const std::string& needle) {
@@ -384,6 +520,12 @@ TEST(MetadataErrors, BadInputsAreNamedAndNothingIsWritten) {
   s = make_step({{3, 2}, {1, -1}}, 2);
   s.num_accepted_tokens[0] = 0;
   expect_plan_error(s, "num_accepted_tokens[0]");
+  s = make_step({{3, 2}, {1, -1}}, 2);
+  s.num_accepted_tokens[1] = 4;  // every row's count is checked, not only spec rows'
+  expect_plan_error(s, "num_accepted_tokens[1] = 4 is outside [1, S = 3]");
+  s = make_step({{1, -1}, {2, -1}}, 1);
+  s.num_accepted_tokens[1] = 0;
+  expect_plan_error(s, "num_accepted_tokens[1]");
   s = make_step({{4, 2}, {1, -1}}, 2);
   expect_plan_error(s, "has 4 tokens but S");
   s = make_step({{3, 2}, {1, -1}}, 2);
@@ -426,6 +568,14 @@ TEST(MetadataErrors, BuffersAndTablesAreChecked) {
   p.spec_state_indices.shape[2] = 2;
   EXPECT_NE(run_state_rows_cpu(p).reason().find("spec_state_indices"), std::string::npos);
   p = s.params();
+  p.non_spec_source_indices.shape[1] = 1;  // a contiguous [G, 1]: fewer rows than the pass writes
+  p.non_spec_source_indices.strides[0] = 1;
+  EXPECT_NE(run_state_rows_cpu(p).reason().find("non_spec_source_indices has 1 rows"),
+            std::string::npos);
+  p = s.params();
+  p.non_spec_source_indices.dtype = DType::kInt64;
+  EXPECT_NE(run_state_rows_cpu(p).reason().find("non_spec_source_indices"), std::string::npos);
+  p = s.params();
   p.num_groups = 9;
   EXPECT_NE(run_state_rows_cpu(p).reason().find("num_groups"), std::string::npos);
   p = s.params();
@@ -450,6 +600,7 @@ TEST(MetadataLayout, RegionsAreAlignedAndDisjoint) {
           {l.non_spec_query_start_loc, R + 1},
           {l.spec_num_accepted, R},
           {l.spec_source_column, R},
+          {l.non_spec_source_column, R},
           {l.token_split, T},
           {l.spec_sequence_masks, (R + 3) / 4},
           {l.has_initial_state, (R + 3) / 4}};
@@ -494,6 +645,51 @@ TEST(MetadataShadow, RandomStepsMatchPerGroupBuilds) {
   EXPECT_EQ(checked, 6 * 6 * 2 * 2 * 3);
 }
 
+// The tests' own reference of vLLM's semantics (metadata_case.hpp) on fresh random steps with
+// poisoned outputs: counts, every non-spec row's destination and source, every spec row, and
+// nothing written past the rows of the step.
+TEST(MetadataVllm, RandomStepsMatchTheVllmReference) {
+  std::mt19937_64 rng(4321);
+  int with_spec = 0, without_spec = 0, sources_differ = 0;
+  for (int rep = 0; rep < 600; ++rep) {
+    const int G = 1 + rep % 4;
+    const int64_t S = 1 + (rep / 4) % 6;
+    Step s = random_step(rng, G, S, rep % 3 ? CacheMode::kNone : CacheMode::kAlign, rep % 2);
+    s.with_accepted = rep % 7 != 0;
+    s.allocate();  // every output poisoned
+    const testing::VllmExpected e = vllm_expected(s);
+    const int64_t errors = build(s);
+    ASSERT_EQ(s.header(kNumDecodes), e.num_decodes) << rep;
+    ASSERT_EQ(s.header(kNumDecodeTokens), e.num_decode_tokens) << rep;
+    ASSERT_EQ(s.header(kNumPrefills), e.num_prefills) << rep;
+    ASSERT_EQ(s.header(kNumPrefillTokens), e.num_prefill_tokens) << rep;
+    ASSERT_EQ(s.header(kNumSpecDecodes), e.num_spec_decodes) << rep;
+    ASSERT_EQ(s.header(kNumSpecDecodeTokens), e.num_spec_decode_tokens) << rep;
+    ASSERT_EQ(errors, e.unreadable) << rep;
+    const int64_t R = s.max_rows;
+    for (int g = 0; g < G; ++g) {
+      for (int64_t j = 0; j < R; ++j) {
+        const size_t k = size_t(g * R + j);
+        const bool written = j < e.rows_written;
+        ASSERT_EQ(s.non_spec_out[k], written ? e.destination[size_t(g)][size_t(j)] : kPoison)
+            << rep << " group " << g << " row " << j;
+        ASSERT_EQ(s.non_spec_src_out[k], written ? e.source[size_t(g)][size_t(j)] : kPoison)
+            << rep << " group " << g << " row " << j;
+        if (written) sources_differ += s.non_spec_out[k] != s.non_spec_src_out[k];
+      }
+      for (int64_t k = 0; k < R * S; ++k)
+        ASSERT_EQ(s.spec_out[size_t(g * R * S + k)],
+                  k < e.spec_rows_written * S ? e.spec[size_t(g)][size_t(k)] : kPoison)
+            << rep << " group " << g << " element " << k;
+    }
+    (e.num_spec_decodes ? with_spec : without_spec) += 1;
+  }
+  // The random steps cover both count rules and rows whose source is not their destination.
+  EXPECT_GT(with_spec, 100);
+  EXPECT_GT(without_spec, 100);
+  EXPECT_GT(sources_differ, 100);
+}
+
 // Poisons every word the step does not write (per the per-group build's ranges).
 void poison_unused(Step& s, std::mt19937_64& rng) {
   Params p = s.params();
@@ -509,7 +705,7 @@ void poison_unused(Step& s, std::mt19937_64& rng) {
   mark(l.header, kHeaderWords);
   for (auto off : {l.spec_request, l.spec_start, l.spec_num_accepted, l.spec_source_column})
     mark(off, spec_w);
-  for (auto off : {l.non_spec_request, l.non_spec_start}) mark(off, ns_w);
+  for (auto off : {l.non_spec_request, l.non_spec_start, l.non_spec_source_column}) mark(off, ns_w);
   mark(l.spec_query_start_loc, spec_w + 1);
   mark(l.non_spec_query_start_loc, ns_w + 1);
   mark(l.token_split, tokens);
@@ -525,8 +721,10 @@ void poison_unused(Step& s, std::mt19937_64& rng) {
   for (int g = 0; g < s.G(); ++g) {
     for (int64_t j = spec_w; j < s.max_rows; ++j)
       for (int64_t c = 0; c < S; ++c) s.spec_out[size_t((g * s.max_rows + j) * S + c)] = any(rng);
-    for (int64_t j = ns_w; j < s.max_rows; ++j)
+    for (int64_t j = ns_w; j < s.max_rows; ++j) {
       s.non_spec_out[size_t(g * s.max_rows + j)] = any(rng);
+      s.non_spec_src_out[size_t(g * s.max_rows + j)] = any(rng);
+    }
   }
 }
 
@@ -575,6 +773,24 @@ TEST(MetadataShadow, InjectedMismatchIsNamed) {
       << r.message;
   s.non_spec_out[size_t(1 * R + 3)] = 0;
 
+  // A source id (the field the issue added), and a padded row of it.
+  s.non_spec_src_out[size_t(2 * R + 0)] += 5;
+  r = shadow(s);
+  EXPECT_NE(r.message.find("group 2, field non_spec_source_indices, row 0"), std::string::npos)
+      << r.message;
+  s.non_spec_src_out[size_t(2 * R + 0)] -= 5;
+  s.non_spec_src_out[size_t(0 * R + 4)] = 9;
+  r = shadow(s);
+  EXPECT_NE(r.message.find("group 0, field non_spec_source_indices, row 4"), std::string::npos)
+      << r.message;
+  s.non_spec_src_out[size_t(0 * R + 4)] = 0;
+  s.plan[size_t(l.non_spec_source_column + 0)] = 1;
+  r = shadow(s);
+  EXPECT_NE(r.message.find("field non_spec_source_column, row 0: shared/fused = 1, per-group = 0"),
+            std::string::npos)
+      << r.message;
+  s.plan[size_t(l.non_spec_source_column + 0)] = 0;
+
   // Shared fields.
   s.plan[size_t(l.spec_query_start_loc + 4)] = 1;
   r = shadow(s);
@@ -598,6 +814,260 @@ TEST(MetadataShadow, InjectedMismatchIsNamed) {
       << r.message;
   s.plan[size_t(l.token_split + 5)] = 0;
   ASSERT_TRUE(shadow(s).ok()) << shadow(s).message;
+}
+
+// ---- the C++ builder (builder.hpp) on the CPU -------------------------------------------------
+
+#define ASSERT_OK(expr)                                        \
+  do {                                                         \
+    const ::gdn::Status st_ = (expr);                          \
+    ASSERT_TRUE(st_.is_ok()) << #expr << ": " << st_.reason(); \
+  } while (0)
+
+// The builder's buffers after a step against the tests' own vLLM reference of `s`.
+void expect_builder_matches(const Builder& b, Step& s, const std::string& where) {
+  const testing::VllmExpected e = vllm_expected(s);
+  const int32_t* h = b.host_plan(b.last_slot()) + b.layout().header;
+  EXPECT_EQ(h[kNumDecodes], e.num_decodes) << where;
+  EXPECT_EQ(h[kNumDecodeTokens], e.num_decode_tokens) << where;
+  EXPECT_EQ(h[kNumPrefills], e.num_prefills) << where;
+  EXPECT_EQ(h[kNumPrefillTokens], e.num_prefill_tokens) << where;
+  EXPECT_EQ(h[kNumSpecDecodes], e.num_spec_decodes) << where;
+  EXPECT_EQ(b.last_errors(), e.unreadable) << where;
+  const BuilderBuffers& buf = b.buffers();
+  const int64_t R = s.max_rows, S = s.S();
+  for (int g = 0; g < s.G(); ++g) {
+    const int32_t* dst = buf.non_spec_state_indices.ptr<const int32_t>() + g * R;
+    const int32_t* src = buf.non_spec_source_indices.ptr<const int32_t>() + g * R;
+    for (int64_t j = 0; j < e.rows_written; ++j) {
+      ASSERT_EQ(dst[j], e.destination[size_t(g)][size_t(j)])
+          << where << " group " << g << " row " << j;
+      ASSERT_EQ(src[j], e.source[size_t(g)][size_t(j)]) << where << " group " << g << " row " << j;
+    }
+    const int32_t* spec = buf.spec_state_indices.ptr<const int32_t>() + g * R * S;
+    for (int64_t k = 0; k < e.spec_rows_written * S; ++k)
+      ASSERT_EQ(spec[k], e.spec[size_t(g)][size_t(k)])
+          << where << " group " << g << " element " << k;
+  }
+}
+
+// A base step whose tables and capacity a builder keeps for many steps.
+Step builder_base(std::mt19937_64& rng, int G, int64_t S, CacheMode mode) {
+  Step base = random_step(rng, G, S, mode, false);
+  base.max_rows = 40;
+  base.max_tokens = 40 * (S + 12);
+  base.make_tables(G, 40, mode == CacheMode::kNone ? S + 1 : S + 6);
+  base.allocate();
+  return base;
+}
+
+TEST(MetadataBuilderCpu, StepsOnOneBuilderMatchTheReference) {
+  std::mt19937_64 rng(31);
+  int steps = 0;
+  for (bool owned : {true, false})
+    for (CacheMode mode : {CacheMode::kNone, CacheMode::kAlign}) {
+      Step base = builder_base(rng, 1 + steps % 5, 2 + steps % 4, mode);
+      BuilderConfig c = base.config();
+      c.shadow = true;  // every step is also checked against per-group builds
+      BuilderBuffers buffers;
+      std::vector<int32_t> plan(size_t(Layout::make(c.max_rows, c.max_tokens).total_words));
+      if (!owned) {
+        const Params p = base.params();
+        buffers.spec_state_indices = p.spec_state_indices;
+        buffers.non_spec_state_indices = p.non_spec_state_indices;
+        buffers.non_spec_source_indices = p.non_spec_source_indices;
+        buffers.error_count = p.error_count;
+        buffers.num_host_plans = 1;
+        buffers.host_plans[0] =
+            TensorView::make(plan.data(), DType::kInt32, {int64_t(plan.size())});
+      }
+      Builder b;
+      ASSERT_OK(owned ? b.initialize(c) : b.initialize(c, buffers));
+      for (int k = 0; k < 30; ++k, ++steps) {
+        Step s = random_step_on(rng, base, k % 2);
+        ASSERT_OK(b.step(s.inputs()));
+        expect_builder_matches(b, s, "step " + std::to_string(steps));
+      }
+      if (!owned) {
+        EXPECT_EQ(b.buffers().spec_state_indices.data, base.spec_out.data());
+      }
+    }
+  EXPECT_EQ(steps, 120);
+}
+
+TEST(MetadataBuilderCpu, PrepareThenLaunchEqualsStep) {
+  std::mt19937_64 rng(32);
+  Step base = builder_base(rng, 3, 4, CacheMode::kAlign);
+  Builder a, b;
+  ASSERT_OK(a.initialize(base.config()));
+  ASSERT_OK(b.initialize(base.config()));
+  for (int k = 0; k < 20; ++k) {
+    Step s = random_step_on(rng, base, true);
+    ASSERT_OK(a.step(s.inputs()));
+    ASSERT_OK(b.prepare(s.inputs()));
+    ASSERT_OK(b.launch(s.padded_rows));
+    const int64_t n = base.G() * base.max_rows;
+    auto same = [&](const TensorView& x, const TensorView& y, int64_t count) {
+      const int32_t* p = x.ptr<const int32_t>();
+      const int32_t* q = y.ptr<const int32_t>();
+      return std::equal(p, p + count, q);
+    };
+    EXPECT_TRUE(same(a.buffers().non_spec_state_indices, b.buffers().non_spec_state_indices, n));
+    EXPECT_TRUE(same(a.buffers().non_spec_source_indices, b.buffers().non_spec_source_indices, n));
+    EXPECT_TRUE(same(a.buffers().spec_state_indices, b.buffers().spec_state_indices, n * s.S()));
+    EXPECT_TRUE(same(a.buffers().host_plans[0], b.buffers().host_plans[0], a.layout().total_words));
+    EXPECT_EQ(a.last_errors(), b.last_errors());
+  }
+}
+
+TEST(MetadataBuilderCpu, ShadowSwitchFailsTheStepOnAMismatch) {
+  // Source and destination buffers aliased by mistake: the pass writes each row's source over its
+  // destination, which the shadow check (config.shadow) reports as the step's failure.
+  Step s = make_step({{1, -1}, {3, 2}}, 2, /*G=*/2);
+  s.num_accepted_tokens = {3, 1};
+  s.allocate();
+  const Params p = s.params();
+  std::vector<int32_t> plan(size_t(Layout::make(s.max_rows, s.max_tokens).total_words));
+  BuilderBuffers buffers;
+  buffers.spec_state_indices = p.spec_state_indices;
+  buffers.non_spec_state_indices = p.non_spec_state_indices;
+  buffers.non_spec_source_indices = p.non_spec_state_indices;  // aliased
+  buffers.error_count = p.error_count;
+  buffers.num_host_plans = 1;
+  buffers.host_plans[0] = TensorView::make(plan.data(), DType::kInt32, {int64_t(plan.size())});
+  BuilderConfig c = s.config();
+  c.shadow = true;
+  Builder b;
+  ASSERT_OK(b.initialize(c, buffers));
+  const Status st = b.step(s.inputs());
+  EXPECT_EQ(st.code(), StatusCode::kInternal);
+  EXPECT_NE(st.reason().find("group 0, field non_spec_state_indices, row 0: shared/fused = "
+                             "100002, per-group = 100000"),
+            std::string::npos)
+      << st.reason();
+  // The same check on demand, with the switch off.
+  c.shadow = false;
+  ASSERT_OK(b.initialize(c, buffers));
+  ASSERT_OK(b.step(s.inputs()));
+  ShadowReport r;
+  ASSERT_OK(b.check(s.inputs(), nullptr, &r));
+  EXPECT_FALSE(r.ok());
+  // Separate buffers: no mismatch.
+  Step t = s;
+  t.allocate();
+  Builder ok;
+  c.shadow = true;
+  ASSERT_OK(ok.initialize(c));
+  ASSERT_OK(ok.step(t.inputs()));
+}
+
+TEST(MetadataBuilderCpu, BadInputsNameTheArgumentAndWriteNothing) {
+  Step s = make_step({{3, 2}, {1, -1}}, 2, /*G=*/2);
+  Builder b;
+  ASSERT_OK(b.initialize(s.config()));
+  ASSERT_OK(b.step(s.inputs()));
+  const BuilderBuffers& buf = b.buffers();
+  auto snapshot = [&] {
+    std::vector<int32_t> all;
+    for (const TensorView* v : {&buf.host_plans[0], &buf.spec_state_indices,
+                                &buf.non_spec_state_indices, &buf.non_spec_source_indices})
+      all.insert(all.end(), v->ptr<const int32_t>(), v->ptr<const int32_t>() + v->numel());
+    return all;
+  };
+  const std::vector<int32_t> before = snapshot();
+  s.num_accepted_tokens[1] = 4;
+  Status st = b.step(s.inputs());
+  EXPECT_NE(st.reason().find("num_accepted_tokens[1] = 4 is outside [1, S = 3]"), std::string::npos)
+      << st.reason();
+  s.num_accepted_tokens[1] = 1;
+  s.query_start_loc[1] = 5;  // decreasing afterwards
+  st = b.step(s.inputs());
+  EXPECT_NE(st.reason().find("query_start_loc decreases at request 1"), std::string::npos)
+      << st.reason();
+  s.query_start_loc[1] = 3;
+  StepInputs in = s.inputs();
+  in.num_accepted_tokens.device = {DeviceType::kCUDA, 0};
+  st = b.step(in);
+  EXPECT_NE(st.reason().find("num_accepted_tokens must be a host array or live on the builder's "
+                             "device, got one on cuda:0"),
+            std::string::npos)
+      << st.reason();
+  in = s.inputs();
+  in.padded_rows = s.max_rows + 1;
+  EXPECT_NE(b.step(in).reason().find("padded_rows"), std::string::npos);
+  EXPECT_NE(b.launch(s.max_rows + 1).reason().find("launch_rows"), std::string::npos);
+  EXPECT_EQ(snapshot(), before);
+}
+
+TEST(MetadataBuilderCpu, ConfigurationAndBuffersAreChecked) {
+  Step s = make_step({{3, 2}}, 2, /*G=*/2);
+  auto reason = [](Builder& b, const BuilderConfig& c) { return b.initialize(c).reason(); };
+  Builder b;
+  BuilderConfig c = s.config();
+  c.num_groups = 0;
+  EXPECT_NE(reason(b, c).find("num_groups"), std::string::npos);
+  c = s.config();
+  c.block_tables[1].device = {DeviceType::kCUDA, 0};
+  EXPECT_NE(reason(b, c).find("block_tables[1] is on cuda:0"), std::string::npos) << reason(b, c);
+  c = s.config();
+  c.block_tables[0].device = c.block_tables[1].device = {DeviceType::kCUDA, 0};
+  EXPECT_NE(reason(b, c).find("needs the CUDA operations"), std::string::npos) << reason(b, c);
+  c = s.config();
+  c.mode = CacheMode::kAlign;
+  c.block_size = 0;
+  EXPECT_NE(reason(b, c).find("block_size"), std::string::npos);
+  c = s.config();
+  c.block_tables[0].dtype = DType::kInt64;
+  EXPECT_NE(reason(b, c).find("block_tables[0]"), std::string::npos);
+  // Caller-provided buffers.
+  const Params p = s.params();
+  std::vector<int32_t> plan(size_t(Layout::make(s.max_rows, s.max_tokens).total_words));
+  BuilderBuffers good;
+  good.spec_state_indices = p.spec_state_indices;
+  good.non_spec_state_indices = p.non_spec_state_indices;
+  good.non_spec_source_indices = p.non_spec_source_indices;
+  good.error_count = p.error_count;
+  good.num_host_plans = 1;
+  good.host_plans[0] = TensorView::make(plan.data(), DType::kInt32, {int64_t(plan.size())});
+  ASSERT_OK(b.initialize(s.config(), good));
+  BuilderBuffers bad = good;
+  bad.spec_state_indices.shape[2] = 2;
+  EXPECT_NE(b.initialize(s.config(), bad).reason().find("spec_state_indices"), std::string::npos);
+  EXPECT_FALSE(b.initialized());
+  EXPECT_NE(b.step(s.inputs()).reason().find("not initialized"), std::string::npos);
+  bad = good;
+  bad.non_spec_source_indices = TensorView{};
+  EXPECT_NE(b.initialize(s.config(), bad).reason().find("non_spec_source_indices is required"),
+            std::string::npos);
+  bad = good;
+  bad.host_plans[0].shape[0] -= 1;
+  EXPECT_NE(b.initialize(s.config(), bad).reason().find("host_plans[0] holds"), std::string::npos);
+  bad = good;
+  bad.num_host_plans = 2;
+  bad.host_plans[1] = bad.host_plans[0];
+  EXPECT_NE(b.initialize(s.config(), bad).reason().find("host_plans"), std::string::npos);
+  bad = good;
+  bad.error_count = TensorView{};
+  EXPECT_NE(b.initialize(s.config(), bad).reason().find("error_count is required"),
+            std::string::npos);
+}
+
+TEST(MetadataBuilderCpu, WorkspaceSizeCoversTheOwnedBuffers) {
+  Step s = make_step({{3, 2}, {1, -1}}, 3, /*G=*/3);
+  BuilderConfig c = s.config();
+  const int64_t G = 3, R = s.max_rows, S = 4;
+  const int64_t words = Layout::make(s.max_rows, s.max_tokens).total_words;
+  BuilderWorkspace ws = Builder::workspace_size(c);
+  EXPECT_EQ(ws.device_bytes, 0);
+  EXPECT_GE(ws.host_bytes, 4 * (G * R * S + 2 * G * R + 1 + words));
+  EXPECT_EQ(ws.host_bytes % 16, 0);
+  for (int g = 0; g < 3; ++g) c.block_tables[g].device = {DeviceType::kCUDA, 0};
+  c.staging_slots = 3;
+  ws = Builder::workspace_size(c);
+  EXPECT_GE(ws.device_bytes, 4 * (G * R * S + 2 * G * R + 1 + words));
+  EXPECT_GE(ws.host_bytes, 4 * 3 * words);
+  c.pinned_staging = false;  // one pageable plan buffer
+  EXPECT_LT(Builder::workspace_size(c).host_bytes, 4 * 2 * words);
 }
 
 }  // namespace

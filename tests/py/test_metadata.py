@@ -41,13 +41,23 @@ def per_group_reference(step: Dict[str, Any], table: np.ndarray) -> Dict[str, An
     else:
         mask = drafts >= 0
     ns_len = qlen[~mask]
-    decodes = int((ns_len == 1).sum())
     zero = int((ns_len == 0).sum())
-    prefills = int((~mask).sum()) - decodes - zero
-    if mask.any() and decodes:
-        prefills, decodes = prefills + decodes, 0
-    order = np.argsort(np.repeat(mask, qlen), kind="stable")
     n_ns_tok = int(ns_len.sum())
+    if not mask.any():
+        # vLLM's split_decodes_and_prefills(threshold=1), as it is written there.
+        if N == 0 or qlen.max() <= 1:
+            decodes, prefills, decode_tokens = N, 0, int(qsl[-1])
+        elif qlen[0] > 1:
+            decodes, prefills, decode_tokens = 0, N, 0
+        else:
+            first_prefill = int(np.argmax(qlen > 1))
+            decodes, prefills, decode_tokens = first_prefill, N - first_prefill, int(
+                qsl[first_prefill])
+    else:
+        # With spec rows: 1-token rows are decodes reclassified as prefills, zero-length neither.
+        decodes, decode_tokens = 0, 0
+        prefills = int((ns_len >= 1).sum())
+    order = np.argsort(np.repeat(mask, qlen), kind="stable")
     context = computed if computed is not None else seq_lens - qlen
     if step["mode"] == "align":
         start = np.maximum((seq_lens.astype(np.int64) - 1) // step["block_size"], 0)
@@ -68,19 +78,28 @@ def per_group_reference(step: Dict[str, Any], table: np.ndarray) -> Dict[str, An
     ok = (spec_idx < rows) & (spec_cols[:, -1] < cols) if len(spec_idx) else np.zeros(0, bool)
     spec_state = np.full((len(spec_idx), S), pad, I32)
     spec_state[ok] = table[spec_idx[ok, None], spec_cols[ok]]
-    ns_ok = (ns_idx < rows) & (start[ns_idx] < cols)
+    # Non-spec rows: write column start, read column start + acc - 1 (vLLM's
+    # spec_decode_src_indices); a row with either outside its table is padded.
+    acc_all = acc if acc is not None else np.ones(N, I32)
+    src_col = start[ns_idx] + acc_all[ns_idx].astype(np.int64) - 1
     ns_state = np.full(len(ns_idx), pad, I32)
-    ns_state[ns_ok] = table[ns_idx[ns_ok], start[ns_idx][ns_ok]]
+    ns_source = np.full(len(ns_idx), pad, I32)
+    ns_ok = np.zeros(len(ns_idx), bool)
+    for j, i in enumerate(ns_idx):
+        if i < rows and src_col[j] < cols:
+            ns_ok[j] = True
+            ns_state[j] = table[i, start[i]]
+            ns_source[j] = table[i, src_col[j]]
     spec_acc = acc[mask] if acc is not None else np.ones(len(spec_idx), I32)
     return dict(
         counts=dict(
-            num_requests=N, num_prefills=prefills, num_prefill_tokens=n_ns_tok - decodes,
-            num_decodes=decodes, num_decode_tokens=decodes, num_spec_decodes=len(spec_idx),
+            num_requests=N, num_prefills=prefills, num_prefill_tokens=n_ns_tok - decode_tokens,
+            num_decodes=decodes, num_decode_tokens=decode_tokens, num_spec_decodes=len(spec_idx),
             num_spec_decode_tokens=int(qlen[mask].sum()), num_actual_tokens=int(qsl[-1]),
             num_non_spec_rows=len(ns_idx), num_zero_length_rows=zero,
             spec_rows_written=n_spec_rows, non_spec_rows_written=n_ns_rows,
-            mask_rows_written=n_mask, num_spec_columns=S,
-            padded_rows=-1 if padded is None else padded,
+            mask_rows_written=n_mask, max_column_end=max([int(c) + S for c in start], default=0),
+            num_spec_columns=S, padded_rows=-1 if padded is None else padded,
         ),
         unreadable=int((~ok).sum() + (~ns_ok).sum()),
         spec_sequence_masks=pad_to(mask, n_mask, False),
@@ -93,15 +112,17 @@ def per_group_reference(step: Dict[str, Any], table: np.ndarray) -> Dict[str, An
             np.concatenate([[0], np.cumsum(ns_len)]).astype(I32), n_ns_rows + 1, n_ns_tok),
         spec_num_accepted=pad_to(spec_acc.astype(I32), n_spec_rows, 1),
         spec_source_column=pad_to(spec_acc.astype(I32) - 1, n_spec_rows, 0),
+        non_spec_source_column=pad_to(acc_all[ns_idx].astype(I32) - 1, n_ns_rows, 0),
         has_initial_state=pad_to(context[~mask] > 0, n_ns_rows, False),
         spec_state_indices=pad_to(spec_state.reshape(-1), n_spec_rows * S, pad).reshape(-1, S),
         non_spec_state_indices=pad_to(ns_state, n_ns_rows, pad),
+        non_spec_source_indices=pad_to(ns_source, n_ns_rows, pad),
     )
 
 
 SHARED_FIELDS = ("spec_sequence_masks", "non_spec_token_indx", "spec_token_indx",
                  "spec_query_start_loc", "non_spec_query_start_loc", "spec_num_accepted",
-                 "spec_source_column", "has_initial_state")
+                 "spec_source_column", "non_spec_source_column", "has_initial_state")
 
 
 def as_np(x) -> np.ndarray:
@@ -122,6 +143,9 @@ def expect_matches_reference(md: M.StepMetadata, step: Dict[str, Any], tables) -
         np.testing.assert_array_equal(as_np(md.non_spec_state_indices[g]),
                                       ref["non_spec_state_indices"],
                                       err_msg=f"group {g} non_spec_state_indices")
+        np.testing.assert_array_equal(as_np(md.non_spec_source_indices[g]),
+                                      ref["non_spec_source_indices"],
+                                      err_msg=f"group {g} non_spec_source_indices")
 
 
 def make_step(rows: List[Tuple[int, int]], num_spec: int, *, context: int = 5,
@@ -189,12 +213,26 @@ CASES = {
         [(3, 2), (0, -1), (3, 2), (0, -1)], 2,
         dict(num_prefills=0, num_decodes=0, num_spec_decodes=2, num_zero_length_rows=2,
              num_non_spec_rows=2)),
-    "zero-length padding excluded (no spec)": (
+    # Without spec rows vLLM's decodes are the leading run of rows with <= 1 token.
+    "no spec: decodes are the leading run": (
         [(1, -1), (4, -1), (0, -1), (1, -1), (0, -1)], 2,
-        dict(num_prefills=1, num_prefill_tokens=4, num_decodes=2, num_zero_length_rows=2)),
+        dict(num_prefills=4, num_prefill_tokens=5, num_decodes=1, num_decode_tokens=1,
+             num_zero_length_rows=2)),
+    "no spec: a 1-token row after a 2-token row is a prefill": (
+        [(2, -1), (1, -1)], 2,
+        dict(num_prefills=2, num_prefill_tokens=3, num_decodes=0, num_decode_tokens=0)),
+    "no spec: zero-length rows in the leading run are decodes": (
+        [(0, -1), (1, -1), (0, -1), (3, -1), (0, -1)], 2,
+        dict(num_prefills=2, num_prefill_tokens=3, num_decodes=3, num_decode_tokens=1)),
+    "no spec: only rows of <= 1 token": (
+        [(1, -1), (0, -1), (1, -1)], 1,
+        dict(num_prefills=0, num_decodes=3, num_decode_tokens=2, num_zero_length_rows=1)),
     "all-zero drafts is not a spec step": (
         [(1, 0), (1, 0), (1, -1)], 2,
         dict(num_prefills=0, num_decodes=3, num_spec_decodes=0)),
+    "all-zero drafts with a prefill: leading run": (
+        [(1, 0), (5, -1), (1, 0)], 2,
+        dict(num_prefills=2, num_prefill_tokens=6, num_decodes=1, num_spec_decodes=0)),
 }
 
 
@@ -228,6 +266,105 @@ def test_plan_free_function_and_views_on_numpy():
     assert view.num_spec_decodes == 2 and view.num_prefills == 1
 
 
+# ---- every row reads its state where the previous step left it (metadata.md §2.1) ----------------
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_non_spec_row_reads_the_previous_steps_slot(lib):
+    """The issue's example: table [[11, 12, 13]], num_spec 2, drafts [0] (a step whose drafts sum
+    to 0: no spec rows), accepted [3]: the row writes slot 11 and reads slot 13."""
+    table = np.array([[11, 12, 13]], I32)
+    step = make_step([(1, 0)], 2, acc=[3])
+    tables = [table] if lib == "numpy" else [torch.from_numpy(table)]
+    _, md = run_builder(step, tables)
+    assert md.num_spec_decodes == 0 and md.num_decodes == 1
+    assert int(md.non_spec_state_indices[0, 0]) == 11
+    assert int(md.non_spec_source_indices[0, 0]) == 13
+    assert int(md.non_spec_source_column[0]) == 2
+    expect_matches_reference(md, step, [table])
+
+
+def test_requests_go_from_spec_to_non_spec_and_back():
+    """One builder over steps where requests verify drafts, carry none, or all carry none; every
+    step's sources are the slots the previous step's accepted counts point at."""
+    rng = np.random.default_rng(8)
+    tables = make_tables(2, 4, 5, rng=rng)
+    b = M.Builder(tables, num_spec=2, max_rows=6, max_tokens=24, shadow=True)
+    steps = [
+        make_step([(3, 2), (3, 2), (2, 1), (3, 2)], 2, acc=[1, 1, 1, 1], padded_rows=4),
+        make_step([(3, 2), (1, -1), (1, 0), (3, 2)], 2, acc=[3, 2, 1, 3]),  # mixed
+        make_step([(1, 0), (1, -1), (1, 0), (1, -1)], 2, acc=[2, 1, 3, 3]),  # drafts sum to 0
+        make_step([(1, -1), (4, -1), (1, -1), (1, 0)], 2, acc=[1, 2, 1, 2]),  # prefill continues
+        make_step([(3, 2), (3, 2), (3, 2), (3, 2)], 2, acc=[3, 2, 1, 2], padded_rows=5),
+    ]
+    for k, step in enumerate(steps):
+        md = b.step(step["qsl"], step["seq_lens"], **step_args(step))
+        expect_matches_reference(md, step, tables)
+        ns = md.non_spec_request_index
+        for g in range(2):
+            for j, i in enumerate(ns):
+                if i < 0:
+                    continue
+                assert md.non_spec_source_indices[g, j] == tables[g][i, step["acc"][i] - 1], k
+                assert md.non_spec_state_indices[g, j] == tables[g][i, 0], k
+    assert md.num_spec_decodes == 4
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_free_functions_write_exactly_the_reference_rows(data):
+    """plan + state_rows into poisoned buffers (fresh random steps): the written rows equal the
+    tests' own reference and nothing past them is touched."""
+    step, tables = data.draw(random_steps())
+    N = len(step["qsl"]) - 1
+    R, T, G, S = N + 7, int(step["qsl"][-1]) + 2, len(tables), step["num_spec"] + 1
+    poison = -777
+    plan = np.full(M.plan_words(R, T), poison, I32)
+    scalars = dict(num_spec=step["num_spec"], max_rows=R, max_tokens=T)
+    M.plan(plan, step["qsl"], step["seq_lens"], mode=step["mode"], block_size=step["block_size"],
+           pad_id=step["pad_id"], **step_args(step), **scalars)
+    spec = np.full((G, R, S), poison, I32)
+    ns, src = np.full((G, R), poison, I32), np.full((G, R), poison, I32)
+    err = np.zeros(1, I32)
+    rows = M.state_rows(plan, tables, spec, ns, pad_id=step["pad_id"], error_count=err,
+                        non_spec_source_indices=src, **scalars)
+    view = M.PlanView(M._field_views(plan, R, T), plan[: len(M.HEADER_FIELDS)])
+    expected_errors = 0
+    for g, table in enumerate(tables):
+        ref = per_group_reference(step, table)
+        expected_errors += ref["unreadable"]
+        counts = view.counts()
+        assert {k: counts[k] for k in ref["counts"]} == ref["counts"]
+        n_spec, n_ns = ref["counts"]["spec_rows_written"], ref["counts"]["non_spec_rows_written"]
+        np.testing.assert_array_equal(spec[g, :n_spec], ref["spec_state_indices"])
+        np.testing.assert_array_equal(ns[g, :n_ns], ref["non_spec_state_indices"])
+        np.testing.assert_array_equal(src[g, :n_ns], ref["non_spec_source_indices"])
+        assert (spec[g, n_spec:] == poison).all()
+        assert (ns[g, n_ns:] == poison).all() and (src[g, n_ns:] == poison).all()
+    assert rows == expected_errors == int(err[0])
+
+
+def test_bad_counts_and_sources_are_refused_before_anything_is_written():
+    step = make_step([(3, 2), (1, -1)], 2)
+    b = M.Builder(make_tables(1, 4, 4), num_spec=2, max_rows=4, max_tokens=16)
+    before = [np.copy(x) for x in (b.host_plans[0], b.non_spec_state_indices,
+                                     b.non_spec_source_indices)]
+    kw = step_args(step)
+    kw["num_accepted_tokens"] = np.array([1, 4], I32)  # a non-spec row's count is checked too
+    with pytest.raises(ValueError, match=r"num_accepted_tokens\[1\] = 4 is outside \[1, S = 3\]"):
+        b.step(step["qsl"], step["seq_lens"], **kw)
+    for x, y in zip(before, (b.host_plans[0], b.non_spec_state_indices,
+                             b.non_spec_source_indices)):
+        np.testing.assert_array_equal(x, y)
+    plan = np.zeros(M.plan_words(4, 16), I32)
+    M.plan(plan, step["qsl"], step["seq_lens"], num_spec=2, max_rows=4, max_tokens=16)
+    spec, ns = np.full((1, 4, 3), -5, I32), np.full((1, 4), -5, I32)
+    with pytest.raises(ValueError, match="non_spec_source_indices"):
+        M.state_rows(plan, make_tables(1, 4, 4), spec, ns, num_spec=2, max_rows=4,
+                     max_tokens=16, non_spec_source_indices=np.zeros((1, 4), np.int64))
+    assert (spec == -5).all() and (ns == -5).all()
+
+
 # ---- property test: shared + fused == independent per-group builds -------------------------------
 
 
@@ -238,12 +375,13 @@ def random_steps(draw):
     mode = draw(st.sampled_from(["none", "align"]))
     N = draw(st.integers(0, 20))
     spec_allowed = draw(st.booleans()) or draw(st.booleans())
+    zero_drafts = draw(st.booleans()) and draw(st.booleans())  # drafts summing to 0: no spec rows
     rows = []
     for _ in range(N):
         kind = draw(st.sampled_from(["spec", "spec", "decode", "prefill", "zero"])
                     if spec_allowed else st.sampled_from(["decode", "decode", "prefill", "zero"]))
         if kind == "spec":
-            d = draw(st.integers(0, S - 1))
+            d = 0 if zero_drafts else draw(st.integers(0, S - 1))
             rows.append((draw(st.sampled_from([d + 1, d + 1, d + 1, 0, S])), d))
         else:
             rows.append(({"decode": 1, "prefill": draw(st.integers(2, 12)), "zero": 0}[kind], -1))
@@ -370,10 +508,47 @@ def test_errors_name_the_argument_and_write_nothing():
         M.Builder(make_tables(1, 4, 4), num_spec=2, max_rows=4, max_tokens=16, mode="prefix")
 
 
+# ---- the builder object (a thin owner around gdn::metadata::Builder) ----------------------------
+
+
+def test_prepare_then_launch_equals_step_on_the_cpu():
+    rng = np.random.default_rng(21)
+    tables = make_tables(3, 12, 6, rng=rng)
+    a = M.Builder(tables, num_spec=2, max_rows=12, max_tokens=48)
+    b = M.Builder(tables, num_spec=2, max_rows=12, max_tokens=48, shadow=True)
+    for k in range(6):
+        n = int(rng.integers(1, 9))
+        rows = [(int(t), int(d)) for t, d in zip(rng.integers(0, 4, size=n),
+                                                 rng.integers(-1, 3, size=n))]
+        rows = [(min(t, d + 1) if d >= 0 else t, d) for t, d in rows]
+        step = make_step(rows, 2, acc=list(rng.integers(1, 4, size=n)), padded_rows=10)
+        md_a = a.step(step["qsl"], step["seq_lens"], **step_args(step))
+        md_b = b.prepare(step["qsl"], step["seq_lens"], **step_args(step))
+        assert b.launch(10) == int(sum(per_group_reference(step, t)["unreadable"] for t in tables))
+        b._check(None, step["qsl"], step["seq_lens"], step["drafts"], step["acc"],
+                 step["computed"], step["padded_rows"])
+        assert md_a.counts() == md_b.counts()
+        for name in ("spec_state_indices", "non_spec_state_indices", "non_spec_source_indices"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+        expect_matches_reference(md_b, step, tables)
+
+
+def test_builder_arguments_are_checked_once():
+    tables = make_tables(1, 4, 4)
+    with pytest.raises(ValueError, match="staging must be 'pinned' or 'pageable'"):
+        M.Builder(tables, num_spec=2, max_rows=4, max_tokens=16, staging="fast")
+    with pytest.raises(ValueError, match="max_rows must be >= 1"):
+        M.Builder(tables, num_spec=2, max_rows=0, max_tokens=16)
+    b = M.Builder(tables, num_spec=2, max_rows=4, max_tokens=16)
+    assert not hasattr(b, "time_step")  # the benchmark timer lives in benchmarks/cpp
+    with pytest.raises(ValueError, match="launch_rows must be in"):
+        b.launch(5)
+
+
 # ---- the shadow check ----------------------------------------------------------------------------
 
 
-def shadow_of(b: M.Builder, step, plan=None, spec=None, non_spec=None) -> str:
+def shadow_of(b: M.Builder, step, plan=None, spec=None, non_spec=None, source=None) -> str:
     return M.shadow_check(
         as_np(b.host_plans[0] if plan is None else plan), [as_np(t) for t in b.block_tables],
         as_np(b.spec_state_indices if spec is None else spec),
@@ -382,14 +557,16 @@ def shadow_of(b: M.Builder, step, plan=None, spec=None, non_spec=None) -> str:
         num_accepted_tokens=step["acc"], num_computed_tokens=step["computed"],
         num_spec=b.num_spec, max_rows=b.max_rows, max_tokens=b.max_tokens, mode=step["mode"],
         block_size=step["block_size"], padded_rows=step["padded_rows"], pad_id=step["pad_id"],
+        non_spec_source_indices=as_np(b.non_spec_source_indices if source is None else source),
     )
 
 
 def poison_unused(b: M.Builder, md: M.StepMetadata,
-                  rng) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+                  rng) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Copies of the buffers with every word outside the step's rows replaced by garbage."""
-    plan, spec, ns = (as_np(x).copy() for x in (b.host_plans[0], b.spec_state_indices,
-                                                   b.non_spec_state_indices))
+    plan, spec, ns, src = (as_np(x).copy() for x in (b.host_plans[0], b.spec_state_indices,
+                                                        b.non_spec_state_indices,
+                                                        b.non_spec_source_indices))
     lay = M.layout(b.max_rows, b.max_tokens)
     keep = np.zeros(len(plan), bool)
     used = {"header": len(M.HEADER_FIELDS), "token_split": md.num_actual_tokens,
@@ -397,7 +574,7 @@ def poison_unused(b: M.Builder, md: M.StepMetadata,
             "non_spec_query_start_loc": md.non_spec_rows + 1}
     for f in ("spec_request", "spec_start", "spec_num_accepted", "spec_source_column"):
         used[f] = md.spec_rows
-    for f in ("non_spec_request", "non_spec_start"):
+    for f in ("non_spec_request", "non_spec_start", "non_spec_source_column"):
         used[f] = md.non_spec_rows
     for f, n in used.items():
         keep[lay[f][0] : lay[f][0] + n] = True
@@ -412,9 +589,10 @@ def poison_unused(b: M.Builder, md: M.StepMetadata,
         hi = lo + 4 * ((lay[f][1] + 3) // 4)
         as_bytes[lo + n : hi] = rng.integers(0, 256, size=hi - lo - n)
     spec[:, md.spec_rows :] = rng.integers(-(2**31), 2**31 - 1, size=spec[:, md.spec_rows :].shape)
-    unused = ns[:, md.non_spec_rows :]
-    unused[...] = rng.integers(-(2**31), 2**31 - 1, size=unused.shape)
-    return plan, spec, ns
+    for out in (ns, src):
+        unused = out[:, md.non_spec_rows :]
+        unused[...] = rng.integers(-(2**31), 2**31 - 1, size=unused.shape)
+    return plan, spec, ns, src
 
 
 def test_shadow_names_an_injected_mismatch_whatever_the_unused_rows_hold():
@@ -423,23 +601,27 @@ def test_shadow_names_an_injected_mismatch_whatever_the_unused_rows_hold():
     tables = make_tables(3, 3, 4, rng=rng)
     b, md = run_builder(step, tables, max_rows=8)
     assert shadow_of(b, step) == ""
-    plan, spec, ns = poison_unused(b, md, rng)
-    assert shadow_of(b, step, plan, spec, ns) == ""  # garbage outside the rows: same verdict
+    plan, spec, ns, src = poison_unused(b, md, rng)
+    assert shadow_of(b, step, plan, spec, ns, src) == ""  # garbage outside the rows: same verdict
     for poisoned in (False, True):
-        p, s, n = (plan.copy(), spec.copy(), ns.copy()) if poisoned else (
+        p, s, n, r = (plan.copy(), spec.copy(), ns.copy(), src.copy()) if poisoned else (
             as_np(b.host_plans[0]).copy(), b.spec_state_indices.copy(),
-            b.non_spec_state_indices.copy())
+            b.non_spec_state_indices.copy(), b.non_spec_source_indices.copy())
+        r[0, 0] += 3  # the source of group 0's live non-spec row
+        msg = shadow_of(b, step, p, s, n, r)
+        assert "group 0, field non_spec_source_indices, row 0" in msg, msg
+        r[0, 0] -= 3
         s[2, 1, 2] += 1
-        msg = shadow_of(b, step, p, s, n)
+        msg = shadow_of(b, step, p, s, n, r)
         assert "group 2, field spec_state_indices, row 1, column 2" in msg, msg
         assert f"shared/fused = {s[2, 1, 2]}, per-group = {s[2, 1, 2] - 1}" in msg, msg
         s[2, 1, 2] -= 1
         n[1, 4] = 77  # a padded row a replay reads
-        assert "group 1, field non_spec_state_indices, row 4" in shadow_of(b, step, p, s, n)
+        assert "group 1, field non_spec_state_indices, row 4" in shadow_of(b, step, p, s, n, r)
         n[1, 4] = 0
         lay = M.layout(b.max_rows, b.max_tokens)
         p[lay["spec_num_accepted"][0] + 3] = 2  # a padded row must accept 1
-        msg = shadow_of(b, step, p, s, n)
+        msg = shadow_of(b, step, p, s, n, r)
         assert "field spec_num_accepted, row 3: shared/fused = 2, per-group = 1" in msg, msg
 
 
@@ -456,6 +638,9 @@ def test_builder_shadow_switch_raises_on_a_mismatch(monkeypatch):
             b.spec_state_indices[1, 0, 0] += 1
             return out
 
+        def __getattr__(self, name):
+            return getattr(real, name)
+
     b._native = Corrupting()
     with pytest.raises(RuntimeError, match="group 1, field spec_state_indices, row 0, column 0"):
         b.step(step["qsl"], step["seq_lens"], **step_args(step))
@@ -467,7 +652,7 @@ def test_builder_shadow_switch_raises_on_a_mismatch(monkeypatch):
 
 
 def op_case(device="cpu"):
-    step = make_step([(3, 2), (1, -1), (2, 1)], 2, acc=[2, 1, 3], padded_rows=4)
+    step = make_step([(3, 2), (1, -1), (2, 1)], 2, acc=[2, 2, 3], padded_rows=4)
     R, T, G = 6, 16, 3
     plan = torch.zeros(M.plan_words(R, T), dtype=torch.int32)
     t = lambda a: torch.from_numpy(a)  # noqa: E731
@@ -485,19 +670,22 @@ def test_torch_ops_match_the_reference_and_pass_opcheck():
     step, plan, tables, R, T, G = op_case()
     spec = torch.full((G, R, 3), -9, dtype=torch.int32)
     ns = torch.full((G, R), -9, dtype=torch.int32)
+    src = torch.full((G, R), -9, dtype=torch.int32)
     err = torch.zeros(1, dtype=torch.int32)
     torch.ops.gdn.metadata_state_rows(plan, tables, spec, ns, num_spec=2, max_rows=R,
-                                      max_tokens=T, pad_id=0, launch_rows=4, error_count=err)
+                                      max_tokens=T, pad_id=0, launch_rows=4, error_count=err,
+                                      non_spec_source_indices=src)
     for g in range(G):
         ref = per_group_reference(step, tables[g].numpy())
         np.testing.assert_array_equal(spec[g, :4].numpy(), ref["spec_state_indices"])
         np.testing.assert_array_equal(ns[g, :4].numpy(), ref["non_spec_state_indices"])
-    assert (spec[:, 4:] == -9).all()
+        np.testing.assert_array_equal(src[g, :4].numpy(), ref["non_spec_source_indices"])
+    assert (spec[:, 4:] == -9).all() and (src[:, 4:] == -9).all()
     from torch.library import opcheck
 
     opcheck(torch.ops.gdn.metadata_state_rows.default, (plan, tables, spec, ns),
             dict(num_spec=2, max_rows=R, max_tokens=T, pad_id=0, launch_rows=4,
-                 num_accepted_tokens=None, error_count=err))
+                 num_accepted_tokens=None, error_count=err, non_spec_source_indices=src))
     t = lambda a: torch.from_numpy(a)  # noqa: E731
     opcheck(torch.ops.gdn.metadata_plan.default,
             (plan.clone(), t(step["qsl"]), t(step["seq_lens"])),
@@ -615,11 +803,13 @@ def test_cuda_torch_op_is_one_launch_for_all_groups():
     spec = torch.full((G, R, 3), -9, dtype=torch.int32, device="cuda")
     ns = torch.full((G, R), -9, dtype=torch.int32, device="cuda")
     err = torch.zeros(1, dtype=torch.int32, device="cuda")
+    src = torch.full((G, R), -9, dtype=torch.int32, device="cuda")
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         torch.ops.gdn.metadata_state_rows(plan, tables, spec, ns, num_spec=2, max_rows=R,
-                                          max_tokens=T, pad_id=0, launch_rows=4, error_count=err)
+                                          max_tokens=T, pad_id=0, launch_rows=4, error_count=err,
+                                          non_spec_source_indices=src)
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and "state_rows" in e.name]
@@ -627,6 +817,7 @@ def test_cuda_torch_op_is_one_launch_for_all_groups():
     for g in range(G):
         ref = per_group_reference(step, tables[g].cpu().numpy())
         np.testing.assert_array_equal(spec[g, :4].cpu().numpy(), ref["spec_state_indices"])
+        np.testing.assert_array_equal(src[g, :4].cpu().numpy(), ref["non_spec_source_indices"])
 
 
 @needs_cuda

@@ -158,7 +158,8 @@ WRITES = {
                           "window_len", "error_count"},
     "causal_conv1d_update": {"conv_state", "out", "error_count"},
     "metadata_plan": {"plan"},
-    "metadata_state_rows": {"plan", "spec_state_indices", "non_spec_state_indices", "error_count"},
+    "metadata_state_rows": {"plan", "spec_state_indices", "non_spec_state_indices", "error_count",
+                            "non_spec_source_indices"},
 }
 
 GRAD_MODES = {"grad": contextlib.nullcontext, "no_grad": torch.no_grad,
@@ -296,7 +297,8 @@ def _metadata_state_rows_call(gen, device):
              spec_state_indices=torch.full((G, R, NUM_SPEC + 1), -9, dtype=I32),
              non_spec_state_indices=torch.full((G, R), -9, dtype=I32),
              num_accepted_tokens=torch.tensor([1, 1, 2], dtype=I32),  # differs from the plan's
-             error_count=torch.zeros(1, dtype=I32))
+             error_count=torch.zeros(1, dtype=I32),
+             non_spec_source_indices=torch.full((G, R), -9, dtype=I32))
     t = {k: [x.to(device) for x in v] if isinstance(v, list) else v.to(device)
          for k, v in t.items()}
     names = ("plan", "block_tables", "spec_state_indices", "non_spec_state_indices")
@@ -309,7 +311,8 @@ def _metadata_state_rows_call(gen, device):
         M.state_rows(*(t[n] for n in names), num_spec=NUM_SPEC, max_rows=R, max_tokens=T_MAX)
 
     return OpCall(t, op, fn, frozenset({"spec_state_indices", "non_spec_state_indices"}),
-                  ("num_accepted_tokens", "error_count"), frozenset(WRITES["metadata_state_rows"]))
+                  ("num_accepted_tokens", "error_count", "non_spec_source_indices"),
+                  frozenset(WRITES["metadata_state_rows"]))
 
 
 CALLS = {"decode_mtp": _decode_mtp_call, "decode_mtp_replay": _replay_call,

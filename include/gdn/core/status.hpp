@@ -12,6 +12,7 @@ enum class StatusCode {
   kInvalidArgument,  // malformed input: shape, dtype, stride, device or index out of range
   kUnsupported,      // well-formed, but outside what this build / path implements
   kCudaError,        // a CUDA runtime call failed
+  kInternal,         // a self-check failed (the metadata builder's shadow check found a mismatch)
 };
 
 constexpr std::string_view to_string(StatusCode code) noexcept {
@@ -24,6 +25,8 @@ constexpr std::string_view to_string(StatusCode code) noexcept {
       return "unsupported";
     case StatusCode::kCudaError:
       return "CUDA error";
+    case StatusCode::kInternal:
+      return "internal check failed";
   }
   return "unknown";
 }

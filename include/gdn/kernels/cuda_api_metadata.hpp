@@ -5,6 +5,7 @@
 
 #include "gdn/core/status.hpp"
 #include "gdn/core/tensor_view.hpp"
+#include "gdn/metadata/builder.hpp"
 #include "gdn/metadata/params.hpp"
 
 namespace gdn::cuda_api {
@@ -23,6 +24,10 @@ Status metadata_step(const metadata::Params& params, const TensorView& device_pl
 // step does before replaying a graph that captured the state-row launch.
 Status metadata_copy_plan(const TensorView& host_plan, const TensorView& device_plan, int64_t words,
                           void* stream);
+
+// The CUDA runtime operations a CUDA metadata::Builder needs (builder.hpp), compiled here:
+//   builder.initialize(config, gdn::cuda_api::metadata_builder_ops());
+const metadata::DeviceOps& metadata_builder_ops();
 
 // Waits for `stream`. For benchmarks and the debug shadow check only; the builder never calls it.
 Status synchronize_stream(void* stream);

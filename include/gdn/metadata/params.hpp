@@ -33,19 +33,23 @@ inline const char* to_string(CacheMode m) noexcept {
 // Header of the plan buffer (int32 words at offset 0): the step's counts.
 enum HeaderField : int {
   kNumRequests,  // N
-  kNumPrefills,  // non-spec rows with > 1 token, plus reclassified 1-token rows
+  // Decodes and prefills are vLLM's counts (metadata.md §2.2). Without spec rows: the decodes are
+  // the leading run of rows with <= 1 token (zero-length rows in it included), every row from the
+  // first longer one on is a prefill. With spec rows: non-spec 1-token rows, reclassified as
+  // prefills; zero-length rows are in neither count.
+  kNumPrefills,
   kNumPrefillTokens,
-  kNumDecodes,  // non-spec 1-token rows; 0 whenever spec rows exist
+  kNumDecodes,
   kNumDecodeTokens,
   kNumSpecDecodes,  // spec (verify) rows
   kNumSpecDecodeTokens,
   kNumActualTokens,     // query_start_loc[N] (live tokens, not padded)
-  kNumNonSpecRows,      // prefills + decodes + zero-length rows, in request order
-  kNumZeroLengthRows,   // non-spec rows with no token (padding): neither prefill nor decode
+  kNumNonSpecRows,      // every live row that is not a spec row, in request order
+  kNumZeroLengthRows,   // non-spec rows with no token (also inside the counts above without spec)
   kSpecRowsWritten,     // spec rows the step writes: padded_rows when padded, else live spec rows
   kNonSpecRowsWritten,  // non-spec rows the step writes: padded_rows when padded, else live
   kMaskRowsWritten,     // entries of spec_sequence_masks written: padded_rows or N
-  kMaxColumnEnd,        // largest block-table column any live row reads, plus one
+  kMaxColumnEnd,        // table width the live rows may read: max of start + S, over live rows
   kNumSpecColumns,      // S = num_spec + 1
   kPaddedRows,          // padded_rows, or -1 when the step is not padded
   kHeaderWords = 16,
@@ -78,6 +82,7 @@ struct Layout {
   int64_t non_spec_query_start_loc = 0;  // int32[R+1]
   int64_t spec_num_accepted = 0;         // int32[R]
   int64_t spec_source_column = 0;        // int32[R]   column the spec row reads its state from
+  int64_t non_spec_source_column = 0;    // int32[R]   acc - 1 of non-spec row j (from its start)
   int64_t token_split = 0;               // int32[max_tokens]: non-spec tokens, then spec tokens
   int64_t spec_sequence_masks = 0;       // bool[R] (bytes)
   int64_t has_initial_state = 0;         // bool[R] (bytes), per non-spec row
@@ -105,6 +110,7 @@ struct Layout {
     l.non_spec_query_start_loc = take(max_rows + 1);
     l.spec_num_accepted = take(max_rows);
     l.spec_source_column = take(max_rows);
+    l.non_spec_source_column = take(max_rows);
     l.token_split = take(max_tokens);
     l.spec_sequence_masks = take(bool_words(max_rows));
     l.has_initial_state = take(bool_words(max_rows));
@@ -122,9 +128,10 @@ struct Params {
   TensorView seq_lens;             // [N] tokens of each request after this step (drafts included)
   TensorView num_computed_tokens;  // [N] or absent (then seq_lens - query length)
   TensorView num_draft_tokens;     // [N] or absent (no spec rows): -1 = not spec, >= 0 = verify row
-  // [N] accepted counts of the previous step (1..S). On the host, the plan gathers and validates
-  // them; on the device, the state-row pass gathers them (any length; bounds checked per row).
-  // Absent: every spec row accepts 1.
+  // [N] accepted counts of the previous step (1..S), for every row: a spec row reads its state
+  // from column acc - 1 (decode_mtp does it), a non-spec row from column start + acc - 1
+  // (non_spec_source_indices). On the host, the plan gathers and validates them; on the device,
+  // the state-row pass gathers them (any length; checked per row). Absent: every row accepts 1.
   TensorView num_accepted_tokens;
 
   // ---- scalars ----
@@ -143,7 +150,8 @@ struct Params {
   int num_groups = 0;                   // G, 1..kMaxGroups
   TensorView block_tables[kMaxGroups];  // int32 [rows_g, cols_g], unit column stride
   TensorView spec_state_indices;        // int32 [G, R', S], contiguous, R' >= launch rows
-  TensorView non_spec_state_indices;    // int32 [G, R'], contiguous
+  TensorView non_spec_state_indices;    // int32 [G, R'], contiguous: destination, column start
+  TensorView non_spec_source_indices;   // optional int32 [G, R']: source, column start + acc - 1
   TensorView error_count;               // optional int32 [1]: unreadable rows are added to it
   int64_t launch_rows = 0;              // rows the pass covers (0: max_rows); >= rows written
 
@@ -173,8 +181,8 @@ inline Status host_int32_vector(const TensorView& t, const char* name, int64_t l
 
 }  // namespace detail
 
-// Scalars and the plan buffer, shared by both parts.
-inline Status check_common(const Params& p) {
+// Scalars and capacity.
+inline Status check_scalars(const Params& p) {
   if (p.num_spec < 0)
     return Status::invalid("num_spec must be >= 0, got " + std::to_string(p.num_spec));
   if (p.num_spec + 1 > (int64_t(1) << 20))
@@ -188,6 +196,12 @@ inline Status check_common(const Params& p) {
   if (p.mode == CacheMode::kAlign && p.block_size < 1)
     return Status::invalid("block_size must be >= 1 in mode 'align', got " +
                            std::to_string(p.block_size));
+  return Status::ok();
+}
+
+// Scalars and the plan buffer, shared by both parts.
+inline Status check_common(const Params& p) {
+  GDN_RETURN_IF_ERROR(check_scalars(p));
   GDN_RETURN_IF_ERROR(detail::int32_vector(p.plan, "plan"));
   const Layout l = p.layout();
   if (p.plan.shape[0] < l.total_words)
@@ -246,6 +260,19 @@ inline Status check_state_rows_arguments(const Params& p, DeviceType device) {
                            " rows per group; the pass writes up to " + std::to_string(rows));
   GDN_RETURN_IF_ERROR(check::same_device(spec, "spec_state_indices", dev));
   GDN_RETURN_IF_ERROR(check::same_device(ns, "non_spec_state_indices", dev));
+  const TensorView& src = p.non_spec_source_indices;
+  if (src.present()) {
+    const char* name = "non_spec_source_indices";
+    GDN_RETURN_IF_ERROR(check::present(src, name));
+    GDN_RETURN_IF_ERROR(check::ndim(src, name, 2));
+    GDN_RETURN_IF_ERROR(check::dtype_in(src, name, {DType::kInt32}));
+    GDN_RETURN_IF_ERROR(check::dim(src, name, 0, p.num_groups, "num_groups"));
+    GDN_RETURN_IF_ERROR(check::contiguous_from(src, name, 0));
+    if (src.shape[1] < rows)
+      return Status::invalid("non_spec_source_indices has " + std::to_string(src.shape[1]) +
+                             " rows per group; the pass writes up to " + std::to_string(rows));
+    GDN_RETURN_IF_ERROR(check::same_device(src, name, dev));
+  }
   GDN_RETURN_IF_ERROR(check::optional_counter(p.error_count, "error_count"));
   GDN_RETURN_IF_ERROR(check::same_device(p.error_count, "error_count", dev));
   if (p.num_accepted_tokens.present() && p.num_accepted_tokens.device == dev)

@@ -2,8 +2,12 @@
 // host arrays (no device access, no synchronisation). Classification follows vLLM's GDN builder:
 //   - spec (verify) rows: num_draft_tokens >= 0, unless the non-negative draft counts sum to 0
 //     (then the step has no spec rows);
-//   - other rows: decodes (1 token), prefills (> 1 token), zero-length rows (padding, neither);
-//   - with spec rows present, 1-token decodes are reclassified as prefills.
+//   - without spec rows, split_decodes_and_prefills(threshold 1): the decodes are the leading run
+//     of rows with <= 1 token, every row from the first longer one on is a prefill;
+//   - with spec rows, the other rows are decodes (1 token), prefills (> 1 token) and zero-length
+//     rows (neither), and the decodes are reclassified as prefills.
+// Every row carries its accepted count: non-spec rows read their state from column
+// start + acc - 1 (metadata.md §2.1).
 // Every input is validated before the first write; a bad input names the argument and the row.
 // Host-only (compiles with g++ alone).
 #pragma once
@@ -72,9 +76,18 @@ inline Status plan(const Params& p) {
   // ---- pass 1: validate and count (nothing is written) ----
   if (qsl[0] != 0)
     return Status::invalid("query_start_loc[0] must be 0, got " + std::to_string(qsl[0]));
+  // One loop: validation, plus the tallies of both classifications (spec rows are known only
+  // once every draft count has been read).
   bool spec_step = false;
+  int64_t cand_rows = 0, cand_tokens = 0, cand_too_long = -1;  // rows with drafts >= 0
+  int64_t zero_other = 0, zero_all = 0;
+  int64_t leading_run = N;  // rows before the first one with more than 1 token
   for (int64_t i = 0; i < N; ++i) {
     const int64_t T = int64_t(qsl[i + 1]) - qsl[i];
+    if (accepted && (accepted[i] < 1 || accepted[i] > S))
+      return Status::invalid("num_accepted_tokens[" + std::to_string(i) +
+                             "] = " + std::to_string(accepted[i]) +
+                             " is outside [1, S = " + std::to_string(S) + "]");
     if (T < 0)
       return Status::invalid("query_start_loc decreases at request " + std::to_string(i) + ": " +
                              std::to_string(qsl[i]) + " -> " + std::to_string(qsl[i + 1]));
@@ -85,44 +98,47 @@ inline Status plan(const Params& p) {
       return Status::invalid("seq_lens[" + std::to_string(i) + "] = " +
                              std::to_string(seq_lens[i]) + " is smaller than the request's " +
                              std::to_string(T) + " query tokens (context would be negative)");
+    zero_all += (T == 0);
+    if (T > 1 && leading_run == N) leading_run = i;
     if (drafts) {
       if (drafts[i] < -1 || drafts[i] > p.num_spec)
         return Status::invalid("num_draft_tokens[" + std::to_string(i) +
                                "] = " + std::to_string(drafts[i]) +
                                " is outside [-1, num_spec = " + std::to_string(p.num_spec) + "]");
       spec_step = spec_step || drafts[i] > 0;
+      if (drafts[i] >= 0) {
+        ++cand_rows;
+        cand_tokens += T;
+        if (T > S && cand_too_long < 0) cand_too_long = i;
+        continue;
+      }
     }
+    zero_other += (T == 0);
   }
   const int64_t total_tokens = qsl[N];
   if (total_tokens > p.max_tokens)
     return Status::invalid("query_start_loc[N] = " + std::to_string(total_tokens) +
                            " tokens exceed max_tokens = " + std::to_string(p.max_tokens));
-  int64_t num_spec_rows = 0, num_spec_tokens = 0, num_one = 0, num_zero = 0;
-  for (int64_t i = 0; i < N; ++i) {
-    const int64_t T = int64_t(qsl[i + 1]) - qsl[i];
-    if (spec_step && drafts[i] >= 0) {
-      if (T > S)
-        return Status::invalid("spec row of request " + std::to_string(i) + " has " +
-                               std::to_string(T) +
-                               " tokens but S = num_spec + 1 = " + std::to_string(S));
-      if (accepted && (accepted[i] < 1 || accepted[i] > S))
-        return Status::invalid("num_accepted_tokens[" + std::to_string(i) +
-                               "] = " + std::to_string(accepted[i]) +
-                               " is outside [1, S = " + std::to_string(S) + "] for a spec row");
-      ++num_spec_rows;
-      num_spec_tokens += T;
-    } else {
-      num_one += (T == 1);
-      num_zero += (T == 0);
-    }
+  if (spec_step && cand_too_long >= 0) {
+    const int64_t i = cand_too_long;
+    return Status::invalid("spec row of request " + std::to_string(i) + " has " +
+                           std::to_string(qsl[i + 1] - qsl[i]) +
+                           " tokens but S = num_spec + 1 = " + std::to_string(S));
   }
+  const int64_t num_spec_rows = spec_step ? cand_rows : 0;
+  const int64_t num_spec_tokens = spec_step ? cand_tokens : 0;
+  const int64_t num_zero = spec_step ? zero_other : zero_all;
   const int64_t num_non_spec_rows = N - num_spec_rows;
   const int64_t num_non_spec_tokens = total_tokens - num_spec_tokens;
-  int64_t num_decodes = num_one;
-  int64_t num_prefills = num_non_spec_rows - num_one - num_zero;
-  if (num_spec_rows > 0 && num_decodes > 0) {  // the prefill kernel takes the 1-token rows
-    num_prefills += num_decodes;
+  int64_t num_decodes, num_decode_tokens, num_prefills;
+  if (num_spec_rows == 0) {  // vLLM's split_decodes_and_prefills(threshold 1)
+    num_decodes = leading_run;
+    num_decode_tokens = qsl[leading_run];
+    num_prefills = N - leading_run;
+  } else {  // the prefill kernel takes the 1-token rows
     num_decodes = 0;
+    num_decode_tokens = 0;
+    num_prefills = num_non_spec_rows - num_zero;
   }
 
   // ---- pass 2: write ----
@@ -136,42 +152,54 @@ inline Status plan(const Params& p) {
   int32_t* ns_qsl = w + l.non_spec_query_start_loc;
   int32_t* spec_acc = w + l.spec_num_accepted;
   int32_t* spec_src = w + l.spec_source_column;
+  int32_t* ns_src = w + l.non_spec_source_column;
   int32_t* split = w + l.token_split;
   uint8_t* mask = reinterpret_cast<uint8_t*>(w + l.spec_sequence_masks);
   uint8_t* has_init = reinterpret_cast<uint8_t*>(w + l.has_initial_state);
 
   const bool align = p.mode == CacheMode::kAlign;
+  const int64_t block_size = p.block_size;
   int64_t js = 0, jn = 0, max_column_end = 0;
   int32_t spec_tok = 0, ns_tok = 0;
   spec_qsl[0] = 0;
   ns_qsl[0] = 0;
   for (int64_t i = 0; i < N; ++i) {
-    const int32_t begin = qsl[i], T = qsl[i + 1] - qsl[i];
-    const int32_t start =
-        align ? int32_t(std::max<int64_t>((seq_lens[i] - 1) / p.block_size, 0)) : 0;
+    const int32_t T = qsl[i + 1] - qsl[i];
+    const int32_t start = align ? int32_t(std::max<int64_t>((seq_lens[i] - 1) / block_size, 0)) : 0;
     const bool is_spec = spec_step && drafts[i] >= 0;
+    const int32_t acc = accepted ? accepted[i] : 1;
     mask[i] = is_spec;
+    max_column_end = std::max<int64_t>(max_column_end, start + S);
     if (is_spec) {
       spec_request[js] = int32_t(i);
       spec_start[js] = start;
-      const int32_t acc = accepted ? accepted[i] : 1;
       spec_acc[js] = acc;
       spec_src[js] = acc - 1;
-      int32_t* dst = split + num_non_spec_tokens + spec_tok;
-      for (int32_t t = 0; t < T; ++t) dst[t] = begin + t;
       spec_tok += T;
       spec_qsl[++js] = spec_tok;
-      max_column_end = std::max<int64_t>(max_column_end, start + S);
     } else {
       ns_request[jn] = int32_t(i);
       ns_start[jn] = start;
+      ns_src[jn] = acc - 1;
       has_init[jn] = computed ? computed[i] > 0 : (seq_lens[i] - T) > 0;
-      int32_t* dst = split + ns_tok;
-      for (int32_t t = 0; t < T; ++t) dst[t] = begin + t;
       ns_tok += T;
       ns_qsl[++jn] = ns_tok;
-      max_column_end = std::max<int64_t>(max_column_end, int64_t(start) + 1);
     }
+  }
+  // Token split (non-spec tokens, then spec tokens, each in order): a run of rows of one kind
+  // owns one contiguous range of tokens, written in one loop.
+  int32_t* ns_dst = split;
+  int32_t* spec_dst = split + num_non_spec_tokens;
+  for (int64_t i = 0; i < N;) {
+    const uint8_t kind = mask[i];
+    int64_t end = i + 1;
+    while (end < N && mask[end] == kind) ++end;
+    int32_t*& dst = kind ? spec_dst : ns_dst;
+    const int32_t first = qsl[i], count = qsl[end] - first;
+    int32_t* out = dst;
+    for (int32_t t = 0; t < count; ++t) out[t] = first + t;
+    dst = out + count;
+    i = end;
   }
   // Graph padding: padded rows carry no token, accept 1 and read the pad id.
   const int64_t spec_written = p.padded_rows >= 0 ? p.padded_rows : num_spec_rows;
@@ -187,6 +215,7 @@ inline Status plan(const Params& p) {
   for (int64_t j = num_non_spec_rows; j < ns_written; ++j) {
     ns_request[j] = -1;
     ns_start[j] = 0;
+    ns_src[j] = 0;
     has_init[j] = 0;
     ns_qsl[j + 1] = ns_tok;
   }
@@ -195,9 +224,9 @@ inline Status plan(const Params& p) {
   int32_t* h = w + l.header;
   h[kNumRequests] = int32_t(N);
   h[kNumPrefills] = int32_t(num_prefills);
-  h[kNumPrefillTokens] = int32_t(num_non_spec_tokens - num_decodes);
+  h[kNumPrefillTokens] = int32_t(num_non_spec_tokens - num_decode_tokens);
   h[kNumDecodes] = int32_t(num_decodes);
-  h[kNumDecodeTokens] = int32_t(num_decodes);
+  h[kNumDecodeTokens] = int32_t(num_decode_tokens);
   h[kNumSpecDecodes] = int32_t(num_spec_rows);
   h[kNumSpecDecodeTokens] = int32_t(num_spec_tokens);
   h[kNumActualTokens] = int32_t(total_tokens);

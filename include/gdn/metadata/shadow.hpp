@@ -31,10 +31,12 @@ struct GroupMetadata {
   std::vector<int32_t> non_spec_query_start_loc;
   std::vector<int32_t> spec_num_accepted;  // [spec rows written]
   std::vector<int32_t> spec_source_column;
-  std::vector<uint8_t> has_initial_state;       // [non-spec rows written]
-  std::vector<int32_t> spec_state_indices;      // [spec rows written * S]
-  std::vector<int32_t> non_spec_state_indices;  // [non-spec rows written]
-  int64_t unreadable_rows = 0;                  // live rows filled with the pad id
+  std::vector<int32_t> non_spec_source_column;   // [non-spec rows written]
+  std::vector<uint8_t> has_initial_state;        // [non-spec rows written]
+  std::vector<int32_t> spec_state_indices;       // [spec rows written * S]
+  std::vector<int32_t> non_spec_state_indices;   // [non-spec rows written]
+  std::vector<int32_t> non_spec_source_indices;  // [non-spec rows written]
+  int64_t unreadable_rows = 0;                   // live rows filled with the pad id
 };
 
 namespace shadow_detail {
@@ -82,21 +84,26 @@ inline Status build_group_reference(const Params& p, int g, GroupMetadata* out) 
   std::vector<int64_t> spec_rows, non_spec_rows;
   for (int64_t i = 0; i < N; ++i) (spec[size_t(i)] ? spec_rows : non_spec_rows).push_back(i);
 
-  // Counts.
+  // Counts, as vLLM's builder makes them.
   auto count_len = [&](int64_t want) {
     return std::count_if(non_spec_rows.begin(), non_spec_rows.end(),
                          [&](int64_t i) { return len[size_t(i)] == want; });
   };
-  int64_t decodes = count_len(1);
   const int64_t zero = count_len(0);
-  int64_t prefills = int64_t(non_spec_rows.size()) - decodes - zero;
-  if (!spec_rows.empty() && decodes > 0) {
-    prefills += decodes;
-    decodes = 0;
-  }
   int64_t spec_tokens = 0, non_spec_tokens = 0;
   for (int64_t i : spec_rows) spec_tokens += len[size_t(i)];
   for (int64_t i : non_spec_rows) non_spec_tokens += len[size_t(i)];
+  int64_t decodes = 0, decode_tokens = 0, prefills = 0;
+  if (spec_rows.empty()) {
+    // split_decodes_and_prefills(threshold 1): decodes up to the first row longer than 1 token.
+    const auto first_long = std::find_if(len.begin(), len.end(), [](int64_t T) { return T > 1; });
+    decodes = first_long - len.begin();
+    for (auto it = len.begin(); it != first_long; ++it) decode_tokens += *it;
+    prefills = N - decodes;
+  } else {
+    // 1-token rows are decodes, reclassified as prefills; zero-length rows are in neither.
+    prefills = int64_t(non_spec_rows.size()) - zero;
+  }
 
   // Token split: expand the row mask to tokens, then a stable partition (non-spec first).
   std::vector<bool> token_is_spec;
@@ -138,6 +145,12 @@ inline Status build_group_reference(const Params& p, int g, GroupMetadata* out) 
     m.spec_source_column.push_back(acc - 1);
   }
   for (int64_t j = 0; j < ns_written; ++j) {
+    int32_t acc = 1;
+    if (j < int64_t(non_spec_rows.size()) && p.num_accepted_tokens.present())
+      acc = at(p.num_accepted_tokens, non_spec_rows[size_t(j)]);
+    m.non_spec_source_column.push_back(acc - 1);
+  }
+  for (int64_t j = 0; j < ns_written; ++j) {
     bool init = false;
     if (j < int64_t(non_spec_rows.size())) {
       const int64_t i = non_spec_rows[size_t(j)];
@@ -155,12 +168,12 @@ inline Status build_group_reference(const Params& p, int g, GroupMetadata* out) 
     return last_token <= 0 ? 0 : last_token / p.block_size;
   };
   int64_t max_column_end = 0;
+  for (int64_t i = 0; i < N; ++i) max_column_end = std::max(max_column_end, first_column(i) + S);
   for (int64_t j = 0; j < spec_written; ++j) {
     std::vector<int32_t> row(size_t(S), p.pad_id);
     if (j < int64_t(spec_rows.size())) {
       const int64_t i = spec_rows[size_t(j)];
       const int64_t c0 = first_column(i);
-      max_column_end = std::max(max_column_end, c0 + S);
       bool readable = true;
       for (int64_t c = 0; c < S; ++c)
         readable = readable && shadow_detail::table_entry(table, i, c0 + c, &row[size_t(c)]);
@@ -171,25 +184,29 @@ inline Status build_group_reference(const Params& p, int g, GroupMetadata* out) 
     }
     m.spec_state_indices.insert(m.spec_state_indices.end(), row.begin(), row.end());
   }
+  // Non-spec rows: destination column start, source column start + acc - 1; padded unless both
+  // (and so every column between them) lie inside the table.
   for (int64_t j = 0; j < ns_written; ++j) {
-    int32_t v = p.pad_id;
+    int32_t dst = p.pad_id, src = p.pad_id;
     if (j < int64_t(non_spec_rows.size())) {
       const int64_t i = non_spec_rows[size_t(j)];
-      max_column_end = std::max(max_column_end, first_column(i) + 1);
-      if (!shadow_detail::table_entry(table, i, first_column(i), &v)) {
-        v = p.pad_id;
+      const int64_t c0 = first_column(i), last = c0 + m.non_spec_source_column[size_t(j)];
+      if (last < c0 || !shadow_detail::table_entry(table, i, c0, &dst) ||
+          !shadow_detail::table_entry(table, i, last, &src)) {
+        dst = src = p.pad_id;
         ++m.unreadable_rows;
       }
     }
-    m.non_spec_state_indices.push_back(v);
+    m.non_spec_state_indices.push_back(dst);
+    m.non_spec_source_indices.push_back(src);
   }
 
   int64_t* h = m.header;
   h[kNumRequests] = N;
   h[kNumPrefills] = prefills;
-  h[kNumPrefillTokens] = non_spec_tokens - decodes;
+  h[kNumPrefillTokens] = non_spec_tokens - decode_tokens;
   h[kNumDecodes] = decodes;
-  h[kNumDecodeTokens] = decodes;
+  h[kNumDecodeTokens] = decode_tokens;
   h[kNumSpecDecodes] = int64_t(spec_rows.size());
   h[kNumSpecDecodeTokens] = spec_tokens;
   h[kNumActualTokens] = N > 0 ? at(p.query_start_loc, N) : 0;
@@ -235,9 +252,10 @@ struct Comparer {
 }  // namespace shadow_detail
 
 // Compares the shared plan (p.plan, host) and the fused state rows (p.spec_state_indices,
-// p.non_spec_state_indices, host) against a per-group build of every group, exactly, on the rows
-// the step writes. `p` holds host views of the step inputs and block tables (device arrays must
-// be copied first; device-gathered accepted counts need a host copy of num_accepted_tokens).
+// p.non_spec_state_indices and, when given, p.non_spec_source_indices, host) against a per-group
+// build of every group, exactly, on the rows the step writes. `p` holds host views of the step
+// inputs and block tables (device arrays must be copied first; device-gathered accepted counts need
+// a host copy of num_accepted_tokens).
 inline Status shadow_check(const Params& p, ShadowReport* report) {
   GDN_RETURN_IF_ERROR(check_state_rows_arguments(p, DeviceType::kCPU));
   *report = ShadowReport{};
@@ -250,8 +268,9 @@ inline Status shadow_check(const Params& p, ShadowReport* report) {
     const int64_t spec_written = m.header[kSpecRowsWritten];
     const int64_t ns_written = m.header[kNonSpecRowsWritten];
     if (spec_written > p.spec_state_indices.shape[1] ||
-        ns_written > p.non_spec_state_indices.shape[1] || spec_written > p.max_rows ||
-        ns_written > p.max_rows ||
+        ns_written > p.non_spec_state_indices.shape[1] ||
+        (p.non_spec_source_indices.present() && ns_written > p.non_spec_source_indices.shape[1]) ||
+        spec_written > p.max_rows || ns_written > p.max_rows ||
         int64_t(m.spec_token_indx.size() + m.non_spec_token_indx.size()) > p.max_tokens)
       return Status::invalid(
           "the step writes more rows or tokens than the buffers under check hold");
@@ -269,6 +288,7 @@ inline Status shadow_check(const Params& p, ShadowReport* report) {
                m.non_spec_query_start_loc);
     cmp.vector("spec_num_accepted", w + l.spec_num_accepted, m.spec_num_accepted);
     cmp.vector("spec_source_column", w + l.spec_source_column, m.spec_source_column);
+    cmp.vector("non_spec_source_column", w + l.non_spec_source_column, m.non_spec_source_column);
     cmp.vector("has_initial_state", reinterpret_cast<const uint8_t*>(w + l.has_initial_state),
                m.has_initial_state);
     const int32_t* spec =
@@ -280,6 +300,11 @@ inline Status shadow_check(const Params& p, ShadowReport* report) {
     const int32_t* ns =
         p.non_spec_state_indices.ptr<const int32_t>() + g * p.non_spec_state_indices.strides[0];
     cmp.vector("non_spec_state_indices", ns, m.non_spec_state_indices);
+    if (p.non_spec_source_indices.present()) {
+      const int32_t* src =
+          p.non_spec_source_indices.ptr<const int32_t>() + g * p.non_spec_source_indices.strides[0];
+      cmp.vector("non_spec_source_indices", src, m.non_spec_source_indices);
+    }
   }
   if (!report->ok())
     report->message = "shadow check: " + report->message + " (" +

@@ -1,5 +1,6 @@
 // metadata: the state rows of all G KV-cache groups in ONE CUDA launch. The grid covers
-// (launch_rows x (S + 1)) elements in x and the groups in y; the group table (pointer, row stride,
+// (launch_rows x (S + 1)) elements in x (S spec columns, then one thread writing the non-spec
+// row's destination and source) and the groups in y; the group table (pointer, row stride,
 // rows, columns per group) travels by value in the kernel argument. Counts are read from the plan
 // header in device memory, so a captured launch replays correctly after the plan buffer is
 // refreshed with a new step (same launch_rows). Out-of-range rows are never read: they get the pad
@@ -48,28 +49,24 @@ __global__ void __launch_bounds__(kThreads)
     if (g == 0 && c == 0 && a.accepted) errors += gather_accepted(a, j, j < rc.spec_live);
   } else {
     if (j >= rc.non_spec_written) return;
-    int32_t v = a.pad_id;
-    if (j < rc.non_spec_live) {
-      const int32_t request = a.plan[a.non_spec_request + j];
-      const int32_t start = a.plan[a.non_spec_start + j];
-      if (row_readable(t, request, start, 1))
-        v = t.data[request * t.row_stride + start];
-      else
-        errors += 1;
+    int32_t dst = a.pad_id, src = a.pad_id;
+    if (j < rc.non_spec_live && !non_spec_entries(a, t, j, &dst, &src)) {
+      errors += 1;
+      dst = src = a.pad_id;
     }
-    a.non_spec_out[g * a.non_spec_group_stride + j] = v;
+    a.non_spec_out[g * a.non_spec_group_stride + j] = dst;
+    if (a.non_spec_source_out) a.non_spec_source_out[g * a.non_spec_source_group_stride + j] = src;
+    // While gathering every thread reads the count from `accepted`, never this plan word.
+    if (g == 0 && a.accepted) gather_non_spec_accepted(a, j, j < rc.non_spec_live);
   }
   if (errors && a.error_count) atomicAdd(a.error_count, errors);
 }
 
 }  // namespace cuda_detail
 
-// Fills every group's state rows from the device plan buffer `p.plan` in one launch on `stream`.
-// All arrays of the pass (plan, block tables, outputs, error_count, and num_accepted_tokens when
-// it is to be gathered) live on the current CUDA device.
-inline Status launch_state_rows_cuda(const Params& p, cudaStream_t stream) {
-  GDN_RETURN_IF_ERROR(check_state_rows_arguments(p, DeviceType::kCUDA));
-  const StateRowsArgs a = make_state_rows_args(p);
+// One launch over validated arguments (see make_state_rows_args) on `stream`, on the current
+// device.
+inline Status launch_state_rows_cuda(const StateRowsArgs& a, cudaStream_t stream) {
   const int64_t elements = int64_t(a.launch_rows) * (a.S + 1);
   const int64_t blocks =
       (elements + cuda_detail::kStateRowThreads - 1) / cuda_detail::kStateRowThreads;
@@ -84,6 +81,14 @@ inline Status launch_state_rows_cuda(const Params& p, cudaStream_t stream) {
     return Status(StatusCode::kCudaError,
                   std::string("metadata state rows: launch failed: ") + cudaGetErrorString(err));
   return Status::ok();
+}
+
+// Fills every group's state rows from the device plan buffer `p.plan` in one launch on `stream`.
+// All arrays of the pass (plan, block tables, outputs, error_count, and num_accepted_tokens when
+// it is to be gathered) live on the current CUDA device.
+inline Status launch_state_rows_cuda(const Params& p, cudaStream_t stream) {
+  GDN_RETURN_IF_ERROR(check_state_rows_arguments(p, DeviceType::kCUDA));
+  return launch_state_rows_cuda(make_state_rows_args(p), stream);
 }
 
 }  // namespace gdn::metadata

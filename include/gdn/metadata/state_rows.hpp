@@ -1,13 +1,16 @@
 // metadata: the state rows of all G KV-cache groups in one pass. For group g and spec row j of
 // request i: spec_state_indices[g, j, c] = block_table_g[i, start_j + c], c in [0, S); for
-// non-spec row j: non_spec_state_indices[g, j] = block_table_g[i, start_j]. Request i and start_j
-// come from the plan buffer, so the pass never knows the cache mode.
+// non-spec row j: non_spec_state_indices[g, j] = block_table_g[i, start_j] (the destination) and
+// non_spec_source_indices[g, j] = block_table_g[i, start_j + acc_i - 1] (where the previous step
+// left the state). Request i, start_j and acc_i - 1 come from the plan buffer (or acc_i from the
+// gathered accepted counts), so the pass never knows the cache mode.
 //
 // The pass is driven by a small table of (pointer, row stride, rows, columns) per group, shared by
 // the CPU loop here and the CUDA kernel (state_rows.cuh). A row whose columns would fall outside
-// its table is never read: it is filled with the pad id and counted. Rows in [live, written) are
-// padding (pad id). Counts come from the plan header, so the same launch replays correctly inside
-// a CUDA graph after the plan buffer is refreshed.
+// its table (a spec row's S columns, a non-spec row's columns start..start + acc - 1), or whose
+// gathered accepted count is outside [1, S], is never read: it is filled with the pad id and
+// counted. Rows in [live, written) are padding (pad id). Counts come from the plan header, so the
+// same launch replays correctly inside a CUDA graph after the plan buffer is refreshed.
 // Host-only (compiles with g++ alone); the shared helpers are also device functions under nvcc.
 #pragma once
 
@@ -38,10 +41,13 @@ struct StateRowsArgs {
   int32_t* plan = nullptr;  // plan buffer (accepted counts are written into it when gathered)
   int64_t spec_request = 0, spec_start = 0, non_spec_request = 0, non_spec_start = 0;
   int64_t spec_num_accepted = 0, spec_source_column = 0;  // word offsets (Layout)
-  int32_t* spec_out = nullptr;                            // [G, spec_group_stride / S, S]
+  int64_t non_spec_source_column = 0;
+  int32_t* spec_out = nullptr;  // [G, spec_group_stride / S, S]
   int64_t spec_group_stride = 0;
   int32_t* non_spec_out = nullptr;  // [G, non_spec_group_stride]
   int64_t non_spec_group_stride = 0;
+  int32_t* non_spec_source_out = nullptr;  // [G, non_spec_source_group_stride], or null
+  int64_t non_spec_source_group_stride = 0;
   const int32_t* accepted = nullptr;  // per-request accepted counts to gather, or null
   int64_t accepted_len = 0;
   int32_t* error_count = nullptr;
@@ -80,6 +86,38 @@ GDN_METADATA_HD inline bool row_readable(const GroupTable& t, int32_t request, i
   return request >= 0 && request < t.num_rows && start >= 0 && start <= t.num_cols - width;
 }
 
+// acc - 1 of live non-spec row j of `request`: from the accepted counts being gathered, else from
+// the plan. Out of range (request past the counts, acc outside [1, S]): -1.
+GDN_METADATA_HD inline int32_t non_spec_source(const StateRowsArgs& a, int32_t j, int32_t request) {
+  int32_t src = a.plan[a.non_spec_source_column + j];
+  if (a.accepted) src = (request >= 0 && request < a.accepted_len) ? a.accepted[request] - 1 : -1;
+  return (src < 0 || src >= a.S) ? -1 : src;
+}
+
+// The value (table entry) of non-spec row j's destination and source, or false when the row's
+// columns start..start + acc - 1 are not all inside the table (or acc is out of range).
+GDN_METADATA_HD inline bool non_spec_entries(const StateRowsArgs& a, const GroupTable& t, int32_t j,
+                                             int32_t* dst, int32_t* src) {
+  const int32_t request = a.plan[a.non_spec_request + j];
+  const int32_t start = a.plan[a.non_spec_start + j];
+  const int32_t s = non_spec_source(a, j, request);
+  if (s < 0 || !row_readable(t, request, start, s + 1)) return false;
+  const int32_t* row = t.data + request * t.row_stride + start;
+  *dst = row[0];
+  *src = row[s];
+  return true;
+}
+
+// Writes the gathered acc - 1 of non-spec row j into the plan (live rows; padded rows keep 0).
+GDN_METADATA_HD inline void gather_non_spec_accepted(const StateRowsArgs& a, int32_t j, bool live) {
+  int32_t src = 0;
+  if (live) {
+    const int32_t request = a.plan[a.non_spec_request + j];
+    src = (request >= 0 && request < a.accepted_len) ? a.accepted[request] - 1 : -1;
+  }
+  a.plan[a.non_spec_source_column + j] = src;
+}
+
 // Gathers the accepted count of spec row j (live rows) or writes the padding values (acc = 1).
 // Returns 1 when the row's request or count is out of range (the count is copied as is).
 GDN_METADATA_HD inline int32_t gather_accepted(const StateRowsArgs& a, int32_t j, bool live) {
@@ -116,6 +154,7 @@ inline StateRowsArgs make_state_rows_args(const Params& p) {
   a.non_spec_start = l.non_spec_start;
   a.spec_num_accepted = l.spec_num_accepted;
   a.spec_source_column = l.spec_source_column;
+  a.non_spec_source_column = l.non_spec_source_column;
   a.spec_out = p.spec_state_indices.ptr<int32_t>();
   a.spec_group_stride = p.spec_state_indices.shape[0] > 1
                             ? p.spec_state_indices.strides[0]
@@ -124,6 +163,12 @@ inline StateRowsArgs make_state_rows_args(const Params& p) {
   a.non_spec_group_stride = p.non_spec_state_indices.shape[0] > 1
                                 ? p.non_spec_state_indices.strides[0]
                                 : p.non_spec_state_indices.shape[1];
+  if (p.non_spec_source_indices.present()) {
+    a.non_spec_source_out = p.non_spec_source_indices.ptr<int32_t>();
+    a.non_spec_source_group_stride = p.non_spec_source_indices.shape[0] > 1
+                                         ? p.non_spec_source_indices.strides[0]
+                                         : p.non_spec_source_indices.shape[1];
+  }
   if (p.num_accepted_tokens.present() && p.num_accepted_tokens.device == p.plan.device) {
     a.accepted = p.num_accepted_tokens.ptr<const int32_t>();
     a.accepted_len = int32_t(std::min<int64_t>(p.num_accepted_tokens.shape[0], INT32_MAX));
@@ -136,21 +181,20 @@ inline StateRowsArgs make_state_rows_args(const Params& p) {
   return a;
 }
 
-// The CPU pass: one loop over the group table. Returns the number of unreadable rows (group x row
-// pairs filled with the pad id because their columns fall outside the table, plus spec rows whose
-// gathered accepted count is out of range); also added to p.error_count when given.
-inline Status run_state_rows_cpu(const Params& p, int64_t* num_errors = nullptr) {
-  GDN_RETURN_IF_ERROR(check_state_rows_arguments(p, DeviceType::kCPU));
-  const StateRowsArgs a = make_state_rows_args(p);
+// The CPU pass over validated arguments: one loop over the group table. Returns the number of
+// unreadable rows (group x row pairs filled with the pad id, spec rows whose gathered accepted
+// count is out of range, rows the plan asks for beyond launch_rows); also added to error_count.
+inline int64_t run_state_rows_cpu(const StateRowsArgs& a) {
   const RowCounts rc = read_row_counts(a);
   const int32_t S = a.S;
   int64_t errors = rc.overflow;
-  if (a.accepted)
+  if (a.accepted) {
     for (int32_t j = 0; j < rc.spec_written; ++j) errors += gather_accepted(a, j, j < rc.spec_live);
+    for (int32_t j = 0; j < rc.non_spec_written; ++j)
+      gather_non_spec_accepted(a, j, j < rc.non_spec_live);
+  }
   const int32_t* spec_request = a.plan + a.spec_request;
   const int32_t* spec_start = a.plan + a.spec_start;
-  const int32_t* ns_request = a.plan + a.non_spec_request;
-  const int32_t* ns_start = a.plan + a.non_spec_start;
   for (int32_t g = 0; g < a.num_groups; ++g) {
     const GroupTable& t = a.tables[g];
     // Plain element loops: S is small, and a library copy per row costs more than the row.
@@ -167,17 +211,27 @@ inline Status run_state_rows_cpu(const Params& p, int64_t* num_errors = nullptr)
     }
     for (int64_t k = 0; k < int64_t(rc.spec_written - j) * S; ++k) out[k] = a.pad_id;
     int32_t* ns_out = a.non_spec_out + g * a.non_spec_group_stride;
-    for (j = 0; j < rc.non_spec_live; ++j) {
-      if (row_readable(t, ns_request[j], ns_start[j], 1)) {
-        ns_out[j] = t.data[ns_request[j] * t.row_stride + ns_start[j]];
-      } else {
+    int32_t* src_out = a.non_spec_source_out
+                           ? a.non_spec_source_out + g * a.non_spec_source_group_stride
+                           : nullptr;
+    for (j = 0; j < rc.non_spec_written; ++j) {
+      int32_t dst = a.pad_id, src = a.pad_id;
+      if (j < rc.non_spec_live && !non_spec_entries(a, t, j, &dst, &src)) {
         ++errors;
-        ns_out[j] = a.pad_id;
+        dst = src = a.pad_id;
       }
+      ns_out[j] = dst;
+      if (src_out) src_out[j] = src;
     }
-    for (; j < rc.non_spec_written; ++j) ns_out[j] = a.pad_id;
   }
   if (a.error_count) *a.error_count += int32_t(errors);
+  return errors;
+}
+
+// The CPU pass from params (validated first). `num_errors`: as above.
+inline Status run_state_rows_cpu(const Params& p, int64_t* num_errors = nullptr) {
+  GDN_RETURN_IF_ERROR(check_state_rows_arguments(p, DeviceType::kCPU));
+  const int64_t errors = run_state_rows_cpu(make_state_rows_args(p));
   if (num_errors) *num_errors = errors;
   return Status::ok();
 }
