@@ -1,7 +1,9 @@
 """Verdict table for decode_mtp: libgdn and FLA from one bench_decode_mtp.py run, next to vLLM's CUDA
 kernel as measured on the same kind of GPU (docs performance.md §5; vLLM cannot be run here), the
 byte-model floor at the measured copy bandwidth of the H200 (4.26 TB/s), and the target: at least
-5 % faster than the best anchor, or within 3 % of the floor.
+5 % faster than the best anchor, or within 3 % of the floor. A second table sets the replay-verify
+rows of the same run against write-every-token libgdn, the best anchor, the floor of the "fold,
+fused" byte model and the replay targets (the replay issue's table).
 
 Usage: python benchmarks/compare_anchors.py benchmarks/results/decode_mtp_h200.json
 """
@@ -53,6 +55,34 @@ def rows(doc, shape="TP1"):
     return out
 
 
+# Replay-verify targets (µs, TP1): (state, T, B) -> target.
+REPLAY_TARGETS = {("fp32", 4, 128): 150.0, ("fp32", 8, 128): 160.0, ("bf16", 4, 128): 80.0,
+                  ("fp32", 4, 8): 12.0}
+
+
+def replay_table(doc, shape):
+    res = [r for r in doc["results"] if r.get("shape") == shape and r.get("split") is None]
+    by = {(r["impl"], r["state"], r["T"], r["B"]): r for r in res if "us" in r}
+    print("\n| state | T | B | replay µs | floor µs (fold, fused) | write-all libgdn µs | best anchor µs "
+          "| anchor / replay | target |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    for (impl, state, T, B), r in sorted(by.items(), key=lambda kv: (kv[0][1] != "fp32", kv[0][2], kv[0][3])):
+        if impl != "replay":
+            continue
+        gdn = by.get(("gdn", state, T, B))
+        fla = by.get(("fla", state, T, B))
+        anchors = [x for x in (fla["us"] if fla else None, VLLM_US.get((state, T, B))) if x is not None]
+        best = min(anchors) if anchors else None
+        floor = r["bytes"] / (COPY_TBPS * 1e12) * 1e6
+        target = REPLAY_TARGETS.get((state, T, B))
+        verdict = "—" if target is None else ("met" if r["us"] <= target else f"not met (≤ {target:g})")
+        us = r["us"]
+        best_s = "—" if best is None else f"{best:.2f}"
+        ratio = "—" if best is None else f"{best / us:.2f}x"
+        print(f"| {state} | {T} | {B} | {us:.2f} | {floor:.1f} | {gdn['us']:.2f} | {best_s} | "
+              f"{ratio} | {verdict} |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("json", help="a bench_decode_mtp.py result file")
@@ -73,6 +103,8 @@ def main():
         print(f"| {r['state']} | {r['T']} | {r['B']} | {r['floor']:.1f} | {r['gdn']:.2f} ({r['pct']:.0f} %) | "
               f"{fmt(r['fla'])} | {fmt(r['vllm'])} | {ratio} | {r['verdict']} |")
     print(f"\ntarget met in {met} of {len(rs)} rows")
+    if any(r.get("impl") == "replay" for r in doc["results"]):
+        replay_table(doc, args.shape)
 
 
 if __name__ == "__main__":

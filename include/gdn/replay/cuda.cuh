@@ -65,18 +65,20 @@ __device__ __forceinline__ void cta_copy_tokens(int64_t tokens, int64_t per_toke
                                                 Dst dst) {
   constexpr int kBatch = 8;
   const int64_t count = tokens * per_token;
+  int64_t t = threadIdx.x / per_token, i = threadIdx.x % per_token;  // of unit `base`
   for (int64_t base = threadIdx.x; base < count; base += int64_t(kBatch) * kSaveThreads) {
     Unit u[kBatch];
+    int64_t ts[kBatch], is[kBatch];
 #pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const int64_t e = base + int64_t(b) * kSaveThreads;
-      if (e < count) u[b] = reinterpret_cast<const Unit*>(src(e / per_token))[e % per_token];
+    for (int b = 0; b < kBatch; ++b) {  // unit base + b * kSaveThreads is element i of token t
+      ts[b] = t;
+      is[b] = i;
+      if (t < tokens) u[b] = reinterpret_cast<const Unit*>(src(t))[i];
+      for (i += kSaveThreads; i >= per_token; i -= per_token) ++t;  // no division per unit
     }
 #pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const int64_t e = base + int64_t(b) * kSaveThreads;
-      if (e < count) reinterpret_cast<Unit*>(dst(e / per_token))[e % per_token] = u[b];
-    }
+    for (int b = 0; b < kBatch; ++b)
+      if (ts[b] < tokens) reinterpret_cast<Unit*>(dst(ts[b]))[is[b]] = u[b];
   }
 }
 
