@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
+import numpy as np
 import torch
 
 import gdn
@@ -308,6 +309,78 @@ class DecodePath:
                         norm_weight=layer["gnorm"], num_accepted_tokens=slots.num_accepted_tokens,
                         first_valid_slot=NULL_BLOCK + 1, error_count=self.error_count)
             h.add_(exact_linear(self.core[:rows].view(rows, HVV), layer["out_proj"]))
+        torch.argmax(m.logits(h), dim=-1, out=self.pred[:rows])
+
+    def forward_mixed(self, rows: int, md, replay_counts, timer: Timer) -> None:
+        """Target forward over a step mixing spec rows (T tokens) and non-spec rows (1 token: a
+        request that drafted nothing this step), in request order (not captured in a graph). The
+        GDN layers run each kind on its own gathered token rows, as an engine following vLLM's
+        split does: spec rows read column acc - 1 of their state rows (decode_mtp does it);
+        non-spec rows read ``non_spec_source_indices`` (where the previous step left the state)
+        and write ``non_spec_state_indices`` (column 0). With replay verify (`replay_counts`: a
+        host array, tokens each request replays) both kinds use their column-0 block as the
+        checkpoint. Conv state lives in column 0 for both."""
+        m, cfg = self.model, self.model.cfg
+        D, HVV = cfg.conv_dim, cfg.HV * cfg.V
+        dev = self.h.device
+        kinds = []
+        for spec in (True, False):
+            idx = (md.spec_token_indx if spec else md.non_spec_token_indx).long()
+            if idx.numel() == 0:
+                continue
+            n_rows = md.num_spec_decodes if spec else md.non_spec_rows
+            cu = md.spec_query_start_loc if spec else md.non_spec_query_start_loc
+            acc = (md.spec_num_accepted if spec else (md.non_spec_source_column + 1).to(torch.int32))
+            kinds.append(dict(spec=spec, idx=idx, cu=cu[: n_rows + 1], acc=acc[:n_rows],
+                              rows=n_rows, requests=np.asarray(
+                                  (md.host.spec_request_index if spec
+                                   else md.host.non_spec_request_index)[:n_rows])))
+        h = self.h[:rows]
+        torch.index_select(m.embed, 0, self.tokens[:rows], out=h)
+        for li, layer in enumerate(m.layers):
+            g = cfg.group_of(li)
+            proj = self.proj[:rows]
+            proj.copy_(exact_linear(exact_rms_norm(h, layer["norm"]), layer["in_proj"]))
+            core = self.core[:rows]
+            for k in kinds:
+                part = proj.index_select(0, k["idx"])  # this kind's token rows, contiguous
+                x = part[:, :D]
+                z = part[:, D:D + HVV].unflatten(1, (cfg.HV, cfg.V))
+                b = part[:, D + HVV:D + HVV + cfg.HV]
+                a = part[:, D + HVV + cfg.HV:]
+                n = k["rows"]
+                if k["spec"]:
+                    table = md.spec_state_indices[g][:n]
+                    column0 = table[:, 0]
+                else:
+                    column0 = md.non_spec_state_indices[g][:n]
+                    # A 1-token row of two columns reads column acc - 1 = 1 (the source) and
+                    # writes column 0 (the destination).
+                    table = torch.stack([column0, md.non_spec_source_indices[g][:n]], 1)
+                with self._region(timer, None, "conv"):
+                    gdn.causal_conv1d_update(
+                        x, layer["conv_w"], self.cache.conv[li], column0, k["cu"], x,
+                        num_accepted_tokens=k["acc"], state_layout=self.cache.conv_layout,
+                        first_valid_slot=NULL_BLOCK + 1, error_count=self.error_count)
+                out = torch.empty(x.shape[0], cfg.HV, cfg.V, device=dev)
+                if replay_counts is not None:
+                    counts = torch.from_numpy(replay_counts[k["requests"]].astype(np.int32))
+                    with self._region(timer, None, "replay"):
+                        gdn.decode_mtp_replay(
+                            x, a, b, layer["A_log"], layer["dt_bias"], self.cache.ssm[li],
+                            column0.contiguous(), k["cu"], out, **self.cache.windows[li].arrays(),
+                            num_accepted_tokens=counts.to(dev), z=z, norm_weight=layer["gnorm"],
+                            first_valid_slot=NULL_BLOCK + 1, error_count=self.error_count)
+                else:
+                    acc = k["acc"] if k["spec"] else torch.full_like(k["acc"], 2)
+                    with self._region(timer, None, "decode_mtp"):
+                        gdn.decode_mtp(
+                            x, a, b, layer["A_log"], layer["dt_bias"], self.cache.ssm[li], table,
+                            k["cu"], out, z=z, norm_weight=layer["gnorm"],
+                            num_accepted_tokens=acc, first_valid_slot=NULL_BLOCK + 1,
+                            error_count=self.error_count)
+                core.index_copy_(0, k["idx"], out)
+            h.add_(exact_linear(core.reshape(rows, HVV), layer["out_proj"]))
         torch.argmax(m.logits(h), dim=-1, out=self.pred[:rows])
 
     @staticmethod

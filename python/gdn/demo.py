@@ -88,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     work.add_argument("--repeats", type=int, default=3,
                       help="runs of each mode: the first warms up (and is checked), the speed-up "
                            "is the ratio of the median decode rates of the others (default: 3)")
+    work.add_argument("--mixed-every", type=int, default=4,
+                      help="every K-th verify step, a third of the requests draft nothing (a "
+                           "plain one-token row next to the verify rows, as engines see when "
+                           "drafts run out); 0: never (default: 4)")
     work.add_argument("--num-spec", type=int, default=3,
                       help="draft tokens proposed per request and step; the target verifies "
                            "T = num_spec + 1 tokens per request (default: 3)")
@@ -165,6 +169,7 @@ class RunStats:
     decode_steps: int = 0
     decode_seconds: float = 0.0
     decode_tokens: int = 0
+    mixed_steps: int = 0  # verify steps in which some requests carried no drafts
     drafted: int = 0
     accepted: int = 0
     breakdown: Dict[str, float] = field(default_factory=dict)
@@ -285,6 +290,35 @@ class Engine:
                     timer.totals[name] += seconds
         return pred
 
+    def mixed_step(self, live: List[int], tokens: Dict[int, List[int]], acc: np.ndarray,
+                   context: np.ndarray, timer, replay_n: np.ndarray) -> Dict[int, List[int]]:
+        """A step in which some live requests verify drafts (T tokens) and others carry none (one
+        token: a plain decode). vLLM's rules classify the step: the 1-token rows become non-spec
+        rows (prefills, in vLLM's counts), which read their state from where the previous step
+        left it (``non_spec_source_indices``). Runs eagerly. Returns, per live request, the
+        target's greedy choice after each of its tokens."""
+        N = self.N
+        q = np.zeros(N, np.int64)
+        drafts = np.full(N, -1, np.int64)
+        for i in live:
+            q[i] = len(tokens[i])
+            if len(tokens[i]) > 1:
+                drafts[i] = len(tokens[i]) - 1
+        qsl = self._host(np.concatenate([[0], np.cumsum(q)]))
+        live_mask = q > 0
+        with timer.host("metadata"):
+            md = self.builder.step(
+                qsl, self._host(context + q), num_draft_tokens=self._host(drafts),
+                num_accepted_tokens=self._host(np.where(live_mask, acc, 1)),
+                num_computed_tokens=self._host(context))
+        rows = int(qsl[-1])
+        flat = [t for i in range(N) for t in tokens.get(i, [])]
+        self.path.tokens[:rows].copy_(self.torch.tensor(flat, dtype=self.torch.long))
+        self.path.forward_mixed(rows, md, replay_n if self.replay_counts is not None else None,
+                                timer)
+        pred = self.path.pred[:rows].cpu().numpy()
+        return {i: pred[qsl[i]:qsl[i + 1]].tolist() for i in live}
+
     def capture_verify_graph(self, context: np.ndarray) -> str:
         """Captures the target's verify forward over the full padded batch in a CUDA graph. The
         capture-time metadata has no live rows (every row padded, nothing to read or write), so
@@ -389,6 +423,41 @@ def run_speculative(model, prompts, new_tokens, args, progress,
         live = [i for i in range(N) if len(out[i]) < new_tokens]
         if not live:
             break
+        # Every few steps some requests draft nothing (one plain token): the step mixes spec and
+        # non-spec rows, and those requests go from spec to non-spec and back.
+        plain = ([i for i in live if (stats.decode_steps + i) % 3 == 0]
+                 if args.mixed_every and stats.decode_steps % args.mixed_every == args.mixed_every - 1
+                 else [])
+        if plain:
+            with timer.host("drafter"):
+                tok = {i: [out[i][-1]] for i in live}
+                spec_live = [i for i in live if i not in plain]
+                if spec_live:
+                    cur = torch.tensor([out[i][-1] for i in spec_live], dtype=torch.long,
+                                       device=model.device)
+                    drafted = [cur]
+                    for _ in range(ns):
+                        drafted.append(model.draft_next(drafted[-1]))
+                    rows = torch.stack(drafted, 1).cpu().tolist()
+                    for i, r in zip(spec_live, rows):
+                        tok[i] = [int(t) for t in r]
+            pred_map = engine.mixed_step(live, tok, acc, context, timer, replay_n)
+            with timer.host("acceptance"):
+                for i in live:
+                    d, p = tok[i][1:], pred_map[i]
+                    n = 0
+                    while n < len(d) and d[n] == p[n]:
+                        n += 1
+                    emitted = [int(t) for t in d[:n]] + [int(p[n])]
+                    out[i].extend(emitted[: new_tokens - len(out[i])])
+                    stats.drafted += len(d)
+                    stats.accepted += n
+                    acc[i] = replay_n[i] = n + 1
+                    context[i] += n + 1
+            stats.decode_steps += 1
+            stats.mixed_steps += 1
+            progress.update(sum(len(o) for o in out))
+            continue
         with timer.host("drafter"):
             last = torch.tensor([out[i][-1] for i in live], dtype=torch.long, device=model.device)
             tokens = torch.empty(len(live), ns + 1, dtype=torch.long, device=model.device)
@@ -573,6 +642,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{fmt_seconds(ss.decode_seconds)} = {tokens_per_second(ss.decode_tokens, ss.decode_seconds)}")
     print(f"speed-up     : {speedup:.2f}x plain decoding ({how})")
     rate = ss.accepted / ss.drafted if ss.drafted else 0.0
+    if ss.mixed_steps:
+        print(f"mixed steps  : {ss.mixed_steps} of {ss.decode_steps} verify steps had requests "
+              f"without drafts (non-spec rows reading non_spec_source_indices)")
     print(f"acceptance   : {ss.accepted} of {ss.drafted} drafts accepted ({100 * rate:.1f} %); "
           f"{1 + ss.accepted / max(ss.drafted / args.num_spec, 1):.2f} tokens per request per "
           f"verify step (at most {T})")

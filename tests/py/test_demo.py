@@ -51,6 +51,31 @@ def test_check_fails_when_the_conv_rollback_is_broken(monkeypatch, capsys):
     assert "first difference" in out
 
 
+@pytest.mark.parametrize("mode", ["write-all", "replay"])
+def test_mixed_spec_and_plain_rows_pass_in_both_state_modes(capsys, mode):
+    assert demo.main(SHORT + ["--new-tokens", "24", "--mixed-every", "2", "--state-mode",
+                              mode]) == 0
+    out = capsys.readouterr().out
+    assert "PASS" in out and "mixed steps  :" in out
+    if mode == "replay":
+        assert "state modes" in out and "in both state modes" in out
+
+
+def test_check_fails_when_plain_rows_read_a_stale_state(monkeypatch, capsys):
+    # A non-spec row that reads column 0 (where the previous verify step started) instead of its
+    # source column acc - 1 continues from a stale state: the run must diverge and say FAIL.
+    real = gdn.decode_mtp
+
+    def stale(mixed_qkv, a, b, A_log, dt_bias, state, state_indices, *args, **kw):
+        if state_indices.shape[1] == 2:  # the demo's non-spec rows: [destination, source]
+            state_indices = state_indices[:, :1].expand(-1, 2).contiguous()
+        return real(mixed_qkv, a, b, A_log, dt_bias, state, state_indices, *args, **kw)
+
+    monkeypatch.setattr(gdn, "decode_mtp", stale)
+    assert demo.main(SHORT + ["--new-tokens", "30", "--mixed-every", "2", "--num-spec", "3"]) == 1
+    assert "FAIL (speculative != plain decoding)" in capsys.readouterr().out
+
+
 def test_dense_layers_are_batch_invariant():
     g = torch.Generator().manual_seed(0)
     w = int8_weight((128, 96), 128 ** -0.5, g)
