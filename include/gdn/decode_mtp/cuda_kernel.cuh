@@ -312,18 +312,17 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
   //    same math as their first pass), tokens n.. from this call's rows.
   for (int t = warp; t < tokens; t += kWarps) {
     const bool replayed = kReplay && t < n_replay;
-    const void* kv_src = args.mixed_qkv;
-    const void* a_src = args.a;
-    const void* b_src = args.b;
+    const void *k_src, *v_src, *a_src, *b_src;  // this token's k, v, a, b: window or call rows
     int64_t k_off, v_off, a_off, b_off;
-    bool k_vector = args.qkv_vector;
+    bool k_vector;
     uint4 qb = make_uint4(0u, 0u, 0u, 0u);
     if (replayed) {
-      kv_src = nullptr;  // k and v come from two window arrays
-      k_off = source * args.wk_slot_stride + t * args.wk_token_stride + int64_t(h) * kHeadDim;
-      v_off = source * args.wv_slot_stride + t * args.wv_token_stride + int64_t(hv) * kHeadDim;
+      k_src = args.window_k;
+      v_src = args.window_v;
       a_src = args.window_a;
       b_src = args.window_b;
+      k_off = source * args.wk_slot_stride + t * args.wk_token_stride + int64_t(h) * kHeadDim;
+      v_off = source * args.wv_slot_stride + t * args.wv_token_stride + int64_t(hv) * kHeadDim;
       a_off = source * args.wa_slot_stride + t * args.wa_token_stride + hv;
       b_off = source * args.wb_slot_stride + t * args.wb_token_stride + hv;
       k_vector = args.window_k_vector;
@@ -332,13 +331,15 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
       const int64_t base = l * args.qkv_row_stride;
       qb = load_bits4(args.mixed_qkv, args.qkv_dtype, base + int64_t(h) * kHeadDim + 4 * lane,
                       args.qkv_vector);
+      k_src = v_src = args.mixed_qkv;
+      a_src = args.a;
+      b_src = args.b;
       k_off = base + int64_t(args.H + h) * kHeadDim;
       v_off = base + int64_t(2 * args.H + hv) * kHeadDim;
       a_off = l * args.a_row_stride + hv;
       b_off = l * args.b_row_stride + hv;
+      k_vector = args.qkv_vector;
     }
-    const void* k_src = replayed ? args.window_k : kv_src;
-    const void* v_src = replayed ? args.window_v : kv_src;
     const uint4 kb = load_bits4(k_src, args.qkv_dtype, k_off + 4 * lane, k_vector);
     const int64_t vbase = v_off + row0;
     uint32_t vb[kHeadDim / 32];
