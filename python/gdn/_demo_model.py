@@ -275,41 +275,52 @@ class DecodePath:
         (greedy next token after each row). `event_log`, when given, receives (name, start, end)
         CUDA events instead of `timer` (used while capturing a graph)."""
         m, cfg = self.model, self.model.cfg
-        D, HVV = cfg.conv_dim, cfg.HV * cfg.V
         h = self.h[:rows]
         torch.index_select(m.embed, 0, self.tokens[:rows], out=h)
         for li, layer in enumerate(m.layers):
             g = cfg.group_of(li)
             proj = self.proj[:rows]
             proj.copy_(exact_linear(exact_rms_norm(h, layer["norm"]), layer["in_proj"]))
-            mixed_qkv = proj[:, :D]
-            z = proj[:, D:D + HVV].unflatten(1, (cfg.HV, cfg.V))
-            b = proj[:, D + HVV:D + HVV + cfg.HV]
-            a = proj[:, D + HVV + cfg.HV:]
-            with self._region(timer, event_log, "conv"):
-                # In place: the post-conv activations overwrite the raw q|k|v columns.
-                gdn.causal_conv1d_update(
-                    mixed_qkv, layer["conv_w"], self.cache.conv[li], slots.conv_indices[g],
-                    slots.cu_seqlens, mixed_qkv, num_accepted_tokens=slots.num_accepted_tokens,
-                    state_layout=self.cache.conv_layout, first_valid_slot=NULL_BLOCK + 1,
-                    error_count=self.error_count)
-            if slots.replay_counts is not None:
-                with self._region(timer, event_log, "replay"):
-                    gdn.decode_mtp_replay(
-                        mixed_qkv, a, b, layer["A_log"], layer["dt_bias"], self.cache.ssm[li],
-                        slots.conv_indices[g], slots.cu_seqlens, self.core[:rows],
-                        **self.cache.windows[li].arrays(), num_accepted_tokens=slots.replay_counts,
-                        z=z, norm_weight=layer["gnorm"], first_valid_slot=NULL_BLOCK + 1,
-                        error_count=self.error_count)
-            else:
-                with self._region(timer, event_log, "decode_mtp"):
-                    gdn.decode_mtp(
-                        mixed_qkv, a, b, layer["A_log"], layer["dt_bias"], self.cache.ssm[li],
-                        slots.state_indices[g], slots.cu_seqlens, self.core[:rows], z=z,
-                        norm_weight=layer["gnorm"], num_accepted_tokens=slots.num_accepted_tokens,
-                        first_valid_slot=NULL_BLOCK + 1, error_count=self.error_count)
-            h.add_(exact_linear(self.core[:rows].view(rows, HVV), layer["out_proj"]))
+            self._gdn_layer(li, layer, proj, self.core[:rows], slots.cu_seqlens,
+                            slots.conv_indices[g], slots.state_indices[g],
+                            slots.num_accepted_tokens, slots.num_accepted_tokens,
+                            slots.replay_counts, timer, event_log)
+            h.add_(exact_linear(self.core[:rows].view(rows, cfg.HV * cfg.V), layer["out_proj"]))
         torch.argmax(m.logits(h), dim=-1, out=self.pred[:rows])
+
+    def _gdn_layer(self, li: int, layer, proj: torch.Tensor, out: torch.Tensor, cu_seqlens,
+                   column0, state_indices, conv_accepted, decode_accepted, replay_counts,
+                   timer: Optional[Timer], event_log=None) -> None:
+        """GDN layer `li` over token rows `proj` (its in_proj outputs): the conv update in place
+        (conv state in each row's column-0 block), then decode_mtp over `state_indices` or, with
+        `replay_counts`, replay verify with the column-0 block as the checkpoint; core output to
+        `out`."""
+        cfg = self.model.cfg
+        D, HVV = cfg.conv_dim, cfg.HV * cfg.V
+        mixed_qkv = proj[:, :D]
+        z = proj[:, D:D + HVV].unflatten(1, (cfg.HV, cfg.V))
+        b = proj[:, D + HVV:D + HVV + cfg.HV]
+        a = proj[:, D + HVV + cfg.HV:]
+        with self._region(timer, event_log, "conv"):
+            # In place: the post-conv activations overwrite the raw q|k|v columns.
+            gdn.causal_conv1d_update(
+                mixed_qkv, layer["conv_w"], self.cache.conv[li], column0, cu_seqlens, mixed_qkv,
+                num_accepted_tokens=conv_accepted, state_layout=self.cache.conv_layout,
+                first_valid_slot=NULL_BLOCK + 1, error_count=self.error_count)
+        if replay_counts is not None:
+            with self._region(timer, event_log, "replay"):
+                gdn.decode_mtp_replay(
+                    mixed_qkv, a, b, layer["A_log"], layer["dt_bias"], self.cache.ssm[li], column0,
+                    cu_seqlens, out, **self.cache.windows[li].arrays(),
+                    num_accepted_tokens=replay_counts, z=z, norm_weight=layer["gnorm"],
+                    first_valid_slot=NULL_BLOCK + 1, error_count=self.error_count)
+        else:
+            with self._region(timer, event_log, "decode_mtp"):
+                gdn.decode_mtp(
+                    mixed_qkv, a, b, layer["A_log"], layer["dt_bias"], self.cache.ssm[li],
+                    state_indices, cu_seqlens, out, z=z, norm_weight=layer["gnorm"],
+                    num_accepted_tokens=decode_accepted, first_valid_slot=NULL_BLOCK + 1,
+                    error_count=self.error_count)
 
     def forward_mixed(self, rows: int, md, replay_counts, timer: Timer) -> None:
         """Target forward over a step mixing spec rows (T tokens) and non-spec rows (1 token: a
@@ -321,20 +332,32 @@ class DecodePath:
         host array, tokens each request replays) both kinds use their column-0 block as the
         checkpoint. Conv state lives in column 0 for both."""
         m, cfg = self.model, self.model.cfg
-        D, HVV = cfg.conv_dim, cfg.HV * cfg.V
         dev = self.h.device
-        kinds = []
+        kinds = []  # per kind of row: its token rows, offsets, counts and per-group slots
         for spec in (True, False):
             idx = (md.spec_token_indx if spec else md.non_spec_token_indx).long()
             if idx.numel() == 0:
                 continue
-            n_rows = md.num_spec_decodes if spec else md.non_spec_rows
-            cu = md.spec_query_start_loc if spec else md.non_spec_query_start_loc
-            acc = (md.spec_num_accepted if spec else (md.non_spec_source_column + 1).to(torch.int32))
-            kinds.append(dict(spec=spec, idx=idx, cu=cu[: n_rows + 1], acc=acc[:n_rows],
-                              rows=n_rows, requests=np.asarray(
-                                  (md.host.spec_request_index if spec
-                                   else md.host.non_spec_request_index)[:n_rows])))
+            n = md.num_spec_decodes if spec else md.non_spec_rows
+            acc = (md.spec_num_accepted if spec
+                   else (md.non_spec_source_column + 1).to(torch.int32))[:n]
+            requests = np.asarray(md.host.spec_request_index if spec
+                                  else md.host.non_spec_request_index)[:n]
+            if spec:
+                tables = [md.spec_state_indices[g][:n] for g in range(cfg.groups)]
+                column0 = [t[:, 0] for t in tables]
+            else:
+                column0 = [md.non_spec_state_indices[g][:n] for g in range(cfg.groups)]
+                # A 1-token row of two columns reads column acc - 1 = 1 (the source) and writes
+                # column 0 (the destination).
+                tables = [torch.stack([c, md.non_spec_source_indices[g][:n]], 1)
+                          for g, c in enumerate(column0)]
+            kinds.append(dict(
+                idx=idx, cu=(md.spec_query_start_loc if spec else md.non_spec_query_start_loc)[
+                    : n + 1], tables=tables, column0=[c.contiguous() for c in column0],
+                conv_acc=acc, decode_acc=acc if spec else torch.full_like(acc, 2),
+                replay=None if replay_counts is None else torch.from_numpy(
+                    replay_counts[requests].astype(np.int32)).to(dev)))
         h = self.h[:rows]
         torch.index_select(m.embed, 0, self.tokens[:rows], out=h)
         for li, layer in enumerate(m.layers):
@@ -344,43 +367,11 @@ class DecodePath:
             core = self.core[:rows]
             for k in kinds:
                 part = proj.index_select(0, k["idx"])  # this kind's token rows, contiguous
-                x = part[:, :D]
-                z = part[:, D:D + HVV].unflatten(1, (cfg.HV, cfg.V))
-                b = part[:, D + HVV:D + HVV + cfg.HV]
-                a = part[:, D + HVV + cfg.HV:]
-                n = k["rows"]
-                if k["spec"]:
-                    table = md.spec_state_indices[g][:n]
-                    column0 = table[:, 0]
-                else:
-                    column0 = md.non_spec_state_indices[g][:n]
-                    # A 1-token row of two columns reads column acc - 1 = 1 (the source) and
-                    # writes column 0 (the destination).
-                    table = torch.stack([column0, md.non_spec_source_indices[g][:n]], 1)
-                with self._region(timer, None, "conv"):
-                    gdn.causal_conv1d_update(
-                        x, layer["conv_w"], self.cache.conv[li], column0, k["cu"], x,
-                        num_accepted_tokens=k["acc"], state_layout=self.cache.conv_layout,
-                        first_valid_slot=NULL_BLOCK + 1, error_count=self.error_count)
-                out = torch.empty(x.shape[0], cfg.HV, cfg.V, device=dev)
-                if replay_counts is not None:
-                    counts = torch.from_numpy(replay_counts[k["requests"]].astype(np.int32))
-                    with self._region(timer, None, "replay"):
-                        gdn.decode_mtp_replay(
-                            x, a, b, layer["A_log"], layer["dt_bias"], self.cache.ssm[li],
-                            column0.contiguous(), k["cu"], out, **self.cache.windows[li].arrays(),
-                            num_accepted_tokens=counts.to(dev), z=z, norm_weight=layer["gnorm"],
-                            first_valid_slot=NULL_BLOCK + 1, error_count=self.error_count)
-                else:
-                    acc = k["acc"] if k["spec"] else torch.full_like(k["acc"], 2)
-                    with self._region(timer, None, "decode_mtp"):
-                        gdn.decode_mtp(
-                            x, a, b, layer["A_log"], layer["dt_bias"], self.cache.ssm[li], table,
-                            k["cu"], out, z=z, norm_weight=layer["gnorm"],
-                            num_accepted_tokens=acc, first_valid_slot=NULL_BLOCK + 1,
-                            error_count=self.error_count)
+                out = torch.empty(part.shape[0], cfg.HV, cfg.V, device=dev)
+                self._gdn_layer(li, layer, part, out, k["cu"], k["column0"][g], k["tables"][g],
+                                k["conv_acc"], k["decode_acc"], k["replay"], timer)
                 core.index_copy_(0, k["idx"], out)
-            h.add_(exact_linear(core.reshape(rows, HVV), layer["out_proj"]))
+            h.add_(exact_linear(core.reshape(rows, cfg.HV * cfg.V), layer["out_proj"]))
         torch.argmax(m.logits(h), dim=-1, out=self.pred[:rows])
 
     @staticmethod
