@@ -1,10 +1,17 @@
-// decode_mtp on CUDA (K = V = 128): the launcher. The kernel and its mapping are described in
+// decode_mtp on CUDA (K = V = 128): the launcher. The kernels and their mappings are described in
 // gdn/decode_mtp/cuda_kernel.cuh.
 //
-// The grid is one CTA per (request, value head, row block). The row split (CTAs per head) is a
-// pure function of the shapes and the device: 1 once there are at least as many heads as SMs,
-// else the smallest of 2, 4, 8 that gives every SM a CTA (small batches are latency-bound: more,
-// smaller CTAs pull their bytes in parallel). Callers may pin it (benchmarks do).
+// Two mappings, chosen by `split` (CTAs per value head):
+//   - 1, 2, 4, 8: the head kernel, one CTA per (request, value head, row block), a split head as a
+//     thread-block cluster; the state streamed by bulk copies. Needs nothing but the arguments.
+//   - 16: the group kernel, one warp-sized CTA per (request, value head, 8 rows), rows loaded
+//     straight into registers; the norm is exchanged through the caller's workspace
+//     (StepArgs::workspace; not needed without norm_weight).
+// The choice is a pure function of the shapes, the device and whether a workspace was given: the
+// group kernel whenever it can run and the batch fills the GPU (it streams at the copy rate; a
+// lone small batch is latency-bound and the cluster-split head kernel reaches its rows sooner),
+// else the head kernel with the smallest split that gives every SM a CTA. Callers may pin it
+// (benchmarks and tests do).
 //
 // The launcher allocates nothing and never synchronises. The only attribute it sets (the kernel's
 // dynamic shared memory ceiling) is set once per kernel and device and is not a stream operation,
@@ -50,12 +57,58 @@ inline int choose_buffers(int state_bytes, int64_t heads, int sm_count) {
   return heads < 4 * int64_t(sm_count) ? 2 : 3;
 }
 
-// CTAs per head: 1 once every SM has a head, else the smallest split that gives every SM a CTA.
-inline int choose_split(int64_t heads, int sm_count, bool clusters) {
+inline constexpr int kGroupSplit = 16;
+static_assert(
+    workspace_words(5, 3, 4) == workspace_counter_words(15) + 15 * workspace_head_words(4),
+    "the group kernel's workspace layout is the one workspace_words sizes");  // the group kernel:
+                                                                              // one CTA per 8 rows
+                                                                              // of a head
+
+// CTAs per head. The group kernel when it can run (no norm, or a workspace for its exchange) and
+// there are at least kGroupMinHeadsPerSm heads per SM; otherwise the head kernel: 1 once every SM
+// has a head, else the smallest split that gives every SM a CTA.
+inline constexpr int kGroupMinHeadsPerSm = 1;
+inline int choose_split(int64_t heads, int sm_count, bool clusters, bool group_ok) {
+  if (group_ok && heads >= int64_t(kGroupMinHeadsPerSm) * sm_count) return kGroupSplit;
   if (!clusters) return 1;
   int split = 1;
   while (split < kMaxSplit && heads * split < sm_count) split *= 2;
   return split;
+}
+
+// Launches `kernel` with the config's grid, block and shared memory on `stream`, as a cluster of
+// `cluster` CTAs when > 1 and with programmatic dependent launch when `pdl`.
+template <class Kernel, class Args>
+inline Status launch_ex(Kernel kernel, dim3 grid, dim3 block, size_t smem, int cluster, bool pdl,
+                        cudaStream_t stream, const Args& args, const char* what) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attr[2];
+  unsigned num_attrs = 0;
+  if (cluster > 1) {
+    attr[num_attrs].id = cudaLaunchAttributeClusterDimension;
+    attr[num_attrs].val.clusterDim.x = unsigned(cluster);
+    attr[num_attrs].val.clusterDim.y = 1;
+    attr[num_attrs].val.clusterDim.z = 1;
+    ++num_attrs;
+  }
+  if (pdl) {  // may start before the previous launch ends; the kernel waits before any read
+    attr[num_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[num_attrs].val.programmaticStreamSerializationAllowed = 1;
+    ++num_attrs;
+  }
+  config.attrs = attr;
+  config.numAttrs = num_attrs;
+  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, args);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return Status(StatusCode::kCudaError,
+                  std::string(what) + ": kernel launch failed: " + cudaGetErrorString(err));
+  }
+  return Status::ok();
 }
 
 template <DType kState, int kRatio, bool kReplay>
@@ -71,9 +124,29 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
   // sm_90 image: clusters, bulk copies and programmatic dependent launch.
   const bool hopper = info.major >= 9 && kernel_ptx_version(kernel, device, ptx_cache) >= 90;
   const int64_t heads = args.N * args.HV;
-  const int split = split_request > 0 ? split_request : choose_split(heads, info.sm_count, hopper);
+  const bool norm = args.norm_weight != nullptr;
+  const bool group_ok = !norm || args.workspace != nullptr;
+  const int split =
+      split_request > 0 ? split_request : choose_split(heads, info.sm_count, hopper, group_ok);
+  if (split == kGroupSplit) {
+    if (!group_ok)
+      return Status::invalid(
+          "decode_mtp: split 16 (the group kernel) exchanges the norm through a workspace; pass "
+          "one (workspace_words) or no norm_weight");
+    if (heads * kGroupSplit > int64_t(INT_MAX))
+      return Status::unsupported("decode_mtp: too many (request, value head) pairs for one launch");
+    constexpr auto group = decode_mtp_group_kernel<StateT, kRatio, kReplay>;
+    static std::atomic<int> group_smem_cache[kMaxDevices];
+    GDN_RETURN_IF_ERROR(allow_dynamic_shared(
+        group, device, group_smem_bytes(kCudaMaxSpecColumns, kReplay), group_smem_cache));
+    args.split = split;
+    return launch_ex(group, dim3(unsigned(heads * kGroupSplit)), dim3(32u),
+                     size_t(group_smem_bytes(args.S, kReplay)), 1, hopper, stream, args,
+                     kReplay ? "replay" : "decode_mtp");
+  }
   if (split != 1 && split != 2 && split != 4 && split != 8)
-    return Status::invalid("decode_mtp: split must be 1, 2, 4 or 8, got " + std::to_string(split));
+    return Status::invalid("decode_mtp: split must be 1, 2, 4, 8 or 16, got " +
+                           std::to_string(split));
   if (split > 1 && !hopper)
     return Status::unsupported(
         "decode_mtp: splitting a head over CTAs needs thread-block "
@@ -88,35 +161,8 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
   GDN_RETURN_IF_ERROR(allow_dynamic_shared(
       kernel, device, int(shared_bytes<StateT>(kCudaMaxSpecColumns, 1, kMaxChunks, kReplay)),
       smem_cache));
-
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(unsigned(heads * split));
-  config.blockDim = dim3(unsigned(kThreads));
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attr[2];
-  unsigned num_attrs = 0;
-  if (split > 1) {
-    attr[num_attrs].id = cudaLaunchAttributeClusterDimension;
-    attr[num_attrs].val.clusterDim.x = unsigned(split);
-    attr[num_attrs].val.clusterDim.y = 1;
-    attr[num_attrs].val.clusterDim.z = 1;
-    ++num_attrs;
-  }
-  if (hopper) {  // may start before the previous launch ends; the kernel waits before any read
-    attr[num_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[num_attrs].val.programmaticStreamSerializationAllowed = 1;
-    ++num_attrs;
-  }
-  config.attrs = attr;
-  config.numAttrs = num_attrs;
-  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, args);
-  if (err != cudaSuccess) {
-    (void)cudaGetLastError();
-    return Status(StatusCode::kCudaError,
-                  std::string("decode_mtp: kernel launch failed: ") + cudaGetErrorString(err));
-  }
-  return Status::ok();
+  return launch_ex(kernel, dim3(unsigned(heads * split)), dim3(unsigned(kThreads)), smem, split,
+                   hopper, stream, args, kReplay ? "replay" : "decode_mtp");
 }
 
 // All head ratios of one state dtype (HeadRatios, plus the run-time-ratio kernel), decode_mtp
@@ -194,6 +240,7 @@ inline KernelArgs step_kernel_args(const StepArgs& p, const Problem& pr) {
   args.cu_seqlens = p.cu_seqlens.data;
   args.out = p.out.data;
   args.error_count = p.error_count.present() ? static_cast<int*>(p.error_count.data) : nullptr;
+  args.workspace = p.workspace.present() ? static_cast<int*>(p.workspace.data) : nullptr;
   args.qkv_row_stride = p.mixed_qkv.strides[0];
   args.a_row_stride = p.a.strides[0];
   args.b_row_stride = p.b.strides[0];

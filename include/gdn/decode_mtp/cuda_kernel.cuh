@@ -98,6 +98,9 @@ struct KernelArgs {
   const void* num_accepted_tokens;  // null: all 1
   void* out;
   int* error_count;  // null: not counted
+  // The group kernel's norm exchange (split 16): per (request, value head) a counter, then per head
+  // S x 128 core outputs and S x 16 group partials of sum(o^2), as 32-bit words. Null elsewhere.
+  int* workspace;
   int64_t qkv_row_stride, a_row_stride, b_row_stride, z_row_stride, z_head_stride;
   int64_t slot_stride, num_slots, first_valid_slot;
   int64_t L, N;
@@ -146,6 +149,138 @@ struct RowMeta {
   int64_t c0, c1, acc;
   int64_t stored;  // replay: window_len[slot]
 };
+
+// A decode_mtp request row, decided from its token range, accepted count and slot ids (every
+// thread of a CTA decides the same). Padded rows (no tokens) read and write nothing; invalid rows
+// store nothing, zero their outputs and are counted.
+enum class DecodeRow { kPadded, kInvalid, kLive };
+__device__ __forceinline__ DecodeRow classify_decode_row(int64_t c0, int64_t c1, int64_t L,
+                                                         int64_t S, int64_t acc, bool slots_in_pool,
+                                                         int64_t source, int64_t first_valid) {
+  const bool range_ok = c0 >= 0 && c1 >= c0 && c1 <= L;
+  if (range_ok && c1 == c0) return DecodeRow::kPadded;
+  const bool valid = range_ok && c1 - c0 <= S && acc >= 1 && acc <= S && slots_in_pool &&
+                     source >= first_valid && source >= 0;
+  return valid ? DecodeRow::kLive : DecodeRow::kInvalid;
+}
+
+// Stages token t of a request into shared memory with one warp: q and k L2-normalised (q times
+// scale) as fp32 [2][128] at qk, the R values of the CTA's rows at v_row, and (lane 0) alpha =
+// exp(g), beta at gates. Replay: tokens t < n_replay are the checkpoint slot's window tokens (raw
+// k, v, a, b; the same math as their first pass; no q), later ones the call's rows.
+template <bool kReplay>
+__device__ __forceinline__ void stage_token(const KernelArgs& args, int t, int n_replay, int64_t c0,
+                                            int64_t source, int h, int hv, int row0, int R,
+                                            int lane, float* qk, float* v_row, float* gates) {
+  const bool replayed = kReplay && t < n_replay;
+  const void *k_src, *v_src, *a_src, *b_src;  // this token's k, v, a, b: window or call rows
+  int64_t k_off, v_off, a_off, b_off;
+  bool k_vector;
+  uint4 qb = make_uint4(0u, 0u, 0u, 0u);
+  if (replayed) {
+    k_src = args.window_k;
+    v_src = args.window_v;
+    a_src = args.window_a;
+    b_src = args.window_b;
+    k_off = source * args.wk_slot_stride + t * args.wk_token_stride + int64_t(h) * kHeadDim;
+    v_off = source * args.wv_slot_stride + t * args.wv_token_stride + int64_t(hv) * kHeadDim;
+    a_off = source * args.wa_slot_stride + t * args.wa_token_stride + hv;
+    b_off = source * args.wb_slot_stride + t * args.wb_token_stride + hv;
+    k_vector = args.window_k_vector;
+  } else {
+    const int64_t l = c0 + (t - n_replay);
+    const int64_t base = l * args.qkv_row_stride;
+    qb = load_bits4(args.mixed_qkv, args.qkv_dtype, base + int64_t(h) * kHeadDim + 4 * lane,
+                    args.qkv_vector);
+    k_src = v_src = args.mixed_qkv;
+    a_src = args.a;
+    b_src = args.b;
+    k_off = base + int64_t(args.H + h) * kHeadDim;
+    v_off = base + int64_t(2 * args.H + hv) * kHeadDim;
+    a_off = l * args.a_row_stride + hv;
+    b_off = l * args.b_row_stride + hv;
+    k_vector = args.qkv_vector;
+  }
+  const uint4 kb = load_bits4(k_src, args.qkv_dtype, k_off + 4 * lane, k_vector);
+  const int64_t vbase = v_off + row0;
+  uint32_t vb[kHeadDim / 32];
+#pragma unroll
+  for (int i = 0; i < kHeadDim / 32; ++i)
+    vb[i] = lane + 32 * i < R ? load_bits(v_src, args.qkv_dtype, vbase + lane + 32 * i) : 0u;
+  uint32_t ab = 0, bb = 0, Ab = 0, db = 0;
+  if (lane == 0) {
+    ab = load_bits(a_src, args.a_dtype, a_off);
+    bb = load_bits(b_src, args.b_dtype, b_off);
+    Ab = load_bits(args.A_log, args.A_log_dtype, hv);
+    db = load_bits(args.dt_bias, args.dt_bias_dtype, hv);
+  }
+  const float4 k = bits4_to_f32(kb, args.qkv_dtype);
+  const float kk = warp_sum(k.x * k.x + k.y * k.y + k.z * k.z + k.w * k.w);
+  const float kinv = 1.0f / sqrtf(kk + args.l2_eps);
+  qk += 4 * lane;
+  if (!replayed) {  // a replayed token produces no output: no q
+    const float4 q = bits4_to_f32(qb, args.qkv_dtype);
+    const float qq = warp_sum(q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w);
+    const float qinv = args.scale / sqrtf(qq + args.l2_eps);
+    *reinterpret_cast<float4*>(qk) = make_float4(q.x * qinv, q.y * qinv, q.z * qinv, q.w * qinv);
+  }
+  *reinterpret_cast<float4*>(qk + kHeadDim) =
+      make_float4(k.x * kinv, k.y * kinv, k.z * kinv, k.w * kinv);
+#pragma unroll
+  for (int i = 0; i < kHeadDim / 32; ++i)
+    if (lane + 32 * i < R) v_row[lane + 32 * i] = bits_to_f32(vb[i], args.qkv_dtype);
+  if (lane == 0) {
+    const float A = -expf(bits_to_f32(Ab, args.A_log_dtype));
+    const float g =
+        A * softplus(bits_to_f32(ab, args.a_dtype) + bits_to_f32(db, args.dt_bias_dtype));
+    gates[0] = expf(g);
+    gates[1] = sigmoid(bits_to_f32(bb, args.b_dtype));
+  }
+}
+
+// One token of the delta rule on the 8 rows a warp holds (lane l: columns 4l..4l+3 of each):
+// decay, u = S k, S += beta (v - u) k^T, and (output) o = S q of the updated state, returned for
+// row (lane >> 2) & 7 in every lane of its quad. v is this lane's row's value.
+__device__ __forceinline__ float advance_rows(float4 (&s)[kRowsPerGroup], float4 kt, float4 qt,
+                                              float alpha, float beta, float v, bool output,
+                                              int lane) {
+  float p[kRowsPerGroup];
+#pragma unroll
+  for (int i = 0; i < kRowsPerGroup; ++i) {
+    s[i].x *= alpha;
+    s[i].y *= alpha;
+    s[i].z *= alpha;
+    s[i].w *= alpha;
+    p[i] = s[i].x * kt.x + s[i].y * kt.y + s[i].z * kt.z + s[i].w * kt.w;
+  }
+  const float u = transpose_reduce8(p, lane);
+  const float delta_mine = beta * (v - u);
+#pragma unroll
+  for (int i = 0; i < kRowsPerGroup; ++i) {
+    const float d = __shfl_sync(0xffffffffu, delta_mine, 4 * i);
+    s[i].x += kt.x * d;
+    s[i].y += kt.y * d;
+    s[i].z += kt.z * d;
+    s[i].w += kt.w * d;
+    if (output) p[i] = s[i].x * qt.x + s[i].y * qt.y + s[i].z * qt.z + s[i].w * qt.w;
+  }
+  return output ? transpose_reduce8(p, lane) : 0.0f;
+}
+
+// A group's share of sum(o^2) over its 8 rows, in one fixed butterfly order (every split and
+// kernel adds the same way, so the norm does not depend on the mapping).
+__device__ __forceinline__ float group_sum_sq(float o) {
+  float sq = o * o;
+  sq += __shfl_xor_sync(0xffffffffu, sq, 4);
+  sq += __shfl_xor_sync(0xffffffffu, sq, 8);
+  sq += __shfl_xor_sync(0xffffffffu, sq, 16);
+  return sq;
+}
+
+// act(z) of the output gate.
+__device__ __forceinline__ float gate_act(const KernelArgs& args, float zv) {
+  return args.gate_sigmoid ? sigmoid(zv) : zv * sigmoid(zv);
+}
 
 // Byte offsets of a CTA's shared arrays. S = state columns (T <= S), R = rows of the CTA; a
 // replay CTA stages up to 2S tokens (n <= S replayed, T <= S new).
@@ -252,12 +387,13 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     if (row == ReplayRow::kPadded) return;  // nothing to read or write, out rows included
     valid = row == ReplayRow::kLive;
   } else {
-    const bool range_ok = c0 >= 0 && c1 >= c0 && c1 <= args.L;
-    valid = range_ok && c1 - c0 <= S && acc >= 1 && acc <= S;
-    for (int c = 0; c < S; ++c) valid = valid && meta.slot[c] < args.num_slots;
-    source = valid ? meta.slot[acc - 1] : -1;
-    valid = valid && source >= args.first_valid_slot && source >= 0;
-    if (range_ok && c1 == c0) return;  // padded row: nothing to read or write
+    bool slots_in_pool = true;
+    for (int c = 0; c < S; ++c) slots_in_pool = slots_in_pool && meta.slot[c] < args.num_slots;
+    source = acc >= 1 && acc <= S ? meta.slot[acc - 1] : -1;
+    const DecodeRow row =
+        classify_decode_row(c0, c1, args.L, S, acc, slots_in_pool, source, args.first_valid_slot);
+    if (row == DecodeRow::kPadded) return;  // nothing to read or write
+    valid = row == DecodeRow::kLive;
   }
   // An invalid row stores nothing, zero-fills its output rows inside [0, L) and is counted once.
   auto reject_row = [&]() {
@@ -310,72 +446,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
   // 4. Activations of every staged token (warp w stages tokens w, w + 4, ...), act(z), norm
   //    weight. Replay: tokens 0..n-1 come from the checkpoint slot's window (raw k, v, a, b; the
   //    same math as their first pass), tokens n.. from this call's rows.
-  for (int t = warp; t < tokens; t += kWarps) {
-    const bool replayed = kReplay && t < n_replay;
-    const void *k_src, *v_src, *a_src, *b_src;  // this token's k, v, a, b: window or call rows
-    int64_t k_off, v_off, a_off, b_off;
-    bool k_vector;
-    uint4 qb = make_uint4(0u, 0u, 0u, 0u);
-    if (replayed) {
-      k_src = args.window_k;
-      v_src = args.window_v;
-      a_src = args.window_a;
-      b_src = args.window_b;
-      k_off = source * args.wk_slot_stride + t * args.wk_token_stride + int64_t(h) * kHeadDim;
-      v_off = source * args.wv_slot_stride + t * args.wv_token_stride + int64_t(hv) * kHeadDim;
-      a_off = source * args.wa_slot_stride + t * args.wa_token_stride + hv;
-      b_off = source * args.wb_slot_stride + t * args.wb_token_stride + hv;
-      k_vector = args.window_k_vector;
-    } else {
-      const int64_t l = c0 + (t - n_replay);
-      const int64_t base = l * args.qkv_row_stride;
-      qb = load_bits4(args.mixed_qkv, args.qkv_dtype, base + int64_t(h) * kHeadDim + 4 * lane,
-                      args.qkv_vector);
-      k_src = v_src = args.mixed_qkv;
-      a_src = args.a;
-      b_src = args.b;
-      k_off = base + int64_t(args.H + h) * kHeadDim;
-      v_off = base + int64_t(2 * args.H + hv) * kHeadDim;
-      a_off = l * args.a_row_stride + hv;
-      b_off = l * args.b_row_stride + hv;
-      k_vector = args.qkv_vector;
-    }
-    const uint4 kb = load_bits4(k_src, args.qkv_dtype, k_off + 4 * lane, k_vector);
-    const int64_t vbase = v_off + row0;
-    uint32_t vb[kHeadDim / 32];
-#pragma unroll
-    for (int i = 0; i < kHeadDim / 32; ++i)
-      vb[i] = lane + 32 * i < R ? load_bits(v_src, args.qkv_dtype, vbase + lane + 32 * i) : 0u;
-    uint32_t ab = 0, bb = 0, Ab = 0, db = 0;
-    if (lane == 0) {
-      ab = load_bits(a_src, args.a_dtype, a_off);
-      bb = load_bits(b_src, args.b_dtype, b_off);
-      Ab = load_bits(args.A_log, args.A_log_dtype, hv);
-      db = load_bits(args.dt_bias, args.dt_bias_dtype, hv);
-    }
-    const float4 k = bits4_to_f32(kb, args.qkv_dtype);
-    const float kk = warp_sum(k.x * k.x + k.y * k.y + k.z * k.z + k.w * k.w);
-    const float kinv = 1.0f / sqrtf(kk + args.l2_eps);
-    float* qk = qk_s + t * 2 * kHeadDim + 4 * lane;
-    if (!replayed) {  // a replayed token produces no output: no q
-      const float4 q = bits4_to_f32(qb, args.qkv_dtype);
-      const float qq = warp_sum(q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w);
-      const float qinv = args.scale / sqrtf(qq + args.l2_eps);
-      *reinterpret_cast<float4*>(qk) = make_float4(q.x * qinv, q.y * qinv, q.z * qinv, q.w * qinv);
-    }
-    *reinterpret_cast<float4*>(qk + kHeadDim) =
-        make_float4(k.x * kinv, k.y * kinv, k.z * kinv, k.w * kinv);
-#pragma unroll
-    for (int i = 0; i < kHeadDim / 32; ++i)
-      if (lane + 32 * i < R) v_s[t * R + lane + 32 * i] = bits_to_f32(vb[i], args.qkv_dtype);
-    if (lane == 0) {
-      const float A = -expf(bits_to_f32(Ab, args.A_log_dtype));
-      const float g =
-          A * softplus(bits_to_f32(ab, args.a_dtype) + bits_to_f32(db, args.dt_bias_dtype));
-      gates_s[2 * t] = expf(g);
-      gates_s[2 * t + 1] = sigmoid(bits_to_f32(bb, args.b_dtype));
-    }
-  }
+  for (int t = warp; t < tokens; t += kWarps)
+    stage_token<kReplay>(args, t, n_replay, c0, source, h, hv, row0, R, lane,
+                         qk_s + t * 2 * kHeadDim, v_s + t * R, gates_s + 2 * t);
   if (gated) {
     for (int e = tid; e < (T << log2_R); e += kThreads) {
       const int t = e >> log2_R, r = e & (R - 1);
@@ -383,7 +456,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
           bits_to_f32(load_bits(args.z, args.z_dtype,
                                 (c0 + t) * args.z_row_stride + hv * args.z_head_stride + row0 + r),
                       args.z_dtype);
-      z_s[e] = args.gate_sigmoid ? sigmoid(zv) : zv * sigmoid(zv);
+      z_s[e] = gate_act(args, zv);
     }
   }
   if (norm && tid < R) w_s[tid] = bits_to_f32(w_bits, args.norm_dtype);
@@ -454,34 +527,12 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
       const float beta = gates_s[2 * t + 1];
       const float v = v_s[t * R + my_row];
 
-      // decay, read u = S k
-      float p[kRowsPerGroup];
-#pragma unroll
-      for (int i = 0; i < kRowsPerGroup; ++i) {
-        s[i].x *= alpha;
-        s[i].y *= alpha;
-        s[i].z *= alpha;
-        s[i].w *= alpha;
-        p[i] = s[i].x * kt.x + s[i].y * kt.y + s[i].z * kt.z + s[i].w * kt.w;
-      }
-      const float u = transpose_reduce8(p, lane);
-      const float delta_mine = beta * (v - u);
-      // rank-1 write S += delta k^T, then the output o = S q of the updated state
       const float4 qt = output ? *reinterpret_cast<const float4*>(qk) : kt;
-#pragma unroll
-      for (int i = 0; i < kRowsPerGroup; ++i) {
-        const float d = __shfl_sync(0xffffffffu, delta_mine, 4 * i);
-        s[i].x += kt.x * d;
-        s[i].y += kt.y * d;
-        s[i].z += kt.z * d;
-        s[i].w += kt.w * d;
-        if (output) p[i] = s[i].x * qt.x + s[i].y * qt.y + s[i].z * qt.z + s[i].w * qt.w;
-      }
+      float o = advance_rows(s, kt, qt, alpha, beta, v, output, lane);
       if (kReplay && !output) {  // after the last replayed token: the checkpoint, stored once
         if (t == n_replay - 1) store_rows(source);
         continue;
       }
-      float o = transpose_reduce8(p, lane);
       if (args.round_core_output) o = dev::round_to(args.out_dtype, o);
       if constexpr (!kReplay) {  // state after token t -> slot state_indices[n, t] (null: skipped)
         const int64_t dest = __shfl_sync(0xffffffffu, my_slot, t);
@@ -490,11 +541,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
 
       const int to = t - n_replay;  // output token
       if ((lane & 3) == 0) o_s[to * R + my_row] = o;
-      if (norm) {  // the group's share of sum(o^2), fixed order over its 8 rows
-        float sq = o * o;
-        sq += __shfl_xor_sync(0xffffffffu, sq, 4);
-        sq += __shfl_xor_sync(0xffffffffu, sq, 8);
-        sq += __shfl_xor_sync(0xffffffffu, sq, 16);
+      if (norm) {  // the group's share of sum(o^2)
+        const float sq = group_sum_sq(o);
         if (lane == 0) ss_s[to * kGroupsPerHead + g] = sq;
       }
     }
@@ -531,6 +579,214 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     store_value(args.out, args.out_dtype, ((c0 + t) * HV + hv) * kHeadDim + row0 + r, y);
   }
   if (clustered) cluster_wait();  // peers may still be reading this CTA's partials
+}
+
+// ---- The group kernel (split 16) ----------------------------------------------------------------
+//
+// One warp-sized CTA per (request, value head, group of 8 rows). The group's rows go global ->
+// registers with plain 16-byte loads as soon as the source slot is known: no shared-memory tile, no
+// barrier, nothing held while a neighbour finishes, so every SM's warp slots are refilled the
+// moment a warp is done (the bare state stream reaches 98-99 % of copy bandwidth on the H200 this
+// way, against 92 % with a CTA per head: benchmarks/cuda/state_stream_probe.cu).
+//
+// The gated RMSNorm needs all 16 groups of a head. Each CTA writes its o and its group's share of
+// sum(o^2) to the workspace and bumps the head's counter; the CTA whose bump completes a multiple
+// of 16 is the head's last: it adds the 16 shares in group order (the head kernel's order, so
+// both kernels give the same bits) and writes the head's outputs. No CTA waits for another. A
+// launch bumps each live head's counter exactly 16 times, so counters stay multiples of 16 from
+// one launch to the next (zeroed once when the workspace is allocated).
+inline constexpr int kGroupMinCtasPerSm = 20;  // register budget: 96 per thread
+
+// Workspace words before the per-head exchange area (the counters, 16-byte aligned), and words of
+// one head's area: S x 128 outputs, then S x 16 group shares.
+__host__ __device__ constexpr int64_t workspace_counter_words(int64_t heads) {
+  return (heads + 3) / 4 * 4;
+}
+__host__ __device__ constexpr int64_t workspace_head_words(int64_t S) {
+  return S * (kHeadDim + kGroupsPerHead);
+}
+// Shared memory of a group CTA: per staged token q, k [2][128], v [8] and alpha, beta.
+__host__ __device__ inline int group_smem_bytes(int S, bool replay) {
+  return (replay ? 2 * S : S) * (2 * kHeadDim + kRowsPerGroup + 2) * 4;
+}
+
+template <class StateT, int kRatio, bool kReplay>
+__global__ void __launch_bounds__(32, kGroupMinCtasPerSm)
+    decode_mtp_group_kernel(const __grid_constant__ KernelArgs args) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  using Bits = StateBits<StateT>;
+  using Raw = typename Bits::Raw;
+  const int S = args.S, HV = args.HV;
+  float* qk_s = reinterpret_cast<float*>(smem);                  // [staged][2][128]
+  float* v_s = qk_s + (kReplay ? 2 * S : S) * 2 * kHeadDim;      // [staged][8]
+  float* gates_s = v_s + (kReplay ? 2 * S : S) * kRowsPerGroup;  // [staged][2]
+  const int lane = int(threadIdx.x);
+  const unsigned head = blockIdx.x >> 4;  // heads * 16 <= INT_MAX (host check)
+  const int g = int(blockIdx.x & 15u);
+  const int64_t n = head / unsigned(HV);
+  const int hv = int(head - unsigned(n) * unsigned(HV));
+  const int h = hv / (kRatio == kRuntimeValue ? args.ratio : kRatio);
+  const int row0 = g * kRowsPerGroup;
+  const bool norm = args.norm_weight != nullptr;
+
+  wait_for_prior_grids();  // nothing below may read what earlier launches write before this
+  allow_dependent_launch();
+
+  // 1. The request's slot ids (lane c: column c; replay: lane 0, the checkpoint slot), token range
+  //    and accepted count, in one round trip.
+  int64_t my_slot = 0;
+  if (kReplay ? lane == 0 : lane < S)
+    my_slot = dev::load_index(args.state_indices, args.index_dtype,
+                              kReplay ? n * args.index_stride : n * S + lane);
+  const int64_t c0 = dev::load_index(args.cu_seqlens, args.cu_dtype, n);
+  const int64_t c1 = dev::load_index(args.cu_seqlens, args.cu_dtype, n + 1);
+  const int64_t acc = args.num_accepted_tokens
+                          ? dev::load_index(args.num_accepted_tokens, args.acc_dtype, n)
+                          : int64_t(1);
+  const uint32_t w_bits[4] = {
+      norm ? load_bits(args.norm_weight, args.norm_dtype, 4 * lane) : 0u,
+      norm ? load_bits(args.norm_weight, args.norm_dtype, 4 * lane + 1) : 0u,
+      norm ? load_bits(args.norm_weight, args.norm_dtype, 4 * lane + 2) : 0u,
+      norm ? load_bits(args.norm_weight, args.norm_dtype, 4 * lane + 3) : 0u};
+
+  // 2. Validity, the same decision as the head kernel's.
+  bool valid;
+  int64_t source;
+  if constexpr (kReplay) {
+    source = __shfl_sync(0xffffffffu, my_slot, 0);
+    const ReplayRow row = classify_replay_row(c0, c1, args.L, S, source, args.num_slots,
+                                              args.first_valid_slot, acc, INT64_MAX);
+    if (row == ReplayRow::kPadded) return;
+    valid = row == ReplayRow::kLive;
+  } else {
+    const bool slots_in_pool = __all_sync(0xffffffffu, lane >= S || my_slot < args.num_slots);
+    source = acc >= 1 && acc <= S ? __shfl_sync(0xffffffffu, my_slot, int(acc - 1)) : -1;
+    const DecodeRow row =
+        classify_decode_row(c0, c1, args.L, S, acc, slots_in_pool, source, args.first_valid_slot);
+    if (row == DecodeRow::kPadded) return;
+    valid = row == DecodeRow::kLive;
+  }
+  // An invalid row stores nothing, zero-fills its output rows inside [0, L) and is counted once.
+  auto reject_row = [&]() {
+    const int64_t lo = c0 < 0 ? 0 : c0, hi = c1 > args.L ? args.L : c1;
+    const int64_t count = hi > lo ? (hi - lo) * kRowsPerGroup : 0;
+    for (int64_t e = lane; e < count; e += 32) {
+      const int64_t l = lo + e / kRowsPerGroup;
+      store_value(args.out, args.out_dtype, (l * HV + hv) * kHeadDim + row0 + e % kRowsPerGroup,
+                  0.0f);
+    }
+    if (args.error_count && hv == 0 && g == 0 && lane == 0) atomicAdd(args.error_count, 1);
+  };
+  if (!valid) {
+    reject_row();
+    return;
+  }
+  const int T = int(c1 - c0);
+  const int n_replay = kReplay ? int(acc) : 0;  // window tokens replayed before the new ones
+  const int tokens = n_replay + T;
+  const int64_t head_offset = int64_t(hv) * kHeadDim * kHeadDim;
+  const int64_t row_step = args.state_kv ? 1 : kHeadDim;  // element distance between rows
+  const int64_t col_step = args.state_kv ? kHeadDim : 1;  // ... and between K columns
+
+  // 3. The group's 8 source rows in flight (lane l: columns 4l..4l+3), then the staged tokens.
+  const StateT* src = static_cast<const StateT*>(args.state) + source * args.slot_stride +
+                      head_offset + row0 * row_step + 4 * lane * col_step;
+  Raw raw[kRowsPerGroup];
+#pragma unroll
+  for (int i = 0; i < kRowsPerGroup; ++i)
+    raw[i] = args.state_vector ? *reinterpret_cast<const Raw*>(src + i * kHeadDim)
+                               : Bits::load_scalar(src + i * row_step, col_step);
+  const int64_t stored = kReplay ? int64_t(args.window_len[source]) : INT64_MAX;
+  for (int t = 0; t < tokens; ++t)
+    stage_token<kReplay>(args, t, n_replay, c0, source, h, hv, row0, kRowsPerGroup, lane,
+                         qk_s + t * 2 * kHeadDim, v_s + t * kRowsPerGroup, gates_s + 2 * t);
+  __syncwarp();
+  if (kReplay && acc > stored) {  // the replay count against the tokens the window holds
+    reject_row();
+    return;
+  }
+
+  // 4. The tokens, as the head kernel runs them.
+  float4 s[kRowsPerGroup];
+#pragma unroll
+  for (int i = 0; i < kRowsPerGroup; ++i) s[i] = Bits::to_f32(raw[i]);
+  const int my_row = (lane >> 2) & 7;
+  StateT* const pool = static_cast<StateT*>(args.state);
+  const int64_t row_offset = head_offset + row0 * row_step + 4 * lane * col_step;
+  auto store_rows = [&](int64_t dest) {
+    StateT* dst = pool + dest * args.slot_stride + row_offset;
+    if (args.state_vector) {
+#pragma unroll
+      for (int i = 0; i < kRowsPerGroup; ++i)
+        Bits::store_streaming(dst + i * kHeadDim, Bits::from_f32(s[i]));
+    } else {
+#pragma unroll
+      for (int i = 0; i < kRowsPerGroup; ++i)
+        Bits::store_scalar(dst + i * row_step, col_step, Bits::from_f32(s[i]));
+    }
+  };
+  float* const ws_o = norm ? reinterpret_cast<float*>(args.workspace) +
+                                 workspace_counter_words(args.N * HV) +
+                                 int64_t(head) * workspace_head_words(S)
+                           : nullptr;
+  float* const ws_ss = norm ? ws_o + S * kHeadDim : nullptr;
+  for (int t = 0; t < tokens; ++t) {
+    const bool output = !kReplay || t >= n_replay;
+    const float* qk = qk_s + t * 2 * kHeadDim + 4 * lane;
+    const float4 kt = *reinterpret_cast<const float4*>(qk + kHeadDim);
+    const float4 qt = output ? *reinterpret_cast<const float4*>(qk) : kt;
+    float o = advance_rows(s, kt, qt, gates_s[2 * t], gates_s[2 * t + 1],
+                           v_s[t * kRowsPerGroup + my_row], output, lane);
+    if (kReplay && !output) {  // after the last replayed token: the checkpoint, stored once
+      if (t == n_replay - 1) store_rows(source);
+      continue;
+    }
+    if (args.round_core_output) o = dev::round_to(args.out_dtype, o);
+    if constexpr (!kReplay) {  // state after token t -> slot state_indices[n, t] (null: skipped)
+      const int64_t dest = __shfl_sync(0xffffffffu, my_slot, t);
+      if (dest >= args.first_valid_slot && dest >= 0) store_rows(dest);
+    }
+    const int to = t - n_replay;  // output token
+    if (norm) {
+      const float sq = group_sum_sq(o);
+      if ((lane & 3) == 0) ws_o[to * kHeadDim + row0 + my_row] = o;
+      if (lane == 0) ws_ss[to * kGroupsPerHead + g] = sq;
+    } else if ((lane & 3) == 0) {
+      store_value(args.out, args.out_dtype, ((c0 + to) * HV + hv) * kHeadDim + row0 + my_row, o);
+    }
+  }
+  if (!norm) return;
+
+  // 5. The norm exchange: publish, take a ticket; the head's last CTA writes its outputs.
+  __threadfence();
+  __syncwarp();
+  unsigned ticket = 0;
+  if (lane == 0) ticket = atomicAdd(reinterpret_cast<unsigned*>(args.workspace) + head, 1u);
+  ticket = __shfl_sync(0xffffffffu, ticket, 0);
+  if ((ticket & 15u) != 15u) return;
+  __threadfence();  // the other CTAs' outputs and shares, published before their tickets
+  float w[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) w[j] = bits_to_f32(w_bits[j], args.norm_dtype);
+  for (int to = 0; to < T; ++to) {
+    float total = 0.0f;
+#pragma unroll
+    for (int gg = 0; gg < kGroupsPerHead; ++gg) total += __ldcg(ws_ss + to * kGroupsPerHead + gg);
+    const float rstd = 1.0f / sqrtf(total / float(kHeadDim) + args.norm_eps);
+    const float4 o4 = __ldcg(reinterpret_cast<const float4*>(ws_o + to * kHeadDim) + lane);
+    const float o[4] = {o4.x, o4.y, o4.z, o4.w};
+    const int64_t l = c0 + to;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float y = o[j] * rstd * w[j];
+      if (args.z)
+        y *= gate_act(args, bits_to_f32(load_bits(args.z, args.z_dtype,
+                                                  l * args.z_row_stride + hv * args.z_head_stride +
+                                                      4 * lane + j),
+                                        args.z_dtype));
+      store_value(args.out, args.out_dtype, (l * HV + hv) * kHeadDim + 4 * lane + j, y);
+    }
+  }
 }
 
 }  // namespace gdn::decode_mtp::cuda_detail

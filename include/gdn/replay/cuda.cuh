@@ -167,22 +167,8 @@ inline Status launch_save_window(const WindowSaveArgs& args, int64_t N, cudaStre
   // Early residency only where the image waits for the replay launch itself (sm_90 code).
   const bool pdl =
       info.major >= 9 && gdn::cuda::kernel_ptx_version(kernel, device, ptx_cache) >= 90;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(unsigned(N));
-  config.blockDim = dim3(unsigned(kSaveThreads));
-  config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attr;
-  config.numAttrs = pdl ? 1 : 0;
-  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, args);
-  if (err != cudaSuccess) {
-    (void)cudaGetLastError();
-    return Status(StatusCode::kCudaError,
-                  std::string("replay: window save launch failed: ") + cudaGetErrorString(err));
-  }
-  return Status::ok();
+  return decode_mtp::cuda_detail::launch_ex(kernel, dim3(unsigned(N)), dim3(unsigned(kSaveThreads)),
+                                            0, 1, pdl, stream, args, "replay: window save");
 }
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }

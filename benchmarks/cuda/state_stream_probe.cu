@@ -1,0 +1,347 @@
+// Memory-pattern probe for the decode_mtp state stream (H200 tuning aid, not part of the library).
+//
+// Every variant does the T = 1 update of decode_mtp on a pool of heads x 128 x 128 states in place
+// (decay, u = S k, delta rule, o = S q; the real per-group math, no norm) and differs only in how a
+// head's rows reach the registers: plain loads into registers (FLA's way, small CTAs), or sm_90
+// bulk copies into shared-memory chunk buffers (the library's kernel). Reports us and % of a
+// device-to-device copy of the same bytes, median of 30 launches, alternating between two pools
+// so that no launch finds its state in L2.
+//
+//   nvcc -std=c++20 -O3 -arch=sm_90a -Iinclude benchmarks/cuda/state_stream_probe.cu -o probe
+//   ./probe [heads=4096]
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "gdn/core/cuda/device.cuh"
+
+namespace dev = gdn::cuda;
+constexpr int kD = 128;
+
+#define CHECK(x)                                                                           \
+  do {                                                                                     \
+    cudaError_t e_ = (x);                                                                  \
+    if (e_ != cudaSuccess) {                                                               \
+      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
+      std::exit(1);                                                                        \
+    }                                                                                      \
+  } while (0)
+
+struct Vecs {
+  const float* k;  // [128] unit
+  const float* q;  // [128]
+  float* out;      // [heads][128]
+};
+
+// The T = 1 update of 8 rows held by a warp (lane: columns 4l..4l+3), o of row (lane>>2)&7.
+__device__ __forceinline__ float update8(float4 (&s)[8], float4 kt, float4 qt, int lane) {
+  const float alpha = 0.97f, beta = 0.6f, v = 0.1f;
+  float p[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    s[i].x *= alpha;
+    s[i].y *= alpha;
+    s[i].z *= alpha;
+    s[i].w *= alpha;
+    p[i] = s[i].x * kt.x + s[i].y * kt.y + s[i].z * kt.z + s[i].w * kt.w;
+  }
+  const float u = dev::transpose_reduce8(p, lane);
+  const float dm = beta * (v - u);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float d = __shfl_sync(0xffffffffu, dm, 4 * i);
+    s[i].x += kt.x * d;
+    s[i].y += kt.y * d;
+    s[i].z += kt.z * d;
+    s[i].w += kt.w * d;
+    p[i] = s[i].x * qt.x + s[i].y * qt.y + s[i].z * qt.z + s[i].w * qt.w;
+  }
+  return dev::transpose_reduce8(p, lane);
+}
+
+// Plain loads: a CTA of kWarps warps owns kRows rows of one head; a warp walks groups of 8 rows,
+// (kPrefetch: the next group's loads issued before the current group's math).
+template <class T, int kRows, int kWarps, bool kPrefetch, int kMinBlocks, int kHint = 1>
+__global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
+    direct_kernel(const T* pool, T* dst_pool, Vecs vec) {
+  using Bits = dev::StateBits<T>;
+  using Raw = typename Bits::Raw;
+  constexpr int kCtasPerHead = kD / kRows;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t head = blockIdx.x / kCtasPerHead;
+  const int row0 = (blockIdx.x % kCtasPerHead) * kRows;
+  const T* base = pool + head * kD * kD + 4 * lane;
+  T* dbase = dst_pool + head * kD * kD + 4 * lane;
+  const float4 kt = reinterpret_cast<const float4*>(vec.k)[lane];
+  const float4 qt = reinterpret_cast<const float4*>(vec.q)[lane];
+  constexpr int kGroups = kRows / 8;
+  Raw next[8];
+  auto load = [&](int g, Raw(&r)[8]) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      r[i] = kHint ? __ldcs(reinterpret_cast<const Raw*>(base + (row0 + g * 8 + i) * kD))
+                   : *reinterpret_cast<const Raw*>(base + (row0 + g * 8 + i) * kD);
+  };
+  if (kPrefetch && warp < kGroups) load(warp, next);
+  for (int g = warp; g < kGroups; g += kWarps) {
+    Raw cur[8];
+    if (kPrefetch) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) cur[i] = next[i];
+      if (g + kWarps < kGroups) load(g + kWarps, next);
+    } else {
+      load(g, cur);
+    }
+    float4 s[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s[i] = Bits::to_f32(cur[i]);
+    const float o = update8(s, kt, qt, lane);
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      if (kHint)
+        Bits::store_streaming(dbase + (row0 + g * 8 + i) * kD, Bits::from_f32(s[i]));
+      else
+        *reinterpret_cast<Raw*>(dbase + (row0 + g * 8 + i) * kD) = Bits::from_f32(s[i]);
+    if ((lane & 3) == 0) vec.out[head * kD + row0 + g * 8 + ((lane >> 2) & 7)] = o;
+  }
+}
+
+// Bulk copies: one 128-thread CTA per head, 4 chunks of 32 rows through kBuf shared buffers.
+template <class T, int kBuf, int kMinBlocks>
+__global__ void __launch_bounds__(128, kMinBlocks)
+    bulk_kernel(const T* pool, T* dst_pool, Vecs vec) {
+  using Bits = dev::StateBits<T>;
+  using Raw = typename Bits::Raw;
+  extern __shared__ __align__(128) unsigned char smem[];
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem);
+  T* tile = reinterpret_cast<T*>(smem + 128);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t head = blockIdx.x;
+  const T* src = pool + head * kD * kD;
+  constexpr int kChunk = 32 * kD;
+  if (tid == 0) {
+    for (int c = 0; c < kBuf; ++c) dev::mbarrier_init(&bars[c], 1);
+    dev::mbarrier_init_fence();
+  }
+  __syncthreads();
+  const uint64_t policy = tid == 0 ? dev::l2_evict_first_policy() : 0;
+  auto issue = [&](int c) {
+    dev::bulk_load(tile + (c % kBuf) * kChunk, src + c * kChunk, kChunk * sizeof(T),
+                   &bars[c % kBuf], policy);
+  };
+  if (tid == 0)
+    for (int c = 0; c < kBuf; ++c) issue(c);
+  const float4 kt = reinterpret_cast<const float4*>(vec.k)[lane];
+  const float4 qt = reinterpret_cast<const float4*>(vec.q)[lane];
+  for (int c = 0; c < 4; ++c) {
+    dev::mbarrier_wait(&bars[c % kBuf], uint32_t(c / kBuf) & 1u);
+    float4 s[8];
+    const T* rows = tile + (c % kBuf) * kChunk + warp * 8 * kD + 4 * lane;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s[i] = Bits::to_f32(*reinterpret_cast<const Raw*>(rows + i * kD));
+    if (c + kBuf < 4) {
+      __syncthreads();
+      if (tid == 0) {
+        dev::fence_proxy_async();
+        issue(c + kBuf);
+      }
+    }
+    const float o = update8(s, kt, qt, lane);
+    T* dst = dst_pool + head * kD * kD + c * kChunk + warp * 8 * kD + 4 * lane;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) Bits::store_streaming(dst + i * kD, Bits::from_f32(s[i]));
+    if ((lane & 3) == 0) vec.out[head * kD + c * 32 + warp * 8 + ((lane >> 2) & 7)] = o;
+  }
+}
+
+// Plain loads, one warp per 8 rows, and a cluster of 16 / kWarps CTAs per head for the norm: every
+// CTA sends its rows' o and its share of sum(o^2) into the leader CTA's shared memory and arrives
+// on the leader's mbarrier; only the leader waits, then writes the normalised head.
+template <class T, int kWarps, int kMinBlocks>
+__global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
+    cluster_kernel(const T* pool, T* dst_pool, Vecs vec) {
+  using Bits = dev::StateBits<T>;
+  using Raw = typename Bits::Raw;
+  __shared__ __align__(16) float o_s[kD];
+  __shared__ float ss_s[16];
+  __shared__ __align__(8) uint64_t bar;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int gid = blockIdx.x * kWarps + warp;  // group of 8 rows in the grid
+  const int64_t head = gid / 16;
+  const int g = gid % 16;
+  unsigned rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  if (rank == 0 && threadIdx.x == 0) {
+    dev::mbarrier_init(&bar, 16 / kWarps);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+  const T* base = pool + head * kD * kD + g * 8 * kD + 4 * lane;
+  T* dbase = dst_pool + head * kD * kD + g * 8 * kD + 4 * lane;
+  Raw cur[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) cur[i] = *reinterpret_cast<const Raw*>(base + i * kD);
+  const float4 kt = reinterpret_cast<const float4*>(vec.k)[lane];
+  const float4 qt = reinterpret_cast<const float4*>(vec.q)[lane];
+  float4 s[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) s[i] = Bits::to_f32(cur[i]);
+  const float o = update8(s, kt, qt, lane);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) *reinterpret_cast<Raw*>(dbase + i * kD) = Bits::from_f32(s[i]);
+  float sq = o * o;
+  sq += __shfl_xor_sync(0xffffffffu, sq, 4);
+  sq += __shfl_xor_sync(0xffffffffu, sq, 8);
+  sq += __shfl_xor_sync(0xffffffffu, sq, 16);
+  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+  float* o_leader = const_cast<float*>(dev::cluster_peer(o_s, 0));
+  float* ss_leader = const_cast<float*>(dev::cluster_peer(ss_s, 0));
+  if ((lane & 3) == 0) o_leader[g * 8 + (lane >> 2)] = o;
+  if (lane == 0) ss_leader[g] = sq;
+  if (kWarps > 1) __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, 0;\n"
+                 : "=r"(remote)
+                 : "r"(dev::shared_address(&bar)));
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote)
+                 : "memory");
+  }
+  if (rank != 0) return;
+  asm volatile(
+      "{\n.reg .pred done;\nWAITC:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], 0;\n"
+      "@!done bra WAITC;\n}\n" ::"r"(dev::shared_address(&bar))
+      : "memory");
+  float total = 0.0f;
+  for (int i = 0; i < 16; ++i) total += ss_s[i];
+  const float rstd = rsqrtf(total / kD + 1e-6f);
+  for (int r = threadIdx.x; r < kD; r += kWarps * 32) vec.out[head * kD + r] = o_s[r] * rstd;
+}
+
+template <class F>
+float median_us(F&& launch, void* pools[2]) {
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  for (int i = 0; i < 6; ++i) launch(pools[i & 1]);
+  std::vector<float> t;
+  for (int i = 0; i < 30; ++i) {
+    CHECK(cudaEventRecord(a));
+    launch(pools[i & 1]);
+    CHECK(cudaEventRecord(b));
+    CHECK(cudaEventSynchronize(b));
+    float ms;
+    CHECK(cudaEventElapsedTime(&ms, a, b));
+    t.push_back(ms * 1000.0f);
+  }
+  CHECK(cudaGetLastError());
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+template <class T>
+void run(const char* dtype, int64_t heads, Vecs vec) {
+  const size_t bytes = size_t(heads) * kD * kD * sizeof(T);
+  void* pools[2];
+  void* copy_dst;
+  for (auto& p : pools) {
+    CHECK(cudaMalloc(&p, bytes));
+    CHECK(cudaMemset(p, 0x3c, bytes));  // finite, nonzero
+  }
+  CHECK(cudaMalloc(&copy_dst, bytes));
+  CHECK(cudaMalloc(&vec.out, size_t(heads) * kD * 4));
+  const float copy = median_us(
+      [&](void* p) { CHECK(cudaMemcpyAsync(copy_dst, p, bytes, cudaMemcpyDeviceToDevice)); },
+      pools);
+  std::printf("%s heads=%lld bytes r+w=%.1f MB copy %.2f us (%.2f TB/s)\n", dtype, (long long)heads,
+              2.0 * bytes / 1e6, copy, 2.0 * bytes / copy / 1e6);
+  bool out_of_place = false;
+  auto report = [&](const char* name, float us) {
+    std::printf("  %s %-34s %8.2f us  %5.1f %% copy\n",
+                out_of_place ? "out-of-place" : "in-place   ", name, us, 100.0f * copy / us);
+  };
+#define DIRECT(R, W, P, M, H)                                                           \
+  report("direct rows=" #R " warps=" #W " pf=" #P " minb=" #M " hint=" #H,              \
+         median_us(                                                                     \
+             [&](void* p) {                                                             \
+               direct_kernel<T, R, W, P, M, H><<<unsigned(heads * (kD / R)), W * 32>>>( \
+                   static_cast<T*>(p),                                                  \
+                   out_of_place ? static_cast<T*>(copy_dst) : static_cast<T*>(p), vec); \
+             },                                                                         \
+             pools));
+  for (int mode = 0; mode < 1; ++mode) {
+    out_of_place = mode == 1;
+    DIRECT(32, 4, false, 6, 1)
+    DIRECT(8, 1, false, 32, 0)
+    DIRECT(8, 1, false, 24, 0)
+#define BULK(NB, M)                                                                                \
+  {                                                                                                \
+    const int smem = 128 + NB * 32 * kD * int(sizeof(T));                                          \
+    CHECK(cudaFuncSetAttribute(bulk_kernel<T, NB, M>, cudaFuncAttributeMaxDynamicSharedMemorySize, \
+                               smem));                                                             \
+    report("bulk buffers=" #NB " minb=" #M,                                                        \
+           median_us(                                                                              \
+               [&](void* p) {                                                                      \
+                 bulk_kernel<T, NB, M><<<unsigned(heads), 128, smem>>>(                            \
+                     static_cast<T*>(p),                                                           \
+                     out_of_place ? static_cast<T*>(copy_dst) : static_cast<T*>(p), vec);          \
+               },                                                                                  \
+               pools));                                                                            \
+  }
+    BULK(3, 4)
+
+#define CLUSTER(W, M)                                                                     \
+  {                                                                                       \
+    auto kern = cluster_kernel<T, W, M>;                                                  \
+    CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeNonPortableClusterSizeAllowed, 1)); \
+    report("cluster warps=" #W " minb=" #M,                                               \
+           median_us(                                                                     \
+               [&](void* p) {                                                             \
+                 cudaLaunchConfig_t cfg{};                                                \
+                 cfg.gridDim = dim3(unsigned(heads * 16 / W));                            \
+                 cfg.blockDim = dim3(W * 32);                                             \
+                 cudaLaunchAttribute at[1];                                               \
+                 at[0].id = cudaLaunchAttributeClusterDimension;                          \
+                 at[0].val.clusterDim.x = 16 / W;                                         \
+                 at[0].val.clusterDim.y = 1;                                              \
+                 at[0].val.clusterDim.z = 1;                                              \
+                 cfg.attrs = at;                                                          \
+                 cfg.numAttrs = 1;                                                        \
+                 CHECK(cudaLaunchKernelEx(&cfg, kern, static_cast<const T*>(p),           \
+                                          static_cast<T*>(p), vec));                      \
+               },                                                                         \
+               pools));                                                                   \
+  }
+    CLUSTER(1, 32)
+    CLUSTER(1, 24)
+    CLUSTER(2, 12)
+    CLUSTER(4, 6)
+    BULK(4, 3)
+  }
+  for (auto& p : pools) CHECK(cudaFree(p));
+  CHECK(cudaFree(copy_dst));
+  CHECK(cudaFree(vec.out));
+}
+
+int main(int argc, char** argv) {
+  const int64_t heads = argc > 1 ? std::atoll(argv[1]) : 4096;
+  std::vector<float> hk(kD), hq(kD);
+  for (int i = 0; i < kD; ++i) {
+    hk[i] = 0.0883883f * ((i % 3) ? 1.0f : -1.0f);
+    hq[i] = 0.05f * float((i % 7) - 3);
+  }
+  float *k, *q;
+  CHECK(cudaMalloc(&k, kD * 4));
+  CHECK(cudaMalloc(&q, kD * 4));
+  CHECK(cudaMemcpy(k, hk.data(), kD * 4, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(q, hq.data(), kD * 4, cudaMemcpyHostToDevice));
+  Vecs vec{k, q, nullptr};
+  run<float>("fp32", heads, vec);
+  run<__nv_bfloat16>("bf16", heads, vec);
+  return 0;
+}
