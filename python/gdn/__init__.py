@@ -20,7 +20,7 @@ from ._C import (
 # One module per operation (its function, contract and float64 reference). The function
 # gdn.decode_mtp shadows its module of the same name (`import gdn.decode_mtp as m` gives the
 # function too); reach the module with importlib.import_module("gdn.decode_mtp").
-from .decode_mtp import can_use_decode_mtp, decode_mtp, workspace_words
+from .decode_mtp import can_use_decode_mtp, decode_mtp
 from .conv import causal_conv1d_update
 from .replay import ReplayWindow, decode_mtp_replay
 from . import metadata
@@ -41,7 +41,6 @@ __all__ = [
     "metadata",
     "supported_head_ratios",
     "supported_state_dtypes",
-    "workspace_words",
 ]
 
 

@@ -15,14 +15,7 @@ import numpy as np
 from . import _C
 from ._common import _stream_of, raise_argument_error
 
-__all__ = ["can_use_decode_mtp", "decode_mtp", "decode_mtp_reference", "workspace_words"]
-
-
-def workspace_words(num_requests: int, num_v_heads: int, num_state_columns: int) -> int:
-    """int32 words of the ``workspace`` a CUDA :func:`decode_mtp` or
-    :func:`gdn.decode_mtp_replay` call with N requests, HV value heads and S state columns
-    (``state_indices.shape[1]``; replay: the window capacity) uses."""
-    return int(_C.workspace_words(num_requests, num_v_heads, num_state_columns))
+__all__ = ["can_use_decode_mtp", "decode_mtp", "decode_mtp_reference"]
 
 # How the binding converts each argument (see _common.raise_argument_error).
 _KINDS = {
@@ -31,7 +24,7 @@ _KINDS = {
     "z": "input?", "norm_weight": "input?", "num_accepted_tokens": "input?", "scale": "float?",
     "l2_eps": "float", "norm_eps": "float", "gate": "str", "state_layout": "str",
     "first_valid_slot": "int", "num_k_heads": "int", "round_core_output": "bool",
-    "error_count": "array?", "workspace": "array?",
+    "error_count": "array?",
 }
 
 
@@ -58,7 +51,6 @@ def decode_mtp(
     num_k_heads: int = 0,
     round_core_output: bool = False,
     error_count: Any = None,
-    workspace: Any = None,
     stream: Optional[int] = None,
 ) -> None:
     """Fused GDN decode / MTP verify: updates the ``state`` pool in place and writes ``out``.
@@ -107,12 +99,6 @@ def decode_mtp(
       as vLLM's kernels do (its tests compare at that rounding). Default False: o enters the norm
       in float32, which is more exact.
     - ``error_count`` int32 [1] or None: on the GPU, incremented once per invalid request row.
-    - ``workspace`` int32 [>= :func:`workspace_words` (N, HV, S)] or None: scratch for the fastest
-      CUDA kernel, which at batches that fill the GPU streams the state at the copy rate and
-      exchanges the gated RMSNorm's sums through it. Zero it once when you allocate it
-      (``torch.zeros``); after that it belongs to the calls that use it, one at a time in stream
-      order (one workspace per stream; a CUDA graph keeps the one it was captured with). None:
-      the CUDA kernel that needs none (slower at large batches). Ignored on the CPU.
     - ``stream``: CUDA stream handle for CUDA arrays; default torch's current stream for torch
       tensors, CuPy's for CuPy arrays, else the legacy default stream. Ignored on the CPU.
 
@@ -152,7 +138,7 @@ def decode_mtp(
         _C.decode_mtp(
             mixed_qkv, a, b, A_log, dt_bias, state, state_indices, cu_seqlens, out, z,
             norm_weight, num_accepted_tokens, scale, l2_eps, norm_eps, gate, state_layout,
-            first_valid_slot, num_k_heads, round_core_output, error_count, workspace,
+            first_valid_slot, num_k_heads, round_core_output, error_count,
             None if stream is None else _stream_of(state, stream),
         )
     except TypeError:

@@ -76,7 +76,7 @@ def _op(function: Callable[..., object], mutates_args: Sequence[str]):
     return register
 
 
-@_op(_decode_mtp, mutates_args=("state", "out", "error_count", "workspace"))
+@_op(_decode_mtp, mutates_args=("state", "out", "error_count"))
 def decode_mtp(
     mixed_qkv: torch.Tensor,
     a: torch.Tensor,
@@ -100,14 +100,12 @@ def decode_mtp(
     num_k_heads: int = 0,
     round_core_output: bool = False,
     error_count: Optional[torch.Tensor] = None,
-    workspace: Optional[torch.Tensor] = None,
 ) -> None:
     """torch op form of :func:`gdn.decode_mtp`."""
 
 
 @_op(_decode_mtp_replay, mutates_args=("state", "out", "window_k", "window_v", "window_a",
-                                        "window_b", "window_len", "error_count",
-                                        "workspace"))
+                                        "window_b", "window_len", "error_count"))
 def decode_mtp_replay(
     mixed_qkv: torch.Tensor,
     a: torch.Tensor,
@@ -136,7 +134,6 @@ def decode_mtp_replay(
     num_k_heads: int = 0,
     round_core_output: bool = False,
     error_count: Optional[torch.Tensor] = None,
-    workspace: Optional[torch.Tensor] = None,
 ) -> None:
     """torch op form of :func:`gdn.decode_mtp_replay`. The window views may share buffers (k and
     v of one tensor, a and b of another): they are written, never aliased with an input."""

@@ -23,7 +23,7 @@ _KINDS = {
     "window_len": "array", "num_accepted_tokens": "input", "z": "input?", "norm_weight": "input?",
     "scale": "float?", "l2_eps": "float", "norm_eps": "float", "gate": "str",
     "state_layout": "str", "first_valid_slot": "int", "num_k_heads": "int",
-    "round_core_output": "bool", "error_count": "array?", "workspace": "array?",
+    "round_core_output": "bool", "error_count": "array?",
 }
 
 
@@ -55,7 +55,6 @@ def decode_mtp_replay(
     num_k_heads: int = 0,
     round_core_output: bool = False,
     error_count: Any = None,
-    workspace: Any = None,
     stream: Optional[int] = None,
 ) -> None:
     """Replay verify: GDN decode / MTP verify with one checkpoint slot per request.
@@ -71,8 +70,7 @@ def decode_mtp_replay(
 
     Arguments shared with :func:`gdn.decode_mtp` (``mixed_qkv``, ``a``, ``b``, ``A_log``,
     ``dt_bias``, ``out``, ``cu_seqlens``, ``z``, ``norm_weight``, the scalars, ``state_layout``,
-    ``first_valid_slot``, ``num_k_heads``, ``round_core_output``, ``error_count``, ``workspace``
-    (S = the window capacity), ``stream``)
+    ``first_valid_slot``, ``num_k_heads``, ``round_core_output``, ``error_count``, ``stream``)
     mean exactly what they mean there. The others:
 
     - ``state`` [slots, HV, V, K] (or [slots, HV, K, V] for ``"kv"``), f32/bf16/f16: the
@@ -111,8 +109,7 @@ def decode_mtp_replay(
             mixed_qkv, a, b, A_log, dt_bias, state, state_indices, cu_seqlens, out, window_k,
             window_v, window_a, window_b, window_len, num_accepted_tokens, z, norm_weight, scale,
             l2_eps, norm_eps, gate, state_layout, first_valid_slot, num_k_heads,
-            round_core_output, error_count, workspace,
-            None if stream is None else _stream_of(state, stream),
+            round_core_output, error_count, None if stream is None else _stream_of(state, stream),
         )
     except TypeError:
         raise_argument_error("decode_mtp_replay", _KINDS, locals())

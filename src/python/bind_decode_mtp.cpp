@@ -19,30 +19,12 @@ static void decode_mtp(
     const OptFastConstArray& num_accepted_tokens, std::optional<double> scale, double l2_eps,
     double norm_eps, const std::string& gate, const std::string& state_layout,
     int64_t first_valid_slot, int64_t num_k_heads, bool round_core_output,
-    const OptFastWritableArray& error_count, const OptFastWritableArray& workspace,
-    std::optional<uintptr_t> stream, int split) {
+    const OptFastWritableArray& error_count, std::optional<uintptr_t> stream, int split) {
   decode_mtp::Params p;
-  set_step_args({mixed_qkv,
-                 a,
-                 b,
-                 A_log,
-                 dt_bias,
-                 state,
-                 cu_seqlens,
-                 out,
-                 z,
-                 norm_weight,
-                 scale,
-                 l2_eps,
-                 norm_eps,
-                 gate,
-                 state_layout,
-                 first_valid_slot,
-                 num_k_heads,
-                 round_core_output,
-                 error_count,
-                 workspace},
-                p);
+  set_step_args(
+      {mixed_qkv, a, b, A_log, dt_bias, state, cu_seqlens, out, z, norm_weight, scale, l2_eps,
+       norm_eps, gate, state_layout, first_valid_slot, num_k_heads, round_core_output, error_count},
+      p);
   p.state_indices = to_view(state_indices, "state_indices");
   p.num_accepted_tokens = to_view(num_accepted_tokens, "num_accepted_tokens");
   run_step(
@@ -116,17 +98,11 @@ void bind_decode_mtp(nb::module_& m) {
         nb::arg("gate") = "silu", nb::arg("state_layout") = "vk", nb::arg("first_valid_slot") = 0,
         nb::arg("num_k_heads") = 0, nb::arg("round_core_output") = false,
         nb::arg("error_count").noconvert().none() = nb::none(),
-        nb::arg("workspace").noconvert().none() = nb::none(), nb::arg("stream").none() = nb::none(),
-        nb::arg("split") = 0,
+        nb::arg("stream").none() = nb::none(), nb::arg("split") = 0,
         "Fused GDN decode / MTP verify: updates `state` in place and writes `out`. `stream`: the "
         "CUDA stream handle; None launches on the current stream of `state`'s framework (torch, "
-        "CuPy), else on the legacy default stream. `workspace`: int32 [workspace_words(N, HV, S)], "
-        "zeroed once, for the fastest CUDA kernel (the norm exchange of the group kernel). "
-        "`split` pins the CUDA kernel's CTAs per value head (1, 2, 4, 8: head kernel; 16: group "
-        "kernel; 0 = automatic), for benchmarks and tests.");
-  m.def("workspace_words", &decode_mtp::workspace_words, nb::arg("N"), nb::arg("HV"), nb::arg("S"),
-        "int32 words of the workspace a CUDA decode_mtp / replay call with N requests, HV value "
-        "heads and S state columns uses.");
+        "CuPy), else on the legacy default stream. `split` pins the CUDA kernel's CTAs per value "
+        "head (1, 2, 4, 8; 0 = automatic), for benchmarks.");
   m.def("can_use_decode_mtp", &can_use_decode_mtp, nb::arg("device"), nb::arg("H"), nb::arg("HV"),
         nb::arg("K") = 128, nb::arg("V") = 128, nb::arg("S") = 1,
         nb::arg("state_dtype") = "float32", nb::arg("device_index") = 0,

@@ -22,30 +22,12 @@ static void decode_mtp_replay(
     const OptFastConstArray& norm_weight, std::optional<double> scale, double l2_eps,
     double norm_eps, const std::string& gate, const std::string& state_layout,
     int64_t first_valid_slot, int64_t num_k_heads, bool round_core_output,
-    const OptFastWritableArray& error_count, const OptFastWritableArray& workspace,
-    std::optional<uintptr_t> stream, int split) {
+    const OptFastWritableArray& error_count, std::optional<uintptr_t> stream, int split) {
   replay::Params p;
-  set_step_args({mixed_qkv,
-                 a,
-                 b,
-                 A_log,
-                 dt_bias,
-                 state,
-                 cu_seqlens,
-                 out,
-                 z,
-                 norm_weight,
-                 scale,
-                 l2_eps,
-                 norm_eps,
-                 gate,
-                 state_layout,
-                 first_valid_slot,
-                 num_k_heads,
-                 round_core_output,
-                 error_count,
-                 workspace},
-                p);
+  set_step_args(
+      {mixed_qkv, a, b, A_log, dt_bias, state, cu_seqlens, out, z, norm_weight, scale, l2_eps,
+       norm_eps, gate, state_layout, first_valid_slot, num_k_heads, round_core_output, error_count},
+      p);
   p.state_indices = to_view(state_indices, "state_indices");
   p.num_accepted_tokens = to_view(num_accepted_tokens, "num_accepted_tokens");
   p.window_k = to_view(window_k, "window_k");
@@ -73,8 +55,7 @@ void bind_replay(nb::module_& m) {
         nb::arg("gate") = "silu", nb::arg("state_layout") = "vk", nb::arg("first_valid_slot") = 0,
         nb::arg("num_k_heads") = 0, nb::arg("round_core_output") = false,
         nb::arg("error_count").noconvert().none() = nb::none(),
-        nb::arg("workspace").noconvert().none() = nb::none(), nb::arg("stream").none() = nb::none(),
-        nb::arg("split") = 0,
+        nb::arg("stream").none() = nb::none(), nb::arg("split") = 0,
         "Replay verify: advances each request's checkpoint by its accepted window tokens, runs the "
         "new tokens into `out` and saves them as the new window. `split` pins the CUDA kernel's "
         "CTAs per value head (1, 2, 4, 8; 0 = automatic), for benchmarks.");

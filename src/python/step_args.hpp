@@ -24,7 +24,6 @@ struct StepArgsIn {
   int64_t first_valid_slot, num_k_heads;
   bool round_core_output;
   const OptFastWritableArray& error_count;
-  const OptFastWritableArray& workspace;
 };
 
 inline void set_step_args(const StepArgsIn& in, decode_mtp::StepArgs& p) {
@@ -39,7 +38,6 @@ inline void set_step_args(const StepArgsIn& in, decode_mtp::StepArgs& p) {
   p.z = to_view(in.z, "z");
   p.norm_weight = to_view(in.norm_weight, "norm_weight");
   p.error_count = to_view(in.error_count, "error_count");
-  p.workspace = to_view(in.workspace, "workspace");
   p.scale = in.scale ? float(*in.scale) : NAN;
   p.l2_eps = float(in.l2_eps);
   p.norm_eps = float(in.norm_eps);

@@ -23,11 +23,6 @@ using gdn::StateLayout;
 using gdn::TensorView;
 using gdn::decode_mtp::Params;
 
-// CTAs per value head of the launches under test: 0 (the launcher's choice, the head kernel at
-// these small sizes) or 16 (the group kernel).
-int g_split = 0;
-constexpr int kSplitsUnderTest[] = {0, 16};
-
 #define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << cudaGetErrorString(cudaGetLastError())
 
 // A host array of a run-time float dtype (bytes + element count) and its device twin.
@@ -120,7 +115,6 @@ struct Problem {
   Config cfg;
   int HV = 0, L = 0, num_slots = 0;
   Array qkv, a, b, A_log, dt_bias, z, norm_w, state, idx, cu, acc, out;
-  Array workspace;  // the group kernel's norm exchange, zeroed
 
   void build(const Config& c) {
     cfg = c;
@@ -170,12 +164,10 @@ struct Problem {
     }
     out.init(c.act, {L, HV, kDim});
     out.fill_nan();
-    workspace.init(DType::kInt32, {gdn::decode_mtp::workspace_words(c.N, HV, c.S)});
   }
 
   void upload_all() {
-    for (Array* x :
-         {&qkv, &a, &b, &A_log, &dt_bias, &z, &norm_w, &state, &idx, &cu, &out, &workspace})
+    for (Array* x : {&qkv, &a, &b, &A_log, &dt_bias, &z, &norm_w, &state, &idx, &cu, &out})
       x->upload();
     if (!cfg.acc.empty()) acc.upload();
   }
@@ -199,7 +191,6 @@ struct Problem {
     p.gate = cfg.sigmoid_gate ? gdn::GateActivation::kSigmoid : gdn::GateActivation::kSiLU;
     p.layout = cfg.layout;
     p.first_valid_slot = cfg.first_valid_slot;
-    if (dev) p.workspace = workspace.view(true);
     return p;
   }
 
@@ -308,8 +299,8 @@ std::vector<size_t> written_elements(const Problem& pb) {
   return e;
 }
 
-// Runs `cfg` on CUDA (with g_split) and on the CPU path, checks both against the float64 reference.
-void check_config_once(const Config& cfg) {
+// Runs `cfg` on CUDA and on the CPU path, checks both against the float64 reference.
+void check_config(const Config& cfg) {
   Problem gpu, cpu;
   gpu.build(cfg);
   cpu.build(cfg);
@@ -317,18 +308,10 @@ void check_config_once(const Config& cfg) {
   reference(gpu, &ref_out, &ref_pool);
   gpu.upload_all();
 
-  const gdn::Status st = gdn::decode_mtp::launch_cuda(gpu.params(true), nullptr, g_split);
+  const gdn::Status st = gdn::decode_mtp::launch_cuda(gpu.params(true), nullptr);
   ASSERT_TRUE(st.is_ok()) << st.reason();
   CUDA_OK(cudaDeviceSynchronize());
   gpu.out.host = gpu.out.download();
-  {  // the group kernel leaves every counter a multiple of 16 for the next launch
-    Array ws;
-    ws.dtype = DType::kInt32;
-    ws.host = gpu.workspace.download();
-    const int64_t heads = int64_t(cfg.N) * gpu.HV;
-    for (int64_t i = 0; i < heads; ++i)
-      ASSERT_EQ(ws.get_index(i) % 16, 0) << "workspace counter " << i << ", split " << g_split;
-  }
   const std::vector<unsigned char> pool_before = gpu.state.host;
   gpu.state.host = gpu.state.download();
 
@@ -342,8 +325,7 @@ void check_config_once(const Config& cfg) {
   for (size_t e = 0; e < all_out.size(); ++e) all_out[e] = e;
   const std::string what = "state " + std::string(gdn::to_string(cfg.state)) + ", act " +
                            std::string(gdn::to_string(cfg.act)) + ", ratio " +
-                           std::to_string(cfg.ratio) + ", S " + std::to_string(cfg.S) + ", split " +
-                           std::to_string(g_split);
+                           std::to_string(cfg.ratio) + ", S " + std::to_string(cfg.S);
   for (size_t e = 0; e < ref_out.size(); ++e)
     ASSERT_FALSE(std::isnan(gpu.out.get(int64_t(e))))
         << "output element " << e << " not written; " << what;
@@ -367,15 +349,6 @@ void check_config_once(const Config& cfg) {
     den += double(cpu.state.get(int64_t(e))) * cpu.state.get(int64_t(e));
   }
   EXPECT_LE(std::sqrt(num / std::max(den, 1e-300)), state_bar) << "CUDA vs CPU state; " << what;
-}
-
-// check_config_once with the head kernel and with the group kernel.
-void check_config(const Config& cfg) {
-  for (int split : kSplitsUnderTest) {
-    g_split = split;
-    check_config_once(cfg);
-  }
-  g_split = 0;
 }
 
 TEST(DecodeMtpCuda, MatchesCpuAndFloat64AcrossRatiosAndDtypes) {
@@ -446,16 +419,8 @@ TEST(DecodeMtpCuda, LongRowsAndSmallBatch) {
 
 // Invalid rows (device-side indices): no state write, zero output rows inside [0, L), one error
 // count each; valid rows unaffected; nothing outside owned slots touched, whatever the ids.
-void hostile_indices_never_escape(int split);
 TEST(DecodeMtpCuda, HostileIndicesNeverEscape) {
   GDN_SKIP_WITHOUT_GPU();
-  for (int split : kSplitsUnderTest) {
-    SCOPED_TRACE("split " + std::to_string(split));
-    hostile_indices_never_escape(split);
-  }
-}
-
-void hostile_indices_never_escape(int split) {
   Config c;
   c.H = 1;
   c.ratio = 2;
@@ -506,7 +471,7 @@ void hostile_indices_never_escape(int split) {
   p.num_accepted_tokens = pb.acc.view(true);
   p.error_count = TensorView::make(counter, DType::kInt32, {1}, {}, {gdn::DeviceType::kCUDA, 0});
   const std::vector<unsigned char> pool_before = pb.state.host;
-  const gdn::Status st = gdn::decode_mtp::launch_cuda(p, nullptr, split);
+  const gdn::Status st = gdn::decode_mtp::launch_cuda(p, nullptr);
   ASSERT_TRUE(st.is_ok()) << st.reason();
   CUDA_OK(cudaDeviceSynchronize());
   int errors = -1;
@@ -540,16 +505,8 @@ void hostile_indices_never_escape(int split) {
 }
 
 // Capture one launch in a CUDA graph, then replay it on new data in the same buffers.
-void graph_capture_and_replay(int split);
 TEST(DecodeMtpCuda, GraphCaptureAndReplay) {
   GDN_SKIP_WITHOUT_GPU();
-  for (int split : kSplitsUnderTest) {
-    SCOPED_TRACE("split " + std::to_string(split));
-    graph_capture_and_replay(split);
-  }
-}
-
-void graph_capture_and_replay(int split) {
   Config c;
   c.N = 3;
   c.S = 3;
@@ -566,12 +523,12 @@ void graph_capture_and_replay(int split) {
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  const gdn::Status st = gdn::decode_mtp::launch_cuda(pb.params(true), stream, split);
+  const gdn::Status st = gdn::decode_mtp::launch_cuda(pb.params(true), stream);
   CUDA_OK(cudaStreamEndCapture(stream, &graph));
   ASSERT_TRUE(st.is_ok()) << st.reason();
   CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
 
-  for (uint32_t round = 0; round < 3; ++round) {  // the workspace carries over between rounds
+  for (uint32_t round = 0; round < 2; ++round) {
     // Fresh inputs and state, same shapes and buffers.
     Problem fresh;
     c.seed = 500 + round;
@@ -603,8 +560,8 @@ void graph_capture_and_replay(int split) {
   cudaStreamDestroy(stream);
 }
 
-// Every split of a head (1, 2, 4, 8 CTAs, and the group kernel's 16) gives the same bits: the
-// norm's reduction order does not depend on it.
+// Every split of a head (1, 2, 4, 8 CTAs) gives the same bits: the norm's reduction order does not
+// depend on it.
 TEST(DecodeMtpCuda, SplitsAgreeBitForBit) {
   GDN_SKIP_WITHOUT_GPU();
   int major = 0;
@@ -617,7 +574,7 @@ TEST(DecodeMtpCuda, SplitsAgreeBitForBit) {
   c.acc = {3, 1};
   c.seed = 77;
   std::vector<unsigned char> first_out, first_pool;
-  for (int split : {1, 2, 4, 8, 16}) {
+  for (int split : {1, 2, 4, 8}) {
     Problem pb;
     pb.build(c);
     pb.upload_all();
@@ -692,36 +649,6 @@ TEST(DecodeMtpCuda, GuardRefusesWithReason) {
   Params host = pb.params(false);
   const gdn::Status hs = gdn::decode_mtp::launch_cuda(host, nullptr);
   EXPECT_EQ(hs.code(), gdn::StatusCode::kInvalidArgument) << hs.reason();
-}
-
-// The group kernel with a norm needs its workspace: refused, with the reason, before any launch;
-// a workspace too small is refused naming it.
-TEST(DecodeMtpCuda, GroupKernelNeedsItsWorkspace) {
-  GDN_SKIP_WITHOUT_GPU();
-  Config c;
-  c.N = 2;
-  c.S = 2;
-  c.T = {2, 1};
-  Problem pb;
-  pb.build(c);
-  pb.upload_all();
-  Params p = pb.params(true);
-  p.workspace = TensorView{};
-  const gdn::Status st = gdn::decode_mtp::launch_cuda(p, nullptr, 16);
-  EXPECT_EQ(st.code(), gdn::StatusCode::kInvalidArgument);
-  EXPECT_NE(st.reason().find("workspace"), std::string::npos) << st.reason();
-  p = pb.params(true);
-  p.workspace.shape[0] -= 1;
-  const gdn::Status small = gdn::decode_mtp::launch_cuda(p, nullptr, 16);
-  EXPECT_EQ(small.code(), gdn::StatusCode::kInvalidArgument);
-  EXPECT_NE(small.reason().find("workspace holds"), std::string::npos) << small.reason();
-  // Without a norm there is nothing to exchange: no workspace needed.
-  pb.cfg.norm = false;
-  p = pb.params(true);
-  p.workspace = TensorView{};
-  const gdn::Status plain = gdn::decode_mtp::launch_cuda(p, nullptr, 16);
-  EXPECT_TRUE(plain.is_ok()) << plain.reason();
-  CUDA_OK(cudaDeviceSynchronize());
 }
 
 }  // namespace

@@ -26,19 +26,9 @@ std::vector<TensorView*> step_views(decode_mtp::StepArgs& p) {
           &p.norm_weight, &p.state, &p.cu_seqlens, &p.out,   &p.error_count};
 }
 
-// A zeroed workspace for one launch (the group kernel's norm exchange), viewed on the host.
-TensorView fresh_workspace(std::vector<int32_t>& words, int64_t N, int64_t HV, int64_t S) {
-  words.assign(size_t(decode_mtp::workspace_words(N, HV, S)), 0);
-  return TensorView::make(words.data(), DType::kInt32, {int64_t(words.size())}, {}, {});
-}
-
 Status gpu_replay(const replay::Params& host) {
   replay::Params p = host;
-  std::vector<int32_t> words;
-  p.workspace =
-      fresh_workspace(words, p.state_indices.shape[0], p.state.shape[1], p.window_k.shape[1]);
   std::vector<TensorView*> views = step_views(p);
-  views.push_back(&p.workspace);
   for (TensorView* v : {&p.state_indices, &p.num_accepted_tokens, &p.window_k, &p.window_v,
                         &p.window_a, &p.window_b, &p.window_len})
     views.push_back(v);
@@ -47,11 +37,7 @@ Status gpu_replay(const replay::Params& host) {
 
 Status gpu_decode(const decode_mtp::Params& host) {
   decode_mtp::Params p = host;
-  std::vector<int32_t> words;
-  p.workspace =
-      fresh_workspace(words, p.state_indices.shape[0], p.state.shape[1], p.state_indices.shape[1]);
   std::vector<TensorView*> views = step_views(p);
-  views.push_back(&p.workspace);
   views.push_back(&p.state_indices);
   views.push_back(&p.num_accepted_tokens);
   return run_mirrored(views, [&] { return decode_mtp::launch_cuda(p, nullptr); });
@@ -75,15 +61,6 @@ TEST_P(ReplayCudaChain, EqualsWriteEveryTokenAndSequentialDecoding) {
   GDN_SKIP_WITHOUT_GPU();
   g_split = 0;
   run_chain_bit_for_bit(GetParam(), kGpu);
-}
-
-// The same chains with replay on the group kernel (decode_mtp on the head kernel): still bit for
-// bit.
-TEST_P(ReplayCudaChain, GroupKernelEqualsWriteEveryTokenAndSequentialDecoding) {
-  GDN_SKIP_WITHOUT_GPU();
-  g_split = 16;
-  run_chain_bit_for_bit(GetParam(), kGpu);
-  g_split = 0;
 }
 
 std::vector<ChainParam> gpu_chain_params() {
@@ -124,7 +101,7 @@ TEST(ReplayCuda, SplitsAgreeBitForBit) {
   ReplayConfig cfg = gpu_config(2, 2, StateLayout::kVK, 191);
   std::vector<HostArray> states, outs;
   std::vector<std::vector<int32_t>> lens;
-  for (int split : {1, 2, 4, 8, 16}) {
+  for (int split : {1, 2, 4, 8}) {
     g_split = split;
     Chain ch(cfg, kGpu);
     for (int step = 0; step < 8; ++step) {
@@ -145,21 +122,11 @@ TEST(ReplayCuda, SplitsAgreeBitForBit) {
   }
 }
 
-void invalid_rows_are_isolated();
-
 // Device-side invalid rows: the row stores nothing (checkpoint, window, window_len), its outputs
 // are zero and error_count counts it once; the other rows run as usual.
 TEST(ReplayCuda, InvalidRowsAreIsolated) {
   GDN_SKIP_WITHOUT_GPU();
-  for (int split : {0, 16}) {
-    SCOPED_TRACE("split " + std::to_string(split));
-    g_split = split;
-    invalid_rows_are_isolated();
-  }
   g_split = 0;
-}
-
-void invalid_rows_are_isolated() {
   struct Bad {
     const char* what;
     void (*mutate)(Chain&);

@@ -65,11 +65,8 @@ def run_cuda(case, fn=None, **extra):
 
 
 def check_cuda(case, *, out_tol, state_tol=FP32_BAR, against_cpu=True, fn=None):
-    """CUDA vs the float64 reference (reference_torch rules) and vs the CPU path; with the default
-    function, once on the launcher's choice (the head kernel at these sizes) and once on the group
-    kernel (split 16, with a workspace)."""
+    """CUDA vs the float64 reference (reference_torch rules) and vs the CPU path."""
     cpu = map_case(case, "cpu") if against_cpu else None
-    group = map_case(case, "cpu") if fn is None else None
     ref = case.reference()
     before = case.pool_buffer.clone()
     run_cuda(case, fn)
@@ -84,23 +81,7 @@ def check_cuda(case, *, out_tol, state_tol=FP32_BAR, against_cpu=True, fn=None):
         for slot in ref.written:
             err = rel_l2(case.state[slot], cpu.state[slot])
             assert err <= state_tol, f"CUDA vs CPU state of slot {slot}: rel L2 {err:.3g}"
-    if group is not None:
-        ws = cuda_workspace(group)
-        stream = torch.cuda.current_stream().cuda_stream
-        check_cuda(group, out_tol=out_tol, state_tol=state_tol, against_cpu=False,
-                   fn=functools.partial(gdn._C.decode_mtp, split=16, workspace=ws, stream=stream))
-        rows = case.token_rows()
-        if rows:  # the two kernels agree bit for bit
-            assert torch.equal(group.out[rows].view(torch.uint8), case.out[rows].view(torch.uint8))
-        assert torch.equal(group.pool_buffer.view(torch.uint8), case.pool_buffer.view(torch.uint8))
     return ref
-
-
-def cuda_workspace(case):
-    """A zeroed workspace for `case`'s CUDA call (the group kernel's norm exchange)."""
-    N, S = case.state_indices.shape
-    HV = case.state.shape[1]
-    return torch.zeros(gdn.workspace_words(N, HV, S), dtype=torch.int32, device="cuda")
 
 
 def case128(gen, **kw):
@@ -232,35 +213,25 @@ def test_no_num_accepted_tokens_means_all_one(gen):
 
 
 @requires_cuda
-@pytest.mark.parametrize("with_workspace", [False, True], ids=["head_kernel", "group_kernel"])
-def test_many_requests_fill_the_gpu(gen, with_workspace):
-    """More (request, head) pairs than SMs: the unsplit head kernel, or with a workspace the
-    group kernel (one warp per 8 rows); the same workspace serves three calls in a row."""
+def test_many_requests_fill_the_gpu(gen):
+    """More (request, head) pairs than SMs: the unsplit launch."""
     T = [int(t) for t in torch.randint(0, 4, (40,), generator=gen)]
     case = case128(gen, H=2, HV=8, S=3, T=T, act=BF16)
-    ws = cuda_workspace(case) if with_workspace else None
-    for _ in range(3 if with_workspace else 1):
-        fresh = case128(gen, H=2, HV=8, S=3, T=T, act=BF16)
-        fn = functools.partial(gdn.decode_mtp, workspace=ws)
-        check_cuda(fresh, out_tol=OUT16_BAR, against_cpu=False, fn=fn)
-    if ws is not None:
-        assert bool((ws[: 40 * 8] % 16 == 0).all()), "counters left for the next call"
+    check_cuda(case, out_tol=OUT16_BAR, against_cpu=False)
 
 
 @requires_cuda
-@pytest.mark.parametrize("split", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("split", [1, 2, 4, 8])
 def test_every_split_gives_the_same_bits(gen, split):
-    """Rows of a head spread over 1..8 CTAs (a cluster on sm_90), or one warp-sized CTA per 8 rows
-    (16, the group kernel): bit-identical results."""
-    if split not in (1, 16) and torch.cuda.get_device_capability()[0] < 9:
+    """Rows of a head spread over 1..8 CTAs (a cluster on sm_90): bit-identical results."""
+    if split != 1 and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("head splitting needs thread-block clusters (sm_90+)")
     case = case128(gen, H=1, HV=2, S=4, T=(4, 2, 3), state_dtype=FP32)
     base = map_case(case, "cpu")
-    ws = cuda_workspace(case)
 
     def pinned(n):
         stream = torch.cuda.current_stream().cuda_stream
-        return functools.partial(gdn._C.decode_mtp, split=n, stream=stream, workspace=ws)
+        return functools.partial(gdn._C.decode_mtp, split=n, stream=stream)
 
     run_cuda(base, pinned(1))
     run_cuda(case, pinned(split))

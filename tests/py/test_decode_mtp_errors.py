@@ -247,12 +247,6 @@ ARGUMENT_ERRORS = [
            r"error_count must hold exactly one int32 element"),
     _error("error_count_int64", _opt(error_count=torch.zeros(1, dtype=torch.int64)),
            r"error_count has dtype int64"),
-    _error("workspace_float", _opt(workspace=torch.zeros(1 << 16, dtype=torch.float32)),
-           r"workspace has dtype float32"),
-    _error("workspace_too_small", _opt(workspace=torch.zeros(5, dtype=torch.int32)),
-           r"workspace holds 5 int32 words; N = 3, HV = \d+, S = 3 need \d+ \(workspace_words\)"),
-    _error("workspace_2d", _opt(workspace=torch.zeros(2, 1 << 15, dtype=torch.int32)),
-           r"workspace must have 1 dimension"),
 ]
 
 

@@ -153,9 +153,9 @@ _needs_cuda = pytest.mark.skipif(_CUDA_REASON is not None, reason=f"CUDA: {_CUDA
 
 # The Tensor arguments each gdn function may write (its contract), by op name.
 WRITES = {
-    "decode_mtp": {"state", "out", "error_count", "workspace"},
+    "decode_mtp": {"state", "out", "error_count"},
     "decode_mtp_replay": {"state", "out", "window_k", "window_v", "window_a", "window_b",
-                          "window_len", "error_count", "workspace"},
+                          "window_len", "error_count"},
     "causal_conv1d_update": {"conv_state", "out", "error_count"},
     "metadata_plan": {"plan"},
     "metadata_state_rows": {"plan", "spec_state_indices", "non_spec_state_indices", "error_count",

@@ -1,17 +1,10 @@
-// decode_mtp on CUDA (K = V = 128): the launcher. The kernels and their mappings are described in
+// decode_mtp on CUDA (K = V = 128): the launcher. The kernel and its mapping are described in
 // gdn/decode_mtp/cuda_kernel.cuh.
 //
-// Two mappings, chosen by `split` (CTAs per value head):
-//   - 1, 2, 4, 8: the head kernel, one CTA per (request, value head, row block), a split head as a
-//     thread-block cluster; the state streamed by bulk copies. Needs nothing but the arguments.
-//   - 16: the group kernel, one warp-sized CTA per (request, value head, 8 rows), rows loaded
-//     straight into registers; the norm is exchanged through the caller's workspace
-//     (StepArgs::workspace; not needed without norm_weight).
-// The choice is a pure function of the shapes, the device and whether a workspace was given: the
-// group kernel whenever it can run and the batch fills the GPU (it streams at the copy rate; a
-// lone small batch is latency-bound and the cluster-split head kernel reaches its rows sooner),
-// else the head kernel with the smallest split that gives every SM a CTA. Callers may pin it
-// (benchmarks and tests do).
+// The grid is one CTA per (request, value head, row block). The row split (CTAs per head) is a
+// pure function of the shapes and the device: 1 once there are at least as many heads as SMs,
+// else the smallest of 2, 4, 8 that gives every SM a CTA (small batches are latency-bound: more,
+// smaller CTAs pull their bytes in parallel). Callers may pin it (benchmarks do).
 //
 // The launcher allocates nothing and never synchronises. The only attribute it sets (the kernel's
 // dynamic shared memory ceiling) is set once per kernel and device and is not a stream operation,
@@ -57,19 +50,8 @@ inline int choose_buffers(int state_bytes, int64_t heads, int sm_count) {
   return heads < 4 * int64_t(sm_count) ? 2 : 3;
 }
 
-inline constexpr int kGroupSplit = 16;
-static_assert(
-    workspace_words(5, 3, 4) == workspace_counter_words(15) + 15 * workspace_head_words(4),
-    "the group kernel's workspace layout is the one workspace_words sizes");  // the group kernel:
-                                                                              // one CTA per 8 rows
-                                                                              // of a head
-
-// CTAs per head. The group kernel when it can run (no norm, or a workspace for its exchange) and
-// there are at least kGroupMinHeadsPerSm heads per SM; otherwise the head kernel: 1 once every SM
-// has a head, else the smallest split that gives every SM a CTA.
-inline constexpr int kGroupMinHeadsPerSm = 1;
-inline int choose_split(int64_t heads, int sm_count, bool clusters, bool group_ok) {
-  if (group_ok && heads >= int64_t(kGroupMinHeadsPerSm) * sm_count) return kGroupSplit;
+// CTAs per head: 1 once every SM has a head, else the smallest split that gives every SM a CTA.
+inline int choose_split(int64_t heads, int sm_count, bool clusters) {
   if (!clusters) return 1;
   int split = 1;
   while (split < kMaxSplit && heads * split < sm_count) split *= 2;
@@ -124,29 +106,9 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
   // sm_90 image: clusters, bulk copies and programmatic dependent launch.
   const bool hopper = info.major >= 9 && kernel_ptx_version(kernel, device, ptx_cache) >= 90;
   const int64_t heads = args.N * args.HV;
-  const bool norm = args.norm_weight != nullptr;
-  const bool group_ok = !norm || args.workspace != nullptr;
-  const int split =
-      split_request > 0 ? split_request : choose_split(heads, info.sm_count, hopper, group_ok);
-  if (split == kGroupSplit) {
-    if (!group_ok)
-      return Status::invalid(
-          "decode_mtp: split 16 (the group kernel) exchanges the norm through a workspace; pass "
-          "one (workspace_words) or no norm_weight");
-    if (heads * kGroupSplit > int64_t(INT_MAX))
-      return Status::unsupported("decode_mtp: too many (request, value head) pairs for one launch");
-    constexpr auto group = decode_mtp_group_kernel<StateT, kRatio, kReplay>;
-    static std::atomic<int> group_smem_cache[kMaxDevices];
-    GDN_RETURN_IF_ERROR(allow_dynamic_shared(
-        group, device, group_smem_bytes(kCudaMaxSpecColumns, kReplay), group_smem_cache));
-    args.split = split;
-    return launch_ex(group, dim3(unsigned(heads * kGroupSplit)), dim3(32u),
-                     size_t(group_smem_bytes(args.S, kReplay)), 1, hopper, stream, args,
-                     kReplay ? "replay" : "decode_mtp");
-  }
+  const int split = split_request > 0 ? split_request : choose_split(heads, info.sm_count, hopper);
   if (split != 1 && split != 2 && split != 4 && split != 8)
-    return Status::invalid("decode_mtp: split must be 1, 2, 4, 8 or 16, got " +
-                           std::to_string(split));
+    return Status::invalid("decode_mtp: split must be 1, 2, 4 or 8, got " + std::to_string(split));
   if (split > 1 && !hopper)
     return Status::unsupported(
         "decode_mtp: splitting a head over CTAs needs thread-block "
@@ -240,7 +202,6 @@ inline KernelArgs step_kernel_args(const StepArgs& p, const Problem& pr) {
   args.cu_seqlens = p.cu_seqlens.data;
   args.out = p.out.data;
   args.error_count = p.error_count.present() ? static_cast<int*>(p.error_count.data) : nullptr;
-  args.workspace = p.workspace.present() ? static_cast<int*>(p.workspace.data) : nullptr;
   args.qkv_row_stride = p.mixed_qkv.strides[0];
   args.a_row_stride = p.a.strides[0];
   args.b_row_stride = p.b.strides[0];

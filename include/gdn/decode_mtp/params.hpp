@@ -29,10 +29,6 @@ struct StepArgs {
   TensorView cu_seqlens;   // [N+1]
   TensorView out;          // [L, HV, V], contiguous, written only
   TensorView error_count;  // optional int32 [1] (device path: invalid rows bump it)
-  // Optional int32 [>= workspace_words(N, HV, S)], zeroed once when allocated, then owned by the
-  // calls that use it, one at a time (stream order): the CUDA group kernel's norm exchange. Calls
-  // leave it valid for the next; the CPU ignores it.
-  TensorView workspace;
 
   int64_t num_k_heads = 0;  // H; 0 = derive from the mixed_qkv width
   float scale = NAN;        // NaN = K^-1/2
@@ -51,13 +47,6 @@ struct Params : StepArgs {
   TensorView state_indices;        // [N, S] int32/int64, contiguous rows
   TensorView num_accepted_tokens;  // [N] or absent (all 1)
 };
-
-// 32-bit words of the workspace a CUDA call with N requests, HV value heads and S state columns
-// uses (K = V = 128): per (request, value head) a counter, S x 128 outputs and S x 16 sums.
-constexpr int64_t workspace_words(int64_t N, int64_t HV, int64_t S) {
-  const int64_t heads = N * HV;
-  return (heads + 3) / 4 * 4 + heads * S * (128 + 16);
-}
 
 // Sizes derived from (and checked against) the arguments.
 struct Problem {
@@ -167,24 +156,12 @@ Status check_step_arguments(const StepArgs& p, Problem* out_problem,
   GDN_RETURN_IF_ERROR(contiguous_from(p.out, "out", 0));
 
   GDN_RETURN_IF_ERROR(optional_counter(p.error_count, "error_count"));
-  if (p.workspace.present()) {
-    GDN_RETURN_IF_ERROR(ndim(p.workspace, "workspace", 1));
-    GDN_RETURN_IF_ERROR(dtype_in(p.workspace, "workspace", {DType::kInt32}));
-    GDN_RETURN_IF_ERROR(contiguous_from(p.workspace, "workspace", 0));
-    const int64_t need = workspace_words(pr.N, pr.HV, pr.S);
-    if (p.workspace.shape[0] < need)
-      return Status::invalid("workspace holds " + std::to_string(p.workspace.shape[0]) +
-                             " int32 words; N = " + std::to_string(pr.N) +
-                             ", HV = " + std::to_string(pr.HV) + ", S = " + std::to_string(pr.S) +
-                             " need " + std::to_string(need) + " (workspace_words)");
-  }
 
   for (auto [view, name] :
        {NamedView{&p.mixed_qkv, "mixed_qkv"}, NamedView{&p.a, "a"}, NamedView{&p.b, "b"},
         NamedView{&p.A_log, "A_log"}, NamedView{&p.dt_bias, "dt_bias"}, NamedView{&p.z, "z"},
         NamedView{&p.norm_weight, "norm_weight"}, NamedView{&p.cu_seqlens, "cu_seqlens"},
-        NamedView{&p.out, "out"}, NamedView{&p.error_count, "error_count"},
-        NamedView{&p.workspace, "workspace"}})
+        NamedView{&p.out, "out"}, NamedView{&p.error_count, "error_count"}})
     GDN_RETURN_IF_ERROR(same_device(*view, name, pr.device));
   for (auto [view, name] : own_views) GDN_RETURN_IF_ERROR(same_device(*view, name, pr.device));
 

@@ -53,9 +53,6 @@ struct StateBits<float> {
   static __device__ __forceinline__ void store_streaming(float* p, Raw r) {
     __stcs(reinterpret_cast<float4*>(p), r);
   }
-  static __device__ __forceinline__ Raw load_scalar(const float* p, int64_t step) {
-    return make_float4(p[0], p[step], p[2 * step], p[3 * step]);
-  }
   static __device__ __forceinline__ void store_scalar(float* p, int64_t step, Raw r) {
     p[0] = r.x;
     p[step] = r.y;
@@ -95,11 +92,6 @@ struct StateBits16 {
   }
   static __device__ __forceinline__ void store_streaming(Half* p, Raw r) {
     __stcs(reinterpret_cast<uint2*>(p), r);
-  }
-  static __device__ __forceinline__ Raw load_scalar(const Half* p, int64_t step) {
-    const uint16_t* q = reinterpret_cast<const uint16_t*>(p);
-    return make_uint2(uint32_t(q[0]) | uint32_t(q[step]) << 16,
-                      uint32_t(q[2 * step]) | uint32_t(q[3 * step]) << 16);
   }
   static __device__ __forceinline__ void store_scalar(Half* p, int64_t step, Raw r) {
     uint16_t* q = reinterpret_cast<uint16_t*>(p);
