@@ -188,14 +188,14 @@ class Engine:
         self.torch = torch
         self.model, self.N, self.num_spec, self.T = model, num_requests, num_spec, num_spec + 1
         self.cache = GDNCache(model, num_requests, num_spec, conv_layout, seed, replay=replay)
-        # Replay verify: window tokens each spec row replays (a persistent buffer the graph reads).
-        self.replay_counts = (torch.zeros(num_requests, dtype=torch.int32, device=model.device)
-                              if replay else None)
+        self.replay = replay
         self.max_tokens = num_requests * self.T
         # The metadata builder: persistent buffers for all groups, one plan + one pass per step.
+        # In replay mode it also gives each spec row's checkpoint block per group and the window
+        # tokens each row replays (its accepted counts are the replay counts then).
         self.builder = gdn.metadata.Builder(
             self.cache.block_tables, num_spec=num_spec, max_rows=num_requests,
-            max_tokens=self.max_tokens, pad_id=NULL_BLOCK)
+            max_tokens=self.max_tokens, pad_id=NULL_BLOCK, replay=replay)
         self.path = DecodePath(model, self.cache, self.max_tokens)
         self.graph = None
         self.graph_events: List = []
@@ -240,11 +240,23 @@ class Engine:
         from gdn._demo_model import StepSlots
 
         G = self.model.cfg.groups
+        # The conv state lives in column 0 of each request's row; in replay mode that block is the
+        # request's checkpoint, which the builder gives per group (checkpoint_indices) with the
+        # window tokens each row replays (replay_counts; padded rows 0).
         return StepSlots(
             cu_seqlens=md.spec_query_start_loc,
             state_indices=[md.spec_state_indices[g] for g in range(G)],
-            conv_indices=[md.spec_state_indices[g][:, 0] for g in range(G)],  # conv slot: column 0
-            num_accepted_tokens=md.spec_num_accepted, replay_counts=self.replay_counts)
+            conv_indices=[md.checkpoint_indices[g] if self.replay else md.spec_state_indices[g][:, 0]
+                          for g in range(G)],
+            num_accepted_tokens=md.spec_num_accepted,
+            replay_counts=md.replay_counts if self.replay else None)
+
+    def _counts(self, acc: np.ndarray, replay_n: Optional[np.ndarray], live: np.ndarray) -> np.ndarray:
+        """The builder's num_accepted_tokens: the accepted counts (1..S), or in replay mode the
+        window tokens each request replays (0..S, 0 right after prefill); rows not live: 1 / 0."""
+        if self.replay:
+            return self._host(np.where(live, replay_n, 0))
+        return self._host(np.where(live, acc, 1))
 
     def verify_step(self, live: List[int], tokens, acc: np.ndarray, context: np.ndarray, timer,
                     replay_n: Optional[np.ndarray] = None):
@@ -261,7 +273,7 @@ class Engine:
             # Padded to the full batch, so every step has the same shapes (what a graph needs).
             md = self.builder.step(
                 qsl, self._host(context + q), num_draft_tokens=self._host(np.where(is_live, self.num_spec, -1)),
-                num_accepted_tokens=self._host(np.where(is_live, acc, 1)),
+                num_accepted_tokens=self._counts(acc, replay_n, is_live),
                 num_computed_tokens=self._host(context), padded_rows=N)
         # Spec row j is the j-th live request; its tokens are rows j*T .. j*T+T-1 (finished
         # requests are zero-length rows, so the spec token order is the step's token order).
@@ -269,10 +281,6 @@ class Engine:
         assert list(md.host.spec_request_index[: len(live)].tolist()) == list(live)
         rows = len(live) * T
         self.path.tokens[:rows].copy_(tokens.reshape(-1))
-        if self.replay_counts is not None:  # spec row j is live[j]; padded rows replay nothing
-            counts = np.zeros(N, np.int32)
-            counts[: len(live)] = replay_n[live]
-            self.replay_counts.copy_(self.torch.from_numpy(counts))
         if self.graph is not None:
             self.graph.replay()
         else:
@@ -309,13 +317,20 @@ class Engine:
         with timer.host("metadata"):
             md = self.builder.step(
                 qsl, self._host(context + q), num_draft_tokens=self._host(drafts),
-                num_accepted_tokens=self._host(np.where(live_mask, acc, 1)),
+                num_accepted_tokens=self._counts(acc, replay_n, live_mask),
                 num_computed_tokens=self._host(context))
         rows = int(qsl[-1])
         flat = [t for i in range(N) for t in tokens.get(i, [])]
         self.path.tokens[:rows].copy_(self.torch.tensor(flat, dtype=self.torch.long))
-        self.path.forward_mixed(rows, md, replay_n if self.replay_counts is not None else None,
-                                timer)
+        replay_counts = None
+        if self.replay:  # the builder's replay counts of both kinds of rows, back in request order
+            replay_counts = np.zeros(N, np.int32)
+            h = md.host
+            replay_counts[np.asarray(h.spec_request_index)[: md.num_spec_decodes]] = \
+                np.asarray(h.replay_counts)[: md.num_spec_decodes]
+            replay_counts[np.asarray(h.non_spec_request_index)[: md.num_non_spec_rows]] = \
+                np.asarray(h.non_spec_replay_counts)[: md.num_non_spec_rows]
+        self.path.forward_mixed(rows, md, replay_counts, timer)
         pred = self.path.pred[:rows].cpu().numpy()
         return {i: pred[qsl[i]:qsl[i + 1]].tolist() for i in live}
 

@@ -20,6 +20,14 @@ Semantics are vLLM's GDN builder's (docs metadata.md §2.1, §2.2):
   destination, column ``start``) and ``non_spec_source_indices`` (column ``start + acc - 1``),
   with ``acc`` from ``num_accepted_tokens`` (every row; 1 when absent).
 
+Replay mode (``replay=True``, for :func:`gdn.decode_mtp_replay`, docs replay.md §3): a request
+owns one state slot per group, its checkpoint, at block table column ``start``;
+``num_accepted_tokens`` are the replay counts n (0..S, 0 when the row's window is empty, e.g. on
+its first step after prefill; absent: all 0) and the accepted counts become max(n, 1). The same
+plan and pass then also give every group's spec-row checkpoints (``checkpoint_indices``) and the
+rows' replay counts (``replay_counts``, ``non_spec_replay_counts``); non-spec rows read and write
+their checkpoint. Prefix caching (mode ``"align"``) with replay is refused.
+
 Free functions (:func:`plan`, :func:`state_rows`, :func:`shadow_check`) take any DLPack arrays;
 :func:`step_reference` is a NumPy reference of one group's metadata, for tests.
 :class:`Builder` owns persistent, zero-initialised buffers allocated once for the largest batch
@@ -69,12 +77,13 @@ _STEP_KINDS = {
     "max_rows": "int", "max_tokens": "int", "mode": "str", "block_size": "int",
     "padded_rows": "int?", "pad_id": "int",
 }
-_PLAN_KINDS = {"plan": "array", **_STEP_KINDS}
+_PLAN_KINDS = {"plan": "array", **_STEP_KINDS, "replay": "bool"}
 _STATE_ROWS_KINDS = {
     "plan": "array", "block_tables": "arrays", "spec_state_indices": "array",
     "non_spec_state_indices": "array", "num_spec": "int", "max_rows": "int", "max_tokens": "int",
     "pad_id": "int", "launch_rows": "int", "num_accepted_tokens": "array?",
-    "error_count": "array?", "non_spec_source_indices": "array?",
+    "error_count": "array?", "non_spec_source_indices": "array?", "replay": "bool",
+    "checkpoint_indices": "array?",
 }
 _SHADOW_KINDS = {k: v for k, v in _STATE_ROWS_KINDS.items()
                  if k not in ("launch_rows", "num_accepted_tokens", "error_count")}
@@ -110,6 +119,7 @@ def plan(
     block_size: int = 0,
     padded_rows: Optional[int] = None,
     pad_id: int = 0,
+    replay: bool = False,
 ) -> None:
     """Plans one step of N requests into the host int32 buffer ``plan``
     (``plan_words(max_rows, max_tokens)`` words, written; never touches a device).
@@ -131,6 +141,10 @@ def plan(
     - ``padded_rows`` (>= N) or None: pads every row vector to a CUDA-graph batch size; padded
       rows get ``pad_id`` slots and zero tokens.
     - ``pad_id``: the slot id of padded and unreadable rows.
+    - ``replay``: replay mode (module docstring): ``num_accepted_tokens`` are the replay counts
+      n in 0..S (absent: all 0); the plan keeps them (``replay_counts``,
+      ``non_spec_replay_counts``; padded rows 0) and accepts max(n, 1). Refused with mode
+      ``"align"``.
 
     Classification as vLLM's builder (module docstring): spec rows; without them decodes are the
     leading run of rows with <= 1 token, the rest prefills; with them 1-token rows are prefills
@@ -144,7 +158,7 @@ def plan(
             plan, query_start_loc, seq_lens, num_draft_tokens=num_draft_tokens,
             num_accepted_tokens=num_accepted_tokens, num_computed_tokens=num_computed_tokens,
             num_spec=num_spec, max_rows=max_rows, max_tokens=max_tokens, mode=mode,
-            block_size=block_size, padded_rows=padded_rows, pad_id=pad_id,
+            block_size=block_size, padded_rows=padded_rows, pad_id=pad_id, replay=replay,
         )
     except TypeError:
         raise_argument_error("metadata.plan", _PLAN_KINDS, locals())
@@ -165,6 +179,8 @@ def state_rows(
     num_accepted_tokens: Any = None,
     error_count: Any = None,
     non_spec_source_indices: Any = None,
+    replay: bool = False,
+    checkpoint_indices: Any = None,
     stream: Optional[int] = None,
 ) -> Optional[int]:
     """Fills every group's state rows in one pass from a planned buffer on the same device.
@@ -186,6 +202,14 @@ def state_rows(
       each non-spec row's source (column ``start + acc - 1``, where the previous step left the
       state). A non-spec row whose columns ``start .. start + acc - 1`` are not all in its table
       gets ``pad_id`` in both and is counted.
+    - ``replay``: replay mode, as given to :func:`plan` (a plan of the other mode is refused on
+      the CPU; on CUDA its rows get ``pad_id`` and it is counted in ``error_count``). Every row
+      then reads one column of its table, ``start``: ``checkpoint_indices`` [G, R] (int32,
+      contiguous, required in replay mode and refused otherwise) gets each spec row's checkpoint
+      slot, which is also column 0 of its ``spec_state_indices`` row (the other columns get
+      ``pad_id``); non-spec rows write and read their checkpoint (``non_spec_state_indices`` =
+      ``non_spec_source_indices``). A row whose column ``start`` is outside its table, or whose
+      gathered replay count is outside 0..S, is padded and counted as above.
     - ``stream``: CUDA stream handle; default torch's current stream for torch tensors.
 
     On CUDA this is one kernel launch on ``stream`` (capturable in a CUDA graph; it reads its
@@ -202,7 +226,7 @@ def state_rows(
             num_spec=num_spec, max_rows=max_rows, max_tokens=max_tokens, pad_id=pad_id,
             launch_rows=launch_rows, num_accepted_tokens=num_accepted_tokens,
             error_count=error_count, non_spec_source_indices=non_spec_source_indices,
-            stream=_stream_of(plan, stream),
+            replay=replay, checkpoint_indices=checkpoint_indices, stream=_stream_of(plan, stream),
         )
     except TypeError:
         raise_argument_error("metadata.state_rows", _STATE_ROWS_KINDS, locals())
@@ -228,15 +252,18 @@ def shadow_check(
     padded_rows: Optional[int] = None,
     pad_id: int = 0,
     non_spec_source_indices: Any = None,
+    replay: bool = False,
+    checkpoint_indices: Any = None,
 ) -> str:
     """Compares a step's ``plan`` and state rows (``spec_state_indices``,
-    ``non_spec_state_indices``, and ``non_spec_source_indices`` when given; host arrays) against
-    per-group builds from ``block_tables`` and the step's inputs (``query_start_loc``,
-    ``seq_lens``, ``num_draft_tokens``, ``num_accepted_tokens``, ``num_computed_tokens``,
-    ``num_spec``, ``max_rows``, ``max_tokens``, ``mode``, ``block_size``, ``padded_rows``,
-    ``pad_id``: as given to :func:`plan`), exactly, on the rows the step writes. Returns ``""``
-    when they agree, else a message naming the group, field, row and both values. Rows outside
-    the written range are never read."""
+    ``non_spec_state_indices``, ``non_spec_source_indices`` when given, and in replay mode
+    ``checkpoint_indices``; host arrays) against per-group builds from ``block_tables`` and the
+    step's inputs (``query_start_loc``, ``seq_lens``, ``num_draft_tokens``,
+    ``num_accepted_tokens``, ``num_computed_tokens``, ``num_spec``, ``max_rows``,
+    ``max_tokens``, ``mode``, ``block_size``, ``padded_rows``, ``pad_id``, ``replay``: as given
+    to :func:`plan`), exactly, on the rows the step writes. Returns ``""`` when they agree, else
+    a message naming the group, field, row and both values. Rows outside the written range are
+    never read."""
     try:
         return _C.metadata_shadow_check(
             plan, list(block_tables), spec_state_indices, non_spec_state_indices,
@@ -244,7 +271,8 @@ def shadow_check(
             num_accepted_tokens=num_accepted_tokens, num_computed_tokens=num_computed_tokens,
             num_spec=num_spec, max_rows=max_rows, max_tokens=max_tokens, mode=mode,
             block_size=block_size, padded_rows=padded_rows, pad_id=pad_id,
-            non_spec_source_indices=non_spec_source_indices,
+            non_spec_source_indices=non_spec_source_indices, replay=replay,
+            checkpoint_indices=checkpoint_indices,
         )
     except TypeError:
         raise_argument_error("metadata.shadow_check", _SHADOW_KINDS, locals())
@@ -264,6 +292,7 @@ def step_reference(
     block_size: int = 0,
     padded_rows: Optional[int] = None,
     pad_id: int = 0,
+    replay: bool = False,
 ) -> Dict[str, Any]:
     """NumPy reference of one group's step metadata (integers, so exact), built the way a
     per-group builder does it: boolean masks, repeat + stable argsort for the token split,
@@ -275,7 +304,9 @@ def step_reference(
     ``non_spec_token_indx``, ``spec_query_start_loc``, ``non_spec_query_start_loc``,
     ``spec_num_accepted``, ``spec_source_column``, ``non_spec_source_column``,
     ``has_initial_state``) and this group's ``spec_state_indices`` [rows, S],
-    ``non_spec_state_indices`` [rows] and ``non_spec_source_indices`` [rows].
+    ``non_spec_state_indices`` [rows] and ``non_spec_source_indices`` [rows]; with ``replay``
+    also ``replay_counts``, ``non_spec_replay_counts`` and this group's ``checkpoint_indices``
+    [rows].
     """
     i32 = np.int32
     qsl = np.asarray(query_start_loc, np.int64)
@@ -317,15 +348,20 @@ def step_reference(
     n_mask = N if padded_rows is None else padded_rows
 
     # State rows: columns [start, start + S) / start; a row outside the table gets pad_id.
+    # Replay mode: one column, start (the checkpoint), in column 0 of the spec row.
     rows, cols = table.shape
-    spec_cols = start[spec_idx, None] + np.arange(S)
+    width = 1 if replay else S
+    spec_cols = start[spec_idx, None] + np.arange(width)
     ok = (spec_idx < rows) & (spec_cols[:, -1] < cols) if len(spec_idx) else np.zeros(0, bool)
     spec_state = np.full((len(spec_idx), S), pad_id, i32)
-    spec_state[ok] = table[spec_idx[ok, None], spec_cols[ok]]
-    acc = (np.asarray(num_accepted_tokens, np.int64) if num_accepted_tokens is not None
-           else np.ones(N, np.int64))
-    # Non-spec rows: destination column start, source column start + acc - 1 (both or neither).
-    ns_src_col = start[ns_idx] + acc[ns_idx] - 1
+    spec_state[ok, :width] = table[spec_idx[ok, None], spec_cols[ok]]
+    # Replay mode: the given counts are the replay counts n (absent: 0); acc = max(n, 1).
+    given = (np.asarray(num_accepted_tokens, np.int64) if num_accepted_tokens is not None
+             else np.full(N, 0 if replay else 1, np.int64))
+    acc = np.maximum(given, 1)
+    # Non-spec rows: destination column start, source column start + acc - 1 (both or neither);
+    # replay mode: both the checkpoint, column start.
+    ns_src_col = start[ns_idx] + (0 if replay else acc[ns_idx] - 1)
     ns_ok = (ns_idx < rows) & (ns_src_col < cols)
     ns_state = np.full(len(ns_idx), pad_id, i32)
     ns_state[ns_ok] = table[ns_idx[ns_ok], start[ns_idx][ns_ok]]
@@ -341,6 +377,7 @@ def step_reference(
             spec_rows_written=n_spec_rows, non_spec_rows_written=n_ns_rows,
             mask_rows_written=n_mask, max_column_end=int((start + S).max()) if N else 0,
             num_spec_columns=S, padded_rows=-1 if padded_rows is None else padded_rows,
+            replay=int(bool(replay)),
         ),
         unreadable=int((~ok).sum() + (~ns_ok).sum()),
         spec_sequence_masks=pad_to(mask, n_mask, False),
@@ -358,6 +395,11 @@ def step_reference(
         spec_state_indices=pad_to(spec_state.reshape(-1), n_spec_rows * S, pad_id).reshape(-1, S),
         non_spec_state_indices=pad_to(ns_state, n_ns_rows, pad_id),
         non_spec_source_indices=pad_to(ns_source, n_ns_rows, pad_id),
+        **(dict(
+            replay_counts=pad_to(given[mask].astype(i32), n_spec_rows, 0),
+            non_spec_replay_counts=pad_to(given[~mask].astype(i32), n_ns_rows, 0),
+            checkpoint_indices=pad_to(spec_state[:, 0], n_spec_rows, pad_id),
+        ) if replay else {}),
     )
 
 
@@ -448,6 +490,17 @@ class PlanView:
         return self._v["has_initial_state"][: self.non_spec_rows]
 
     @property
+    def replay_counts(self) -> Any:
+        """Replay mode: n of each spec row, the window tokens it replays (padded rows 0), as
+        :func:`gdn.decode_mtp_replay` takes them; None for a plan made without replay."""
+        return self._v["replay_counts"][: self.spec_rows] if self.replay else None
+
+    @property
+    def non_spec_replay_counts(self) -> Any:
+        """Replay mode: n of each non-spec row (padded rows 0); None without replay."""
+        return self._v["non_spec_replay_counts"][: self.non_spec_rows] if self.replay else None
+
+    @property
     def non_spec_token_indx(self) -> Any:
         return self._v["token_split"][: self.num_non_spec_tokens]
 
@@ -482,7 +535,13 @@ class StepMetadata(PlanView):
     ``non_spec_state_indices`` [G, rows] (where each non-spec row writes its state) and
     ``non_spec_source_indices`` [G, rows] (where it reads it: the slot the previous step left
     it in). ``host`` views the host plan of the step (accepted counts gathered on the device
-    read 1 there).
+    read 1 there, replay counts 0).
+
+    Replay mode (``Builder(..., replay=True)``): ``checkpoint_indices`` [G, rows] (int32, each
+    spec row's checkpoint slot, block table column ``start``; padded rows ``pad_id``),
+    ``replay_counts`` [rows] and ``non_spec_replay_counts`` [rows] (int32, shared; padded rows
+    0); ``replay_args(g)`` are the arrays :func:`gdn.decode_mtp_replay` takes. Without replay
+    these are None.
     """
 
     __slots__ = ("_b", "host")
@@ -504,6 +563,12 @@ class StepMetadata(PlanView):
     def non_spec_source_indices(self) -> Any:
         return self._b.non_spec_source_indices[:, : self.non_spec_rows]
 
+    @property
+    def checkpoint_indices(self) -> Any:
+        """Replay mode: [G, rows] checkpoint slot of each spec row per group; None without."""
+        ck = self._b.checkpoint_indices
+        return None if ck is None else ck[:, : self.spec_rows]
+
     def decode_mtp_args(self, group: int) -> Dict[str, Any]:
         """``state_indices``, ``cu_seqlens`` and ``num_accepted_tokens`` of group ``group``'s spec
         rows, ready for :func:`gdn.decode_mtp` (its mixed_qkv rows are ``spec_token_indx``)."""
@@ -511,6 +576,18 @@ class StepMetadata(PlanView):
             "state_indices": self._b.spec_state_indices[group, : self.spec_rows],
             "cu_seqlens": self.spec_query_start_loc,
             "num_accepted_tokens": self.spec_num_accepted,
+        }
+
+    def replay_args(self, group: int) -> Dict[str, Any]:
+        """Replay mode: ``state_indices`` (group ``group``'s checkpoints), ``cu_seqlens`` and
+        ``num_accepted_tokens`` (the replay counts) of the spec rows, ready for
+        :func:`gdn.decode_mtp_replay` (its mixed_qkv rows are ``spec_token_indx``)."""
+        if self._b.checkpoint_indices is None:
+            raise ValueError("replay_args needs a builder made with replay=True")
+        return {
+            "state_indices": self._b.checkpoint_indices[group, : self.spec_rows],
+            "cu_seqlens": self.spec_query_start_loc,
+            "num_accepted_tokens": self.replay_counts,
         }
 
 
@@ -534,8 +611,13 @@ class Builder:
     ``"pageable"`` plans into one ordinary host buffer, which the driver stages before the copy
     call returns (no events, no ring; the copy may wait for a free staging buffer).
 
-    The block tables, ``num_spec``, ``pad_id`` and the capacity are fixed for the builder's
-    life: a CUDA graph that captured :meth:`launch` bakes them in.
+    ``replay``: replay mode (module docstring) for :func:`gdn.decode_mtp_replay`: one
+    checkpoint slot per request and group (column ``start``); each step's
+    ``num_accepted_tokens`` are the replay counts n (0..S) and the step also fills
+    ``checkpoint_indices`` [G, max_rows] and the replay counts. Refused with mode ``"align"``.
+
+    The block tables, ``num_spec``, ``pad_id``, ``replay`` and the capacity are fixed for the
+    builder's life: a CUDA graph that captured :meth:`launch` bakes them in.
     """
 
     def __init__(
@@ -551,6 +633,7 @@ class Builder:
         staging: str = "pinned",
         staging_slots: int = 2,
         shadow: Optional[bool] = None,
+        replay: bool = False,
     ):
         tables = list(block_tables)
         if not tables or len(tables) > MAX_GROUPS:
@@ -564,6 +647,7 @@ class Builder:
         self.mode = mode
         self.block_size = int(block_size)
         self.pad_id = int(pad_id)
+        self.replay = bool(replay)
         self.shadow = (
             os.environ.get("GDN_METADATA_SHADOW", "0") not in ("", "0") if shadow is None
             else shadow
@@ -584,6 +668,7 @@ class Builder:
             self.spec_state_indices = zeros(G, R, S)
             self.non_spec_state_indices = zeros(G, R)
             self.non_spec_source_indices = zeros(G, R)
+            self.checkpoint_indices = zeros(G, R) if self.replay else None
             self.error_count = zeros(1)
             self.device_plan = zeros(words) if self._cuda else None
             self.host_plans = [
@@ -602,15 +687,16 @@ class Builder:
             self.spec_state_indices = np.zeros((G, R, S), np.int32)
             self.non_spec_state_indices = np.zeros((G, R), np.int32)
             self.non_spec_source_indices = np.zeros((G, R), np.int32)
+            self.checkpoint_indices = np.zeros((G, R), np.int32) if self.replay else None
             self.error_count = np.zeros(1, np.int32)
             self.device_plan = None
             self.host_plans = [np.zeros(words, np.int32)]
         try:
             self._native = _C.MetadataBuilder(
                 tables, self.spec_state_indices, self.non_spec_state_indices,
-                self.non_spec_source_indices, self.host_plans, self.device_plan,
-                self.error_count, self.num_spec, self.max_rows, self.max_tokens, mode,
-                self.block_size, self.pad_id, pinned, False,
+                self.non_spec_source_indices, self.checkpoint_indices, self.host_plans,
+                self.device_plan, self.error_count, self.num_spec, self.max_rows,
+                self.max_tokens, mode, self.block_size, self.pad_id, self.replay, pinned, False,
             )
         except TypeError:
             raise_argument_error("metadata.Builder", {"block_tables": "arrays", "mode": "str"},
@@ -647,7 +733,8 @@ class Builder:
         stream: Optional[int] = None,
     ) -> StepMetadata:
         """Plans the step (host arrays, see :func:`plan`; ``num_accepted_tokens`` may live on the
-        device, then the launch gathers it) and fills every group's state rows in one pass."""
+        device, then the launch gathers it; in replay mode they are the replay counts) and fills
+        every group's state rows in one pass."""
         s = self._stream(stream)
         try:
             k = self._native.step(query_start_loc, seq_lens, num_draft_tokens,

@@ -180,6 +180,7 @@ def metadata_plan(
     block_size: int = 0,
     padded_rows: Optional[int] = None,
     pad_id: int = 0,
+    replay: bool = False,
 ) -> None:
     """torch op form of :func:`gdn.metadata.plan` (host tensors; ``cache_mode`` is its
     ``mode``)."""
@@ -187,7 +188,7 @@ def metadata_plan(
 
 @_op(_metadata_state_rows,
      mutates_args=("plan", "spec_state_indices", "non_spec_state_indices", "error_count",
-                   "non_spec_source_indices"))
+                   "non_spec_source_indices", "checkpoint_indices"))
 def metadata_state_rows(
     plan: torch.Tensor,
     block_tables: List[torch.Tensor],
@@ -202,6 +203,9 @@ def metadata_state_rows(
     num_accepted_tokens: Optional[torch.Tensor] = None,
     error_count: Optional[torch.Tensor] = None,
     non_spec_source_indices: Optional[torch.Tensor] = None,
+    replay: bool = False,
+    checkpoint_indices: Optional[torch.Tensor] = None,
 ) -> None:
     """torch op form of :func:`gdn.metadata.state_rows` (``plan`` is written only when
-    ``num_accepted_tokens`` is gathered; the CPU count of padded rows is not returned)."""
+    ``num_accepted_tokens`` is gathered; the CPU count of padded rows is not returned;
+    ``checkpoint_indices`` is written in replay mode)."""

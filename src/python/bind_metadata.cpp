@@ -47,8 +47,9 @@ void* stream_ptr(std::optional<uintptr_t> stream) {
 
 // Scalars and capacity shared by every entry point.
 Params base_params(int64_t num_spec, int64_t max_rows, int64_t max_tokens, const std::string& mode,
-                   int64_t block_size, int64_t pad_id) {
+                   int64_t block_size, int64_t pad_id, bool replay) {
   Params p;
+  p.replay = replay;
   p.num_spec = num_spec;
   p.max_rows = max_rows;
   p.max_tokens = max_tokens;
@@ -107,8 +108,8 @@ void plan_fn(const Array& plan, const Array& query_start_loc, const Array& seq_l
              const OptArray& num_draft_tokens, const OptArray& num_accepted_tokens,
              const OptArray& num_computed_tokens, int64_t num_spec, int64_t max_rows,
              int64_t max_tokens, const std::string& mode, int64_t block_size,
-             std::optional<int64_t> padded_rows, int64_t pad_id) {
-  Params p = base_params(num_spec, max_rows, max_tokens, mode, block_size, pad_id);
+             std::optional<int64_t> padded_rows, int64_t pad_id, bool replay) {
+  Params p = base_params(num_spec, max_rows, max_tokens, mode, block_size, pad_id, replay);
   p.plan = view_of(plan, "plan");
   set_step_inputs(p, query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens,
                   num_computed_tokens, padded_rows);
@@ -116,20 +117,19 @@ void plan_fn(const Array& plan, const Array& query_start_loc, const Array& seq_l
   throw_if_error(metadata::plan(p));
 }
 
-std::optional<int64_t> state_rows_fn(const Array& plan, const std::vector<Array>& block_tables,
-                                     const Array& spec_state_indices,
-                                     const Array& non_spec_state_indices, int64_t num_spec,
-                                     int64_t max_rows, int64_t max_tokens, int64_t pad_id,
-                                     int64_t launch_rows, const OptArray& num_accepted_tokens,
-                                     const OptArray& error_count,
-                                     const OptArray& non_spec_source_indices,
-                                     std::optional<uintptr_t> stream) {
-  Params p = base_params(num_spec, max_rows, max_tokens, "none", 0, pad_id);
+std::optional<int64_t> state_rows_fn(
+    const Array& plan, const std::vector<Array>& block_tables, const Array& spec_state_indices,
+    const Array& non_spec_state_indices, int64_t num_spec, int64_t max_rows, int64_t max_tokens,
+    int64_t pad_id, int64_t launch_rows, const OptArray& num_accepted_tokens,
+    const OptArray& error_count, const OptArray& non_spec_source_indices, bool replay,
+    const OptArray& checkpoint_indices, std::optional<uintptr_t> stream) {
+  Params p = base_params(num_spec, max_rows, max_tokens, "none", 0, pad_id, replay);
   p.plan = view_of(plan, "plan");
   set_tables(p, block_tables);
   p.spec_state_indices = view_of(spec_state_indices, "spec_state_indices");
   p.non_spec_state_indices = view_of(non_spec_state_indices, "non_spec_state_indices");
   p.non_spec_source_indices = view_of(non_spec_source_indices, "non_spec_source_indices");
+  p.checkpoint_indices = view_of(checkpoint_indices, "checkpoint_indices");
   p.num_accepted_tokens = view_of(num_accepted_tokens, "num_accepted_tokens");
   p.error_count = view_of(error_count, "error_count");
   p.launch_rows = launch_rows;
@@ -144,13 +144,15 @@ std::string shadow_check_fn(const Array& plan, const std::vector<Array>& block_t
                             const OptArray& num_computed_tokens, int64_t num_spec, int64_t max_rows,
                             int64_t max_tokens, const std::string& mode, int64_t block_size,
                             std::optional<int64_t> padded_rows, int64_t pad_id,
-                            const OptArray& non_spec_source_indices) {
-  Params p = base_params(num_spec, max_rows, max_tokens, mode, block_size, pad_id);
+                            const OptArray& non_spec_source_indices, bool replay,
+                            const OptArray& checkpoint_indices) {
+  Params p = base_params(num_spec, max_rows, max_tokens, mode, block_size, pad_id, replay);
   p.plan = view_of(plan, "plan");
   set_tables(p, block_tables);
   p.spec_state_indices = view_of(spec_state_indices, "spec_state_indices");
   p.non_spec_state_indices = view_of(non_spec_state_indices, "non_spec_state_indices");
   p.non_spec_source_indices = view_of(non_spec_source_indices, "non_spec_source_indices");
+  p.checkpoint_indices = view_of(checkpoint_indices, "checkpoint_indices");
   set_step_inputs(p, query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens,
                   num_computed_tokens, padded_rows);
   nb::gil_scoped_release release;
@@ -182,6 +184,8 @@ nb::dict layout_fn(int64_t max_rows, int64_t max_tokens) {
   field("spec_num_accepted", l.spec_num_accepted, R, "int32");
   field("spec_source_column", l.spec_source_column, R, "int32");
   field("non_spec_source_column", l.non_spec_source_column, R, "int32");
+  field("replay_counts", l.replay_counts, R, "int32");
+  field("non_spec_replay_counts", l.non_spec_replay_counts, R, "int32");
   field("token_split", l.token_split, max_tokens, "int32");
   field("spec_sequence_masks", l.spec_sequence_masks, R, "bool");
   field("has_initial_state", l.has_initial_state, R, "bool");
@@ -218,10 +222,10 @@ class MetadataBuilder {
  public:
   MetadataBuilder(const std::vector<Array>& block_tables, const Array& spec_state_indices,
                   const Array& non_spec_state_indices, const Array& non_spec_source_indices,
-                  const std::vector<Array>& host_plans, const std::optional<Array>& device_plan,
-                  const Array& error_count, int64_t num_spec, int64_t max_rows, int64_t max_tokens,
-                  const std::string& mode, int64_t block_size, int64_t pad_id, bool pinned_staging,
-                  bool shadow)
+                  const OptArray& checkpoint_indices, const std::vector<Array>& host_plans,
+                  const std::optional<Array>& device_plan, const Array& error_count,
+                  int64_t num_spec, int64_t max_rows, int64_t max_tokens, const std::string& mode,
+                  int64_t block_size, int64_t pad_id, bool replay, bool pinned_staging, bool shadow)
       : keep_(block_tables) {
     if (block_tables.empty() || block_tables.size() > size_t(metadata::kMaxGroups))
       throw nb::value_error(("block_tables must hold 1.." + std::to_string(metadata::kMaxGroups) +
@@ -245,6 +249,7 @@ class MetadataBuilder {
     c.mode = parse_mode(mode);
     c.block_size = block_size;
     c.pad_id = int32_t(pad_id);
+    c.replay = replay;
     c.staging_slots = int(host_plans.size());
     c.pinned_staging = pinned_staging;
     c.shadow = shadow;
@@ -252,6 +257,7 @@ class MetadataBuilder {
     b.spec_state_indices = view_of(spec_state_indices, "spec_state_indices");
     b.non_spec_state_indices = view_of(non_spec_state_indices, "non_spec_state_indices");
     b.non_spec_source_indices = view_of(non_spec_source_indices, "non_spec_source_indices");
+    b.checkpoint_indices = view_of(checkpoint_indices, "checkpoint_indices");
     b.error_count = view_of(error_count, "error_count");
     if (device_plan) b.device_plan = view_of(*device_plan, "device_plan");
     b.num_host_plans = int(host_plans.size());
@@ -260,6 +266,7 @@ class MetadataBuilder {
     for (const Array* a :
          {&spec_state_indices, &non_spec_state_indices, &non_spec_source_indices, &error_count})
       keep_.push_back(*a);
+    if (checkpoint_indices) keep_.push_back(*checkpoint_indices);
     keep_.insert(keep_.end(), host_plans.begin(), host_plans.end());
     if (device_plan) keep_.push_back(*device_plan);
     const metadata::DeviceOps* ops = nullptr;
@@ -343,7 +350,7 @@ void bind_metadata(nb::module_& m) {
         nb::arg("num_computed_tokens").noconvert().none() = nb::none(), nb::arg("num_spec"),
         nb::arg("max_rows"), nb::arg("max_tokens"), nb::arg("mode") = "none",
         nb::arg("block_size") = 0, nb::arg("padded_rows").none() = nb::none(),
-        nb::arg("pad_id") = 0,
+        nb::arg("pad_id") = 0, nb::arg("replay") = false,
         "Plans one step into the host int32 buffer `plan` (classification and every shared "
         "field). Reads host arrays only; never touches a device.");
   m.def("metadata_state_rows", &state_rows_fn, nb::arg("plan").noconvert(),
@@ -353,6 +360,7 @@ void bind_metadata(nb::module_& m) {
         nb::arg("launch_rows") = 0, nb::arg("num_accepted_tokens").noconvert().none() = nb::none(),
         nb::arg("error_count").noconvert().none() = nb::none(),
         nb::arg("non_spec_source_indices").noconvert().none() = nb::none(),
+        nb::arg("replay") = false, nb::arg("checkpoint_indices").noconvert().none() = nb::none(),
         nb::arg("stream").none() = nb::none(),
         "Fills every group's state rows in one pass (CPU loop, or one CUDA launch on `stream`) "
         "from the plan buffer on the same device. Returns the CPU pass's error count.");
@@ -366,6 +374,7 @@ void bind_metadata(nb::module_& m) {
         nb::arg("max_rows"), nb::arg("max_tokens"), nb::arg("mode") = "none",
         nb::arg("block_size") = 0, nb::arg("padded_rows").none() = nb::none(),
         nb::arg("pad_id") = 0, nb::arg("non_spec_source_indices").noconvert().none() = nb::none(),
+        nb::arg("replay") = false, nb::arg("checkpoint_indices").noconvert().none() = nb::none(),
         "Compares host copies of a step's plan and state rows against per-group builds on the "
         "rows the step writes. Returns '' when they agree, else a message naming group, field, "
         "row and both values.");
@@ -376,14 +385,17 @@ void bind_metadata(nb::module_& m) {
 
   nb::class_<MetadataBuilder>(m, "MetadataBuilder")
       .def(nb::init<const std::vector<Array>&, const Array&, const Array&, const Array&,
-                    const std::vector<Array>&, const std::optional<Array>&, const Array&, int64_t,
-                    int64_t, int64_t, const std::string&, int64_t, int64_t, bool, bool>(),
+                    const OptArray&, const std::vector<Array>&, const std::optional<Array>&,
+                    const Array&, int64_t, int64_t, int64_t, const std::string&, int64_t, int64_t,
+                    bool, bool, bool>(),
            nb::arg("block_tables").noconvert(), nb::arg("spec_state_indices").noconvert(),
            nb::arg("non_spec_state_indices").noconvert(),
-           nb::arg("non_spec_source_indices").noconvert(), nb::arg("host_plans").noconvert(),
+           nb::arg("non_spec_source_indices").noconvert(),
+           nb::arg("checkpoint_indices").noconvert().none(), nb::arg("host_plans").noconvert(),
            nb::arg("device_plan").noconvert().none(), nb::arg("error_count").noconvert(),
            nb::arg("num_spec"), nb::arg("max_rows"), nb::arg("max_tokens"), nb::arg("mode"),
-           nb::arg("block_size"), nb::arg("pad_id"), nb::arg("pinned_staging"), nb::arg("shadow"))
+           nb::arg("block_size"), nb::arg("pad_id"), nb::arg("replay"), nb::arg("pinned_staging"),
+           nb::arg("shadow"))
       .def("step", &MetadataBuilder::step, nb::arg("query_start_loc").noconvert(),
            nb::arg("seq_lens").noconvert(), nb::arg("num_draft_tokens").noconvert().none(),
            nb::arg("num_accepted_tokens").noconvert().none(),

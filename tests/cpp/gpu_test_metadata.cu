@@ -1,8 +1,9 @@
 // Metadata state rows on the GPU: the one-launch pass against the CPU pass, the per-group shadow
 // check and the tests' own vLLM-semantics reference (destinations, sources, counts) on random
 // steps (G 1..6, S up to 16, both modes, with and without padding), accepted counts gathered on
-// the device, bounds, the whole-step entry point, and a CUDA-graph capture replayed with new
-// plans. Skips with a reason when no CUDA device is present.
+// the device, bounds, the whole-step entry point, a CUDA-graph capture replayed with new plans,
+// and replay mode (checkpoints and replay counts, the builder in replay mode, a plan of the other
+// mode). Skips with a reason when no CUDA device is present.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -63,8 +64,8 @@ TensorView device_view(const DeviceVector& d, std::initializer_list<int64_t> sha
 // Device mirror of a Step's tables and buffers.
 struct DeviceStep {
   std::vector<std::unique_ptr<DeviceVector>> tables;
-  std::unique_ptr<DeviceVector> plan, spec_out, non_spec_out, non_spec_src_out, error_count,
-      accepted;
+  std::unique_ptr<DeviceVector> plan, spec_out, non_spec_out, non_spec_src_out, checkpoint_out,
+      error_count, accepted;
 
   explicit DeviceStep(const Step& s) {
     for (const auto& t : s.tables) tables.push_back(std::make_unique<DeviceVector>(t));
@@ -72,6 +73,7 @@ struct DeviceStep {
     spec_out = std::make_unique<DeviceVector>(s.spec_out);
     non_spec_out = std::make_unique<DeviceVector>(s.non_spec_out);
     non_spec_src_out = std::make_unique<DeviceVector>(s.non_spec_src_out);
+    checkpoint_out = std::make_unique<DeviceVector>(s.checkpoint_out);
     error_count = std::make_unique<DeviceVector>(std::vector<int32_t>{0});
     accepted = std::make_unique<DeviceVector>(s.num_accepted_tokens);
   }
@@ -88,6 +90,7 @@ struct DeviceStep {
     p.non_spec_state_indices = device_view(*non_spec_out, {int64_t(s.G()), s.max_rows});
     if (s.with_source)
       p.non_spec_source_indices = device_view(*non_spec_src_out, {int64_t(s.G()), s.max_rows});
+    if (s.replay) p.checkpoint_indices = device_view(*checkpoint_out, {int64_t(s.G()), s.max_rows});
     p.error_count = device_view(*error_count, {1});
     p.num_accepted_tokens =
         gather_accepted ? device_view(*accepted, {int64_t(accepted->n)}) : TensorView{};
@@ -101,6 +104,7 @@ void download(const DeviceStep& d, Step* s) {
   s->spec_out = d.spec_out->to_host();
   s->non_spec_out = d.non_spec_out->to_host();
   s->non_spec_src_out = d.non_spec_src_out->to_host();
+  s->checkpoint_out = d.checkpoint_out->to_host();
   s->error_count = d.error_count->to_host()[0];
 }
 
@@ -366,6 +370,22 @@ void expect_device_builder_matches(const Builder& b, Step& s, const std::string&
       ASSERT_EQ(spec[size_t(g * R * S + k)], e.spec[size_t(g)][size_t(k)])
           << where << " group " << g << " element " << k;
   }
+  if (!s.replay) return;
+  const std::vector<int32_t> ck = to_host_vector(b.buffers().checkpoint_indices);
+  const std::vector<int32_t> plan = to_host_vector(b.buffers().device_plan);
+  const Layout& l = b.layout();
+  for (int g = 0; g < s.G(); ++g)
+    for (int64_t j = 0; j < e.spec_rows_written; ++j)
+      ASSERT_EQ(ck[size_t(g * R + j)], e.checkpoint[size_t(g)][size_t(j)])
+          << where << " group " << g << " row " << j;
+  EXPECT_EQ(std::vector<int32_t>(plan.begin() + l.replay_counts,
+                                 plan.begin() + l.replay_counts + e.spec_rows_written),
+            e.replay_counts)
+      << where;
+  EXPECT_EQ(std::vector<int32_t>(plan.begin() + l.non_spec_replay_counts,
+                                 plan.begin() + l.non_spec_replay_counts + e.rows_written),
+            e.non_spec_replay_counts)
+      << where;
 }
 
 TEST(MetadataBuilderCuda, StepsMatchTheReferenceForEveryOpsTableAndStaging) {
@@ -527,6 +547,154 @@ TEST(MetadataBuilderCuda, CallerProvidedBuffersAndErrors) {
             std::string::npos);
   owner.reset();
   for (auto& p : pinned) cudaFreeHost(p);
+}
+
+// ---- replay mode ------------------------------------------------------------------------------
+
+TEST(MetadataCuda, ReplayOneLaunchMatchesTheCpuPassAndTheReference) {
+  GDN_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(4242);
+  int checked = 0;
+  for (int G = 1; G <= 6; ++G)
+    for (int64_t S : {1, 2, 4, 9, 16})
+      for (bool padded : {false, true})
+        for (bool gather : {false, true}) {
+          Step host = random_step(rng, G, S, CacheMode::kNone, padded, /*replay=*/true);
+          const testing::VllmExpected e = vllm_expected(host);
+          if (gather) host.with_accepted = false;  // the device pass gathers the replay counts
+          Step cpu = host;
+          Params pc = cpu.params();
+          ASSERT_TRUE(plan(pc).is_ok());
+          DeviceStep dev(host);  // poisoned outputs
+          dev.plan->upload(cpu.plan);
+          if (gather)
+            pc.num_accepted_tokens = TensorView::make(cpu.num_accepted_tokens.data(), DType::kInt32,
+                                                      {int64_t(cpu.num_accepted_tokens.size())});
+          int64_t cpu_errors = 0;
+          ASSERT_TRUE(run_state_rows_cpu(pc, &cpu_errors).is_ok());
+          Params pd = dev.params(host, gather);
+          ASSERT_TRUE(launch_state_rows_cuda(pd, nullptr).is_ok());
+          CUDA_OK(cudaDeviceSynchronize());
+          Step got = host;
+          download(dev, &got);
+          const std::string where = "G=" + std::to_string(G) + " S=" + std::to_string(S);
+          EXPECT_EQ(got.error_count, cpu_errors) << where;
+          EXPECT_EQ(got.error_count, e.unreadable) << where;
+          EXPECT_EQ(got.plan, cpu.plan) << where;
+          EXPECT_EQ(got.spec_out, cpu.spec_out) << where;
+          EXPECT_EQ(got.checkpoint_out, cpu.checkpoint_out) << where;
+          EXPECT_EQ(got.non_spec_out, cpu.non_spec_out) << where;
+          EXPECT_EQ(got.non_spec_src_out, cpu.non_spec_src_out) << where;
+          const int64_t R = host.max_rows;
+          for (int g = 0; g < G; ++g)
+            for (int64_t j = 0; j < R; ++j)
+              ASSERT_EQ(got.checkpoint_out[size_t(g * R + j)],
+                        j < e.spec_rows_written ? e.checkpoint[size_t(g)][size_t(j)] : kPoison)
+                  << where << " group " << g << " row " << j;
+          got.with_accepted = true;
+          ShadowReport r;
+          Params pg = got.params();
+          ASSERT_TRUE(shadow_check(pg, &r).is_ok());
+          ASSERT_TRUE(r.ok()) << where << ": " << r.message;
+          ++checked;
+        }
+  EXPECT_EQ(checked, 6 * 5 * 2 * 2);
+}
+
+TEST(MetadataCuda, APlanOfTheOtherModeIsPaddedAndCountedOnTheDevice) {
+  GDN_SKIP_WITHOUT_GPU();
+  Step s = testing::make_step({{3, 2}, {1, -1}, {3, 2}}, 2, /*G=*/2);
+  s.padded_rows = 4;
+  s.pad_id = -1;
+  s.allocate();
+  Params ph = s.params();
+  ASSERT_TRUE(plan(ph).is_ok());  // planned without replay
+  Step t = s;
+  t.replay = true;  // a replay-mode pass
+  DeviceStep dev(t);
+  dev.plan->upload(s.plan);
+  Params pd = dev.params(t, false);
+  ASSERT_TRUE(launch_state_rows_cuda(pd, nullptr).is_ok());
+  CUDA_OK(cudaDeviceSynchronize());
+  Step got = t;
+  download(dev, &got);
+  EXPECT_EQ(got.error_count, 1);
+  const int64_t R = s.max_rows;
+  for (int g = 0; g < 2; ++g)
+    for (int64_t j = 0; j < 4; ++j) {
+      EXPECT_EQ(got.checkpoint_out[size_t(g * R + j)], -1);
+      EXPECT_EQ(got.non_spec_out[size_t(g * R + j)], -1);
+      for (int64_t c = 0; c < 3; ++c) EXPECT_EQ(got.spec_out[size_t((g * R + j) * 3 + c)], -1);
+    }
+}
+
+TEST(MetadataBuilderCuda, ReplayStepsAndACapturedLaunchMatchTheReference) {
+  GDN_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(95);
+  const int G = 4;
+  const int64_t S = 4, B = 24;
+  Step base = random_step(rng, G, S, CacheMode::kNone, false, /*replay=*/true);
+  base.max_rows = 32;
+  base.max_tokens = 32 * 16;
+  base.make_tables(G, 32, 1);  // one checkpoint slot per request
+  base.allocate();
+  const DeviceTables dev(base);
+  BuilderConfig c = dev.config(base);
+  ASSERT_TRUE(c.replay);
+  c.shadow = true;
+  Builder b;
+  GDN_OK(b.initialize(c, &cuda_api::metadata_builder_ops()));
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  // Eager steps, replay counts on the host or gathered from the device.
+  for (int k = 0; k < 10; ++k) {
+    Step s = random_step_on(rng, base, k % 2);
+    DeviceVector n(s.num_accepted_tokens);
+    StepInputs in = s.inputs();
+    if (k % 3 == 0) in.num_accepted_tokens = device_view(n, {int64_t(n.n)});
+    GDN_OK(b.step(in, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    expect_device_builder_matches(b, s, "replay step " + std::to_string(k));
+  }
+  // A captured launch replayed after prepare(), the replay counts gathered on the device.
+  c.shadow = false;
+  Builder captured;
+  GDN_OK(captured.initialize(c, &cuda_builder_ops()));
+  DeviceVector counts(std::vector<int32_t>(size_t(B), 0));
+  const TensorView counts_view = device_view(counts, {B});
+  Step first = random_step_on(rng, base, true);
+  while (first.N() > B) first = random_step_on(rng, base, true);
+  first.padded_rows = B;
+  GDN_OK(captured.prepare(first.inputs(), stream));
+  GDN_OK(captured.launch(B, counts_view, stream));
+  CUDA_OK(cudaStreamSynchronize(stream));
+  cudaGraph_t graph;
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  const Status st = captured.launch(B, counts_view, stream);
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  GDN_OK(st);
+  size_t nodes = 0;
+  CUDA_OK(cudaGraphGetNodes(graph, nullptr, &nodes));
+  EXPECT_EQ(nodes, 1u) << "the captured state rows must be one launch";
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 6; ++replay) {
+    Step s = random_step_on(rng, base, true);
+    while (s.N() > B) s = random_step_on(rng, base, true);
+    s.padded_rows = B;
+    s.num_accepted_tokens.resize(size_t(B), 0);
+    counts.upload(s.num_accepted_tokens);
+    s.num_accepted_tokens.resize(size_t(s.N()));
+    StepInputs in = s.inputs();
+    in.num_accepted_tokens = TensorView{};  // gathered by the captured launch
+    GDN_OK(captured.prepare(in, stream));
+    CUDA_OK(cudaGraphLaunch(exec, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    expect_device_builder_matches(captured, s, "captured replay " + std::to_string(replay));
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
 }
 
 }  // namespace

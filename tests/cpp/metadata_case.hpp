@@ -25,8 +25,9 @@ struct Step {
   int64_t num_spec = 1, block_size = 16, padded_rows = -1, max_rows = 8, max_tokens = 64;
   CacheMode mode = CacheMode::kNone;
   int32_t pad_id = 0;
+  bool replay = false;  // replay mode: num_accepted_tokens are replay counts, checkpoint_out used
   // buffers (poisoned)
-  std::vector<int32_t> plan, spec_out, non_spec_out, non_spec_src_out;
+  std::vector<int32_t> plan, spec_out, non_spec_out, non_spec_src_out, checkpoint_out;
   int32_t error_count = 0;
   bool with_source = true;  // pass non_spec_source_indices
 
@@ -39,6 +40,7 @@ struct Step {
     spec_out.assign(size_t(G() * max_rows * S()), kPoison);
     non_spec_out.assign(size_t(G() * max_rows), kPoison);
     non_spec_src_out.assign(size_t(G() * max_rows), kPoison);
+    checkpoint_out.assign(size_t(G() * max_rows), kPoison);
     error_count = 0;
   }
 
@@ -72,6 +74,7 @@ struct Step {
     p.block_size = block_size;
     p.padded_rows = padded_rows;
     p.pad_id = pad_id;
+    p.replay = replay;
     p.plan = vec(plan);
     p.max_rows = max_rows;
     p.max_tokens = max_tokens;
@@ -87,6 +90,9 @@ struct Step {
     if (with_source)
       p.non_spec_source_indices =
           TensorView::make(non_spec_src_out.data(), DType::kInt32, {int64_t(G()), max_rows});
+    if (replay)
+      p.checkpoint_indices =
+          TensorView::make(checkpoint_out.data(), DType::kInt32, {int64_t(G()), max_rows});
     p.error_count = TensorView::make(&error_count, DType::kInt32, {1});
     return p;
   }
@@ -116,6 +122,7 @@ struct Step {
     c.mode = mode;
     c.block_size = block_size;
     c.pad_id = pad_id;
+    c.replay = replay;
     return c;
   }
 
@@ -146,13 +153,18 @@ inline Step make_step(const std::vector<std::pair<int32_t, int32_t>>& rows, int6
 }
 
 // A random step: a mix of spec rows, decodes, prefills and zero-length rows (each kind optional),
-// align-mode sequence lengths that sometimes run past the table, random accepted counts.
-inline Step random_step(std::mt19937_64& rng, int G, int64_t S, CacheMode mode, bool padded) {
+// align-mode sequence lengths that sometimes run past the table, random accepted counts. With
+// `replay`: replay mode (mode "none"), replay counts 0..S, tables from 1 column (one checkpoint
+// slot per request) up to S + 2, sometimes with fewer rows than requests.
+inline Step random_step(std::mt19937_64& rng, int G, int64_t S, CacheMode mode, bool padded,
+                        bool replay = false) {
   auto uni = [&](int64_t lo, int64_t hi) {
     return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
   };
   Step s;
   s.num_spec = S - 1;
+  s.replay = replay;
+  if (replay) mode = CacheMode::kNone;
   s.mode = mode;
   s.block_size = uni(1, 8);
   s.pad_id = uni(0, 1) ? 0 : -1;
@@ -175,7 +187,7 @@ inline Step random_step(std::mt19937_64& rng, int G, int64_t S, CacheMode mode, 
     s.num_draft_tokens.push_back(d);
     s.num_computed_tokens.push_back(context);
     s.seq_lens.push_back(context + T);
-    s.num_accepted_tokens.push_back(int32_t(uni(1, S)));
+    s.num_accepted_tokens.push_back(int32_t(uni(replay ? 0 : 1, S)));
   }
   s.with_computed = uni(0, 1);
   s.max_rows = N + uni(1, 6);
@@ -184,8 +196,9 @@ inline Step random_step(std::mt19937_64& rng, int G, int64_t S, CacheMode mode, 
   // Tables: every request has a row; align mode sometimes runs past the last column.
   s.tables.clear();
   for (int g = 0; g < G; ++g) {
-    const int64_t rows = N + uni(0, 3);
-    const int64_t cols = mode == CacheMode::kNone ? S + uni(0, 2) : uni(S, S + 8);
+    const int64_t rows = replay ? std::max<int64_t>(N - uni(0, 2), 0) + uni(0, 2) : N + uni(0, 3);
+    const int64_t cols =
+        replay ? uni(1, S + 2) : (mode == CacheMode::kNone ? S + uni(0, 2) : uni(S, S + 8));
     const int64_t stride = cols + uni(0, 4);
     std::vector<int32_t> t(size_t(std::max<int64_t>(rows * stride, 1)));
     for (auto& v : t) v = int32_t(uni(1, 1 << 20));
@@ -202,13 +215,14 @@ inline Step random_step(std::mt19937_64& rng, int G, int64_t S, CacheMode mode, 
 // size and pad id (what a builder keeps from one step to the next).
 inline Step random_step_on(std::mt19937_64& rng, const Step& base, bool padded) {
   for (;;) {
-    Step s = random_step(rng, base.G(), base.S(), base.mode, padded);
+    Step s = random_step(rng, base.G(), base.S(), base.mode, padded, base.replay);
     if (s.N() > base.max_rows || s.query_start_loc.back() > base.max_tokens) continue;
     s.max_rows = base.max_rows;
     s.max_tokens = base.max_tokens;
     if (s.padded_rows > s.max_rows) s.padded_rows = s.max_rows;
     s.block_size = base.block_size;
     s.pad_id = base.pad_id;
+    s.replay = base.replay;
     s.tables = base.tables;
     s.table_rows = base.table_rows;
     s.table_cols = base.table_cols;
@@ -231,6 +245,10 @@ struct VllmExpected {
   // [G][row]: non-spec destination / source ids, spec rows [G][row * S + c]
   std::vector<std::vector<int32_t>> destination, source, spec;
   int64_t unreadable = 0;  // (group, row) pairs padded because a column is missing
+  // Replay mode (replay.md §3): [G][spec row] checkpoint slots; per row the replay counts and
+  // the accepted counts max(n, 1), spec rows then non-spec rows.
+  std::vector<std::vector<int32_t>> checkpoint;
+  std::vector<int32_t> replay_counts, non_spec_replay_counts, spec_accepted, non_spec_source_column;
 };
 
 inline VllmExpected vllm_expected(const Step& s) {
@@ -269,6 +287,20 @@ inline VllmExpected vllm_expected(const Step& s) {
   e.num_spec_decodes = int64_t(spec_rows.size());
   e.rows_written = s.padded_rows >= 0 ? s.padded_rows : int64_t(non_spec_rows.size());
   e.spec_rows_written = s.padded_rows >= 0 ? s.padded_rows : int64_t(spec_rows.size());
+  // The count given for request i: an accepted count (absent: 1) or, in replay mode, the number
+  // of window tokens to replay (absent: 0, nothing pending). Padded rows: 1 / replay 0.
+  auto given = [&](const std::vector<int64_t>& rows, int64_t j) -> int32_t {
+    if (j >= int64_t(rows.size()) || !s.with_accepted) return s.replay ? 0 : 1;
+    return s.num_accepted_tokens[size_t(rows[size_t(j)])];
+  };
+  for (int64_t j = 0; j < e.spec_rows_written; ++j) {
+    e.spec_accepted.push_back(std::max(given(spec_rows, j), 1));
+    if (s.replay) e.replay_counts.push_back(given(spec_rows, j));
+  }
+  for (int64_t j = 0; j < e.rows_written; ++j) {
+    e.non_spec_source_column.push_back(std::max(given(non_spec_rows, j), 1) - 1);
+    if (s.replay) e.non_spec_replay_counts.push_back(given(non_spec_rows, j));
+  }
   for (int g = 0; g < s.G(); ++g) {
     const auto& t = s.tables[size_t(g)];
     const int64_t rows = s.table_rows[size_t(g)], cols = s.table_cols[size_t(g)];
@@ -281,7 +313,8 @@ inline VllmExpected vllm_expected(const Step& s) {
     std::vector<int32_t> dst(size_t(e.rows_written), s.pad_id), src = dst;
     for (size_t j = 0; j < non_spec_rows.size(); ++j) {
       const int64_t i = non_spec_rows[j];
-      const int64_t acc = s.with_accepted ? s.num_accepted_tokens[size_t(i)] : 1;
+      // Replay mode: one slot per request, read and written (the checkpoint at column start).
+      const int64_t acc = s.replay ? 1 : (s.with_accepted ? s.num_accepted_tokens[size_t(i)] : 1);
       const int64_t c0 = start_of(i), c1 = c0 + acc - 1;
       if (i < rows && c1 < cols) {
         dst[j] = t[size_t(i * stride + c0)];
@@ -291,11 +324,15 @@ inline VllmExpected vllm_expected(const Step& s) {
       }
     }
     std::vector<int32_t> spec(size_t(e.spec_rows_written * S), s.pad_id);
+    std::vector<int32_t> checkpoint(size_t(e.spec_rows_written), s.pad_id);
     for (size_t j = 0; j < spec_rows.size(); ++j) {
       const int64_t i = spec_rows[j], c0 = start_of(i);
-      if (i < rows && c0 + S <= cols) {
-        for (int64_t c = 0; c < S; ++c)
+      // Replay mode: only the checkpoint column exists for the request (the rest is pad).
+      const int64_t width = s.replay ? 1 : S;
+      if (i < rows && c0 + width <= cols) {
+        for (int64_t c = 0; c < width; ++c)
           spec[j * size_t(S) + size_t(c)] = t[size_t(i * stride + c0 + c)];
+        checkpoint[j] = t[size_t(i * stride + c0)];
       } else {
         ++e.unreadable;
       }
@@ -303,6 +340,7 @@ inline VllmExpected vllm_expected(const Step& s) {
     e.destination.push_back(std::move(dst));
     e.source.push_back(std::move(src));
     e.spec.push_back(std::move(spec));
+    e.checkpoint.push_back(std::move(checkpoint));
   }
   return e;
 }

@@ -601,6 +601,8 @@ TEST(MetadataLayout, RegionsAreAlignedAndDisjoint) {
           {l.spec_num_accepted, R},
           {l.spec_source_column, R},
           {l.non_spec_source_column, R},
+          {l.replay_counts, R},
+          {l.non_spec_replay_counts, R},
           {l.token_split, T},
           {l.spec_sequence_masks, (R + 3) / 4},
           {l.has_initial_state, (R + 3) / 4}};
@@ -706,6 +708,10 @@ void poison_unused(Step& s, std::mt19937_64& rng) {
   for (auto off : {l.spec_request, l.spec_start, l.spec_num_accepted, l.spec_source_column})
     mark(off, spec_w);
   for (auto off : {l.non_spec_request, l.non_spec_start, l.non_spec_source_column}) mark(off, ns_w);
+  if (s.replay) {
+    mark(l.replay_counts, spec_w);
+    mark(l.non_spec_replay_counts, ns_w);
+  }
   mark(l.spec_query_start_loc, spec_w + 1);
   mark(l.non_spec_query_start_loc, ns_w + 1);
   mark(l.token_split, tokens);
@@ -725,6 +731,8 @@ void poison_unused(Step& s, std::mt19937_64& rng) {
       s.non_spec_out[size_t(g * s.max_rows + j)] = any(rng);
       s.non_spec_src_out[size_t(g * s.max_rows + j)] = any(rng);
     }
+    for (int64_t j = spec_w; j < s.max_rows; ++j)
+      s.checkpoint_out[size_t(g * s.max_rows + j)] = any(rng);
   }
 }
 
@@ -848,7 +856,32 @@ void expect_builder_matches(const Builder& b, Step& s, const std::string& where)
     for (int64_t k = 0; k < e.spec_rows_written * S; ++k)
       ASSERT_EQ(spec[k], e.spec[size_t(g)][size_t(k)])
           << where << " group " << g << " element " << k;
+    if (!s.replay) continue;
+    const int32_t* ck = buf.checkpoint_indices.ptr<const int32_t>() + g * R;
+    for (int64_t j = 0; j < e.spec_rows_written; ++j)
+      ASSERT_EQ(ck[j], e.checkpoint[size_t(g)][size_t(j)])
+          << where << " group " << g << " row " << j;
   }
+  const int32_t* plan = b.host_plan(b.last_slot());
+  const Layout& l = b.layout();
+  if (s.replay) {
+    EXPECT_EQ(
+        std::vector<int32_t>(plan + l.replay_counts, plan + l.replay_counts + e.spec_rows_written),
+        e.replay_counts)
+        << where;
+    EXPECT_EQ(std::vector<int32_t>(plan + l.non_spec_replay_counts,
+                                   plan + l.non_spec_replay_counts + e.rows_written),
+              e.non_spec_replay_counts)
+        << where;
+  }
+  EXPECT_EQ(std::vector<int32_t>(plan + l.spec_num_accepted,
+                                 plan + l.spec_num_accepted + e.spec_rows_written),
+            e.spec_accepted)
+      << where;
+  EXPECT_EQ(std::vector<int32_t>(plan + l.non_spec_source_column,
+                                 plan + l.non_spec_source_column + e.rows_written),
+            e.non_spec_source_column)
+      << where;
 }
 
 // A base step whose tables and capacity a builder keeps for many steps.
@@ -1068,6 +1101,406 @@ TEST(MetadataBuilderCpu, WorkspaceSizeCoversTheOwnedBuffers) {
   EXPECT_GE(ws.host_bytes, 4 * 3 * words);
   c.pinned_staging = false;  // one pageable plan buffer
   EXPECT_LT(Builder::workspace_size(c).host_bytes, 4 * 2 * words);
+}
+
+// ---- replay mode (replay.md §3): one checkpoint slot per request -----------------------------
+
+std::vector<int32_t> group_row(const std::vector<int32_t>& v, int g, int64_t rows, int64_t n) {
+  return {v.begin() + g * rows, v.begin() + g * rows + n};
+}
+
+TEST(MetadataReplay, HandCheckedStep) {
+  // Spec rows: request 0 (first step after prefill: n = 0) and request 2 (n = 3); non-spec rows:
+  // request 1 (a decode without drafts, n = 2) and request 3 (zero-length, n = 1). Padded to 5.
+  Step s = make_step({{3, 2}, {1, -1}, {2, 1}, {0, -1}}, 2, /*G=*/2);
+  s.replay = true;
+  s.num_accepted_tokens = {0, 2, 3, 1};
+  s.padded_rows = 5;
+  s.pad_id = -1;
+  s.allocate();
+  EXPECT_EQ(build(s), 0);
+  EXPECT_EQ(s.header(kReplay), 1);
+  const int64_t R = s.max_rows, S = 3;
+  EXPECT_EQ(words(s, &Layout::replay_counts, 5), (std::vector<int32_t>{0, 3, 0, 0, 0}));
+  EXPECT_EQ(words(s, &Layout::spec_num_accepted, 5), (std::vector<int32_t>{1, 3, 1, 1, 1}));
+  EXPECT_EQ(words(s, &Layout::spec_source_column, 5), (std::vector<int32_t>{0, 2, 0, 0, 0}));
+  EXPECT_EQ(words(s, &Layout::non_spec_replay_counts, 5), (std::vector<int32_t>{2, 1, 0, 0, 0}));
+  EXPECT_EQ(words(s, &Layout::non_spec_source_column, 5), (std::vector<int32_t>{1, 0, 0, 0, 0}));
+  for (int g = 0; g < 2; ++g) {
+    const int32_t base = 100000 * (g + 1);
+    EXPECT_EQ(group_row(s.checkpoint_out, g, R, 6),
+              (std::vector<int32_t>{base + 0, base + 200, -1, -1, -1, kPoison}));
+    // Column 0 of each spec row is its checkpoint; no other column names a slot.
+    for (int64_t j = 0; j < 5; ++j)
+      for (int64_t c = 0; c < S; ++c)
+        EXPECT_EQ(s.spec_out[size_t((g * R + j) * S + c)],
+                  c == 0 ? s.checkpoint_out[size_t(g * R + j)] : -1);
+    // Non-spec rows read and write their checkpoint (column 0), whatever n is.
+    EXPECT_EQ(group_row(s.non_spec_out, g, R, 6),
+              (std::vector<int32_t>{base + 100, base + 300, -1, -1, -1, kPoison}));
+    EXPECT_EQ(group_row(s.non_spec_src_out, g, R, 6), group_row(s.non_spec_out, g, R, 6));
+  }
+  EXPECT_TRUE(shadow(s).ok()) << shadow(s).message;
+  // Absent counts: nothing to replay anywhere, every row accepts 1.
+  s.with_accepted = false;
+  s.allocate();
+  EXPECT_EQ(build(s), 0);
+  EXPECT_EQ(words(s, &Layout::replay_counts, 2), (std::vector<int32_t>{0, 0}));
+  EXPECT_EQ(words(s, &Layout::non_spec_replay_counts, 2), (std::vector<int32_t>{0, 0}));
+  EXPECT_EQ(words(s, &Layout::spec_num_accepted, 2), (std::vector<int32_t>{1, 1}));
+  EXPECT_TRUE(shadow(s).ok()) << shadow(s).message;
+}
+
+TEST(MetadataReplay, OneSlotPerRequestIsEnough) {
+  // Tables of one column (the pool holds one checkpoint slot per request): replay mode reads
+  // nothing else, while the same step in the other mode cannot find its S columns.
+  Step s = make_step({{3, 2}, {1, -1}, {3, 2}}, 2, /*G=*/3);
+  s.num_accepted_tokens = {3, 2, 1};
+  s.make_tables(3, s.max_rows, 1, /*extra_stride=*/2);  // poison past column 0
+  s.replay = true;
+  s.allocate();
+  EXPECT_EQ(build(s), 0);
+  for (int g = 0; g < 3; ++g) {
+    const int32_t base = 100000 * (g + 1);
+    EXPECT_EQ(group_row(s.checkpoint_out, g, s.max_rows, 2),
+              (std::vector<int32_t>{base, base + 200}));
+    EXPECT_EQ(s.non_spec_src_out[size_t(g * s.max_rows)], base + 100);
+  }
+  EXPECT_TRUE(shadow(s).ok());
+  s.replay = false;
+  s.allocate();
+  EXPECT_EQ(build(s), 3 * 3);  // two spec rows and the non-spec row (acc 2) in every group
+}
+
+TEST(MetadataReplay, RandomStepsMatchTheReference) {
+  // Fresh random steps, every output poisoned: checkpoints, spec rows, non-spec rows, the replay
+  // and accepted counts, the error count, nothing written past the step's rows, and the shadow
+  // check, for G = 1..6, with and without padding, counts given or absent.
+  std::mt19937_64 rng(2718);
+  int nothing_pending = 0, narrow = 0, unreadable = 0, with_spec = 0;
+  for (int rep = 0; rep < 600; ++rep) {
+    const int G = 1 + rep % 6;
+    const int64_t S = 1 + (rep / 6) % 9;
+    Step s = random_step(rng, G, S, CacheMode::kNone, rep % 2, /*replay=*/true);
+    s.with_accepted = rep % 7 != 0;
+    s.allocate();
+    const testing::VllmExpected e = vllm_expected(s);
+    const int64_t errors = build(s);
+    ASSERT_EQ(errors, e.unreadable) << rep;
+    ASSERT_EQ(s.header(kReplay), 1) << rep;
+    ASSERT_EQ(words(s, &Layout::replay_counts, e.spec_rows_written), e.replay_counts) << rep;
+    ASSERT_EQ(words(s, &Layout::non_spec_replay_counts, e.rows_written), e.non_spec_replay_counts)
+        << rep;
+    ASSERT_EQ(words(s, &Layout::spec_num_accepted, e.spec_rows_written), e.spec_accepted) << rep;
+    ASSERT_EQ(words(s, &Layout::non_spec_source_column, e.rows_written), e.non_spec_source_column)
+        << rep;
+    const int64_t R = s.max_rows;
+    for (int g = 0; g < G; ++g) {
+      for (int64_t j = 0; j < R; ++j) {
+        const size_t k = size_t(g * R + j);
+        const bool spec_written = j < e.spec_rows_written, written = j < e.rows_written;
+        ASSERT_EQ(s.checkpoint_out[k], spec_written ? e.checkpoint[size_t(g)][size_t(j)] : kPoison)
+            << rep << " group " << g << " row " << j;
+        ASSERT_EQ(s.non_spec_out[k], written ? e.destination[size_t(g)][size_t(j)] : kPoison)
+            << rep << " group " << g << " row " << j;
+        ASSERT_EQ(s.non_spec_src_out[k], written ? e.source[size_t(g)][size_t(j)] : kPoison)
+            << rep << " group " << g << " row " << j;
+      }
+      for (int64_t k = 0; k < R * S; ++k)
+        ASSERT_EQ(s.spec_out[size_t(g * R * S + k)],
+                  k < e.spec_rows_written * S ? e.spec[size_t(g)][size_t(k)] : kPoison)
+            << rep << " group " << g << " element " << k;
+      narrow += s.table_cols[size_t(g)] < S;
+    }
+    const ShadowReport r = shadow(s);
+    ASSERT_TRUE(r.ok()) << rep << ": " << r.message;
+    for (int64_t j = 0; s.with_accepted && j < e.num_spec_decodes; ++j)
+      nothing_pending += e.replay_counts[size_t(j)] == 0;
+    unreadable += e.unreadable > 0;
+    with_spec += e.num_spec_decodes > 0;
+  }
+  // The steps cover empty windows, tables narrower than S columns and unreadable rows.
+  EXPECT_GT(nothing_pending, 100);
+  EXPECT_GT(narrow, 100);
+  EXPECT_GT(unreadable, 50);
+  EXPECT_GT(with_spec, 200);
+}
+
+TEST(MetadataReplay, PrefixCachingIsRefused) {
+  Step s = make_step({{3, 2}, {1, -1}}, 2);
+  s.replay = true;
+  s.mode = CacheMode::kAlign;
+  s.block_size = 4;
+  s.allocate();
+  Params p = s.params();
+  const Status st = plan(p);
+  EXPECT_EQ(st.code(), StatusCode::kUnsupported);
+  EXPECT_NE(st.reason().find("mode 'align' (prefix caching) cannot be combined with replay"),
+            std::string::npos)
+      << st.reason();
+  for (int32_t w : s.plan) ASSERT_EQ(w, kPoison);
+  EXPECT_NE(Builder::can_implement(s.config()).reason().find("mode 'align'"), std::string::npos);
+  Builder b;
+  EXPECT_FALSE(b.initialize(s.config()).is_ok());
+}
+
+TEST(MetadataReplay, BadCountsAndArgumentsAreNamedAndNothingIsWritten) {
+  Step s = make_step({{3, 2}, {1, -1}}, 2);
+  s.replay = true;
+  s.num_accepted_tokens = {0, 4};
+  expect_plan_error(s, "num_accepted_tokens[1] = 4 is outside [0, S = 3] (replay mode");
+  s.num_accepted_tokens = {-1, 0};
+  expect_plan_error(s, "num_accepted_tokens[0] = -1 is outside [0, S = 3]");
+  // The state-row pass: checkpoint_indices required in replay mode, refused otherwise.
+  s = make_step({{3, 2}, {1, -1}}, 2, /*G=*/2);
+  s.replay = true;
+  s.allocate();
+  Params p = s.params();
+  ASSERT_TRUE(plan(p).is_ok());
+  auto pass_error = [&](const Params& q, const std::string& needle) {
+    const Status st = run_state_rows_cpu(q);
+    EXPECT_FALSE(st.is_ok()) << needle;
+    EXPECT_NE(st.reason().find(needle), std::string::npos) << st.reason();
+    for (const auto* v : {&s.spec_out, &s.non_spec_out, &s.non_spec_src_out, &s.checkpoint_out})
+      for (int32_t w : *v) ASSERT_EQ(w, kPoison) << "the pass wrote before failing: " << needle;
+  };
+  Params q = p;
+  q.checkpoint_indices = TensorView{};
+  pass_error(q, "checkpoint_indices is required in replay mode");
+  q = p;
+  q.checkpoint_indices.dtype = DType::kInt64;
+  pass_error(q, "checkpoint_indices");
+  q = p;
+  q.checkpoint_indices.shape[0] = 1;
+  pass_error(q, "checkpoint_indices");
+  q = p;
+  q.checkpoint_indices.shape[1] = 1;
+  q.checkpoint_indices.strides[0] = 1;
+  pass_error(q, "checkpoint_indices has 1 rows per group");
+  q = p;
+  q.checkpoint_indices.device = {DeviceType::kCUDA, 0};
+  pass_error(q, "checkpoint_indices is on cuda:0");
+  // A pass without replay mode: the checkpoint output is refused, and so is a replay plan.
+  q = p;
+  q.replay = false;
+  pass_error(q, "checkpoint_indices is written only in replay mode");
+  q.checkpoint_indices = TensorView{};
+  pass_error(q,
+             "plan holds a plan made with header word replay = 1 but the state-row pass has "
+             "replay = false");
+}
+
+TEST(MetadataReplay, APlanOfTheOtherModeIsPaddedAndCountedByThePass) {
+  // What a device pass does (it cannot raise): every row written gets the pad id, the mismatch is
+  // counted once, and the accepted counts gathered into the plan are the padding values.
+  for (bool plan_replay : {false, true}) {
+    Step s = make_step({{3, 2}, {1, -1}, {3, 2}}, 2, /*G=*/2);
+    s.replay = plan_replay;
+    s.padded_rows = 4;
+    s.pad_id = -1;
+    s.allocate();
+    Params p = s.params();
+    ASSERT_TRUE(plan(p).is_ok());
+    Step t = s;
+    t.replay = !plan_replay;
+    Params q = t.params();
+    q.plan = p.plan;
+    q.spec_state_indices = p.spec_state_indices;
+    q.non_spec_state_indices = p.non_spec_state_indices;
+    q.non_spec_source_indices = p.non_spec_source_indices;
+    q.checkpoint_indices =
+        t.replay ? TensorView::make(s.checkpoint_out.data(), DType::kInt32, {2, s.max_rows})
+                 : TensorView{};
+    EXPECT_EQ(run_state_rows_cpu(make_state_rows_args(q)), 1) << plan_replay;
+    const int64_t R = s.max_rows, S = 3;
+    for (int g = 0; g < 2; ++g)
+      for (int64_t j = 0; j < 4; ++j) {
+        for (int64_t c = 0; c < S; ++c) EXPECT_EQ(s.spec_out[size_t((g * R + j) * S + c)], -1);
+        EXPECT_EQ(s.non_spec_out[size_t(g * R + j)], -1);
+        EXPECT_EQ(s.non_spec_src_out[size_t(g * R + j)], -1);
+        if (t.replay) {
+          EXPECT_EQ(s.checkpoint_out[size_t(g * R + j)], -1);
+        }
+      }
+  }
+}
+
+TEST(MetadataReplay, GatheredReplayCountsAreCheckedPerRow) {
+  // The pass (as on the device) gathers the replay counts: 0..S is valid (n = 0: nothing to
+  // replay); a bad spec-row count is copied and counted once, a bad non-spec count pads the row
+  // in every group; a request past the counts gets n = -1 (which replay verify refuses).
+  Step s = make_step({{3, 2}, {1, -1}, {2, 1}, {1, -1}, {3, 2}}, 2, /*G=*/2);
+  s.replay = true;
+  s.with_accepted = false;
+  s.padded_rows = 6;
+  s.allocate();
+  Params p = s.params();
+  ASSERT_TRUE(plan(p).is_ok());
+  std::vector<int32_t> n = {0, 3, 4, -2};  // request 4 is past the array
+  p.num_accepted_tokens = TensorView::make(n.data(), DType::kInt32, {4});
+  int64_t errors = 0;
+  ASSERT_TRUE(run_state_rows_cpu(p, &errors).is_ok());
+  // Spec rows: requests 0, 2 (bad), 4 (past the counts); non-spec: 1, 3 (bad) in both groups.
+  EXPECT_EQ(errors, 2 + 2 * 1);
+  EXPECT_EQ(words(s, &Layout::replay_counts, 6), (std::vector<int32_t>{0, 4, -1, 0, 0, 0}));
+  EXPECT_EQ(words(s, &Layout::spec_num_accepted, 6), (std::vector<int32_t>{1, 4, 1, 1, 1, 1}));
+  EXPECT_EQ(words(s, &Layout::non_spec_replay_counts, 6),
+            (std::vector<int32_t>{3, -2, 0, 0, 0, 0}));
+  EXPECT_EQ(words(s, &Layout::non_spec_source_column, 6), (std::vector<int32_t>{2, 0, 0, 0, 0, 0}));
+  const int64_t R = s.max_rows;
+  for (int g = 0; g < 2; ++g) {
+    const int32_t base = 100000 * (g + 1);
+    EXPECT_EQ(group_row(s.checkpoint_out, g, R, 3),
+              (std::vector<int32_t>{base, base + 200, base + 400}));
+    EXPECT_EQ(group_row(s.non_spec_out, g, R, 2), (std::vector<int32_t>{base + 100, 0}));
+    EXPECT_EQ(group_row(s.non_spec_src_out, g, R, 2), (std::vector<int32_t>{base + 100, 0}));
+  }
+}
+
+TEST(MetadataReplay, ShadowNamesAnInjectedMismatch) {
+  Step s = make_step({{3, 2}, {1, -1}, {2, 1}}, 2, /*G=*/3);
+  s.replay = true;
+  s.num_accepted_tokens = {2, 3, 0};
+  s.padded_rows = 4;
+  s.allocate();
+  build(s);
+  ASSERT_TRUE(shadow(s).ok());
+  std::mt19937_64 rng(17);
+  poison_unused(s, rng);
+  ASSERT_TRUE(shadow(s).ok()) << shadow(s).message;
+  const int64_t R = s.max_rows;
+  const Layout l = Layout::make(s.max_rows, s.max_tokens);
+  s.checkpoint_out[size_t(1 * R + 1)] += 1;  // group 1, spec row 1 (request 2)
+  ShadowReport r = shadow(s);
+  EXPECT_NE(r.message.find("group 1, field checkpoint_indices, row 1: shared/fused = 200201, "
+                           "per-group = 200200"),
+            std::string::npos)
+      << r.message;
+  s.checkpoint_out[size_t(1 * R + 1)] -= 1;
+  s.checkpoint_out[size_t(2 * R + 3)] = 5;  // a padded row a replay reads
+  r = shadow(s);
+  EXPECT_NE(r.message.find("group 2, field checkpoint_indices, row 3"), std::string::npos)
+      << r.message;
+  s.checkpoint_out[size_t(2 * R + 3)] = 0;
+  s.plan[size_t(l.replay_counts + 1)] = 1;
+  r = shadow(s);
+  EXPECT_NE(r.message.find("field replay_counts, row 1: shared/fused = 1, per-group = 0"),
+            std::string::npos)
+      << r.message;
+  s.plan[size_t(l.replay_counts + 1)] = 0;
+  s.plan[size_t(l.non_spec_replay_counts + 0)] = 2;
+  r = shadow(s);
+  EXPECT_NE(r.message.find("field non_spec_replay_counts, row 0: shared/fused = 2, per-group = 3"),
+            std::string::npos)
+      << r.message;
+  s.plan[size_t(l.non_spec_replay_counts + 0)] = 3;
+  s.spec_out[size_t((0 * R + 0) * 3 + 1)] = 7;  // a column that names no slot in replay mode
+  r = shadow(s);
+  EXPECT_NE(r.message.find("group 0, field spec_state_indices, row 0, column 1"), std::string::npos)
+      << r.message;
+  s.spec_out[size_t((0 * R + 0) * 3 + 1)] = 0;
+  s.plan[size_t(l.header + kReplay)] = 0;
+  r = shadow(s);
+  EXPECT_NE(r.message.find("field header.replay"), std::string::npos) << r.message;
+  s.plan[size_t(l.header + kReplay)] = 1;
+  ASSERT_TRUE(shadow(s).ok()) << shadow(s).message;
+}
+
+TEST(MetadataReplay, BuilderStepsMatchTheReference) {
+  std::mt19937_64 rng(33);
+  int steps = 0;
+  for (bool owned : {true, false})
+    for (int64_t cols : {1, 3, 9}) {
+      const int G = 1 + steps % 6;
+      const int64_t S = 2 + steps % 4;
+      Step base = random_step(rng, G, S, CacheMode::kNone, false, /*replay=*/true);
+      base.max_rows = 40;
+      base.max_tokens = 40 * (S + 12);
+      base.make_tables(G, 40, cols);
+      base.allocate();
+      BuilderConfig c = base.config();
+      ASSERT_TRUE(c.replay);
+      c.shadow = true;
+      BuilderBuffers buffers;
+      std::vector<int32_t> plan_buffer(size_t(Layout::make(c.max_rows, c.max_tokens).total_words));
+      if (!owned) {
+        const Params p = base.params();
+        buffers.spec_state_indices = p.spec_state_indices;
+        buffers.non_spec_state_indices = p.non_spec_state_indices;
+        buffers.non_spec_source_indices = p.non_spec_source_indices;
+        buffers.checkpoint_indices = p.checkpoint_indices;
+        buffers.error_count = p.error_count;
+        buffers.num_host_plans = 1;
+        buffers.host_plans[0] =
+            TensorView::make(plan_buffer.data(), DType::kInt32, {int64_t(plan_buffer.size())});
+        // Without the checkpoint buffer a replay builder is refused, naming it.
+        BuilderBuffers missing = buffers;
+        missing.checkpoint_indices = TensorView{};
+        Builder refused;
+        EXPECT_NE(refused.initialize(c, missing).reason().find("checkpoint_indices is required"),
+                  std::string::npos);
+      }
+      Builder b;
+      ASSERT_OK(owned ? b.initialize(c) : b.initialize(c, buffers));
+      for (int k = 0; k < 25; ++k, ++steps) {
+        Step s = random_step_on(rng, base, k % 2);
+        s.with_accepted = k % 5 != 0;
+        ASSERT_OK(b.step(s.inputs()));
+        expect_builder_matches(b, s, "replay step " + std::to_string(steps));
+      }
+      if (!owned) {
+        EXPECT_EQ(b.buffers().checkpoint_indices.data, base.checkpoint_out.data());
+      }
+    }
+  EXPECT_EQ(steps, 150);
+  // A builder without replay takes no checkpoint buffer; the owned workspace holds one only in
+  // replay mode.
+  Step s = make_step({{3, 2}}, 2, /*G=*/2);
+  s.replay = true;
+  s.allocate();
+  const Params p = s.params();
+  std::vector<int32_t> plan_buffer(size_t(Layout::make(s.max_rows, s.max_tokens).total_words));
+  BuilderBuffers buffers;
+  buffers.spec_state_indices = p.spec_state_indices;
+  buffers.non_spec_state_indices = p.non_spec_state_indices;
+  buffers.non_spec_source_indices = p.non_spec_source_indices;
+  buffers.checkpoint_indices = p.checkpoint_indices;
+  buffers.error_count = p.error_count;
+  buffers.num_host_plans = 1;
+  buffers.host_plans[0] =
+      TensorView::make(plan_buffer.data(), DType::kInt32, {int64_t(plan_buffer.size())});
+  BuilderConfig c = s.config();
+  c.replay = false;
+  Builder b;
+  EXPECT_NE(b.initialize(c, buffers).reason().find("checkpoint_indices is written only in replay"),
+            std::string::npos);
+  const int64_t with = Builder::workspace_size(s.config()).host_bytes;
+  EXPECT_GE(with - Builder::workspace_size(c).host_bytes, 4 * 2 * s.max_rows);
+}
+
+TEST(MetadataReplay, BuilderRefusesBadCountsBeforeWriting) {
+  Step s = make_step({{3, 2}, {1, -1}}, 2, /*G=*/2);
+  s.replay = true;
+  s.num_accepted_tokens = {0, 3};
+  s.allocate();
+  Builder b;
+  ASSERT_OK(b.initialize(s.config()));
+  ASSERT_OK(b.step(s.inputs()));
+  const BuilderBuffers& buf = b.buffers();
+  auto snapshot = [&] {
+    std::vector<int32_t> all;
+    for (const TensorView* v :
+         {&buf.host_plans[0], &buf.spec_state_indices, &buf.non_spec_state_indices,
+          &buf.non_spec_source_indices, &buf.checkpoint_indices})
+      all.insert(all.end(), v->ptr<const int32_t>(), v->ptr<const int32_t>() + v->numel());
+    return all;
+  };
+  const std::vector<int32_t> before = snapshot();
+  s.num_accepted_tokens = {4, 0};
+  const Status st = b.step(s.inputs());
+  EXPECT_NE(st.reason().find("num_accepted_tokens[0] = 4 is outside [0, S = 3]"), std::string::npos)
+      << st.reason();
+  EXPECT_EQ(snapshot(), before);
 }
 
 }  // namespace

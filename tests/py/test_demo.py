@@ -76,6 +76,21 @@ def test_check_fails_when_plain_rows_read_a_stale_state(monkeypatch, capsys):
     assert "FAIL (speculative != plain decoding)" in capsys.readouterr().out
 
 
+def test_check_fails_when_replay_counts_are_dropped(monkeypatch, capsys):
+    # Replay verify reads its replay counts from the metadata builder (replay mode); replaying
+    # nothing instead of the accepted tokens restarts from a stale checkpoint: the replay run must
+    # diverge and the demo must say FAIL.
+    real = gdn.decode_mtp_replay
+
+    def nothing_replayed(*args, num_accepted_tokens=None, **kw):
+        return real(*args, num_accepted_tokens=torch.zeros_like(num_accepted_tokens), **kw)
+
+    monkeypatch.setattr(gdn, "decode_mtp_replay", nothing_replayed)
+    assert demo.main(SHORT + ["--new-tokens", "24", "--state-mode", "replay"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL (speculative != plain decoding)" in out and "replay request" in out
+
+
 def test_dense_layers_are_batch_invariant():
     g = torch.Generator().manual_seed(0)
     w = int8_weight((128, 96), 128 ** -0.5, g)

@@ -1,7 +1,8 @@
 """gdn.metadata: the classification cases of vLLM's GDN builder tests, the shared plan + one-pass
 state rows against the tests' own per-group builder (NumPy, written independently of the C++
 code) on random steps (hypothesis), graph padding, bounds, errors, the shadow check, the torch
-ops, and decode_mtp fed straight from the builder. CUDA tests skip without a GPU."""
+ops, decode_mtp fed straight from the builder, and replay mode (checkpoints and replay counts,
+decode_mtp_replay fed from the builder). CUDA tests skip without a GPU."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ def per_group_reference(step: Dict[str, Any], table: np.ndarray) -> Dict[str, An
     repeat + stable argsort for the token split, cumulative sums, fancy-index gathers."""
     qsl, seq_lens = step["qsl"], step["seq_lens"]
     drafts, acc, computed = step["drafts"], step["acc"], step["computed"]
+    replay = step.get("replay", False)
     S = step["num_spec"] + 1
     pad, padded = step["pad_id"], step["padded_rows"]
     N = len(qsl) - 1
@@ -72,16 +74,30 @@ def per_group_reference(step: Dict[str, Any], table: np.ndarray) -> Dict[str, An
     n_ns_rows = len(ns_idx) if padded is None else padded
     n_mask = N if padded is None else padded
 
-    # State rows: columns [start, start + S) / start; a row outside the table is padded.
     rows, cols = table.shape
-    spec_cols = start[spec_idx, None] + np.arange(S)
-    ok = (spec_idx < rows) & (spec_cols[:, -1] < cols) if len(spec_idx) else np.zeros(0, bool)
-    spec_state = np.full((len(spec_idx), S), pad, I32)
-    spec_state[ok] = table[spec_idx[ok, None], spec_cols[ok]]
-    # Non-spec rows: write column start, read column start + acc - 1 (vLLM's
-    # spec_decode_src_indices); a row with either outside its table is padded.
-    acc_all = acc if acc is not None else np.ones(N, I32)
-    src_col = start[ns_idx] + acc_all[ns_idx].astype(np.int64) - 1
+    # Replay mode (replay.md §3): the given counts are the window tokens to replay, n in 0..S
+    # (absent: 0); a row then accepts max(n, 1).
+    given = acc if acc is not None else np.full(N, 0 if replay else 1, I32)
+    acc_all = np.maximum(given, 1)
+    if replay:
+        # One slot per request and group: column start, the checkpoint. Spec rows hold it in
+        # column 0 (no other column names a slot); non-spec rows read and write it.
+        spec_state = np.full((len(spec_idx), S), pad, I32)
+        ok = np.zeros(len(spec_idx), bool)
+        for j, i in enumerate(spec_idx):
+            if i < rows and start[i] < cols:
+                ok[j] = True
+                spec_state[j, 0] = table[i, start[i]]
+        src_col = start[ns_idx]
+    else:
+        # State rows: columns [start, start + S) / start; a row outside the table is padded.
+        spec_cols = start[spec_idx, None] + np.arange(S)
+        ok = (spec_idx < rows) & (spec_cols[:, -1] < cols) if len(spec_idx) else np.zeros(0, bool)
+        spec_state = np.full((len(spec_idx), S), pad, I32)
+        spec_state[ok] = table[spec_idx[ok, None], spec_cols[ok]]
+        # Non-spec rows: write column start, read column start + acc - 1 (vLLM's
+        # spec_decode_src_indices); a row with either outside its table is padded.
+        src_col = start[ns_idx] + acc_all[ns_idx].astype(np.int64) - 1
     ns_state = np.full(len(ns_idx), pad, I32)
     ns_source = np.full(len(ns_idx), pad, I32)
     ns_ok = np.zeros(len(ns_idx), bool)
@@ -90,7 +106,12 @@ def per_group_reference(step: Dict[str, Any], table: np.ndarray) -> Dict[str, An
             ns_ok[j] = True
             ns_state[j] = table[i, start[i]]
             ns_source[j] = table[i, src_col[j]]
-    spec_acc = acc[mask] if acc is not None else np.ones(len(spec_idx), I32)
+    spec_acc = acc_all[mask]
+    extra = {}
+    if replay:
+        extra = dict(replay_counts=pad_to(given[mask].astype(I32), n_spec_rows, 0),
+                     non_spec_replay_counts=pad_to(given[~mask].astype(I32), n_ns_rows, 0),
+                     checkpoint_indices=pad_to(spec_state[:, 0].copy(), n_spec_rows, pad))
     return dict(
         counts=dict(
             num_requests=N, num_prefills=prefills, num_prefill_tokens=n_ns_tok - decode_tokens,
@@ -100,6 +121,7 @@ def per_group_reference(step: Dict[str, Any], table: np.ndarray) -> Dict[str, An
             spec_rows_written=n_spec_rows, non_spec_rows_written=n_ns_rows,
             mask_rows_written=n_mask, max_column_end=max([int(c) + S for c in start], default=0),
             num_spec_columns=S, padded_rows=-1 if padded is None else padded,
+            replay=int(replay),
         ),
         unreadable=int((~ok).sum() + (~ns_ok).sum()),
         spec_sequence_masks=pad_to(mask, n_mask, False),
@@ -117,6 +139,7 @@ def per_group_reference(step: Dict[str, Any], table: np.ndarray) -> Dict[str, An
         spec_state_indices=pad_to(spec_state.reshape(-1), n_spec_rows * S, pad).reshape(-1, S),
         non_spec_state_indices=pad_to(ns_state, n_ns_rows, pad),
         non_spec_source_indices=pad_to(ns_source, n_ns_rows, pad),
+        **extra,
     )
 
 
@@ -146,11 +169,19 @@ def expect_matches_reference(md: M.StepMetadata, step: Dict[str, Any], tables) -
         np.testing.assert_array_equal(as_np(md.non_spec_source_indices[g]),
                                       ref["non_spec_source_indices"],
                                       err_msg=f"group {g} non_spec_source_indices")
+        if not step.get("replay", False):
+            assert md.checkpoint_indices is None and md.replay_counts is None
+            continue
+        for name in ("replay_counts", "non_spec_replay_counts"):
+            np.testing.assert_array_equal(as_np(getattr(md, name)), ref[name], err_msg=name)
+        np.testing.assert_array_equal(as_np(md.checkpoint_indices[g]), ref["checkpoint_indices"],
+                                      err_msg=f"group {g} checkpoint_indices")
 
 
 def make_step(rows: List[Tuple[int, int]], num_spec: int, *, context: int = 5,
               acc: Optional[List[int]] = None, mode: str = "none", block_size: int = 16,
-              padded_rows: Optional[int] = None, pad_id: int = 0) -> Dict[str, Any]:
+              padded_rows: Optional[int] = None, pad_id: int = 0,
+              replay: bool = False) -> Dict[str, Any]:
     T = np.array([t for t, _ in rows], I32)
     return dict(
         qsl=np.concatenate([[0], np.cumsum(T)]).astype(I32),
@@ -159,7 +190,7 @@ def make_step(rows: List[Tuple[int, int]], num_spec: int, *, context: int = 5,
         acc=np.array(acc if acc is not None else [1] * len(rows), I32),
         computed=np.full(len(rows), context, I32),
         num_spec=num_spec, mode=mode, block_size=block_size, padded_rows=padded_rows,
-        pad_id=pad_id,
+        pad_id=pad_id, replay=replay,
     )
 
 
@@ -180,7 +211,8 @@ def run_builder(step, tables, *, max_rows=None, max_tokens=None, shadow=True, **
     rows = max(N, step["padded_rows"] or 0, 1) + 2
     b = M.Builder(tables, num_spec=step["num_spec"], max_rows=max_rows or rows,
                   max_tokens=max_tokens or int(step["qsl"][-1]) + 3, mode=step["mode"],
-                  block_size=step["block_size"], pad_id=step["pad_id"], shadow=shadow, **kw)
+                  block_size=step["block_size"], pad_id=step["pad_id"], shadow=shadow,
+                  replay=step.get("replay", False), **kw)
     md = b.step(step["qsl"], step["seq_lens"], **step_args(step))
     return b, md
 
@@ -369,10 +401,14 @@ def test_bad_counts_and_sources_are_refused_before_anything_is_written():
 
 
 @st.composite
-def random_steps(draw):
+def random_steps(draw, replay: Optional[bool] = False):
+    """A random step and its tables. ``replay``: replay mode (True), not (False) or drawn (None);
+    replay steps use mode "none", counts 0..S and tables from one column (one checkpoint slot per
+    request) up to S + 2 columns."""
+    replay = draw(st.booleans()) if replay is None else replay
     G = draw(st.integers(1, 6))
     S = draw(st.integers(1, 16))
-    mode = draw(st.sampled_from(["none", "align"]))
+    mode = "none" if replay else draw(st.sampled_from(["none", "align"]))
     N = draw(st.integers(0, 20))
     spec_allowed = draw(st.booleans()) or draw(st.booleans())
     zero_drafts = draw(st.booleans()) and draw(st.booleans())  # drafts summing to 0: no spec rows
@@ -392,18 +428,22 @@ def random_steps(draw):
         qsl=np.concatenate([[0], np.cumsum(T)]).astype(I32),
         seq_lens=(T + context).astype(I32),
         drafts=np.array([d for _, d in rows], I32),
-        acc=np.array(draw(st.lists(st.integers(1, S), min_size=N, max_size=N)), I32),
+        acc=np.array(draw(st.lists(st.integers(0 if replay else 1, S), min_size=N, max_size=N)),
+                     I32) if not (replay and draw(st.booleans()) and draw(st.booleans())) else None,
         computed=context if draw(st.booleans()) else None,
         num_spec=S - 1, mode=mode, block_size=draw(st.integers(1, 16)), padded_rows=padded,
-        pad_id=draw(st.sampled_from([0, -1])),
+        pad_id=draw(st.sampled_from([0, -1])), replay=replay,
     )
     seed = draw(st.integers(0, 2**31))
     rng = np.random.default_rng(seed)
     # Align mode sometimes runs past a table's last column; tables may differ in width and rows.
     tables = []
     for _ in range(G):
-        cols = S + int(rng.integers(0, 3)) if mode == "none" else S + int(rng.integers(0, 6))
-        rows = N + int(rng.integers(0, 3))
+        if replay:
+            cols = int(rng.integers(1, S + 3))
+        else:
+            cols = S + int(rng.integers(0, 3)) if mode == "none" else S + int(rng.integers(0, 6))
+        rows = max(N + int(rng.integers(-2 if replay else 0, 3)), 0)
         tables.append(rng.integers(1, 1 << 20, size=(rows, cols)).astype(I32))
     return step, tables
 
@@ -418,8 +458,8 @@ def test_shared_fused_equals_per_group_builds(case):
     assert int(b.error_count[0]) == expected_errors
 
 
-@settings(max_examples=60, deadline=None)
-@given(random_steps())
+@settings(max_examples=80, deadline=None)
+@given(random_steps(replay=None))
 def test_package_step_reference_agrees_with_the_tests(case):
     """gdn.metadata.step_reference (the package's NumPy reference) equals the tests' own."""
     step, tables = case
@@ -429,8 +469,9 @@ def test_package_step_reference_agrees_with_the_tests(case):
             step["qsl"], step["seq_lens"], table, num_draft_tokens=step["drafts"],
             num_accepted_tokens=step["acc"], num_computed_tokens=step["computed"],
             num_spec=step["num_spec"], mode=step["mode"], block_size=step["block_size"],
-            padded_rows=step["padded_rows"], pad_id=step["pad_id"])
+            padded_rows=step["padded_rows"], pad_id=step["pad_id"], replay=step["replay"])
         assert theirs["counts"] == ours["counts"] and theirs["unreadable"] == ours["unreadable"]
+        assert set(theirs) == set(ours)
         for name, value in ours.items():
             if name not in ("counts", "unreadable"):
                 np.testing.assert_array_equal(theirs[name], value, err_msg=name)
@@ -736,6 +777,288 @@ def test_decode_mtp_takes_the_builder_outputs_directly():
         assert not torch.isnan(out_a).any()
 
 
+# ---- replay mode (replay.md §3): one checkpoint slot per request ---------------------------------
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_replay_mode_hand_checked(lib):
+    """Spec rows: request 0 right after prefill (n = 0) and request 2 (n = 3); non-spec rows:
+    request 1 (a decode without drafts, n = 2) and request 3 (zero-length, n = 1); padded to 5."""
+    table = np.array([[11, 12, 13, 14], [21, 22, 23, 24], [31, 32, 33, 34], [41, 42, 43, 44]], I32)
+    other = table + 100
+    tables = [table, other] if lib == "numpy" else [torch.from_numpy(table), torch.from_numpy(other)]
+    step = make_step([(3, 2), (1, -1), (2, 1), (0, -1)], 2, acc=[0, 2, 3, 1], padded_rows=5,
+                     pad_id=-1, replay=True)
+    b, md = run_builder(step, tables, max_rows=7)
+    assert md.replay == 1 and md.num_spec_decodes == 2
+    np.testing.assert_array_equal(as_np(md.checkpoint_indices),
+                                  [[11, 31, -1, -1, -1], [111, 131, -1, -1, -1]])
+    np.testing.assert_array_equal(as_np(md.replay_counts), [0, 3, 0, 0, 0])
+    np.testing.assert_array_equal(as_np(md.spec_num_accepted), [1, 3, 1, 1, 1])
+    np.testing.assert_array_equal(as_np(md.non_spec_replay_counts), [2, 1, 0, 0, 0])
+    np.testing.assert_array_equal(as_np(md.non_spec_source_column), [1, 0, 0, 0, 0])
+    # Column 0 of a spec row is its checkpoint, no other column names a slot; non-spec rows read
+    # and write their checkpoint.
+    np.testing.assert_array_equal(as_np(md.spec_state_indices[:, :, 0]), as_np(md.checkpoint_indices))
+    assert (as_np(md.spec_state_indices[:, :, 1:]) == -1).all()
+    np.testing.assert_array_equal(as_np(md.non_spec_state_indices),
+                                  [[21, 41, -1, -1, -1], [121, 141, -1, -1, -1]])
+    np.testing.assert_array_equal(as_np(md.non_spec_source_indices), as_np(md.non_spec_state_indices))
+    args = md.replay_args(1)
+    np.testing.assert_array_equal(as_np(args["state_indices"]), [111, 131, -1, -1, -1])
+    np.testing.assert_array_equal(as_np(args["cu_seqlens"]), [0, 3, 5, 5, 5, 5])
+    np.testing.assert_array_equal(as_np(args["num_accepted_tokens"]), [0, 3, 0, 0, 0])
+    assert int(b.error_count[0]) == 0
+    expect_matches_reference(md, step, [as_np(t) for t in tables])
+
+
+def test_replay_mode_needs_one_slot_per_request_only():
+    """One-column tables (a pool of one checkpoint slot per request): nothing else is read in
+    replay mode; the same step without replay cannot find its S columns."""
+    tables = [np.array([[7], [8], [9]], I32) + 10 * g for g in range(3)]
+    step = make_step([(3, 2), (1, -1), (3, 2)], 2, acc=[3, 2, 0], replay=True)
+    b, md = run_builder(step, tables)
+    assert int(b.error_count[0]) == 0
+    np.testing.assert_array_equal(as_np(md.checkpoint_indices), [[7, 9], [17, 19], [27, 29]])
+    np.testing.assert_array_equal(as_np(md.non_spec_source_indices), [[8], [18], [28]])
+    step["replay"], step["acc"] = False, np.array([3, 2, 1], I32)
+    b, md = run_builder(step, tables)
+    assert int(b.error_count[0]) == 3 * 3
+
+
+@settings(max_examples=120, deadline=None)
+@given(random_steps(replay=True))
+def test_replay_builder_equals_per_group_builds(case):
+    """Fresh random replay steps (every group, padded or not, counts given or absent, tables
+    from one column, some rows missing): the builder (with its C++ shadow check) equals the
+    tests' own per-group reference, error count included."""
+    step, tables = case
+    b, md = run_builder(step, tables)
+    expect_matches_reference(md, step, tables)
+    assert int(b.error_count[0]) == sum(per_group_reference(step, t)["unreadable"] for t in tables)
+
+
+@settings(max_examples=80, deadline=None)
+@given(random_steps(replay=True))
+def test_replay_free_functions_write_exactly_the_reference_rows(case):
+    """plan + state_rows in replay mode into poisoned buffers: the written rows (checkpoints,
+    spec rows, non-spec rows, replay counts) equal the reference and nothing past them is
+    touched."""
+    step, tables = case
+    N = len(step["qsl"]) - 1
+    R, T, G, S = N + 7, int(step["qsl"][-1]) + 2, len(tables), step["num_spec"] + 1
+    poison = -777
+    plan = np.full(M.plan_words(R, T), poison, I32)
+    scalars = dict(num_spec=step["num_spec"], max_rows=R, max_tokens=T)
+    M.plan(plan, step["qsl"], step["seq_lens"], pad_id=step["pad_id"], replay=True,
+           **step_args(step), **scalars)
+    spec = np.full((G, R, S), poison, I32)
+    ns, src, ck = (np.full((G, R), poison, I32) for _ in range(3))
+    err = np.zeros(1, I32)
+    rows = M.state_rows(plan, tables, spec, ns, pad_id=step["pad_id"], error_count=err,
+                        non_spec_source_indices=src, replay=True, checkpoint_indices=ck, **scalars)
+    view = M.PlanView(M._field_views(plan, R, T), plan[: len(M.HEADER_FIELDS)])
+    expected_errors = 0
+    for g, table in enumerate(tables):
+        ref = per_group_reference(step, table)
+        expected_errors += ref["unreadable"]
+        n_spec, n_ns = ref["counts"]["spec_rows_written"], ref["counts"]["non_spec_rows_written"]
+        assert {k: view.counts()[k] for k in ref["counts"]} == ref["counts"]
+        np.testing.assert_array_equal(view.replay_counts, ref["replay_counts"])
+        np.testing.assert_array_equal(view.non_spec_replay_counts, ref["non_spec_replay_counts"])
+        np.testing.assert_array_equal(ck[g, :n_spec], ref["checkpoint_indices"])
+        np.testing.assert_array_equal(spec[g, :n_spec], ref["spec_state_indices"])
+        np.testing.assert_array_equal(ns[g, :n_ns], ref["non_spec_state_indices"])
+        np.testing.assert_array_equal(src[g, :n_ns], ref["non_spec_source_indices"])
+        assert (ck[g, n_spec:] == poison).all() and (spec[g, n_spec:] == poison).all()
+        assert (ns[g, n_ns:] == poison).all() and (src[g, n_ns:] == poison).all()
+    lay = M.layout(R, T)
+    for name, n in (("replay_counts", view.spec_rows), ("non_spec_replay_counts", view.non_spec_rows)):
+        offset, length, _ = lay[name]
+        assert (plan[offset + n : offset + length] == poison).all(), name
+    assert rows == expected_errors == int(err[0])
+    assert M.shadow_check(plan, tables, spec, ns, step["qsl"], step["seq_lens"], pad_id=step["pad_id"],
+                          non_spec_source_indices=src, replay=True, checkpoint_indices=ck,
+                          **step_args(step), **scalars) == ""
+
+
+def test_replay_errors_name_the_argument_and_write_nothing():
+    tables = make_tables(2, 4, 4)
+    with pytest.raises(ValueError, match=r"mode 'align' \(prefix caching\) cannot be combined with "
+                                         r"replay"):
+        M.Builder(tables, num_spec=2, max_rows=4, max_tokens=16, mode="align", block_size=4,
+                  replay=True)
+    step = make_step([(3, 2), (1, -1)], 2, acc=[0, 3], replay=True)
+    plan = np.full(M.plan_words(4, 16), -5, I32)
+    with pytest.raises(ValueError, match="mode 'align'"):
+        M.plan(plan, step["qsl"], step["seq_lens"], num_spec=2, max_rows=4, max_tokens=16,
+               mode="align", block_size=4, replay=True)
+    assert (plan == -5).all()
+    b = M.Builder(tables, num_spec=2, max_rows=4, max_tokens=16, replay=True)
+    b.step(step["qsl"], step["seq_lens"], **step_args(step))
+    before = [np.copy(x) for x in (b.host_plans[0], b.checkpoint_indices, b.spec_state_indices,
+                                   b.non_spec_state_indices, b.non_spec_source_indices)]
+    for acc, needle in (([4, 0], r"num_accepted_tokens\[0\] = 4 is outside \[0, S = 3\] \(replay"),
+                        ([0, -1], r"num_accepted_tokens\[1\] = -1 is outside \[0, S = 3\]")):
+        kw = step_args(step)
+        kw["num_accepted_tokens"] = np.array(acc, I32)
+        with pytest.raises(ValueError, match=needle):
+            b.step(step["qsl"], step["seq_lens"], **kw)
+    for x, y in zip(before, (b.host_plans[0], b.checkpoint_indices, b.spec_state_indices,
+                             b.non_spec_state_indices, b.non_spec_source_indices)):
+        np.testing.assert_array_equal(x, y)
+    # The state-row pass: the checkpoint output is required in replay mode and refused without
+    # it; a plan of the other mode is refused on the CPU.
+    M.plan(plan, step["qsl"], step["seq_lens"], num_accepted_tokens=step["acc"],
+           num_draft_tokens=step["drafts"], num_spec=2, max_rows=4, max_tokens=16, replay=True)
+    spec, ns, ck = np.full((2, 4, 3), -5, I32), np.full((2, 4), -5, I32), np.full((2, 4), -5, I32)
+    kw = dict(num_spec=2, max_rows=4, max_tokens=16)
+    with pytest.raises(ValueError, match="checkpoint_indices is required in replay mode"):
+        M.state_rows(plan, tables, spec, ns, replay=True, **kw)
+    with pytest.raises(ValueError, match="checkpoint_indices"):
+        M.state_rows(plan, tables, spec, ns, replay=True, checkpoint_indices=ck[:1], **kw)
+    with pytest.raises(ValueError, match="checkpoint_indices is written only in replay mode"):
+        M.state_rows(plan, tables, spec, ns, checkpoint_indices=ck, **kw)
+    with pytest.raises(ValueError, match="plan made with header word replay = 1 but the state-row "
+                                         "pass has replay = false"):
+        M.state_rows(plan, tables, spec, ns, **kw)
+    assert (spec == -5).all() and (ns == -5).all() and (ck == -5).all()
+    with pytest.raises(TypeError, match=r"^gdn\.metadata\.state_rows: checkpoint_indices must be"):
+        M.state_rows(plan, tables, spec, ns, replay=True, checkpoint_indices=[[0]], **kw)
+    plain = M.Builder(tables, num_spec=2, max_rows=4, max_tokens=16)
+    md = plain.step(step["qsl"], step["seq_lens"])
+    assert md.checkpoint_indices is None and md.replay_counts is None and md.replay == 0
+    with pytest.raises(ValueError, match="replay_args needs a builder made with replay=True"):
+        md.replay_args(0)
+
+
+def test_replay_shadow_names_an_injected_mismatch():
+    rng = np.random.default_rng(12)
+    step = make_step([(3, 2), (1, -1), (2, 1)], 2, acc=[2, 3, 0], padded_rows=4, replay=True)
+    tables = make_tables(3, 3, 1, rng=rng)
+    b, md = run_builder(step, tables, max_rows=6)
+    kw = dict(num_spec=2, max_rows=6, max_tokens=b.max_tokens, padded_rows=4, replay=True)
+
+    def check(plan, ck):
+        return M.shadow_check(plan, tables, b.spec_state_indices, b.non_spec_state_indices,
+                              step["qsl"], step["seq_lens"], num_draft_tokens=step["drafts"],
+                              num_accepted_tokens=step["acc"], num_computed_tokens=step["computed"],
+                              non_spec_source_indices=b.non_spec_source_indices,
+                              checkpoint_indices=ck, **kw)
+
+    plan, ck = b.host_plans[0].copy(), b.checkpoint_indices.copy()
+    assert check(plan, ck) == ""
+    ck[1, 1] += 1  # group 1, spec row 1 (request 2)
+    msg = check(plan, ck)
+    assert f"group 1, field checkpoint_indices, row 1: shared/fused = {ck[1, 1]}, per-group = " \
+           f"{ck[1, 1] - 1}" in msg, msg
+    ck[1, 1] -= 1
+    ck[2, 3] = 99  # a padded row a replay reads
+    assert "group 2, field checkpoint_indices, row 3" in check(plan, ck)
+    ck[2, 3] = 0
+    lay = M.layout(6, b.max_tokens)
+    plan[lay["replay_counts"][0] + 1] = 1
+    msg = check(plan, ck)
+    assert "field replay_counts, row 1: shared/fused = 1, per-group = 0" in msg, msg
+    plan[lay["replay_counts"][0] + 1] = 0
+    plan[lay["non_spec_replay_counts"][0]] = 2
+    assert "field non_spec_replay_counts, row 0: shared/fused = 2, per-group = 3" in check(plan, ck)
+    plan[lay["non_spec_replay_counts"][0]] = 3
+    assert check(plan, ck) == ""
+    # The builder's shadow switch names a corrupted checkpoint too.
+    real = b._native
+
+    class Corrupting:
+        def step(self, *args):
+            out = real.step(*args)
+            b.checkpoint_indices[2, 0] += 1
+            return out
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    b._native = Corrupting()
+    with pytest.raises(RuntimeError, match="group 2, field checkpoint_indices, row 0"):
+        b.step(step["qsl"], step["seq_lens"], **step_args(step))
+
+
+def test_replay_torch_ops_match_the_reference_and_pass_opcheck():
+    step = make_step([(3, 2), (1, -1), (2, 1)], 2, acc=[0, 2, 3], padded_rows=4, replay=True)
+    R, T, G = 6, 16, 3
+    t = lambda a: torch.from_numpy(a)  # noqa: E731
+    plan = torch.zeros(M.plan_words(R, T), dtype=torch.int32)
+    plan_kw = dict(num_draft_tokens=t(step["drafts"]), num_accepted_tokens=t(step["acc"]),
+                   num_computed_tokens=t(step["computed"]), num_spec=2, max_rows=R, max_tokens=T,
+                   cache_mode="none", block_size=0, padded_rows=4, pad_id=0, replay=True)
+    torch.ops.gdn.metadata_plan(plan, t(step["qsl"]), t(step["seq_lens"]), **plan_kw)
+    tables = [t(x) for x in make_tables(G, 3, 2)]
+    spec = torch.full((G, R, 3), -9, dtype=torch.int32)
+    ns, src, ck = (torch.full((G, R), -9, dtype=torch.int32) for _ in range(3))
+    err = torch.zeros(1, dtype=torch.int32)
+    rows_kw = dict(num_spec=2, max_rows=R, max_tokens=T, pad_id=0, launch_rows=4,
+                   num_accepted_tokens=None, error_count=err, non_spec_source_indices=src,
+                   replay=True, checkpoint_indices=ck)
+    torch.ops.gdn.metadata_state_rows(plan, tables, spec, ns, **rows_kw)
+    view = M.PlanView(M._field_views(plan.numpy(), R, T), plan.numpy()[: len(M.HEADER_FIELDS)])
+    for g in range(G):
+        ref = per_group_reference(step, tables[g].numpy())
+        np.testing.assert_array_equal(ck[g, :4].numpy(), ref["checkpoint_indices"])
+        np.testing.assert_array_equal(spec[g, :4].numpy(), ref["spec_state_indices"])
+        np.testing.assert_array_equal(src[g, :4].numpy(), ref["non_spec_source_indices"])
+        np.testing.assert_array_equal(view.replay_counts, ref["replay_counts"])
+    assert (ck[:, 4:] == -9).all() and int(err[0]) == 0
+    from torch.library import opcheck
+
+    opcheck(torch.ops.gdn.metadata_state_rows.default, (plan, tables, spec, ns), rows_kw)
+    opcheck(torch.ops.gdn.metadata_plan.default, (plan.clone(), t(step["qsl"]), t(step["seq_lens"])),
+            plan_kw)
+
+
+def test_decode_mtp_replay_takes_the_builder_outputs_directly():
+    """decode_mtp_replay fed with replay_args(g) of a replay-mode builder equals the same call with
+    checkpoint slots and replay counts written out by hand from the step."""
+    rng = np.random.default_rng(9)
+    H, HV, K, slots, num_spec = 1, 2, 16, 64, 2
+    S = num_spec + 1
+    # Spec rows: requests 0 (n = 2), 2 (n = 0: first step after prefill), 3 (n = 3); request 1
+    # is a prefill (not a spec row). One checkpoint column per request.
+    step = make_step([(3, 2), (4, -1), (2, 1), (1, 0)], num_spec, acc=[2, 1, 0, 3], padded_rows=6,
+                     replay=True)
+    L = int(step["qsl"][-1])
+    tables = [rng.permutation(np.arange(1, slots))[:4].reshape(4, 1).astype(I32) for _ in range(2)]
+    f = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32))  # noqa: E731
+    x = dict(mixed_qkv=f(L, 2 * H * K + HV * K), a=f(L, HV), b=f(L, HV), A_log=f(HV),
+             dt_bias=f(HV), state=f(slots, HV, K, K))
+    window = gdn.ReplayWindow.allocate(slots, S, H=H, HV=HV, K=K, V=K, dtype=torch.float32)
+    for w in (window.k, window.v, window.a, window.b):
+        w.copy_(torch.from_numpy(rng.standard_normal(tuple(w.shape)).astype(np.float32)))
+    window.len.fill_(S)
+    b, md = run_builder(step, [torch.from_numpy(t) for t in tables], max_rows=8)
+    tok = torch.as_tensor(md.spec_token_indx).long()
+    spec_req = [0, 2, 3]
+    qlen = np.diff(step["qsl"])
+    for g in range(len(tables)):
+        results = []
+        for by_hand in (False, True):
+            state, win = x["state"].clone(), {k: v.clone() for k, v in window.arrays().items()}
+            out = torch.full((len(tok), HV, K), float("nan"))
+            if by_hand:
+                args = dict(state_indices=torch.from_numpy(tables[g][spec_req, 0].copy()),
+                            cu_seqlens=torch.tensor(np.concatenate([[0], np.cumsum(qlen[spec_req])]),
+                                                    dtype=torch.int32),
+                            num_accepted_tokens=torch.tensor([2, 0, 3], dtype=torch.int32))
+            else:
+                args = md.replay_args(g)  # padded rows: null slot, no tokens, count 0
+            gdn.decode_mtp_replay(x["mixed_qkv"][tok], x["a"][tok], x["b"][tok], x["A_log"],
+                                  x["dt_bias"], state, out=out, **win, first_valid_slot=1, **args)
+            results.append((out, state, win))
+        (out_a, state_a, win_a), (out_b, state_b, win_b) = results
+        assert not torch.isnan(out_a).any()
+        assert torch.equal(out_a, out_b) and torch.equal(state_a, state_b)
+        assert all(torch.equal(win_a[k], win_b[k]) for k in win_a)
+        assert not torch.equal(state_a, x["state"])  # the checkpoints moved on
+
+
 # ---- CUDA ----------------------------------------------------------------------------------------
 
 
@@ -793,7 +1116,8 @@ def test_cuda_graph_replay_with_new_inputs_gives_the_new_rows():
         b.prepare(step["qsl"], step["seq_lens"], **kw)
         graph.replay()
         torch.cuda.synchronize()
-        md = M.StepMetadata(b, M.PlanView(b._views, b.device_plan[:16].cpu().numpy()))
+        header = b.device_plan[: len(M.HEADER_FIELDS)].cpu().numpy()
+        md = M.StepMetadata(b, M.PlanView(b._views, header))
         expect_matches_reference(md, step, tables_np)
 
 
@@ -846,6 +1170,23 @@ def test_cuda_decode_mtp_takes_the_builder_outputs_directly():
     assert not torch.isnan(out).any()
     assert rel(out.cpu().double(), out_cpu.double()) <= 1e-5
     assert rel(state.cpu().double(), state_cpu.double()) <= 1e-5
+
+
+@needs_cuda
+@settings(max_examples=30, deadline=None)
+@given(random_steps(replay=True), st.booleans())
+def test_cuda_replay_builder_equals_per_group_builds(case, counts_on_device):
+    step, tables = case
+    dev_tables = [torch.from_numpy(t).cuda() for t in tables]
+    N = len(step["qsl"]) - 1
+    b = M.Builder(dev_tables, num_spec=step["num_spec"], max_rows=N + 8,
+                  max_tokens=int(step["qsl"][-1]) + 3, pad_id=step["pad_id"], shadow=True,
+                  replay=True)
+    md = b.step(step["qsl"], step["seq_lens"], **cuda_step_args(step, counts_on_device))
+    torch.cuda.synchronize()
+    assert md.checkpoint_indices.is_cuda and md.replay_counts.is_cuda
+    expect_matches_reference(md, step, tables)
+    assert int(b.error_count[0]) == sum(per_group_reference(step, t)["unreadable"] for t in tables)
 
 
 # ---- errors that name the argument ---------------------------------------------------------------

@@ -159,7 +159,7 @@ WRITES = {
     "causal_conv1d_update": {"conv_state", "out", "error_count"},
     "metadata_plan": {"plan"},
     "metadata_state_rows": {"plan", "spec_state_indices", "non_spec_state_indices", "error_count",
-                            "non_spec_source_indices"},
+                            "non_spec_source_indices", "checkpoint_indices"},
 }
 
 GRAD_MODES = {"grad": contextlib.nullcontext, "no_grad": torch.no_grad,
@@ -310,9 +310,10 @@ def _metadata_state_rows_call(gen, device):
     def fn(t):
         M.state_rows(*(t[n] for n in names), num_spec=NUM_SPEC, max_rows=R, max_tokens=T_MAX)
 
+    # checkpoint_indices is written in replay mode only (test_metadata_state_rows_op_in_replay_mode).
     return OpCall(t, op, fn, frozenset({"spec_state_indices", "non_spec_state_indices"}),
                   ("num_accepted_tokens", "error_count", "non_spec_source_indices"),
-                  frozenset(WRITES["metadata_state_rows"]))
+                  frozenset(WRITES["metadata_state_rows"] - {"checkpoint_indices"}))
 
 
 CALLS = {"decode_mtp": _decode_mtp_call, "decode_mtp_replay": _replay_call,
@@ -456,3 +457,36 @@ def test_metadata_plan_op_takes_mode_as_cache_mode():
     M.plan(plain["plan"], plain["query_start_loc"], plain["seq_lens"],
            num_draft_tokens=plain["num_draft_tokens"], **kw)
     assert not torch.equal(plain["plan"], expect["plan"])  # "align" made a difference
+
+
+def test_metadata_state_rows_op_in_replay_mode(gen):
+    """In replay mode the op also writes checkpoint_indices (declared mutable), exactly as the
+    function does."""
+    t = _plan_inputs()
+    t["num_accepted_tokens"] = torch.tensor([0, 2, 3], dtype=I32)  # replay counts 0..S
+    M.plan(t["plan"], t["query_start_loc"], t["seq_lens"], num_draft_tokens=t["num_draft_tokens"],
+           num_accepted_tokens=t["num_accepted_tokens"], num_spec=NUM_SPEC, max_rows=R,
+           max_tokens=T_MAX, replay=True)
+    G = 2
+    tables = [torch.randint(1, 1 << 20, (3, cols), generator=gen, dtype=I32) for cols in (1, 4)]
+    outputs = dict(spec_state_indices=torch.full((G, R, NUM_SPEC + 1), -9, dtype=I32),
+                   non_spec_state_indices=torch.full((G, R), -9, dtype=I32),
+                   checkpoint_indices=torch.full((G, R), -9, dtype=I32),
+                   non_spec_source_indices=torch.full((G, R), -9, dtype=I32))
+    expect = _clone(outputs)
+    kw = dict(num_spec=NUM_SPEC, max_rows=R, max_tokens=T_MAX, replay=True)
+    M.state_rows(t["plan"], tables, expect["spec_state_indices"], expect["non_spec_state_indices"],
+                 checkpoint_indices=expect["checkpoint_indices"],
+                 non_spec_source_indices=expect["non_spec_source_indices"], **kw)
+    before = _clone(outputs)
+    torch.ops.gdn.metadata_state_rows(t["plan"], tables, outputs["spec_state_indices"],
+                                      outputs["non_spec_state_indices"],
+                                      checkpoint_indices=outputs["checkpoint_indices"],
+                                      non_spec_source_indices=outputs["non_spec_source_indices"], **kw)
+    assert all(_same(outputs[k], expect[k]) for k in outputs)
+    assert _changed(before, outputs) == set(outputs)
+    torch.testing.assert_close(outputs["checkpoint_indices"][:, :2],
+                               torch.stack([tables[g][[0, 2], 0] for g in range(G)]))
+    schema = torch.ops.gdn.metadata_state_rows.default._schema
+    mutable = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    assert set(outputs) <= mutable

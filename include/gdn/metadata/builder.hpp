@@ -8,6 +8,8 @@
 // each step; for CUDA graphs, prepare(...) each step and replay a capture of launch(...).
 // Buffers are caller-provided (BuilderBuffers: views the caller keeps alive and zero-initialises)
 // or self-owned (allocated and zeroed once by initialize; workspace_size() says how much).
+// BuilderConfig::replay builds for replay verify (one checkpoint slot per request): the same plan
+// and launch also fill checkpoint_indices and the replay counts (docs metadata.md §8).
 //
 // This header compiles with g++ alone: the CUDA runtime is reached through a DeviceOps table,
 // which gdn/metadata/builder.cuh (nvcc code) or gdn::cuda_api::metadata_builder_ops()
@@ -63,6 +65,10 @@ struct BuilderConfig {
   CacheMode mode = CacheMode::kNone;
   int64_t block_size = 0;  // mode "align" only
   int32_t pad_id = 0;      // state id of padded and unreadable rows
+  // Replay mode (docs replay.md §3, Params::replay): one checkpoint slot per request and group
+  // (column start), step inputs' num_accepted_tokens are the replay counts n (0..S), and the step
+  // also fills checkpoint_indices and the plan's replay counts. Mode "align" is refused.
+  bool replay = false;
   // CUDA: host plan buffers used in turn. Page-locked ones (pinned_staging) make the plan copy
   // truly asynchronous; before a buffer is rewritten the builder waits for the copy issued from
   // it (normally long done). Pageable memory: one buffer, which the driver stages at copy time.
@@ -87,6 +93,7 @@ struct BuilderBuffers {
   TensorView spec_state_indices;            // [G, max_rows, S]
   TensorView non_spec_state_indices;        // [G, max_rows]: destination of each non-spec row
   TensorView non_spec_source_indices;       // [G, max_rows]: source of each non-spec row
+  TensorView checkpoint_indices;            // [G, max_rows]: replay mode only (required there)
   TensorView error_count;                   // [1]: unreadable rows are added to it
   TensorView device_plan;                   // CUDA builders: [plan words]
   int num_host_plans = 0;                   // BuilderConfig::num_host_plans()
@@ -98,7 +105,8 @@ struct StepInputs {
   TensorView query_start_loc;      // [N+1]
   TensorView seq_lens;             // [N]
   TensorView num_draft_tokens;     // [N] or absent
-  TensorView num_accepted_tokens;  // [N] or absent; host, or on the builder's device
+  TensorView num_accepted_tokens;  // [N] or absent; host, or on the builder's device (replay
+                                   // mode: the replay counts n, 0..S)
   TensorView num_computed_tokens;  // [N] or absent
   int64_t padded_rows = -1;        // CUDA-graph batch size, or -1
 };
@@ -190,6 +198,9 @@ class Builder {
         TensorView::make(outputs + r.non_spec, DType::kInt32, {G, R}, {}, out_dev);
     b.non_spec_source_indices =
         TensorView::make(outputs + r.non_spec_source, DType::kInt32, {G, R}, {}, out_dev);
+    if (c.replay)
+      b.checkpoint_indices =
+          TensorView::make(outputs + r.checkpoint, DType::kInt32, {G, R}, {}, out_dev);
     b.error_count = TensorView::make(outputs + r.error_count, DType::kInt32, {1}, {}, out_dev);
     if (c.is_cuda())
       b.device_plan =
@@ -272,6 +283,7 @@ class Builder {
     for (TensorView* v :
          {&p.spec_state_indices, &p.non_spec_state_indices, &p.non_spec_source_indices})
       GDN_RETURN_IF_ERROR(to_host(v, v->numel()));
+    if (p.replay) GDN_RETURN_IF_ERROR(to_host(&p.checkpoint_indices, p.checkpoint_indices.numel()));
     p.error_count = TensorView{};
     if (device_acc)
       GDN_RETURN_IF_ERROR(to_host(&p.num_accepted_tokens, p.num_accepted_tokens.numel()));
@@ -297,7 +309,7 @@ class Builder {
   // Word offsets of a self-owned builder's regions (each 16-byte aligned).
   struct Regions {
     int64_t plan_words = 0, plan_stride = 0;
-    int64_t spec = 0, non_spec = 0, non_spec_source = 0, error_count = 0;  // outputs
+    int64_t spec = 0, non_spec = 0, non_spec_source = 0, checkpoint = 0, error_count = 0;
     int64_t device_plan = 0, host_plans = 0;
     int64_t host_words = 0, device_words = 0;
   };
@@ -315,6 +327,7 @@ class Builder {
     r.spec = take(G * R * S);
     r.non_spec = take(G * R);
     r.non_spec_source = take(G * R);
+    if (c.replay) r.checkpoint = take(G * R);
     r.error_count = take(1);
     if (c.is_cuda()) {
       r.device_plan = take(r.plan_words);
@@ -343,6 +356,7 @@ class Builder {
     p.mode = c.mode;
     p.block_size = c.block_size;
     p.pad_id = c.pad_id;
+    p.replay = c.replay;
     p.max_rows = c.max_rows;
     p.max_tokens = c.max_tokens;
     p.num_groups = c.num_groups;
@@ -350,6 +364,7 @@ class Builder {
     p.spec_state_indices = b.spec_state_indices;
     p.non_spec_state_indices = b.non_spec_state_indices;
     p.non_spec_source_indices = b.non_spec_source_indices;
+    p.checkpoint_indices = b.checkpoint_indices;
     p.error_count = b.error_count;
     return p;
   }

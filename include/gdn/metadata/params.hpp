@@ -8,6 +8,11 @@
 //      buffer of the same layout.
 //   2. state rows (one pass over all G groups: a CPU loop or one CUDA launch): reads the plan
 //      buffer and every group's block table and writes each group's state-slot rows.
+//
+// Replay mode (`replay`, docs replay.md §3): a request owns one state slot per group, its
+// checkpoint, at block table column `start`; `num_accepted_tokens` are the replay counts n
+// (0..S, 0 for a row whose window is empty) and the step also yields, per group, the spec rows'
+// checkpoint slots (`checkpoint_indices`) and, shared, every row's replay count.
 #pragma once
 
 #include <cstdint>
@@ -52,18 +57,28 @@ enum HeaderField : int {
   kMaxColumnEnd,        // table width the live rows may read: max of start + S, over live rows
   kNumSpecColumns,      // S = num_spec + 1
   kPaddedRows,          // padded_rows, or -1 when the step is not padded
-  kHeaderWords = 16,
+  kReplay,              // 1: planned in replay mode, 0: not (the state-row pass checks it)
+  kHeaderWords = 17,
 };
 
 inline const char* header_field_name(int f) noexcept {
-  static const char* const names[kHeaderWords] = {"num_requests",           "num_prefills",
-                                                  "num_prefill_tokens",     "num_decodes",
-                                                  "num_decode_tokens",      "num_spec_decodes",
-                                                  "num_spec_decode_tokens", "num_actual_tokens",
-                                                  "num_non_spec_rows",      "num_zero_length_rows",
-                                                  "spec_rows_written",      "non_spec_rows_written",
-                                                  "mask_rows_written",      "max_column_end",
-                                                  "num_spec_columns",       "padded_rows"};
+  static const char* const names[kHeaderWords] = {"num_requests",
+                                                  "num_prefills",
+                                                  "num_prefill_tokens",
+                                                  "num_decodes",
+                                                  "num_decode_tokens",
+                                                  "num_spec_decodes",
+                                                  "num_spec_decode_tokens",
+                                                  "num_actual_tokens",
+                                                  "num_non_spec_rows",
+                                                  "num_zero_length_rows",
+                                                  "spec_rows_written",
+                                                  "non_spec_rows_written",
+                                                  "mask_rows_written",
+                                                  "max_column_end",
+                                                  "num_spec_columns",
+                                                  "padded_rows",
+                                                  "replay"};
   return (f >= 0 && f < kHeaderWords) ? names[f] : "unknown";
 }
 
@@ -83,6 +98,8 @@ struct Layout {
   int64_t spec_num_accepted = 0;         // int32[R]
   int64_t spec_source_column = 0;        // int32[R]   column the spec row reads its state from
   int64_t non_spec_source_column = 0;    // int32[R]   acc - 1 of non-spec row j (from its start)
+  int64_t replay_counts = 0;             // int32[R]   replay mode: n of spec row j (padded: 0)
+  int64_t non_spec_replay_counts = 0;    // int32[R]   replay mode: n of non-spec row j
   int64_t token_split = 0;               // int32[max_tokens]: non-spec tokens, then spec tokens
   int64_t spec_sequence_masks = 0;       // bool[R] (bytes)
   int64_t has_initial_state = 0;         // bool[R] (bytes), per non-spec row
@@ -111,6 +128,8 @@ struct Layout {
     l.spec_num_accepted = take(max_rows);
     l.spec_source_column = take(max_rows);
     l.non_spec_source_column = take(max_rows);
+    l.replay_counts = take(max_rows);
+    l.non_spec_replay_counts = take(max_rows);
     l.token_split = take(max_tokens);
     l.spec_sequence_masks = take(bool_words(max_rows));
     l.has_initial_state = take(bool_words(max_rows));
@@ -132,6 +151,8 @@ struct Params {
   // from column acc - 1 (decode_mtp does it), a non-spec row from column start + acc - 1
   // (non_spec_source_indices). On the host, the plan gathers and validates them; on the device,
   // the state-row pass gathers them (any length; checked per row). Absent: every row accepts 1.
+  // Replay mode: the replay counts n (0..S; 0 when the row's window is empty, e.g. on its first
+  // step after prefill; absent: all 0); the accepted counts of the plan are then max(n, 1).
   TensorView num_accepted_tokens;
 
   // ---- scalars ----
@@ -140,6 +161,11 @@ struct Params {
   int64_t block_size = 0;    // tokens per block; mode "align" only
   int64_t padded_rows = -1;  // CUDA-graph batch size the step replays (>= N), or -1
   int32_t pad_id = 0;        // state id of padded / unreadable rows (0: null block, or -1)
+  // Replay mode (replay.md §3): one state slot per request and group, column start. The state
+  // rows then read only that column: checkpoint_indices (spec rows) and column 0 of
+  // spec_state_indices hold it (its other columns the pad id), and non-spec rows read and write
+  // it (non_spec_state_indices = non_spec_source_indices). Mode "align" is refused.
+  bool replay = false;
 
   // ---- the plan buffer: int32 [Layout::make(max_rows, max_tokens).total_words] ----
   TensorView plan;
@@ -152,6 +178,8 @@ struct Params {
   TensorView spec_state_indices;        // int32 [G, R', S], contiguous, R' >= launch rows
   TensorView non_spec_state_indices;    // int32 [G, R'], contiguous: destination, column start
   TensorView non_spec_source_indices;   // optional int32 [G, R']: source, column start + acc - 1
+  TensorView checkpoint_indices;        // int32 [G, R'], contiguous, replay mode only (required
+                                        // there): spec row j's checkpoint slot, column start
   TensorView error_count;               // optional int32 [1]: unreadable rows are added to it
   int64_t launch_rows = 0;              // rows the pass covers (0: max_rows); >= rows written
 
@@ -196,6 +224,11 @@ inline Status check_scalars(const Params& p) {
   if (p.mode == CacheMode::kAlign && p.block_size < 1)
     return Status::invalid("block_size must be >= 1 in mode 'align', got " +
                            std::to_string(p.block_size));
+  if (p.replay && p.mode == CacheMode::kAlign)
+    return Status::unsupported(
+        "mode 'align' (prefix caching) cannot be combined with replay = true yet: replay verify "
+        "reads and stores a request's checkpoint in one slot, but in mode 'align' the slot moves "
+        "to a new block when the sequence crosses a block boundary; use mode 'none'");
   return Status::ok();
 }
 
@@ -272,6 +305,25 @@ inline Status check_state_rows_arguments(const Params& p, DeviceType device) {
       return Status::invalid("non_spec_source_indices has " + std::to_string(src.shape[1]) +
                              " rows per group; the pass writes up to " + std::to_string(rows));
     GDN_RETURN_IF_ERROR(check::same_device(src, name, dev));
+  }
+  const TensorView& ck = p.checkpoint_indices;
+  if (p.replay) {
+    const char* name = "checkpoint_indices";
+    if (!ck.present())
+      return Status::invalid(
+          "checkpoint_indices is required in replay mode (each spec row's checkpoint slot, "
+          "int32 [G, rows])");
+    GDN_RETURN_IF_ERROR(check::ndim(ck, name, 2));
+    GDN_RETURN_IF_ERROR(check::dtype_in(ck, name, {DType::kInt32}));
+    GDN_RETURN_IF_ERROR(check::dim(ck, name, 0, p.num_groups, "num_groups"));
+    GDN_RETURN_IF_ERROR(check::contiguous_from(ck, name, 0));
+    if (ck.shape[1] < rows)
+      return Status::invalid("checkpoint_indices has " + std::to_string(ck.shape[1]) +
+                             " rows per group; the pass writes up to " + std::to_string(rows));
+    GDN_RETURN_IF_ERROR(check::same_device(ck, name, dev));
+  } else if (ck.present()) {
+    return Status::invalid(
+        "checkpoint_indices is written only in replay mode: pass replay = true or leave it out");
   }
   GDN_RETURN_IF_ERROR(check::optional_counter(p.error_count, "error_count"));
   GDN_RETURN_IF_ERROR(check::same_device(p.error_count, "error_count", dev));

@@ -7,7 +7,8 @@
 //   - with spec rows, the other rows are decodes (1 token), prefills (> 1 token) and zero-length
 //     rows (neither), and the decodes are reclassified as prefills.
 // Every row carries its accepted count: non-spec rows read their state from column
-// start + acc - 1 (metadata.md §2.1).
+// start + acc - 1 (metadata.md §2.1). In replay mode the counts given are the replay counts n
+// (0..S), kept per row next to the accepted counts max(n, 1).
 // Every input is validated before the first write; a bad input names the argument and the row.
 // Host-only (compiles with g++ alone).
 #pragma once
@@ -72,6 +73,8 @@ inline Status plan(const Params& p) {
           ? p.num_accepted_tokens.ptr<const int32_t>()
           : nullptr;
   const int64_t S = p.num_state_columns();
+  const bool replay = p.replay;
+  const int32_t min_accepted = replay ? 0 : 1;  // replay: n = 0 when the window is empty
 
   // ---- pass 1: validate and count (nothing is written) ----
   if (qsl[0] != 0)
@@ -84,10 +87,12 @@ inline Status plan(const Params& p) {
   int64_t leading_run = N;  // rows before the first one with more than 1 token
   for (int64_t i = 0; i < N; ++i) {
     const int64_t T = int64_t(qsl[i + 1]) - qsl[i];
-    if (accepted && (accepted[i] < 1 || accepted[i] > S))
-      return Status::invalid("num_accepted_tokens[" + std::to_string(i) +
-                             "] = " + std::to_string(accepted[i]) +
-                             " is outside [1, S = " + std::to_string(S) + "]");
+    if (accepted && (accepted[i] < min_accepted || accepted[i] > S))
+      return Status::invalid(
+          "num_accepted_tokens[" + std::to_string(i) + "] = " + std::to_string(accepted[i]) +
+          " is outside [" + std::to_string(min_accepted) + ", S = " + std::to_string(S) + "]" +
+          (replay ? " (replay mode: the window tokens to replay, 0 when the window is empty)"
+                  : ""));
     if (T < 0)
       return Status::invalid("query_start_loc decreases at request " + std::to_string(i) + ": " +
                              std::to_string(qsl[i]) + " -> " + std::to_string(qsl[i + 1]));
@@ -153,6 +158,8 @@ inline Status plan(const Params& p) {
   int32_t* spec_acc = w + l.spec_num_accepted;
   int32_t* spec_src = w + l.spec_source_column;
   int32_t* ns_src = w + l.non_spec_source_column;
+  int32_t* spec_replay = w + l.replay_counts;
+  int32_t* ns_replay = w + l.non_spec_replay_counts;
   int32_t* split = w + l.token_split;
   uint8_t* mask = reinterpret_cast<uint8_t*>(w + l.spec_sequence_masks);
   uint8_t* has_init = reinterpret_cast<uint8_t*>(w + l.has_initial_state);
@@ -167,7 +174,9 @@ inline Status plan(const Params& p) {
     const int32_t T = qsl[i + 1] - qsl[i];
     const int32_t start = align ? int32_t(std::max<int64_t>((seq_lens[i] - 1) / block_size, 0)) : 0;
     const bool is_spec = spec_step && drafts[i] >= 0;
-    const int32_t acc = accepted ? accepted[i] : 1;
+    // Replay mode: n = the given count (absent: 0), the accepted count max(n, 1).
+    const int32_t n = accepted ? accepted[i] : min_accepted;
+    const int32_t acc = std::max<int32_t>(n, 1);
     mask[i] = is_spec;
     max_column_end = std::max<int64_t>(max_column_end, start + S);
     if (is_spec) {
@@ -175,12 +184,14 @@ inline Status plan(const Params& p) {
       spec_start[js] = start;
       spec_acc[js] = acc;
       spec_src[js] = acc - 1;
+      if (replay) spec_replay[js] = n;
       spec_tok += T;
       spec_qsl[++js] = spec_tok;
     } else {
       ns_request[jn] = int32_t(i);
       ns_start[jn] = start;
       ns_src[jn] = acc - 1;
+      if (replay) ns_replay[jn] = n;
       has_init[jn] = computed ? computed[i] > 0 : (seq_lens[i] - T) > 0;
       ns_tok += T;
       ns_qsl[++jn] = ns_tok;
@@ -201,7 +212,7 @@ inline Status plan(const Params& p) {
     dst = out + count;
     i = end;
   }
-  // Graph padding: padded rows carry no token, accept 1 and read the pad id.
+  // Graph padding: padded rows carry no token, accept 1 (replay nothing) and read the pad id.
   const int64_t spec_written = p.padded_rows >= 0 ? p.padded_rows : num_spec_rows;
   const int64_t ns_written = p.padded_rows >= 0 ? p.padded_rows : num_non_spec_rows;
   const int64_t mask_written = p.padded_rows >= 0 ? p.padded_rows : N;
@@ -210,12 +221,14 @@ inline Status plan(const Params& p) {
     spec_start[j] = 0;
     spec_acc[j] = 1;
     spec_src[j] = 0;
+    if (replay) spec_replay[j] = 0;
     spec_qsl[j + 1] = spec_tok;
   }
   for (int64_t j = num_non_spec_rows; j < ns_written; ++j) {
     ns_request[j] = -1;
     ns_start[j] = 0;
     ns_src[j] = 0;
+    if (replay) ns_replay[j] = 0;
     has_init[j] = 0;
     ns_qsl[j + 1] = ns_tok;
   }
@@ -238,6 +251,7 @@ inline Status plan(const Params& p) {
   h[kMaxColumnEnd] = int32_t(max_column_end);
   h[kNumSpecColumns] = int32_t(S);
   h[kPaddedRows] = int32_t(p.padded_rows);
+  h[kReplay] = replay ? 1 : 0;
   return Status::ok();
 }
 

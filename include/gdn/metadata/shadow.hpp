@@ -33,7 +33,10 @@ struct GroupMetadata {
   std::vector<int32_t> spec_source_column;
   std::vector<int32_t> non_spec_source_column;   // [non-spec rows written]
   std::vector<uint8_t> has_initial_state;        // [non-spec rows written]
+  std::vector<int32_t> replay_counts;            // replay mode: [spec rows written]
+  std::vector<int32_t> non_spec_replay_counts;   // replay mode: [non-spec rows written]
   std::vector<int32_t> spec_state_indices;       // [spec rows written * S]
+  std::vector<int32_t> checkpoint_indices;       // replay mode: [spec rows written]
   std::vector<int32_t> non_spec_state_indices;   // [non-spec rows written]
   std::vector<int32_t> non_spec_source_indices;  // [non-spec rows written]
   int64_t unreadable_rows = 0;                   // live rows filled with the pad id
@@ -136,19 +139,23 @@ inline Status build_group_reference(const Params& p, int g, GroupMetadata* out) 
   for (int64_t i = 0; i < mask_written; ++i)
     m.spec_sequence_masks.push_back(i < N && spec[size_t(i)]);
 
-  // Accepted counts and source columns of the spec rows (padded rows accept 1).
+  // Accepted counts and source columns (padded rows accept 1). In replay mode the given counts
+  // are the replay counts n (absent: 0; padded rows: 0) and a row accepts max(n, 1).
+  auto given_count = [&](const std::vector<int64_t>& rows, int64_t j) -> int32_t {
+    if (j >= int64_t(rows.size())) return p.replay ? 0 : 1;
+    if (!p.num_accepted_tokens.present()) return p.replay ? 0 : 1;
+    return at(p.num_accepted_tokens, rows[size_t(j)]);
+  };
   for (int64_t j = 0; j < spec_written; ++j) {
-    int32_t acc = 1;
-    if (j < int64_t(spec_rows.size()) && p.num_accepted_tokens.present())
-      acc = at(p.num_accepted_tokens, spec_rows[size_t(j)]);
+    const int32_t count = given_count(spec_rows, j), acc = std::max(count, 1);
     m.spec_num_accepted.push_back(acc);
     m.spec_source_column.push_back(acc - 1);
+    if (p.replay) m.replay_counts.push_back(count);
   }
   for (int64_t j = 0; j < ns_written; ++j) {
-    int32_t acc = 1;
-    if (j < int64_t(non_spec_rows.size()) && p.num_accepted_tokens.present())
-      acc = at(p.num_accepted_tokens, non_spec_rows[size_t(j)]);
-    m.non_spec_source_column.push_back(acc - 1);
+    const int32_t count = given_count(non_spec_rows, j);
+    m.non_spec_source_column.push_back(std::max(count, 1) - 1);
+    if (p.replay) m.non_spec_replay_counts.push_back(count);
   }
   for (int64_t j = 0; j < ns_written; ++j) {
     bool init = false;
@@ -169,13 +176,15 @@ inline Status build_group_reference(const Params& p, int g, GroupMetadata* out) 
   };
   int64_t max_column_end = 0;
   for (int64_t i = 0; i < N; ++i) max_column_end = std::max(max_column_end, first_column(i) + S);
+  // Replay mode: a spec row's one slot is column start (its checkpoint), column 0 of its row.
+  const int64_t spec_width = p.replay ? 1 : S;
   for (int64_t j = 0; j < spec_written; ++j) {
     std::vector<int32_t> row(size_t(S), p.pad_id);
     if (j < int64_t(spec_rows.size())) {
       const int64_t i = spec_rows[size_t(j)];
       const int64_t c0 = first_column(i);
       bool readable = true;
-      for (int64_t c = 0; c < S; ++c)
+      for (int64_t c = 0; c < spec_width; ++c)
         readable = readable && shadow_detail::table_entry(table, i, c0 + c, &row[size_t(c)]);
       if (!readable) {
         std::fill(row.begin(), row.end(), p.pad_id);
@@ -183,14 +192,16 @@ inline Status build_group_reference(const Params& p, int g, GroupMetadata* out) 
       }
     }
     m.spec_state_indices.insert(m.spec_state_indices.end(), row.begin(), row.end());
+    if (p.replay) m.checkpoint_indices.push_back(row[0]);
   }
-  // Non-spec rows: destination column start, source column start + acc - 1; padded unless both
-  // (and so every column between them) lie inside the table.
+  // Non-spec rows: destination column start, source column start + acc - 1 (replay mode: start,
+  // the checkpoint); padded unless both (and so every column between them) lie inside the table.
   for (int64_t j = 0; j < ns_written; ++j) {
     int32_t dst = p.pad_id, src = p.pad_id;
     if (j < int64_t(non_spec_rows.size())) {
       const int64_t i = non_spec_rows[size_t(j)];
-      const int64_t c0 = first_column(i), last = c0 + m.non_spec_source_column[size_t(j)];
+      const int64_t c0 = first_column(i);
+      const int64_t last = p.replay ? c0 : c0 + m.non_spec_source_column[size_t(j)];
       if (last < c0 || !shadow_detail::table_entry(table, i, c0, &dst) ||
           !shadow_detail::table_entry(table, i, last, &src)) {
         dst = src = p.pad_id;
@@ -218,6 +229,7 @@ inline Status build_group_reference(const Params& p, int g, GroupMetadata* out) 
   h[kMaxColumnEnd] = max_column_end;
   h[kNumSpecColumns] = S;
   h[kPaddedRows] = padded ? p.padded_rows : -1;
+  h[kReplay] = p.replay ? 1 : 0;
   *out = std::move(m);
   return Status::ok();
 }
@@ -252,7 +264,8 @@ struct Comparer {
 }  // namespace shadow_detail
 
 // Compares the shared plan (p.plan, host) and the fused state rows (p.spec_state_indices,
-// p.non_spec_state_indices and, when given, p.non_spec_source_indices, host) against a per-group
+// p.non_spec_state_indices, p.checkpoint_indices in replay mode and, when given,
+// p.non_spec_source_indices, host) against a per-group
 // build of every group, exactly, on the rows the step writes. `p` holds host views of the step
 // inputs and block tables (device arrays must be copied first; device-gathered accepted counts need
 // a host copy of num_accepted_tokens).
@@ -270,7 +283,8 @@ inline Status shadow_check(const Params& p, ShadowReport* report) {
     if (spec_written > p.spec_state_indices.shape[1] ||
         ns_written > p.non_spec_state_indices.shape[1] ||
         (p.non_spec_source_indices.present() && ns_written > p.non_spec_source_indices.shape[1]) ||
-        spec_written > p.max_rows || ns_written > p.max_rows ||
+        (p.replay && spec_written > p.checkpoint_indices.shape[1]) || spec_written > p.max_rows ||
+        ns_written > p.max_rows ||
         int64_t(m.spec_token_indx.size() + m.non_spec_token_indx.size()) > p.max_tokens)
       return Status::invalid(
           "the step writes more rows or tokens than the buffers under check hold");
@@ -291,12 +305,19 @@ inline Status shadow_check(const Params& p, ShadowReport* report) {
     cmp.vector("non_spec_source_column", w + l.non_spec_source_column, m.non_spec_source_column);
     cmp.vector("has_initial_state", reinterpret_cast<const uint8_t*>(w + l.has_initial_state),
                m.has_initial_state);
+    cmp.vector("replay_counts", w + l.replay_counts, m.replay_counts);  // empty unless replay
+    cmp.vector("non_spec_replay_counts", w + l.non_spec_replay_counts, m.non_spec_replay_counts);
     const int32_t* spec =
         p.spec_state_indices.ptr<const int32_t>() + g * p.spec_state_indices.strides[0];
     for (int64_t j = 0; j < spec_written; ++j)
       for (int64_t c = 0; c < S; ++c)
         cmp.value("spec_state_indices", j, c, spec[j * S + c],
                   m.spec_state_indices[size_t(j * S + c)]);
+    if (p.replay) {
+      const int32_t* ck =
+          p.checkpoint_indices.ptr<const int32_t>() + g * p.checkpoint_indices.strides[0];
+      cmp.vector("checkpoint_indices", ck, m.checkpoint_indices);
+    }
     const int32_t* ns =
         p.non_spec_state_indices.ptr<const int32_t>() + g * p.non_spec_state_indices.strides[0];
     cmp.vector("non_spec_state_indices", ns, m.non_spec_state_indices);

@@ -4,7 +4,9 @@
 // rows, columns per group) travels by value in the kernel argument. Counts are read from the plan
 // header in device memory, so a captured launch replays correctly after the plan buffer is
 // refreshed with a new step (same launch_rows). Out-of-range rows are never read: they get the pad
-// id and are added to the optional error counter.
+// id and are added to the optional error counter. In replay mode the spec column-0 thread reads
+// the row's one column (start) and writes it to checkpoint_indices and column 0 of the spec row;
+// the other spec threads write the pad id.
 // The launcher allocates nothing, never synchronises and sets no attributes (capture-safe).
 #pragma once
 
@@ -27,7 +29,8 @@ __global__ void __launch_bounds__(kThreads)
   const int32_t width = a.S + 1;  // S spec columns, then the non-spec column
   const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const RowCounts rc = read_row_counts(a);
-  if (g == 0 && e == 0 && rc.overflow > 0 && a.error_count) atomicAdd(a.error_count, rc.overflow);
+  if (g == 0 && e == 0 && rc.plan_errors > 0 && a.error_count)
+    atomicAdd(a.error_count, rc.plan_errors);
   const int64_t row = e / width;
   if (row >= a.launch_rows) return;
   const int32_t j = int32_t(row);
@@ -37,15 +40,16 @@ __global__ void __launch_bounds__(kThreads)
   if (c < a.S) {
     if (j >= rc.spec_written) return;
     int32_t v = a.pad_id;
-    if (j < rc.spec_live) {
+    if (j < rc.spec_live && (!a.replay || c == 0)) {
       const int32_t request = a.plan[a.spec_request + j];
       const int32_t start = a.plan[a.spec_start + j];
-      if (row_readable(t, request, start, a.S))
+      if (row_readable(t, request, start, a.replay ? 1 : a.S))
         v = t.data[request * t.row_stride + start + c];
       else
         errors += (c == 0);
     }
     a.spec_out[g * a.spec_group_stride + int64_t(j) * a.S + c] = v;
+    if (a.replay && c == 0) a.checkpoint_out[g * a.checkpoint_group_stride + j] = v;
     if (g == 0 && c == 0 && a.accepted) errors += gather_accepted(a, j, j < rc.spec_live);
   } else {
     if (j >= rc.non_spec_written) return;

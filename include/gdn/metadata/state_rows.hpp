@@ -11,11 +11,19 @@
 // gathered accepted count is outside [1, S], is never read: it is filled with the pad id and
 // counted. Rows in [live, written) are padding (pad id). Counts come from the plan header, so the
 // same launch replays correctly inside a CUDA graph after the plan buffer is refreshed.
+//
+// Replay mode (replay.md §3): every row reads one column, start (its checkpoint slot):
+// checkpoint_indices[g, j] = spec_state_indices[g, j, 0] = block_table_g[i, start_j] for spec
+// row j (columns 1..S-1 get the pad id), and non-spec row j writes and reads that slot
+// (non_spec_state_indices[g, j] = non_spec_source_indices[g, j]). Gathered counts are replay
+// counts n in [0, S]. A plan made in the other mode (header word kReplay) is not read: every row
+// written gets the pad id and the mismatch is counted once.
 // Host-only (compiles with g++ alone); the shared helpers are also device functions under nvcc.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 
 #include "gdn/core/status.hpp"
 #include "gdn/metadata/params.hpp"
@@ -42,12 +50,15 @@ struct StateRowsArgs {
   int64_t spec_request = 0, spec_start = 0, non_spec_request = 0, non_spec_start = 0;
   int64_t spec_num_accepted = 0, spec_source_column = 0;  // word offsets (Layout)
   int64_t non_spec_source_column = 0;
-  int32_t* spec_out = nullptr;  // [G, spec_group_stride / S, S]
+  int64_t replay_counts = 0, non_spec_replay_counts = 0;  // replay mode
+  int32_t* spec_out = nullptr;                            // [G, spec_group_stride / S, S]
   int64_t spec_group_stride = 0;
   int32_t* non_spec_out = nullptr;  // [G, non_spec_group_stride]
   int64_t non_spec_group_stride = 0;
   int32_t* non_spec_source_out = nullptr;  // [G, non_spec_source_group_stride], or null
   int64_t non_spec_source_group_stride = 0;
+  int32_t* checkpoint_out = nullptr;  // replay mode: [G, checkpoint_group_stride]
+  int64_t checkpoint_group_stride = 0;
   const int32_t* accepted = nullptr;  // per-request accepted counts to gather, or null
   int64_t accepted_len = 0;
   int32_t* error_count = nullptr;
@@ -55,12 +66,15 @@ struct StateRowsArgs {
   int32_t S = 1;
   int32_t pad_id = 0;
   int32_t launch_rows = 0;
+  int32_t replay = 0;  // 1: replay mode
 };
 
 // Rows the step writes (from the plan header), clamped to what the pass covers.
 struct RowCounts {
   int32_t spec_live, spec_written, non_spec_live, non_spec_written;
-  int32_t overflow;  // rows the plan asks for beyond launch_rows (reported, never written)
+  // Reported once per pass: rows the plan asks for beyond launch_rows (never written), plus 1
+  // when the plan was made in the other state mode (then no row is live).
+  int32_t plan_errors;
 };
 
 GDN_METADATA_HD inline int32_t clamp_rows(int32_t v, int32_t hi) {
@@ -76,7 +90,11 @@ GDN_METADATA_HD inline RowCounts read_row_counts(const StateRowsArgs& a) {
   r.non_spec_written = clamp_rows(ns_req, a.launch_rows);
   r.spec_live = clamp_rows(h[kNumSpecDecodes], r.spec_written);
   r.non_spec_live = clamp_rows(h[kNumNonSpecRows], r.non_spec_written);
-  r.overflow = (spec_req - r.spec_written) + (ns_req - r.non_spec_written);
+  r.plan_errors = (spec_req - r.spec_written) + (ns_req - r.non_spec_written);
+  if (h[kReplay] != a.replay) {
+    r.spec_live = r.non_spec_live = 0;
+    r.plan_errors += 1;
+  }
   return r;
 }
 
@@ -86,53 +104,72 @@ GDN_METADATA_HD inline bool row_readable(const GroupTable& t, int32_t request, i
   return request >= 0 && request < t.num_rows && start >= 0 && start <= t.num_cols - width;
 }
 
-// acc - 1 of live non-spec row j of `request`: from the accepted counts being gathered, else from
-// the plan. Out of range (request past the counts, acc outside [1, S]): -1.
+// The source column of live non-spec row j of `request`, counted from its start: acc - 1 (from
+// the accepted counts being gathered, else from the plan), or 0 in replay mode (the checkpoint).
+// Out of range (request past the counts, a count outside [1, S], replay: [0, S]): -1.
 GDN_METADATA_HD inline int32_t non_spec_source(const StateRowsArgs& a, int32_t j, int32_t request) {
-  int32_t src = a.plan[a.non_spec_source_column + j];
-  if (a.accepted) src = (request >= 0 && request < a.accepted_len) ? a.accepted[request] - 1 : -1;
+  if (a.accepted) {
+    if (request < 0 || request >= a.accepted_len) return -1;
+    const int32_t count = a.accepted[request];
+    if (count < (a.replay ? 0 : 1) || count > a.S) return -1;
+    return a.replay ? 0 : count - 1;
+  }
+  if (a.replay) return 0;  // the plan's replay counts were validated on the host
+  const int32_t src = a.plan[a.non_spec_source_column + j];
   return (src < 0 || src >= a.S) ? -1 : src;
 }
 
 // The value (table entry) of non-spec row j's destination and source, or false when the row's
-// columns start..start + acc - 1 are not all inside the table (or acc is out of range).
+// columns start..start + acc - 1 (replay: start) are not all inside the table (or its count is
+// out of range).
 GDN_METADATA_HD inline bool non_spec_entries(const StateRowsArgs& a, const GroupTable& t, int32_t j,
                                              int32_t* dst, int32_t* src) {
   const int32_t request = a.plan[a.non_spec_request + j];
   const int32_t start = a.plan[a.non_spec_start + j];
   const int32_t s = non_spec_source(a, j, request);
-  if (s < 0 || !row_readable(t, request, start, s + 1)) return false;
+  if (s < 0 || !row_readable(t, request, start, s + 1)) return false;  // replay: s = 0
   const int32_t* row = t.data + request * t.row_stride + start;
   *dst = row[0];
   *src = row[s];
   return true;
 }
 
-// Writes the gathered acc - 1 of non-spec row j into the plan (live rows; padded rows keep 0).
+// Writes the gathered acc - 1 of non-spec row j into the plan (live rows; padded rows keep 0),
+// and in replay mode its replay count n (padded rows 0) with acc = max(n, 1). A request past the
+// counts gets acc - 1 = -1 (replay: n = -1, a count replay verify refuses).
 GDN_METADATA_HD inline void gather_non_spec_accepted(const StateRowsArgs& a, int32_t j, bool live) {
-  int32_t src = 0;
+  int32_t count = a.replay ? 0 : 1;
   if (live) {
     const int32_t request = a.plan[a.non_spec_request + j];
-    src = (request >= 0 && request < a.accepted_len) ? a.accepted[request] - 1 : -1;
+    count = (request >= 0 && request < a.accepted_len) ? a.accepted[request] : (a.replay ? -1 : 0);
   }
-  a.plan[a.non_spec_source_column + j] = src;
+  if (a.replay) {
+    a.plan[a.non_spec_replay_counts + j] = count;
+    count = count > 1 ? count : 1;
+  }
+  a.plan[a.non_spec_source_column + j] = count - 1;
 }
 
-// Gathers the accepted count of spec row j (live rows) or writes the padding values (acc = 1).
-// Returns 1 when the row's request or count is out of range (the count is copied as is).
+// Gathers the accepted count of spec row j (live rows) or writes the padding values (acc = 1,
+// replay count 0); in replay mode the gathered count is n and acc = max(n, 1). Returns 1 when the
+// row's request or count is out of range (the count is copied as is; a request past the counts
+// gets acc = 1 and, in replay mode, n = -1, which replay verify refuses).
 GDN_METADATA_HD inline int32_t gather_accepted(const StateRowsArgs& a, int32_t j, bool live) {
-  int32_t acc = 1, bad = 0;
+  int32_t acc = 1, n = 0, bad = 0;
   if (live) {
     const int32_t request = a.plan[a.spec_request + j];
     if (request >= 0 && request < a.accepted_len) {
-      acc = a.accepted[request];
-      bad = (acc < 1 || acc > a.S);
+      n = a.accepted[request];
+      bad = (n < (a.replay ? 0 : 1) || n > a.S);
+      acc = a.replay && n < 1 ? 1 : n;
     } else {
       bad = 1;
+      n = -1;
     }
   }
   a.plan[a.spec_num_accepted + j] = acc;
   a.plan[a.spec_source_column + j] = acc - 1;
+  if (a.replay) a.plan[a.replay_counts + j] = n;
   return bad;
 }
 
@@ -155,6 +192,8 @@ inline StateRowsArgs make_state_rows_args(const Params& p) {
   a.spec_num_accepted = l.spec_num_accepted;
   a.spec_source_column = l.spec_source_column;
   a.non_spec_source_column = l.non_spec_source_column;
+  a.replay_counts = l.replay_counts;
+  a.non_spec_replay_counts = l.non_spec_replay_counts;
   a.spec_out = p.spec_state_indices.ptr<int32_t>();
   a.spec_group_stride = p.spec_state_indices.shape[0] > 1
                             ? p.spec_state_indices.strides[0]
@@ -168,6 +207,12 @@ inline StateRowsArgs make_state_rows_args(const Params& p) {
     a.non_spec_source_group_stride = p.non_spec_source_indices.shape[0] > 1
                                          ? p.non_spec_source_indices.strides[0]
                                          : p.non_spec_source_indices.shape[1];
+  }
+  if (p.replay) {
+    a.replay = 1;
+    a.checkpoint_out = p.checkpoint_indices.ptr<int32_t>();
+    a.checkpoint_group_stride = p.checkpoint_indices.shape[0] > 1 ? p.checkpoint_indices.strides[0]
+                                                                  : p.checkpoint_indices.shape[1];
   }
   if (p.num_accepted_tokens.present() && p.num_accepted_tokens.device == p.plan.device) {
     a.accepted = p.num_accepted_tokens.ptr<const int32_t>();
@@ -183,11 +228,12 @@ inline StateRowsArgs make_state_rows_args(const Params& p) {
 
 // The CPU pass over validated arguments: one loop over the group table. Returns the number of
 // unreadable rows (group x row pairs filled with the pad id, spec rows whose gathered accepted
-// count is out of range, rows the plan asks for beyond launch_rows); also added to error_count.
+// count is out of range, rows the plan asks for beyond launch_rows, a plan of the other state
+// mode); also added to error_count.
 inline int64_t run_state_rows_cpu(const StateRowsArgs& a) {
   const RowCounts rc = read_row_counts(a);
   const int32_t S = a.S;
-  int64_t errors = rc.overflow;
+  int64_t errors = rc.plan_errors;
   if (a.accepted) {
     for (int32_t j = 0; j < rc.spec_written; ++j) errors += gather_accepted(a, j, j < rc.spec_live);
     for (int32_t j = 0; j < rc.non_spec_written; ++j)
@@ -200,6 +246,21 @@ inline int64_t run_state_rows_cpu(const StateRowsArgs& a) {
     // Plain element loops: S is small, and a library copy per row costs more than the row.
     int32_t* out = a.spec_out + g * a.spec_group_stride;
     int32_t j = 0;
+    if (a.replay) {  // one column: the checkpoint, also in column 0 of the spec row
+      int32_t* checkpoint = a.checkpoint_out + g * a.checkpoint_group_stride;
+      for (; j < rc.spec_written; ++j, out += S) {
+        int32_t v = a.pad_id;
+        if (j < rc.spec_live) {
+          if (row_readable(t, spec_request[j], spec_start[j], 1))
+            v = t.data[spec_request[j] * t.row_stride + spec_start[j]];
+          else
+            ++errors;
+        }
+        checkpoint[j] = v;
+        out[0] = v;
+        for (int32_t c = 1; c < S; ++c) out[c] = a.pad_id;
+      }
+    }
     for (; j < rc.spec_live; ++j, out += S) {
       if (row_readable(t, spec_request[j], spec_start[j], S)) {
         const int32_t* src = t.data + spec_request[j] * t.row_stride + spec_start[j];
@@ -228,9 +289,16 @@ inline int64_t run_state_rows_cpu(const StateRowsArgs& a) {
   return errors;
 }
 
-// The CPU pass from params (validated first). `num_errors`: as above.
+// The CPU pass from params (validated first, the plan's state mode included). `num_errors`: as
+// above.
 inline Status run_state_rows_cpu(const Params& p, int64_t* num_errors = nullptr) {
   GDN_RETURN_IF_ERROR(check_state_rows_arguments(p, DeviceType::kCPU));
+  const int32_t planned = p.plan.ptr<const int32_t>()[p.layout().header + kReplay];
+  if (planned != (p.replay ? 1 : 0))
+    return Status::invalid(std::string("plan holds a plan made with header word replay = ") +
+                           std::to_string(planned) +
+                           " but the state-row pass has replay = " + (p.replay ? "true" : "false") +
+                           ": plan and state rows must use the same mode");
   const int64_t errors = run_state_rows_cpu(make_state_rows_args(p));
   if (num_errors) *num_errors = errors;
   return Status::ok();
