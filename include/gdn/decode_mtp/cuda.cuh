@@ -50,6 +50,14 @@ inline int choose_buffers(int state_bytes, int64_t heads, int sm_count) {
   return heads < 4 * int64_t(sm_count) ? 2 : 3;
 }
 
+// L2 eviction hints on the state stream (evict-first bulk loads, streaming stores): on, except for
+// an fp32 state at batches of at least 16 heads per SM, which stream faster without them (H200,
+// fp32 T = 1: B = 128 143 vs 146 us, B = 512 548 vs 572 us; smaller batches and 16-bit states are
+// as fast or faster with them; benchmarks/results/tuning_v3_hints.json).
+inline bool use_evict_hints(int state_bytes, int64_t heads, int sm_count) {
+  return state_bytes != 4 || heads < 16 * int64_t(sm_count);
+}
+
 // CTAs per head: 1 once every SM has a head, else the smallest split that gives every SM a CTA.
 inline int choose_split(int64_t heads, int sm_count, bool clusters) {
   if (!clusters) return 1;
@@ -118,6 +126,7 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
   args.split = split;
   args.bulk_load = hopper && args.state_vector;
   args.buffers = choose_buffers(int(sizeof(StateT)), heads, info.sm_count);
+  args.evict_hints = use_evict_hints(int(sizeof(StateT)), heads, info.sm_count);
 
   const size_t smem = shared_bytes<StateT>(args.S, split, args.buffers, kReplay);
   GDN_RETURN_IF_ERROR(allow_dynamic_shared(

@@ -54,6 +54,7 @@ using dev::cluster_arrive;
 using dev::cluster_peer;
 using dev::cluster_wait;
 using dev::l2_evict_first_policy;
+using dev::l2_evict_normal_policy;
 using dev::load_bits;
 using dev::load_bits4;
 using dev::mbarrier_init;
@@ -108,7 +109,8 @@ struct KernelArgs {
   bool state_vector;  // "vk" and 16-byte aligned rows: vector stores; bulk loads on sm_90
   bool bulk_load;     // the slice arrives by bulk copies (sm_90 image and state_vector)
   int buffers;        // chunk buffers in shared memory (1..kMaxChunks)
-  bool qkv_vector;    // q/k chunks of 4 elements are naturally aligned
+  bool evict_hints;  // evict-first bulk loads and streaming stores of the state (launcher's choice)
+  bool qkv_vector;   // q/k chunks of 4 elements are naturally aligned
   bool gate_sigmoid;
   bool round_core_output;  // o rounded to out's dtype before the norm (vLLM's numerics)
   float scale, l2_eps, norm_eps;
@@ -418,7 +420,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
       static_cast<const StateT*>(args.state) + source * args.slot_stride + head_offset;
   const int chunk_elems = rows_per_chunk * kHeadDim;
   const uint32_t chunk_bytes = uint32_t(chunk_elems * int(sizeof(StateT)));
-  const uint64_t policy = bulk && tid == 0 ? l2_evict_first_policy() : 0;
+  const bool hints = kReplay || args.evict_hints;  // replay: one checkpoint store, hints kept
+  const uint64_t policy =
+      bulk && tid == 0 ? (hints ? l2_evict_first_policy() : l2_evict_normal_policy()) : 0;
   auto issue_chunk = [&](int c) {  // one thread
     bulk_load(tile + (c % buffers) * chunk_elems,
               src + int64_t(row0 + c * rows_per_chunk) * kHeadDim, chunk_bytes, &bars[c % buffers],
@@ -508,7 +512,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
       if (args.state_vector) {
 #pragma unroll
         for (int i = 0; i < kRowsPerGroup; ++i)
-          Bits::store_streaming(dst + i * kHeadDim, Bits::from_f32(s[i]));
+          if (hints)
+            Bits::store_streaming(dst + i * kHeadDim, Bits::from_f32(s[i]));
+          else
+            Bits::store_plain(dst + i * kHeadDim, Bits::from_f32(s[i]));
       } else {
 #pragma unroll
         for (int i = 0; i < kRowsPerGroup; ++i)

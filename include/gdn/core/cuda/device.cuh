@@ -53,6 +53,9 @@ struct StateBits<float> {
   static __device__ __forceinline__ void store_streaming(float* p, Raw r) {
     __stcs(reinterpret_cast<float4*>(p), r);
   }
+  static __device__ __forceinline__ void store_plain(float* p, Raw r) {
+    *reinterpret_cast<float4*>(p) = r;
+  }
   static __device__ __forceinline__ void store_scalar(float* p, int64_t step, Raw r) {
     p[0] = r.x;
     p[step] = r.y;
@@ -92,6 +95,9 @@ struct StateBits16 {
   }
   static __device__ __forceinline__ void store_streaming(Half* p, Raw r) {
     __stcs(reinterpret_cast<uint2*>(p), r);
+  }
+  static __device__ __forceinline__ void store_plain(Half* p, Raw r) {
+    *reinterpret_cast<uint2*>(p) = r;
   }
   static __device__ __forceinline__ void store_scalar(Half* p, int64_t step, Raw r) {
     uint16_t* q = reinterpret_cast<uint16_t*>(p);
@@ -299,6 +305,14 @@ __device__ __forceinline__ uint64_t l2_evict_first_policy() {
   uint64_t policy = 0;
 #if GDN_CUDA_SM90
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+#endif
+  return policy;
+}
+// L2 policy with no eviction preference (what a load without a hint gets).
+__device__ __forceinline__ uint64_t l2_evict_normal_policy() {
+  uint64_t policy = 0;
+#if GDN_CUDA_SM90
+  asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(policy));
 #endif
   return policy;
 }
