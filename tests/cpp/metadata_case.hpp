@@ -110,6 +110,23 @@ struct Step {
     return in;
   }
 
+  // Caller-provided builder buffers: this step's output arrays and one host plan buffer (sized
+  // here).
+  BuilderBuffers caller_buffers(std::vector<int32_t>& host_plan) {
+    const Params p = params();
+    host_plan.assign(size_t(Layout::make(max_rows, max_tokens).total_words), 0);
+    BuilderBuffers b;
+    b.spec_state_indices = p.spec_state_indices;
+    b.non_spec_state_indices = p.non_spec_state_indices;
+    b.non_spec_source_indices = p.non_spec_source_indices;
+    b.checkpoint_indices = p.checkpoint_indices;  // absent outside replay mode
+    b.error_count = p.error_count;
+    b.num_host_plans = 1;
+    b.host_plans[0] =
+        TensorView::make(host_plan.data(), DType::kInt32, {int64_t(host_plan.size())});
+    return b;
+  }
+
   // A builder configuration over this step's (host) tables and scalars.
   BuilderConfig config() {
     const Params p = params();

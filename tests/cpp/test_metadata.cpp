@@ -903,17 +903,8 @@ TEST(MetadataBuilderCpu, StepsOnOneBuilderMatchTheReference) {
       BuilderConfig c = base.config();
       c.shadow = true;  // every step is also checked against per-group builds
       BuilderBuffers buffers;
-      std::vector<int32_t> plan(size_t(Layout::make(c.max_rows, c.max_tokens).total_words));
-      if (!owned) {
-        const Params p = base.params();
-        buffers.spec_state_indices = p.spec_state_indices;
-        buffers.non_spec_state_indices = p.non_spec_state_indices;
-        buffers.non_spec_source_indices = p.non_spec_source_indices;
-        buffers.error_count = p.error_count;
-        buffers.num_host_plans = 1;
-        buffers.host_plans[0] =
-            TensorView::make(plan.data(), DType::kInt32, {int64_t(plan.size())});
-      }
+      std::vector<int32_t> plan;
+      if (!owned) buffers = base.caller_buffers(plan);
       Builder b;
       ASSERT_OK(owned ? b.initialize(c) : b.initialize(c, buffers));
       for (int k = 0; k < 30; ++k, ++steps) {
@@ -959,15 +950,9 @@ TEST(MetadataBuilderCpu, ShadowSwitchFailsTheStepOnAMismatch) {
   Step s = make_step({{1, -1}, {3, 2}}, 2, /*G=*/2);
   s.num_accepted_tokens = {3, 1};
   s.allocate();
-  const Params p = s.params();
-  std::vector<int32_t> plan(size_t(Layout::make(s.max_rows, s.max_tokens).total_words));
-  BuilderBuffers buffers;
-  buffers.spec_state_indices = p.spec_state_indices;
-  buffers.non_spec_state_indices = p.non_spec_state_indices;
-  buffers.non_spec_source_indices = p.non_spec_state_indices;  // aliased
-  buffers.error_count = p.error_count;
-  buffers.num_host_plans = 1;
-  buffers.host_plans[0] = TensorView::make(plan.data(), DType::kInt32, {int64_t(plan.size())});
+  std::vector<int32_t> plan;
+  BuilderBuffers buffers = s.caller_buffers(plan);
+  buffers.non_spec_source_indices = buffers.non_spec_state_indices;  // aliased
   BuilderConfig c = s.config();
   c.shadow = true;
   Builder b;
@@ -1053,15 +1038,8 @@ TEST(MetadataBuilderCpu, ConfigurationAndBuffersAreChecked) {
   c.block_tables[0].dtype = DType::kInt64;
   EXPECT_NE(reason(b, c).find("block_tables[0]"), std::string::npos);
   // Caller-provided buffers.
-  const Params p = s.params();
-  std::vector<int32_t> plan(size_t(Layout::make(s.max_rows, s.max_tokens).total_words));
-  BuilderBuffers good;
-  good.spec_state_indices = p.spec_state_indices;
-  good.non_spec_state_indices = p.non_spec_state_indices;
-  good.non_spec_source_indices = p.non_spec_source_indices;
-  good.error_count = p.error_count;
-  good.num_host_plans = 1;
-  good.host_plans[0] = TensorView::make(plan.data(), DType::kInt32, {int64_t(plan.size())});
+  std::vector<int32_t> plan;
+  const BuilderBuffers good = s.caller_buffers(plan);
   ASSERT_OK(b.initialize(s.config(), good));
   BuilderBuffers bad = good;
   bad.spec_state_indices.shape[2] = 2;
@@ -1422,17 +1400,9 @@ TEST(MetadataReplay, BuilderStepsMatchTheReference) {
       ASSERT_TRUE(c.replay);
       c.shadow = true;
       BuilderBuffers buffers;
-      std::vector<int32_t> plan_buffer(size_t(Layout::make(c.max_rows, c.max_tokens).total_words));
+      std::vector<int32_t> plan_buffer;
       if (!owned) {
-        const Params p = base.params();
-        buffers.spec_state_indices = p.spec_state_indices;
-        buffers.non_spec_state_indices = p.non_spec_state_indices;
-        buffers.non_spec_source_indices = p.non_spec_source_indices;
-        buffers.checkpoint_indices = p.checkpoint_indices;
-        buffers.error_count = p.error_count;
-        buffers.num_host_plans = 1;
-        buffers.host_plans[0] =
-            TensorView::make(plan_buffer.data(), DType::kInt32, {int64_t(plan_buffer.size())});
+        buffers = base.caller_buffers(plan_buffer);
         // Without the checkpoint buffer a replay builder is refused, naming it.
         BuilderBuffers missing = buffers;
         missing.checkpoint_indices = TensorView{};
@@ -1458,17 +1428,8 @@ TEST(MetadataReplay, BuilderStepsMatchTheReference) {
   Step s = make_step({{3, 2}}, 2, /*G=*/2);
   s.replay = true;
   s.allocate();
-  const Params p = s.params();
-  std::vector<int32_t> plan_buffer(size_t(Layout::make(s.max_rows, s.max_tokens).total_words));
-  BuilderBuffers buffers;
-  buffers.spec_state_indices = p.spec_state_indices;
-  buffers.non_spec_state_indices = p.non_spec_state_indices;
-  buffers.non_spec_source_indices = p.non_spec_source_indices;
-  buffers.checkpoint_indices = p.checkpoint_indices;
-  buffers.error_count = p.error_count;
-  buffers.num_host_plans = 1;
-  buffers.host_plans[0] =
-      TensorView::make(plan_buffer.data(), DType::kInt32, {int64_t(plan_buffer.size())});
+  std::vector<int32_t> plan_buffer;
+  const BuilderBuffers buffers = s.caller_buffers(plan_buffer);
   BuilderConfig c = s.config();
   c.replay = false;
   Builder b;
