@@ -2,8 +2,9 @@
 
 Chains of steps with random acceptance (n = 0 .. T, padded rows) are checked against the tests'
 own float64 reference (reference_torch.decode_mtp_ref, one slot per request, its per-token states
-giving the accepted state), against write-every-token gdn.decode_mtp (bit for bit with an fp32
-state) and for the saved window (the raw inputs, exactly). Outputs are poisoned before each call.
+giving the accepted state), against write-every-token gdn.decode_mtp (bit for bit on the CPU
+with an fp32 state, within 1e-5 on CUDA) and for the saved window (the raw inputs, exactly).
+Outputs are poisoned before each call.
 Invalid rows: raised before anything is written on the CPU, isolated on the GPU.
 """
 
@@ -173,10 +174,14 @@ def test_chain_against_float64_reference(gen, device, H, HV, state_dtype, act):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("H,HV", [(2, 4), (1, 8)], ids=["r2", "r8"])
-def test_chain_equals_write_every_token_bit_for_bit(gen, device, H, HV):
+def test_chain_equals_write_every_token(gen, device, H, HV):
     """fp32 state: replay's outputs and checkpoints are decode_mtp's outputs and its states at
-    column acc - 1, bit for bit, over a chain with acceptance 1..T and padded rows (on CUDA too:
-    both kernels compute every token the same way)."""
+    column acc - 1 over a chain with acceptance 1..T and padded rows: bit for bit on the CPU; on
+    CUDA within 1e-5 relative L2 (the replay kernel holds the state in another lane layout, so its
+    dot products add in another order) and the outputs within one bf16 rounding."""
+    def same(x, y, bar):
+        return torch.equal(x, y) if device == "cpu" else rel_l2(x.cpu(), y.cpu()) <= bar
+
     K = V = 128 if device == "cuda" else 32
     N, S, steps = 6, 5, 12
     pool = make_pool(gen, device, N=N, H=H, HV=HV, K=K, V=V, S=S, state_dtype=FP32, act=BF16,
@@ -198,11 +203,11 @@ def test_chain_equals_write_every_token_bit_for_bit(gen, device, H, HV):
                        wa_slots.to(device), x["cu_seqlens"], out_wa, z=x["z"],
                        norm_weight=x["norm_weight"],
                        num_accepted_tokens=torch.tensor(acc, dtype=torch.int32, device=device))
-        assert torch.equal(out_rp, out_wa), f"step {step}: outputs differ"
+        assert same(out_rp, out_wa, 4e-3), f"step {step}: outputs differ"
         for i, t in enumerate(T):
             if step > 0 and t > 0:  # this call stored the previous step's accepted state
-                assert torch.equal(pool.state[int(pool.slots[i])],
-                                   wa_before[int(wa_slots[i, acc_before[i] - 1])]), \
+                assert same(pool.state[int(pool.slots[i])],
+                            wa_before[int(wa_slots[i, acc_before[i] - 1])], 1e-5), \
                     f"step {step} request {i}: checkpoint != decode_mtp's column acc - 1"
             if t > 0:
                 n = int(torch.randint(1, t + 1, (1,), generator=gen))

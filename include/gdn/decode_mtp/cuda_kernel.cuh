@@ -14,17 +14,21 @@
 // image without sm_90, the "kv" layout, or a pool whose slot stride is not 16-byte aligned) the CTA
 // loads each chunk into the same buffers with plain loads: the slow path.
 //
-// A warp owns 8 rows of a group at a time; lane l holds K columns 4l..4l+3 of each (a float4 in
-// registers, fp32 whatever the storage dtype). Dot products over K are 4 lane-local products and
-// a transposing reduction (8 row sums in 9 shuffles). After every token the group's 8 rows are
-// stored to that token's slot from registers (coalesced 512 / 256-byte rows, streaming stores).
+// A warp owns 8 rows of a group at a time, kRows of them per lane (GroupRows: 8 / kRows float4
+// chunks of K columns per row in registers, fp32 whatever the storage dtype). Dot products over K
+// are lane-local products and a transposing reduction over the lanes sharing the rows. Write-all
+// keeps 4 (fp32) or 8 (16-bit) rows per lane, which streams fastest; replay, bound by the
+// instructions of its up to 2S tokens, keeps 2 (7 shuffles per output token instead of 26). The
+// two modes therefore add their dot products in different orders (each deterministic). After
+// every token the group's 8 rows are stored to that token's slot from registers (coalesced row
+// segments, one 16-byte (fp32) or 8-byte chunk per lane).
 //
 // Gated RMSNorm. o of every (token, row) is kept in shared memory; each group's sum of o^2 (fixed
 // butterfly order) goes to a per-group partial, and the 16 partials of a head are added in group
 // order, reading other CTAs' partials through distributed shared memory. The result does not
 // depend on the split.
 //
-// Replay verify (kReplay, docs replay.md) runs on the same mapping: the slice comes from the
+// Replay verify (kReplay, docs replay.md) runs on the same CTA mapping: the slice comes from the
 // request's one checkpoint slot, the staged token list is the n accepted window tokens (raw k, v,
 // a, b read from the slot's window; no q, no output) followed by the T new ones, the rows are
 // stored once, to the checkpoint, after the n-th token (not at all for n = 0), and the new tokens
@@ -64,7 +68,6 @@ using dev::sigmoid;
 using dev::softplus;
 using dev::StateBits;
 using dev::store_value;
-using dev::transpose_reduce8;
 using dev::wait_for_prior_grids;
 using dev::warp_sum;
 
@@ -77,8 +80,11 @@ inline constexpr int kChunkRows =
     kWarps * kRowsPerGroup;  // rows per bulk copy (one pass of the warps)
 inline constexpr int kMaxChunks = kHeadDim / kChunkRows;  // 4
 inline constexpr int kMaxSplit = 8;                       // CTAs per head (portable cluster size)
-// Register budget for six CTAs per SM (24 warps; 80 registers, no spills).
-inline constexpr int kMinCtasPerSm = 6;
+// Register budget: six CTAs per SM (80 registers) for write-all, where a 16-bit slice at T = 1
+// fits six by shared memory; four (128) for replay, whose CTAs stage twice the tokens (no more
+// than four fit by shared memory at S >= 2): no spills, and 8-13 % faster than 96 registers.
+template <class StateT, bool kReplay>
+inline constexpr int kMinCtasPerSm = kReplay ? 4 : 6;
 // Shared-memory chunk buffers of a CTA (1..kMaxChunks, chosen by the launcher): a buffer is
 // refilled with a later chunk once every warp holds its rows in registers.
 static_assert(kCudaMaxSpecColumns <= 32, "slot ids of a row are read by the first lanes");
@@ -237,33 +243,113 @@ __device__ __forceinline__ void stage_token(const KernelArgs& args, int t, int n
   }
 }
 
-// One token of the delta rule on the 8 rows a warp holds (lane l: columns 4l..4l+3 of each):
-// decay, u = S k, S += beta (v - u) k^T, and (output) o = S q of the updated state, returned for
-// row (lane >> 2) & 7 in every lane of its quad. v is this lane's row's value.
-__device__ __forceinline__ float advance_rows(float4 (&s)[kRowsPerGroup], float4 kt, float4 qt,
+// The 8 rows of a group in a warp's registers, kRows (8, 4 or 2) rows per lane. The 4 kRows lanes
+// of a row set hold rows first_row(lane) .. + kRows - 1, each as 8 / kRows float4 chunks: lane l
+// holds columns col(l, j) .. col(l, j) + 3, j < kChunks. Fewer rows per lane mean fewer shuffles
+// per output token (2 (kRows + 1) for u and o, plus kRows, or 1 for kRows = 2, to share the
+// deltas: 26, 14 or 7) but more shared-memory reads of k and q; the state dtype picks
+// (kRowsPerLane).
+template <int kRows>
+struct GroupRows {
+  static_assert(kRows == 2 || kRows == 4 || kRows == 8, "8, 4 or 2 rows per lane");
+  static constexpr int kChunks = kRowsPerGroup / kRows;  // float4 chunks of a row per lane
+  static constexpr int kSetLanes = 4 * kRows;            // lanes sharing a row set
+  float4 x[kRows][kChunks];
+  static __device__ __forceinline__ int first_row(int lane) { return kRows * (lane / kSetLanes); }
+  static __device__ __forceinline__ int col(int lane, int j) {
+    return 4 * (lane % kSetLanes + kSetLanes * j);
+  }
+};
+
+// Rows per lane by mode and state dtype (H200, benchmarks/results/layout_h200.json). Replay runs
+// up to 2S tokens per slice and is bound by their instructions: 2 rows (with the registers below,
+// B = 128 runs 10 % (fp32, T = 4) to 18 % (bf16, T = 8) faster than with 8 rows at 80 registers).
+// Write-all: 4 for fp32 (as fast as 8, up to 4 % faster at T = 8 and small batches), 8 for 16-bit
+// states (2 was 1-2 % slower at B >= 128 and T <= 4).
+template <class StateT, bool kReplay>
+inline constexpr int kRowsPerLane = kReplay               ? 2
+                                    : sizeof(StateT) == 4 ? 4
+                                                          : 8;
+
+// The row a lane holds a row sum of after set_reduce (the same row in the 4 lanes of a quad,
+// whatever kRows).
+__device__ __forceinline__ int lane_row(int lane) { return (lane >> 2) & 7; }
+
+// Sums p[r] (this lane's part of row first_row + r) over the lanes of its row set; returns the sum
+// of row lane_row(lane). A transposing butterfly: each stage trades half of the values with the
+// lane 2n apart, then two plain stages over the quad (kRows + 1 shuffles in all).
+template <int kRows>
+__device__ __forceinline__ float set_reduce(float (&p)[kRows], int lane) {
+#pragma unroll
+  for (int n = kRows; n > 1; n /= 2) {
+    const bool hi = lane & (2 * n);
+#pragma unroll
+    for (int i = 0; i < n / 2; ++i) {
+      const float keep = hi ? p[i + n / 2] : p[i];
+      const float send = hi ? p[i] : p[i + n / 2];
+      p[i] = keep + __shfl_xor_sync(0xffffffffu, send, 2 * n);
+    }
+  }
+  float x = p[0];
+  x += __shfl_xor_sync(0xffffffffu, x, 2);
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x;
+}
+
+// x . w of one float4 chunk.
+__device__ __forceinline__ float dot4(float4 x, float4 w) {
+  return x.x * w.x + x.y * w.y + x.z * w.z + x.w * w.w;
+}
+
+// One token of the delta rule on the 8 rows a warp holds: decay, u = S k, S += beta (v - u) k^T,
+// and (output) o = S q of the updated state, returned for row lane_row(lane) in every lane of its
+// quad. k and q are the token's staged vectors (shared memory), read chunk by chunk (k twice: not
+// held across the reduction); v is the value of row lane_row(lane).
+template <int kRows>
+__device__ __forceinline__ float advance_rows(GroupRows<kRows>& s, const float* k, const float* q,
                                               float alpha, float beta, float v, bool output,
                                               int lane) {
-  float p[kRowsPerGroup];
+  using G = GroupRows<kRows>;
+  float p[kRows];
 #pragma unroll
-  for (int i = 0; i < kRowsPerGroup; ++i) {
-    s[i].x *= alpha;
-    s[i].y *= alpha;
-    s[i].z *= alpha;
-    s[i].w *= alpha;
-    p[i] = s[i].x * kt.x + s[i].y * kt.y + s[i].z * kt.z + s[i].w * kt.w;
-  }
-  const float u = transpose_reduce8(p, lane);
-  const float delta_mine = beta * (v - u);
+  for (int j = 0; j < G::kChunks; ++j) {
+    const float4 kj = *reinterpret_cast<const float4*>(k + G::col(lane, j));
 #pragma unroll
-  for (int i = 0; i < kRowsPerGroup; ++i) {
-    const float d = __shfl_sync(0xffffffffu, delta_mine, 4 * i);
-    s[i].x += kt.x * d;
-    s[i].y += kt.y * d;
-    s[i].z += kt.z * d;
-    s[i].w += kt.w * d;
-    if (output) p[i] = s[i].x * qt.x + s[i].y * qt.y + s[i].z * qt.z + s[i].w * qt.w;
+    for (int r = 0; r < kRows; ++r) {
+      float4& x = s.x[r][j];
+      x.x *= alpha;
+      x.y *= alpha;
+      x.z *= alpha;
+      x.w *= alpha;
+      p[r] = j == 0 ? dot4(x, kj) : p[r] + dot4(x, kj);
+    }
   }
-  return output ? transpose_reduce8(p, lane) : 0.0f;
+  const float delta_mine = beta * (v - set_reduce(p, lane));
+  float d[kRows];  // delta of each of this lane's rows
+  if constexpr (kRows == 2) {
+    const float other = __shfl_xor_sync(0xffffffffu, delta_mine, 4);
+    d[0] = lane & 4 ? other : delta_mine;
+    d[1] = lane & 4 ? delta_mine : other;
+  } else {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)  // row first_row + r sits in the quad r of the row set
+      d[r] = __shfl_sync(0xffffffffu, delta_mine, (lane & ~(4 * kRows - 4)) | (4 * r));
+  }
+#pragma unroll
+  for (int j = 0; j < G::kChunks; ++j) {
+    const float4 kj = *reinterpret_cast<const float4*>(k + G::col(lane, j));
+    const float4 qj = output ? *reinterpret_cast<const float4*>(q + G::col(lane, j)) : kj;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      float4& x = s.x[r][j];
+      x.x += kj.x * d[r];
+      x.y += kj.y * d[r];
+      x.z += kj.z * d[r];
+      x.w += kj.w * d[r];
+      if (output) p[r] = j == 0 ? dot4(x, qj) : p[r] + dot4(x, qj);
+    }
+  }
+  return output ? set_reduce(p, lane) : 0.0f;
 }
 
 // A group's share of sum(o^2) over its 8 rows, in one fixed butterfly order (every split and
@@ -308,11 +394,13 @@ struct SmemPlan {
 static_assert(sizeof(RowMeta) <= 256 - 64, "RowMeta fits between the barriers and the tile");
 
 template <class StateT, int kRatio, bool kReplay>
-__global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm<StateT, kReplay>)
     decode_mtp_kernel(const __grid_constant__ KernelArgs args) {
   extern __shared__ __align__(128) unsigned char smem[];
   using Bits = StateBits<StateT>;
   using Raw = typename Bits::Raw;
+  constexpr int kRows = kRowsPerLane<StateT, kReplay>;
+  using Rows = GroupRows<kRows>;
   const int split = args.split;
   const int log2_R = 7 - (split == 1 ? 0 : split == 2 ? 1 : split == 4 ? 2 : 3);
   const int R = 1 << log2_R;  // rows of this CTA
@@ -486,13 +574,16 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
       plain_load_chunk(c);
       __syncthreads();
     }
-    float4 s[kRowsPerGroup];
+    GroupRows<kRows> s;
     if (g < groups) {
-      const StateT* rows =
-          tile + (c % buffers) * chunk_elems + warp * kRowsPerGroup * kHeadDim + 4 * lane;
+      const StateT* rows = tile + (c % buffers) * chunk_elems +
+                           (warp * kRowsPerGroup + Rows::first_row(lane)) * kHeadDim;
 #pragma unroll
-      for (int i = 0; i < kRowsPerGroup; ++i)
-        s[i] = Bits::to_f32(*reinterpret_cast<const Raw*>(rows + i * kHeadDim));
+      for (int r = 0; r < kRows; ++r)
+#pragma unroll
+        for (int j = 0; j < Rows::kChunks; ++j)
+          s.x[r][j] =
+              Bits::to_f32(*reinterpret_cast<const Raw*>(rows + r * kHeadDim + Rows::col(lane, j)));
     }
     if (bulk && c + buffers < chunks) {
       __syncthreads();  // every warp's rows of chunk c are in registers: refill its buffer
@@ -502,37 +593,44 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
       }
     }
     if (g >= groups) continue;
-    const int grow = g * kRowsPerGroup;           // first row of the group in this CTA
-    const int my_row = grow + ((lane >> 2) & 7);  // row this lane holds after a reduction
-    const int64_t row_offset = head_offset + (row0 + grow) * row_step + 4 * lane * col_step;
+    const int grow = g * kRowsPerGroup;        // first row of the group in this CTA
+    const int my_row = grow + lane_row(lane);  // row this lane holds after a reduction
+    // Element offset of this lane's first row in a slot.
+    const int64_t row_offset = head_offset + (row0 + grow + Rows::first_row(lane)) * row_step;
 
     // The group's rows to slot `dest` of the pool, from registers.
     auto store_rows = [&](int64_t dest) {
       StateT* dst = pool + dest * args.slot_stride + row_offset;
-      if (args.state_vector) {
+      if (args.state_vector) {  // chunk (r, j) at a constant offset from the lane's first one
+        dst += Rows::col(lane, 0);
 #pragma unroll
-        for (int i = 0; i < kRowsPerGroup; ++i)
-          if (hints)
-            Bits::store_streaming(dst + i * kHeadDim, Bits::from_f32(s[i]));
-          else
-            Bits::store_plain(dst + i * kHeadDim, Bits::from_f32(s[i]));
-      } else {
+        for (int r = 0; r < kRows; ++r)
 #pragma unroll
-        for (int i = 0; i < kRowsPerGroup; ++i)
-          Bits::store_scalar(dst + i * row_step, col_step, Bits::from_f32(s[i]));
+          for (int j = 0; j < Rows::kChunks; ++j) {
+            const int at = r * kHeadDim + Rows::col(0, j);
+            if (hints)
+              Bits::store_streaming(dst + at, Bits::from_f32(s.x[r][j]));
+            else
+              Bits::store_plain(dst + at, Bits::from_f32(s.x[r][j]));
+          }
+      } else {  // "kv": the slow path
+#pragma unroll
+        for (int r = 0; r < kRows; ++r)
+#pragma unroll
+          for (int j = 0; j < Rows::kChunks; ++j)
+            Bits::store_scalar(dst + r * row_step + Rows::col(lane, j) * col_step, col_step,
+                               Bits::from_f32(s.x[r][j]));
       }
     };
 
     for (int t = 0; t < tokens; ++t) {
       const bool output = !kReplay || t >= n_replay;  // replayed tokens only advance the state
-      const float* qk = qk_s + t * 2 * kHeadDim + 4 * lane;
-      const float4 kt = *reinterpret_cast<const float4*>(qk + kHeadDim);
+      const float* qk = qk_s + t * 2 * kHeadDim;
       const float alpha = gates_s[2 * t];
       const float beta = gates_s[2 * t + 1];
       const float v = v_s[t * R + my_row];
 
-      const float4 qt = output ? *reinterpret_cast<const float4*>(qk) : kt;
-      float o = advance_rows(s, kt, qt, alpha, beta, v, output, lane);
+      float o = advance_rows(s, qk + kHeadDim, qk, alpha, beta, v, output, lane);
       if (kReplay && !output) {  // after the last replayed token: the checkpoint, stored once
         if (t == n_replay - 1) store_rows(source);
         continue;
