@@ -494,7 +494,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="TP1 only, T in {1, 4}")
     ap.add_argument("--sweep-split", action="store_true",
-                    help="also time every head split (CTAs per value head) on TP1")
+                    help="also time every head split (CTAs per value head) on TP1, write-all and "
+                         "replay")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--no-replay", action="store_true", help="skip replay verify (T > 1 rows)")
     ap.add_argument("--tokens", type=int, nargs="+", help="T values (default: 1 2 4 8; --quick: 1 4)")
@@ -514,9 +515,9 @@ def main():
     tokens = args.tokens or ([1, 4] if args.quick else TOKENS)
     results, skipped = [], []
     configs = [(sh, B, T, sdt) for sh in shapes for sdt in DTYPES for T in tokens for B in BATCHES]
-    if args.sweep_split:
+    if args.sweep_split:  # TP1 at T in {1, 4} (or --tokens), replay included where T > 1
         for sdt in DTYPES:
-            for T in (1, 4):
+            for T in args.tokens or (1, 4):
                 for B in BATCHES:
                     for split in (1, 2, 4, 8):
                         configs.append(("TP1", B, T, sdt, split))
@@ -527,7 +528,7 @@ def main():
         shape, B, T, sdt = cfg[:4]
         split = cfg[4] if len(cfg) > 4 else None
         recs = bench_config(shape, B, T, sdt, with_fla and split is None, env["copy_tbps"], split,
-                            with_replay=not args.no_replay and split is None and T > 1)
+                            with_replay=not args.no_replay and T > 1)
         for r in recs:
             results.append(r)
             if "us" in r:

@@ -59,8 +59,13 @@ inline bool use_evict_hints(int state_bytes, int64_t heads, int sm_count) {
 }
 
 // CTAs per head: 1 once every SM has a head, else the smallest split that gives every SM a CTA.
-inline int choose_split(int64_t heads, int sm_count, bool clusters) {
+// Deep windows (S >= 8) at four or more heads per SM take 2: a CTA stages the same S tokens (2S in
+// replay) for half the rows, so twice as many CTAs fit an SM's shared memory (H200, T = 8 with an
+// fp32 state: write-all B = 32 5 % faster, replay B = 128 and 512 7 %; 16-bit states within 1 %
+// or faster; benchmarks/results/split_sweep_h200.json).
+inline int choose_split(int64_t heads, int sm_count, bool clusters, int S) {
   if (!clusters) return 1;
+  if (S >= 8 && heads >= 4 * int64_t(sm_count)) return 2;
   int split = 1;
   while (split < kMaxSplit && heads * split < sm_count) split *= 2;
   return split;
@@ -114,7 +119,8 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
   // sm_90 image: clusters, bulk copies and programmatic dependent launch.
   const bool hopper = info.major >= 9 && kernel_ptx_version(kernel, device, ptx_cache) >= 90;
   const int64_t heads = args.N * args.HV;
-  const int split = split_request > 0 ? split_request : choose_split(heads, info.sm_count, hopper);
+  const int split =
+      split_request > 0 ? split_request : choose_split(heads, info.sm_count, hopper, args.S);
   if (split != 1 && split != 2 && split != 4 && split != 8)
     return Status::invalid("decode_mtp: split must be 1, 2, 4 or 8, got " + std::to_string(split));
   if (split > 1 && !hopper)
