@@ -49,7 +49,7 @@ __device__ __forceinline__ float update8(float4 (&s)[8], float4 kt, float4 qt, i
     s[i].w *= alpha;
     p[i] = s[i].x * kt.x + s[i].y * kt.y + s[i].z * kt.z + s[i].w * kt.w;
   }
-  const float u = dev::transpose_reduce8(p, lane);
+  const float u = dev::transpose_reduce(p, lane);
   const float dm = beta * (v - u);
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
@@ -60,7 +60,7 @@ __device__ __forceinline__ float update8(float4 (&s)[8], float4 kt, float4 qt, i
     s[i].w += kt.w * d;
     p[i] = s[i].x * qt.x + s[i].y * qt.y + s[i].z * qt.z + s[i].w * qt.w;
   }
-  return dev::transpose_reduce8(p, lane);
+  return dev::transpose_reduce(p, lane);
 }
 
 // Plain loads: a CTA of kWarps warps owns kRows rows of one head; a warp walks groups of 8 rows,

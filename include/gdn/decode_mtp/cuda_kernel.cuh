@@ -68,6 +68,7 @@ using dev::sigmoid;
 using dev::softplus;
 using dev::StateBits;
 using dev::store_value;
+using dev::transpose_reduce;
 using dev::wait_for_prior_grids;
 using dev::warp_sum;
 
@@ -83,7 +84,7 @@ inline constexpr int kMaxSplit = 8;                       // CTAs per head (port
 // Register budget: six CTAs per SM (80 registers) for write-all, where a 16-bit slice at T = 1
 // fits six by shared memory; four (128) for replay, whose CTAs stage twice the tokens (no more
 // than four fit by shared memory at S >= 2): no spills, and 8-13 % faster than 96 registers.
-template <class StateT, bool kReplay>
+template <bool kReplay>
 inline constexpr int kMinCtasPerSm = kReplay ? 4 : 6;
 // Shared-memory chunk buffers of a CTA (1..kMaxChunks, chosen by the launcher): a buffer is
 // refilled with a later chunk once every warp holds its rows in registers.
@@ -271,30 +272,9 @@ inline constexpr int kRowsPerLane = kReplay               ? 2
                                     : sizeof(StateT) == 4 ? 4
                                                           : 8;
 
-// The row a lane holds a row sum of after set_reduce (the same row in the 4 lanes of a quad,
-// whatever kRows).
+// The row of its group a lane holds a row sum of after transpose_reduce (the same row in the 4
+// lanes of a quad, whatever kRows).
 __device__ __forceinline__ int lane_row(int lane) { return (lane >> 2) & 7; }
-
-// Sums p[r] (this lane's part of row first_row + r) over the lanes of its row set; returns the sum
-// of row lane_row(lane). A transposing butterfly: each stage trades half of the values with the
-// lane 2n apart, then two plain stages over the quad (kRows + 1 shuffles in all).
-template <int kRows>
-__device__ __forceinline__ float set_reduce(float (&p)[kRows], int lane) {
-#pragma unroll
-  for (int n = kRows; n > 1; n /= 2) {
-    const bool hi = lane & (2 * n);
-#pragma unroll
-    for (int i = 0; i < n / 2; ++i) {
-      const float keep = hi ? p[i + n / 2] : p[i];
-      const float send = hi ? p[i] : p[i + n / 2];
-      p[i] = keep + __shfl_xor_sync(0xffffffffu, send, 2 * n);
-    }
-  }
-  float x = p[0];
-  x += __shfl_xor_sync(0xffffffffu, x, 2);
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  return x;
-}
 
 // x . w of one float4 chunk.
 __device__ __forceinline__ float dot4(float4 x, float4 w) {
@@ -324,7 +304,7 @@ __device__ __forceinline__ float advance_rows(GroupRows<kRows>& s, const float* 
       p[r] = j == 0 ? dot4(x, kj) : p[r] + dot4(x, kj);
     }
   }
-  const float delta_mine = beta * (v - set_reduce(p, lane));
+  const float delta_mine = beta * (v - transpose_reduce(p, lane));
   float d[kRows];  // delta of each of this lane's rows
   if constexpr (kRows == 2) {
     const float other = __shfl_xor_sync(0xffffffffu, delta_mine, 4);
@@ -349,7 +329,7 @@ __device__ __forceinline__ float advance_rows(GroupRows<kRows>& s, const float* 
       if (output) p[r] = j == 0 ? dot4(x, qj) : p[r] + dot4(x, qj);
     }
   }
-  return output ? set_reduce(p, lane) : 0.0f;
+  return output ? transpose_reduce(p, lane) : 0.0f;
 }
 
 // A group's share of sum(o^2) over its 8 rows, in one fixed butterfly order (every split and
@@ -394,7 +374,7 @@ struct SmemPlan {
 static_assert(sizeof(RowMeta) <= 256 - 64, "RowMeta fits between the barriers and the tile");
 
 template <class StateT, int kRatio, bool kReplay>
-__global__ void __launch_bounds__(kThreads, kMinCtasPerSm<StateT, kReplay>)
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm<kReplay>)
     decode_mtp_kernel(const __grid_constant__ KernelArgs args) {
   extern __shared__ __align__(128) unsigned char smem[];
   using Bits = StateBits<StateT>;

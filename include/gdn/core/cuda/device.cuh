@@ -204,25 +204,25 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-// Sums of 8 rows, each spread over the warp as one partial per lane. On return every lane of
-// quad (lane >> 2) holds the full sum of row (lane >> 2) & 7 (the same bits in each lane of it):
-// 8 row sums in 9 shuffles.
-__device__ __forceinline__ float transpose_reduce8(const float (&p)[8], int lane) {
-  float a[4], b[2];
-  const bool hi16 = lane & 16, hi8 = lane & 8, hi4 = lane & 4;
+// Sums of kRows rows (2, 4 or 8) held by a row set of 4 kRows lanes, each lane with one partial
+// per row (p[r]: row r of its set). A transposing butterfly: each stage trades half of the values
+// with the lane 2n apart, then two plain stages over the quad. On return every lane of quad
+// (lane >> 2) holds the full sum of row (lane >> 2) & (kRows - 1) of its set; kRows + 1 shuffles
+// (8 row sums in 9). p is overwritten.
+template <int kRows>
+__device__ __forceinline__ float transpose_reduce(float (&p)[kRows], int lane) {
+  static_assert(kRows == 2 || kRows == 4 || kRows == 8, "2, 4 or 8 rows");
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float keep = hi16 ? p[i + 4] : p[i];
-    const float send = hi16 ? p[i] : p[i + 4];
-    a[i] = keep + __shfl_xor_sync(0xffffffffu, send, 16);
-  }
+  for (int n = kRows; n > 1; n /= 2) {
+    const bool hi = lane & (2 * n);
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const float keep = hi8 ? a[i + 2] : a[i];
-    const float send = hi8 ? a[i] : a[i + 2];
-    b[i] = keep + __shfl_xor_sync(0xffffffffu, send, 8);
+    for (int i = 0; i < n / 2; ++i) {
+      const float keep = hi ? p[i + n / 2] : p[i];
+      const float send = hi ? p[i] : p[i + n / 2];
+      p[i] = keep + __shfl_xor_sync(0xffffffffu, send, 2 * n);
+    }
   }
-  float x = (hi4 ? b[1] : b[0]) + __shfl_xor_sync(0xffffffffu, hi4 ? b[0] : b[1], 4);
+  float x = p[0];
   x += __shfl_xor_sync(0xffffffffu, x, 2);
   x += __shfl_xor_sync(0xffffffffu, x, 1);
   return x;
