@@ -207,6 +207,20 @@ inline Status host_int32_vector(const TensorView& t, const char* name, int64_t l
   return Status::ok();
 }
 
+// A per-group output of the state-row pass: int32 [num_groups, >= rows], contiguous, on `dev`.
+inline Status group_rows(const TensorView& t, const char* name, int64_t num_groups, int64_t rows,
+                         Device dev) {
+  GDN_RETURN_IF_ERROR(check::present(t, name));
+  GDN_RETURN_IF_ERROR(check::ndim(t, name, 2));
+  GDN_RETURN_IF_ERROR(check::dtype_in(t, name, {DType::kInt32}));
+  GDN_RETURN_IF_ERROR(check::dim(t, name, 0, num_groups, "num_groups"));
+  GDN_RETURN_IF_ERROR(check::contiguous_from(t, name, 0));
+  if (t.shape[1] < rows)
+    return Status::invalid(std::string(name) + " has " + std::to_string(t.shape[1]) +
+                           " rows per group; the pass writes up to " + std::to_string(rows));
+  return check::same_device(t, name, dev);
+}
+
 }  // namespace detail
 
 // Scalars and capacity.
@@ -282,45 +296,19 @@ inline Status check_state_rows_arguments(const Params& p, DeviceType device) {
   if (spec.shape[1] < rows)
     return Status::invalid("spec_state_indices has " + std::to_string(spec.shape[1]) +
                            " rows per group; the pass writes up to " + std::to_string(rows));
-  const TensorView& ns = p.non_spec_state_indices;
-  GDN_RETURN_IF_ERROR(check::present(ns, "non_spec_state_indices"));
-  GDN_RETURN_IF_ERROR(check::ndim(ns, "non_spec_state_indices", 2));
-  GDN_RETURN_IF_ERROR(check::dtype_in(ns, "non_spec_state_indices", {DType::kInt32}));
-  GDN_RETURN_IF_ERROR(check::dim(ns, "non_spec_state_indices", 0, p.num_groups, "num_groups"));
-  GDN_RETURN_IF_ERROR(check::contiguous_from(ns, "non_spec_state_indices", 0));
-  if (ns.shape[1] < rows)
-    return Status::invalid("non_spec_state_indices has " + std::to_string(ns.shape[1]) +
-                           " rows per group; the pass writes up to " + std::to_string(rows));
   GDN_RETURN_IF_ERROR(check::same_device(spec, "spec_state_indices", dev));
-  GDN_RETURN_IF_ERROR(check::same_device(ns, "non_spec_state_indices", dev));
-  const TensorView& src = p.non_spec_source_indices;
-  if (src.present()) {
-    const char* name = "non_spec_source_indices";
-    GDN_RETURN_IF_ERROR(check::present(src, name));
-    GDN_RETURN_IF_ERROR(check::ndim(src, name, 2));
-    GDN_RETURN_IF_ERROR(check::dtype_in(src, name, {DType::kInt32}));
-    GDN_RETURN_IF_ERROR(check::dim(src, name, 0, p.num_groups, "num_groups"));
-    GDN_RETURN_IF_ERROR(check::contiguous_from(src, name, 0));
-    if (src.shape[1] < rows)
-      return Status::invalid("non_spec_source_indices has " + std::to_string(src.shape[1]) +
-                             " rows per group; the pass writes up to " + std::to_string(rows));
-    GDN_RETURN_IF_ERROR(check::same_device(src, name, dev));
-  }
+  GDN_RETURN_IF_ERROR(detail::group_rows(p.non_spec_state_indices, "non_spec_state_indices",
+                                         p.num_groups, rows, dev));
+  if (p.non_spec_source_indices.present())
+    GDN_RETURN_IF_ERROR(detail::group_rows(p.non_spec_source_indices, "non_spec_source_indices",
+                                           p.num_groups, rows, dev));
   const TensorView& ck = p.checkpoint_indices;
   if (p.replay) {
-    const char* name = "checkpoint_indices";
     if (!ck.present())
       return Status::invalid(
           "checkpoint_indices is required in replay mode (each spec row's checkpoint slot, "
           "int32 [G, rows])");
-    GDN_RETURN_IF_ERROR(check::ndim(ck, name, 2));
-    GDN_RETURN_IF_ERROR(check::dtype_in(ck, name, {DType::kInt32}));
-    GDN_RETURN_IF_ERROR(check::dim(ck, name, 0, p.num_groups, "num_groups"));
-    GDN_RETURN_IF_ERROR(check::contiguous_from(ck, name, 0));
-    if (ck.shape[1] < rows)
-      return Status::invalid("checkpoint_indices has " + std::to_string(ck.shape[1]) +
-                             " rows per group; the pass writes up to " + std::to_string(rows));
-    GDN_RETURN_IF_ERROR(check::same_device(ck, name, dev));
+    GDN_RETURN_IF_ERROR(detail::group_rows(ck, "checkpoint_indices", p.num_groups, rows, dev));
   } else if (ck.present()) {
     return Status::invalid(
         "checkpoint_indices is written only in replay mode: pass replay = true or leave it out");
