@@ -41,6 +41,17 @@ ShadowReport shadow(Step& s) {
   return r;
 }
 
+// Sets `word` to `bad`, expects the shadow check to name `what`, then puts the old value back (one
+// injected mismatch at a time).
+template <class T>
+void expect_shadow_names(Step& s, T& word, T bad, const std::string& what) {
+  const T good = word;
+  word = bad;
+  const ShadowReport r = shadow(s);
+  EXPECT_NE(r.message.find(what), std::string::npos) << r.message;
+  word = good;
+}
+
 struct Counts {
   int prefills, prefill_tokens, decodes, decode_tokens, spec, spec_tokens, zero;
 };
@@ -775,52 +786,26 @@ TEST(MetadataShadow, InjectedMismatchIsNamed) {
   ASSERT_TRUE(shadow(s).ok());
 
   // A padded row (inside padded_rows) must hold the pad id.
-  s.non_spec_out[size_t(1 * R + 3)] = 42;
-  r = shadow(s);
-  EXPECT_NE(r.message.find("group 1, field non_spec_state_indices, row 3"), std::string::npos)
-      << r.message;
-  s.non_spec_out[size_t(1 * R + 3)] = 0;
+  expect_shadow_names(s, s.non_spec_out[size_t(1 * R + 3)], 42,
+                      "group 1, field non_spec_state_indices, row 3");
 
   // A source id (the field the issue added), and a padded row of it.
-  s.non_spec_src_out[size_t(2 * R + 0)] += 5;
-  r = shadow(s);
-  EXPECT_NE(r.message.find("group 2, field non_spec_source_indices, row 0"), std::string::npos)
-      << r.message;
-  s.non_spec_src_out[size_t(2 * R + 0)] -= 5;
-  s.non_spec_src_out[size_t(0 * R + 4)] = 9;
-  r = shadow(s);
-  EXPECT_NE(r.message.find("group 0, field non_spec_source_indices, row 4"), std::string::npos)
-      << r.message;
-  s.non_spec_src_out[size_t(0 * R + 4)] = 0;
-  s.plan[size_t(l.non_spec_source_column + 0)] = 1;
-  r = shadow(s);
-  EXPECT_NE(r.message.find("field non_spec_source_column, row 0: shared/fused = 1, per-group = 0"),
-            std::string::npos)
-      << r.message;
-  s.plan[size_t(l.non_spec_source_column + 0)] = 0;
+  int32_t& src0 = s.non_spec_src_out[size_t(2 * R + 0)];
+  expect_shadow_names(s, src0, src0 + 5, "group 2, field non_spec_source_indices, row 0");
+  expect_shadow_names(s, s.non_spec_src_out[size_t(0 * R + 4)], 9,
+                      "group 0, field non_spec_source_indices, row 4");
+  expect_shadow_names(s, s.plan[size_t(l.non_spec_source_column + 0)], 1,
+                      "field non_spec_source_column, row 0: shared/fused = 1, per-group = 0");
 
   // Shared fields.
-  s.plan[size_t(l.spec_query_start_loc + 4)] = 1;
-  r = shadow(s);
-  EXPECT_NE(r.message.find("field spec_query_start_loc, row 4: shared/fused = 1, per-group = 5"),
-            std::string::npos)
-      << r.message;
-  s.plan[size_t(l.spec_query_start_loc + 4)] = 5;
-  s.plan[size_t(l.header + kNumDecodes)] = 1;
-  r = shadow(s);
-  EXPECT_NE(r.message.find("field header.num_decodes"), std::string::npos) << r.message;
-  s.plan[size_t(l.header + kNumDecodes)] = 0;
-  reinterpret_cast<uint8_t*>(s.plan.data() + l.spec_sequence_masks)[4] = 1;
-  r = shadow(s);
-  EXPECT_NE(r.message.find("field spec_sequence_masks, row 4"), std::string::npos) << r.message;
-  reinterpret_cast<uint8_t*>(s.plan.data() + l.spec_sequence_masks)[4] = 0;
+  expect_shadow_names(s, s.plan[size_t(l.spec_query_start_loc + 4)], 1,
+                      "field spec_query_start_loc, row 4: shared/fused = 1, per-group = 5");
+  expect_shadow_names(s, s.plan[size_t(l.header + kNumDecodes)], 1, "field header.num_decodes");
+  expect_shadow_names(s, reinterpret_cast<uint8_t*>(s.plan.data() + l.spec_sequence_masks)[4],
+                      uint8_t(1), "field spec_sequence_masks, row 4");
   // Token split: non-spec tokens 3..7, then spec tokens 0, 1, 2, 8, 9.
-  s.plan[size_t(l.token_split + 5)] = 7;
-  r = shadow(s);
-  EXPECT_NE(r.message.find("field spec_token_indx, row 0: shared/fused = 7, per-group = 0"),
-            std::string::npos)
-      << r.message;
-  s.plan[size_t(l.token_split + 5)] = 0;
+  expect_shadow_names(s, s.plan[size_t(l.token_split + 5)], 7,
+                      "field spec_token_indx, row 0: shared/fused = 7, per-group = 0");
   ASSERT_TRUE(shadow(s).ok()) << shadow(s).message;
 }
 
@@ -1348,39 +1333,20 @@ TEST(MetadataReplay, ShadowNamesAnInjectedMismatch) {
   ASSERT_TRUE(shadow(s).ok()) << shadow(s).message;
   const int64_t R = s.max_rows;
   const Layout l = Layout::make(s.max_rows, s.max_tokens);
-  s.checkpoint_out[size_t(1 * R + 1)] += 1;  // group 1, spec row 1 (request 2)
-  ShadowReport r = shadow(s);
-  EXPECT_NE(r.message.find("group 1, field checkpoint_indices, row 1: shared/fused = 200201, "
-                           "per-group = 200200"),
-            std::string::npos)
-      << r.message;
-  s.checkpoint_out[size_t(1 * R + 1)] -= 1;
-  s.checkpoint_out[size_t(2 * R + 3)] = 5;  // a padded row a replay reads
-  r = shadow(s);
-  EXPECT_NE(r.message.find("group 2, field checkpoint_indices, row 3"), std::string::npos)
-      << r.message;
-  s.checkpoint_out[size_t(2 * R + 3)] = 0;
-  s.plan[size_t(l.replay_counts + 1)] = 1;
-  r = shadow(s);
-  EXPECT_NE(r.message.find("field replay_counts, row 1: shared/fused = 1, per-group = 0"),
-            std::string::npos)
-      << r.message;
-  s.plan[size_t(l.replay_counts + 1)] = 0;
-  s.plan[size_t(l.non_spec_replay_counts + 0)] = 2;
-  r = shadow(s);
-  EXPECT_NE(r.message.find("field non_spec_replay_counts, row 0: shared/fused = 2, per-group = 3"),
-            std::string::npos)
-      << r.message;
-  s.plan[size_t(l.non_spec_replay_counts + 0)] = 3;
-  s.spec_out[size_t((0 * R + 0) * 3 + 1)] = 7;  // a column that names no slot in replay mode
-  r = shadow(s);
-  EXPECT_NE(r.message.find("group 0, field spec_state_indices, row 0, column 1"), std::string::npos)
-      << r.message;
-  s.spec_out[size_t((0 * R + 0) * 3 + 1)] = 0;
-  s.plan[size_t(l.header + kReplay)] = 0;
-  r = shadow(s);
-  EXPECT_NE(r.message.find("field header.replay"), std::string::npos) << r.message;
-  s.plan[size_t(l.header + kReplay)] = 1;
+  int32_t& ck = s.checkpoint_out[size_t(1 * R + 1)];  // group 1, spec row 1 (request 2)
+  expect_shadow_names(s, ck, ck + 1,
+                      "group 1, field checkpoint_indices, row 1: shared/fused = 200201, "
+                      "per-group = 200200");
+  expect_shadow_names(s, s.checkpoint_out[size_t(2 * R + 3)], 5,  // a padded row a replay reads
+                      "group 2, field checkpoint_indices, row 3");
+  expect_shadow_names(s, s.plan[size_t(l.replay_counts + 1)], 1,
+                      "field replay_counts, row 1: shared/fused = 1, per-group = 0");
+  expect_shadow_names(s, s.plan[size_t(l.non_spec_replay_counts + 0)], 2,
+                      "field non_spec_replay_counts, row 0: shared/fused = 2, per-group = 3");
+  // A column that names no slot in replay mode.
+  expect_shadow_names(s, s.spec_out[size_t((0 * R + 0) * 3 + 1)], 7,
+                      "group 0, field spec_state_indices, row 0, column 1");
+  expect_shadow_names(s, s.plan[size_t(l.header + kReplay)], 0, "field header.replay");
   ASSERT_TRUE(shadow(s).ok()) << shadow(s).message;
 }
 
