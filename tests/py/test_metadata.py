@@ -448,6 +448,23 @@ def random_steps(draw, replay: Optional[bool] = False):
     return step, tables
 
 
+def corrupt_after_each_step(b, corrupt):
+    """Makes builder `b`'s fused pass wrong: its native builder calls `corrupt()` after each step,
+    before the shadow check compares against the per-group builds."""
+    real = b._native
+
+    class Corrupting:
+        def step(self, *args):
+            out = real.step(*args)
+            corrupt()
+            return out
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    b._native = Corrupting()
+
+
 @settings(max_examples=150, deadline=None)
 @given(random_steps())
 def test_shared_fused_equals_per_group_builds(case):
@@ -671,18 +688,10 @@ def test_builder_shadow_switch_raises_on_a_mismatch(monkeypatch):
     tables = make_tables(2, 2, 3)
     b, _ = run_builder(step, tables)
     # Corrupt the fused pass: a native builder whose state rows land in a different buffer.
-    real = b._native
+    def corrupt():
+        b.spec_state_indices[1, 0, 0] += 1
 
-    class Corrupting:
-        def step(self, *args):
-            out = real.step(*args)
-            b.spec_state_indices[1, 0, 0] += 1
-            return out
-
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-    b._native = Corrupting()
+    corrupt_after_each_step(b, corrupt)
     with pytest.raises(RuntimeError, match="group 1, field spec_state_indices, row 0, column 0"):
         b.step(step["qsl"], step["seq_lens"], **step_args(step))
     monkeypatch.setenv("GDN_METADATA_SHADOW", "1")
@@ -966,18 +975,10 @@ def test_replay_shadow_names_an_injected_mismatch():
     plan[lay["non_spec_replay_counts"][0]] = 3
     assert check(plan, ck) == ""
     # The builder's shadow switch names a corrupted checkpoint too.
-    real = b._native
+    def corrupt():
+        b.checkpoint_indices[2, 0] += 1
 
-    class Corrupting:
-        def step(self, *args):
-            out = real.step(*args)
-            b.checkpoint_indices[2, 0] += 1
-            return out
-
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-    b._native = Corrupting()
+    corrupt_after_each_step(b, corrupt)
     with pytest.raises(RuntimeError, match="group 2, field checkpoint_indices, row 0"):
         b.step(step["qsl"], step["seq_lens"], **step_args(step))
 
