@@ -123,13 +123,14 @@ fi
 if has profile; then
   stage profile
   {
-    IFS=';' read -r -a cfgs <<< "${PROFILE_CONFIGS:---B 128 --T 1 --state fp32;--B 1 --T 1 --state fp32;--B 128 --T 4 --state bf16}"
+    IFS=';' read -r -a cfgs <<< "${PROFILE_CONFIGS:---B 128 --T 1 --state fp32;--B 1 --T 1 --state fp32;--B 128 --T 4 --state bf16;--impl replay --B 128 --T 4 --state fp32}"
     for cfg in "${cfgs[@]}"; do
       echo "--- ncu decode_mtp_kernel $cfg"
       # shellcheck disable=SC2086
       timeout 60 ncu --clock-control none -k regex:decode_mtp_kernel --launch-skip 2 --launch-count 1 \
         --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
         --section SchedulerStats --section MemoryWorkloadAnalysis \
+        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
         python3 benchmarks/profile_decode_mtp.py $cfg 2>&1 | grep -vE "^==PROF==|^\s*$"
     done
     echo "--- ncu FLA fused_recurrent (dense) --B 128 --T 1 --state fp32"
@@ -137,7 +138,10 @@ if has profile; then
       --section SpeedOfLight --section Occupancy --section WarpStateStats \
       python3 benchmarks/profile_decode_mtp.py --impl fla --B 128 --T 1 2>&1 | grep -vE "^==PROF==|^\s*$"
   } > "$OUT/ncu.txt" 2>&1
-  grep -E "^---|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Stall" "$OUT/ncu.txt" | head -60
+  # The headline figures, and the stall reasons that cost at least 0.5 cycles per issued instruction.
+  grep -E "^---|Duration|DRAM Throughput|Compute \(SM\) Throughput|Issued Warp Per Scheduler|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Block Limit (Reg|Shared)" "$OUT/ncu.txt" |
+    sed -E "s/ +/ /g"
+  awk '/^---/{print} /issue_stalled_/ && $NF >= 0.5 {sub(/smsp__average_warps_issue_stalled_/, ""); sub(/_per_issue_active.ratio/, ""); print "  stall", $1, $NF}' "$OUT/ncu.txt"
 fi
 stage "done (status $status)"
 exit $status

@@ -1,7 +1,11 @@
-"""Runs one decode_mtp configuration (or its FLA baseline) a few times, for a profiler:
+"""Runs one decode_mtp configuration (its replay-verify form, or its FLA baseline) a few times,
+for a profiler:
 
     ncu -k regex:decode_mtp_kernel --launch-skip 2 --launch-count 1 \
         python3 benchmarks/profile_decode_mtp.py --shape TP1 --B 128 --T 1 --state fp32
+
+(the replay kernel is an instance of decode_mtp_kernel too; --impl replay also launches the
+window save after it).
 """
 
 from __future__ import annotations
@@ -22,12 +26,18 @@ def main():
     ap.add_argument("--B", type=int, default=128)
     ap.add_argument("--T", type=int, default=1)
     ap.add_argument("--state", default="fp32", choices=list(bench.DTYPES))
-    ap.add_argument("--impl", default="gdn", choices=["gdn", "fla"])
+    ap.add_argument("--impl", default="gdn", choices=["gdn", "replay", "fla"])
     ap.add_argument("--calls", type=int, default=4)
     args = ap.parse_args()
     H, HV = bench.SHAPES[args.shape]
-    st = bench.make_sets(H, HV, args.B, args.T, bench.DTYPES[args.state], 1, 11)[0]
     prm = bench.make_params(HV, 7)
+    if args.impl == "replay":
+        st = bench.make_replay_sets(H, HV, args.B, args.T, bench.DTYPES[args.state], 1, 11)[0]
+        for _ in range(args.calls):
+            bench.replay_call(st, prm, HV)
+        torch.cuda.synchronize()
+        return
+    st = bench.make_sets(H, HV, args.B, args.T, bench.DTYPES[args.state], 1, 11)[0]
     f = bench.fla_inputs(st, prm, H, HV, args.B, args.T) if args.impl == "fla" else None
     for _ in range(args.calls):
         if f is None:

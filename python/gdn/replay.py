@@ -98,9 +98,9 @@ def decode_mtp_replay(
     Accuracy: with an fp32 state, a chain of replay steps gives the outputs and checkpoints (= the
     states decode_mtp leaves at column acc - 1) of write-every-token :func:`gdn.decode_mtp` on the
     same inputs: bit for bit on the CPU; on CUDA to within 1e-5 relative L2 (the replay kernel
-    keeps the state in a lane layout of fewer shuffles per token, so its dot products add in
-    another order; each mode is deterministic). With a 16-bit state the checkpoint is rounded once
-    per step instead of once per token.
+    keeps the state in a lane layout of fewer shuffles per token and its decay as a scalar beside
+    it, so its sums add in another order; each mode is deterministic). With a 16-bit state the
+    checkpoint is rounded once per step instead of once per token.
 
     ``torch.ops.gdn.decode_mtp_replay`` is the same call as a torch custom op (all but
     ``stream``).

@@ -84,6 +84,11 @@ std::vector<ChainParam> gpu_chain_params() {
   c = gpu_config(2, 3, vk, 171);
   c.act_dtype = DType::kBFloat16;
   out.push_back({"r3_bf16_activations", c, 16});
+  // Enough heads (N x HV = 640) for the launcher's large-batch choices on an H200 (>= 4 heads per
+  // SM: one fp32 chunk buffer for replay, three for write-all).
+  c = gpu_config(4, 8, vk, 191);
+  c.N = 20;
+  out.push_back({"r8_large_batch", c, 6});
   return out;
 }
 

@@ -135,21 +135,16 @@ def random_T(gen, N, S):
     return T
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("state_dtype,act", [(FP32, FP32), (FP32, BF16), (BF16, BF16),
-                                             (FP16, FP16)],
-                         ids=["state_fp32_act_fp32", "state_fp32_act_bf16", "state_bf16",
-                              "state_fp16"])
-@pytest.mark.parametrize("H,HV", [(1, 1), (2, 4), (1, 3), (1, 8)], ids=["r1", "r2", "r3", "r8"])
-def test_chain_against_float64_reference(gen, device, H, HV, state_dtype, act):
+def check_chain_against_reference(gen, device, *, H, HV, state_dtype, act, params, N=5, S=4,
+                                  steps=6):
+    """A replay chain of `steps` steps with random T and acceptance: every step's outputs and
+    checkpoints against the float64 reference, and the saved windows."""
     K = V = 128 if device == "cuda" else 32
-    N, S, steps = 5, 4, 6
     pool = make_pool(gen, device, N=N, H=H, HV=HV, K=K, V=V, S=S, state_dtype=state_dtype,
                      act=act, first_valid_slot=1)
     out_tol = FP32_BAR if (act == FP32 and state_dtype == FP32) else OUT16_BAR
     if state_dtype != FP32:
         out_tol = STATE16_BAR
-    params = layer_params(gen, HV)
     for step in range(steps):
         T = random_T(gen, N, S)
         inputs = random_inputs(gen, T, H=H, HV=HV, K=K, V=V, act=act, params=params)
@@ -170,6 +165,29 @@ def test_chain_against_float64_reference(gen, device, H, HV, state_dtype, act):
                 f"step {step} request {i}: checkpoint rel L2 {err:.3g}"
         check_window(pool, inputs, T, H, K)
         accept(pool, ref, T, gen)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("state_dtype,act", [(FP32, FP32), (FP32, BF16), (BF16, BF16),
+                                             (FP16, FP16)],
+                         ids=["state_fp32_act_fp32", "state_fp32_act_bf16", "state_bf16",
+                              "state_fp16"])
+@pytest.mark.parametrize("H,HV", [(1, 1), (2, 4), (1, 3), (1, 8)], ids=["r1", "r2", "r3", "r8"])
+def test_chain_against_float64_reference(gen, device, H, HV, state_dtype, act):
+    check_chain_against_reference(gen, device, H=H, HV=HV, state_dtype=state_dtype, act=act,
+                                  params=layer_params(gen, HV))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_chain_with_strong_decay(gen, device):
+    """Heads whose state decays by up to e^-100 per token, some to exactly 0 in float32 (the CUDA
+    replay kernel keeps the decay as a scalar and folds it back into the state when it gets small:
+    both paths against the float64 reference), next to ordinary heads, over deep windows."""
+    HV = 8
+    A_log = torch.tensor([4.5, 3.0, 2.0, 1.0, 0.0, -1.0, 4.0, 2.5], dtype=FP32)
+    dt_bias = torch.tensor([3.0, 1.0, 0.5, 2.0, 0.0, 0.0, -1.0, 0.0], dtype=FP32)
+    check_chain_against_reference(gen, device, H=2, HV=HV, state_dtype=FP32, act=FP32,
+                                  params=(A_log, dt_bias), N=4, S=8, steps=5)
 
 
 @pytest.mark.parametrize("device", DEVICES)

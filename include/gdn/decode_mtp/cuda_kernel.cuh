@@ -32,8 +32,11 @@
 // request's one checkpoint slot, the staged token list is the n accepted window tokens (raw k, v,
 // a, b read from the slot's window; no q, no output) followed by the T new ones, the rows are
 // stored once, to the checkpoint, after the n-th token (not at all for n = 0), and the new tokens
-// produce outputs only. This kernel only reads the window; a second launch saves the new tokens
-// into it (gdn/replay/cuda.cuh), so no CTA can overwrite a window row another CTA still replays.
+// produce outputs only. Replay runs up to 2S tokens per slice and is bound by their latency, so
+// its token step keeps the decay as a scalar beside the rows (advance_rows_scaled: 2 or 3 FMAs per
+// element and token instead of 3 or 4, one reduction phase per token) and its CTAs are sized for
+// five per SM. This kernel only reads the window; a second launch saves the new tokens into it
+// (gdn/replay/cuda.cuh), so no CTA can overwrite a window row another CTA still replays.
 //
 // Math and rounding follow gdn/decode_mtp/cpu.hpp (fp32 throughout, o kept fp32 into the norm,
 // 16-bit state stored round-to-nearest-even). Invalid rows (device-side indices) write no state,
@@ -82,10 +85,12 @@ inline constexpr int kChunkRows =
 inline constexpr int kMaxChunks = kHeadDim / kChunkRows;  // 4
 inline constexpr int kMaxSplit = 8;                       // CTAs per head (portable cluster size)
 // Register budget: six CTAs per SM (80 registers) for write-all, where a 16-bit slice at T = 1
-// fits six by shared memory; four (128) for replay, whose CTAs stage twice the tokens (no more
-// than four fit by shared memory at S >= 2): no spills, and 8-13 % faster than 96 registers.
+// fits six by shared memory; five (96, no spills) for replay, which holds 2 rows per lane and
+// keeps its decay as a scalar (advance_rows_scaled), with the chunk buffers that let five fit by
+// shared memory (choose_buffers): latency-bound, it gains more from the fifth CTA than from the
+// registers (B = 128: bf16 4-12 % faster, fp32 6-21 %; benchmarks/results/replay_v2_h200.json).
 template <bool kReplay>
-inline constexpr int kMinCtasPerSm = kReplay ? 4 : 6;
+inline constexpr int kMinCtasPerSm = kReplay ? 5 : 6;
 // Shared-memory chunk buffers of a CTA (1..kMaxChunks, chosen by the launcher): a buffer is
 // refilled with a later chunk once every warp holds its rows in registers.
 static_assert(kCudaMaxSpecColumns <= 32, "slot ids of a row are read by the first lanes");
@@ -172,8 +177,9 @@ __device__ __forceinline__ DecodeRow classify_decode_row(int64_t c0, int64_t c1,
 
 // Stages token t of a request into shared memory with one warp: q and k L2-normalised (q times
 // scale) as fp32 [2][128] at qk, the R values of the CTA's rows at v_row, and (lane 0) alpha =
-// exp(g), beta at gates. Replay: tokens t < n_replay are the checkpoint slot's window tokens (raw
-// k, v, a, b; the same math as their first pass; no q), later ones the call's rows.
+// exp(g), beta at gates (replay: and k . q, see advance_rows_scaled). Replay: tokens t < n_replay
+// are the checkpoint slot's window tokens (raw k, v, a, b; the same math as their first pass; no
+// q), later ones the call's rows.
 template <bool kReplay>
 __device__ __forceinline__ void stage_token(const KernelArgs& args, int t, int n_replay, int64_t c0,
                                             int64_t source, int h, int hv, int row0, int R,
@@ -224,14 +230,17 @@ __device__ __forceinline__ void stage_token(const KernelArgs& args, int t, int n
   const float kk = warp_sum(k.x * k.x + k.y * k.y + k.z * k.z + k.w * k.w);
   const float kinv = 1.0f / sqrtf(kk + args.l2_eps);
   qk += 4 * lane;
+  const float4 kn = make_float4(k.x * kinv, k.y * kinv, k.z * kinv, k.w * kinv);
+  float kq = 0.0f;
   if (!replayed) {  // a replayed token produces no output: no q
     const float4 q = bits4_to_f32(qb, args.qkv_dtype);
     const float qq = warp_sum(q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w);
     const float qinv = args.scale / sqrtf(qq + args.l2_eps);
-    *reinterpret_cast<float4*>(qk) = make_float4(q.x * qinv, q.y * qinv, q.z * qinv, q.w * qinv);
+    const float4 qn = make_float4(q.x * qinv, q.y * qinv, q.z * qinv, q.w * qinv);
+    *reinterpret_cast<float4*>(qk) = qn;
+    if (kReplay) kq = warp_sum(qn.x * kn.x + qn.y * kn.y + qn.z * kn.z + qn.w * kn.w);
   }
-  *reinterpret_cast<float4*>(qk + kHeadDim) =
-      make_float4(k.x * kinv, k.y * kinv, k.z * kinv, k.w * kinv);
+  *reinterpret_cast<float4*>(qk + kHeadDim) = kn;
 #pragma unroll
   for (int i = 0; i < kHeadDim / 32; ++i)
     if (lane + 32 * i < R) v_row[lane + 32 * i] = bits_to_f32(vb[i], args.qkv_dtype);
@@ -241,6 +250,7 @@ __device__ __forceinline__ void stage_token(const KernelArgs& args, int t, int n
         A * softplus(bits_to_f32(ab, args.a_dtype) + bits_to_f32(db, args.dt_bias_dtype));
     gates[0] = expf(g);
     gates[1] = sigmoid(bits_to_f32(bb, args.b_dtype));
+    if (kReplay) gates[2] = kq;
   }
 }
 
@@ -281,14 +291,13 @@ __device__ __forceinline__ float dot4(float4 x, float4 w) {
   return x.x * w.x + x.y * w.y + x.z * w.z + x.w * w.w;
 }
 
-// One token of the delta rule on the 8 rows a warp holds: decay, u = S k, S += beta (v - u) k^T,
-// and (output) o = S q of the updated state, returned for row lane_row(lane) in every lane of its
-// quad. k and q are the token's staged vectors (shared memory), read chunk by chunk (k twice: not
-// held across the reduction); v is the value of row lane_row(lane).
+// One token of the delta rule on the 8 rows a warp holds (write-all): decay, u = S k, S += beta
+// (v - u) k^T, and o = S q of the updated state, returned for row lane_row(lane) in every lane of
+// its quad. k and q are the token's staged vectors (shared memory), read chunk by chunk (k twice:
+// not held across the reduction); v is the value of row lane_row(lane).
 template <int kRows>
 __device__ __forceinline__ float advance_rows(GroupRows<kRows>& s, const float* k, const float* q,
-                                              float alpha, float beta, float v, bool output,
-                                              int lane) {
+                                              float alpha, float beta, float v, int lane) {
   using G = GroupRows<kRows>;
   float p[kRows];
 #pragma unroll
@@ -318,7 +327,7 @@ __device__ __forceinline__ float advance_rows(GroupRows<kRows>& s, const float* 
 #pragma unroll
   for (int j = 0; j < G::kChunks; ++j) {
     const float4 kj = *reinterpret_cast<const float4*>(k + G::col(lane, j));
-    const float4 qj = output ? *reinterpret_cast<const float4*>(q + G::col(lane, j)) : kj;
+    const float4 qj = *reinterpret_cast<const float4*>(q + G::col(lane, j));
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       float4& x = s.x[r][j];
@@ -326,10 +335,89 @@ __device__ __forceinline__ float advance_rows(GroupRows<kRows>& s, const float* 
       x.y += kj.y * d[r];
       x.z += kj.z * d[r];
       x.w += kj.w * d[r];
-      if (output) p[r] = j == 0 ? dot4(x, qj) : p[r] + dot4(x, qj);
+      p[r] = j == 0 ? dot4(x, qj) : p[r] + dot4(x, qj);
     }
   }
-  return output ? transpose_reduce(p, lane) : 0.0f;
+  return transpose_reduce(p, lane);
+}
+
+// Replay's token step: the same math as advance_rows with the decay kept out of the rows. They hold
+// S / c, c the product of the alphas since the last fold (a scalar, the same in every CTA of the
+// head), so a token costs 2 (replayed) or 3 (kOutput) FMAs per element instead of 3 or 4. Both
+// dot products read the rows before the update: with u = S~ k of the lane's row,
+//   step = delta / c = beta v / c - beta u  (added to S~ along k),
+//   o = S q = c (S~ q + step (k . q)),
+// so the chain from the rows to the next token is one reduction and one FMA. The update is
+// skipped when `update` is false (the last token, stored nowhere). c is folded back into the rows
+// before it could leave the normal range (fold_scale; the caller also folds before it stores).
+// kq = k . q of the token.
+inline constexpr float kFoldBelow = 0x1p-30f;
+template <int kRows>
+__device__ __forceinline__ void fold_scale(GroupRows<kRows>& s, float& c) {
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int j = 0; j < GroupRows<kRows>::kChunks; ++j) {
+      float4& x = s.x[r][j];
+      x.x *= c;
+      x.y *= c;
+      x.z *= c;
+      x.w *= c;
+    }
+  c = 1.0f;
+}
+template <bool kOutput, int kRows>
+__device__ __forceinline__ float advance_rows_scaled(GroupRows<kRows>& s, float& c, const float* k,
+                                                     const float* q, float kq, float alpha,
+                                                     float beta, float v, bool update, int lane) {
+  using G = GroupRows<kRows>;
+  c *= alpha;
+  if (!(c >= kFoldBelow)) fold_scale(s, c);  // uniform over the CTA; also catches alpha = 0
+  const float beta_v_over_c = beta * v * __frcp_rn(c);  // off the chain: depends on the gates only
+  float pk[kRows], pq[kRows];
+#pragma unroll
+  for (int j = 0; j < G::kChunks; ++j) {
+    const float4 kj = *reinterpret_cast<const float4*>(k + G::col(lane, j));
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+      pk[r] = j == 0 ? dot4(s.x[r][j], kj) : pk[r] + dot4(s.x[r][j], kj);
+  }
+  if constexpr (kOutput) {
+#pragma unroll
+    for (int j = 0; j < G::kChunks; ++j) {
+      const float4 qj = *reinterpret_cast<const float4*>(q + G::col(lane, j));
+#pragma unroll
+      for (int r = 0; r < kRows; ++r)
+        pq[r] = j == 0 ? dot4(s.x[r][j], qj) : pq[r] + dot4(s.x[r][j], qj);
+    }
+  }
+  const float step = fmaf(-beta, transpose_reduce(pk, lane), beta_v_over_c);
+  float o = 0.0f;
+  if constexpr (kOutput) o = c * fmaf(step, kq, transpose_reduce(pq, lane));
+  if (!update) return o;
+  float d[kRows];  // step of each of this lane's rows
+  if constexpr (kRows == 2) {
+    const float other = __shfl_xor_sync(0xffffffffu, step, 4);
+    d[0] = lane & 4 ? other : step;
+    d[1] = lane & 4 ? step : other;
+  } else {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+      d[r] = __shfl_sync(0xffffffffu, step, (lane & ~(4 * kRows - 4)) | (4 * r));
+  }
+#pragma unroll
+  for (int j = 0; j < G::kChunks; ++j) {
+    const float4 kj = *reinterpret_cast<const float4*>(k + G::col(lane, j));
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      float4& x = s.x[r][j];
+      x.x += kj.x * d[r];
+      x.y += kj.y * d[r];
+      x.z += kj.z * d[r];
+      x.w += kj.w * d[r];
+    }
+  }
+  return o;
 }
 
 // A group's share of sum(o^2) over its 8 rows, in one fixed butterfly order (every split and
@@ -347,6 +435,9 @@ __device__ __forceinline__ float gate_act(const KernelArgs& args, float zv) {
   return args.gate_sigmoid ? sigmoid(zv) : zv * sigmoid(zv);
 }
 
+// Floats staged per token besides q, k and v: alpha, beta (and k . q in replay).
+__host__ __device__ constexpr int gate_floats(bool replay) { return replay ? 3 : 2; }
+
 // Byte offsets of a CTA's shared arrays. S = state columns (T <= S), R = rows of the CTA; a
 // replay CTA stages up to 2S tokens (n <= S replayed, T <= S new).
 struct SmemPlan {
@@ -362,16 +453,24 @@ struct SmemPlan {
     tile = 256;  // [buffers][rows_per_chunk][128] state
     qk = tile + buffers * rows_per_chunk * kHeadDim * state_bytes;  // float [staged][2][128] q, k
     v = qk + staged * 2 * kHeadDim * 4;                             // float [staged][R]
-    gates = v + staged * R * 4;                                     // float [staged][2] alpha, beta
-    o = gates + staged * 2 * 4;                                     // float [S][R] core output
-    z = o + S * R * 4;                                              // float [S][R] act(z)
-    ss = z + S * R * 4;                  // float [S][16] group partials of o^2
-    rstd = ss + S * kGroupsPerHead * 4;  // float [S]
-    w = rstd + S * 4;                    // float [R] norm weight
+    gates = v + staged * R * 4;                    // float [staged][gate_floats(replay)]
+    o = gates + staged * gate_floats(replay) * 4;  // float [S][R] core output
+    z = o + S * R * 4;                             // float [S][R] act(z)
+    ss = z + S * R * 4;                            // float [S][16] group partials of o^2
+    rstd = ss + S * kGroupsPerHead * 4;            // float [S]
+    w = rstd + S * 4;                              // float [R] norm weight
     total = w + R * 4;
   }
 };
 static_assert(sizeof(RowMeta) <= 256 - 64, "RowMeta fits between the barriers and the tile");
+
+// A staged token as the token steps read it (shared memory), and the value of the lane's row.
+struct TokenArgs {
+  const float* k;
+  const float* q;
+  const float* gates;  // alpha, beta (replay: k . q)
+  float v;
+};
 
 template <class StateT, int kRatio, bool kReplay>
 __global__ void __launch_bounds__(kThreads, kMinCtasPerSm<kReplay>)
@@ -517,7 +616,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm<kReplay>)
   //    same math as their first pass), tokens n.. from this call's rows.
   for (int t = warp; t < tokens; t += kWarps)
     stage_token<kReplay>(args, t, n_replay, c0, source, h, hv, row0, R, lane,
-                         qk_s + t * 2 * kHeadDim, v_s + t * R, gates_s + 2 * t);
+                         qk_s + t * 2 * kHeadDim, v_s + t * R, gates_s + gate_floats(kReplay) * t);
   if (gated) {
     for (int e = tid; e < (T << log2_R); e += kThreads) {
       const int t = e >> log2_R, r = e & (R - 1);
@@ -603,29 +702,48 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm<kReplay>)
       }
     };
 
-    for (int t = 0; t < tokens; ++t) {
-      const bool output = !kReplay || t >= n_replay;  // replayed tokens only advance the state
-      const float* qk = qk_s + t * 2 * kHeadDim;
-      const float alpha = gates_s[2 * t];
-      const float beta = gates_s[2 * t + 1];
-      const float v = v_s[t * R + my_row];
-
-      float o = advance_rows(s, qk + kHeadDim, qk, alpha, beta, v, output, lane);
-      if (kReplay && !output) {  // after the last replayed token: the checkpoint, stored once
-        if (t == n_replay - 1) store_rows(source);
-        continue;
-      }
+    // The core output of output token `to` (row my_row): to shared memory, and the group's share
+    // of sum(o^2).
+    auto emit_output = [&](int to, float o) {
       if (args.round_core_output) o = dev::round_to(args.out_dtype, o);
-      if constexpr (!kReplay) {  // state after token t -> slot state_indices[n, t] (null: skipped)
-        const int64_t dest = __shfl_sync(0xffffffffu, my_slot, t);
-        if (dest >= args.first_valid_slot && dest >= 0) store_rows(dest);
-      }
-
-      const int to = t - n_replay;  // output token
       if ((lane & 3) == 0) o_s[to * R + my_row] = o;
-      if (norm) {  // the group's share of sum(o^2)
+      if (norm) {
         const float sq = group_sum_sq(o);
         if (lane == 0) ss_s[to * kGroupsPerHead + g] = sq;
+      }
+    };
+    auto token_args = [&](int t) {  // staged k, q, gates and this lane's v of token t
+      return TokenArgs{qk_s + t * 2 * kHeadDim + kHeadDim, qk_s + t * 2 * kHeadDim,
+                       gates_s + gate_floats(kReplay) * t, v_s[t * R + my_row]};
+    };
+
+    if constexpr (kReplay) {
+      // The n accepted window tokens advance the state only; it goes to the checkpoint once,
+      // after the last of them. Then the new tokens, outputs only.
+      float scale_c = 1.0f;  // the rows hold S / scale_c (advance_rows_scaled)
+      for (int t = 0; t < n_replay; ++t) {
+        const TokenArgs x = token_args(t);
+        advance_rows_scaled<false>(s, scale_c, x.k, x.q, 0.0f, x.gates[0], x.gates[1], x.v, true,
+                                   lane);
+      }
+      if (n_replay > 0) {
+        fold_scale(s, scale_c);
+        store_rows(source);
+      }
+      for (int t = n_replay; t < tokens; ++t) {
+        const TokenArgs x = token_args(t);
+        emit_output(t - n_replay,
+                    advance_rows_scaled<true>(s, scale_c, x.k, x.q, x.gates[2], x.gates[0],
+                                              x.gates[1], x.v, t + 1 < tokens, lane));
+      }
+    } else {
+      for (int t = 0; t < tokens; ++t) {
+        const TokenArgs x = token_args(t);
+        const float o = advance_rows(s, x.k, x.q, x.gates[0], x.gates[1], x.v, lane);
+        // The state after token t -> slot state_indices[n, t] (null: skipped).
+        const int64_t dest = __shfl_sync(0xffffffffu, my_slot, t);
+        if (dest >= args.first_valid_slot && dest >= 0) store_rows(dest);
+        emit_output(t, o);
       }
     }
   }
