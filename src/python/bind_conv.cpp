@@ -6,26 +6,9 @@
 #include "common.hpp"
 #include "gdn/conv/cpu.hpp"
 #include "gdn/conv/params.hpp"
-#ifdef GDN_HAS_CUDA
 #include "gdn/kernels/cuda_api_conv.hpp"
-#endif
 
 namespace gdn::python {
-
-static conv::StateLayout parse_conv_layout(const std::string& s) {
-  if (s == "channels_major") return conv::StateLayout::kChannelsMajor;
-  if (s == "tokens_major") return conv::StateLayout::kTokensMajor;
-  throw nb::value_error(("state_layout must be 'channels_major' ([slots, D, Lbuf]) or "
-                         "'tokens_major' ([slots, Lbuf, D]), got '" +
-                         s + "'")
-                            .c_str());
-}
-
-static conv::Activation parse_activation(const std::string& s) {
-  if (s == "silu" || s == "swish") return conv::Activation::kSiLU;
-  if (s == "none") return conv::Activation::kNone;
-  throw nb::value_error(("activation must be 'silu' or 'none', got '" + s + "'").c_str());
-}
 
 static void causal_conv1d_update(const FastWritableArray& x, const FastWritableArray& weight,
                                  const FastWritableArray& conv_state,
@@ -35,35 +18,14 @@ static void causal_conv1d_update(const FastWritableArray& x, const FastWritableA
                                  const std::string& activation, const std::string& state_layout,
                                  int64_t first_valid_slot, const OptFastWritableArray& error_count,
                                  std::optional<uintptr_t> stream) {
-  conv::Params p;
-  p.x = to_view(x, "x");
-  p.weight = to_view(weight, "weight");
-  p.conv_state = to_view(conv_state, "conv_state");
-  p.conv_state_indices = to_view(conv_state_indices, "conv_state_indices");
-  p.cu_seqlens = to_view(cu_seqlens, "cu_seqlens");
-  p.out = to_view(out, "out");
-  p.num_accepted_tokens = to_view(num_accepted_tokens, "num_accepted_tokens");
-  p.error_count = to_view(error_count, "error_count");
-  p.activation = parse_activation(activation);
-  p.layout = parse_conv_layout(state_layout);
-  p.first_valid_slot = first_valid_slot;
-
-  Status status;
-  if (p.conv_state.device.type == DeviceType::kCPU) {
-    nb::gil_scoped_release release;
-    status = conv::run_cpu(p);
-  } else {
-#ifdef GDN_HAS_CUDA
-    void* launch_on = launch_stream(stream, conv_state);
-    nb::gil_scoped_release release;
-    status = cuda_api::causal_conv1d_update(p, launch_on);
-#else
-    (void)stream;
-    status =
-        Status::unsupported("conv_state is a CUDA array but this build of gdn has no CUDA kernels");
-#endif
-  }
-  throw_if_error(status);
+  const conv::Params p = binding::conv_params<FastWritableArray>(
+      {x, weight, conv_state, conv_state_indices, cu_seqlens, out, num_accepted_tokens, activation,
+       state_layout, first_valid_slot, error_count},
+      array_view);
+  run_call(
+      p.conv_state, "conv_state", conv_state, stream, [&] { return conv::run_cpu(p); },
+      // Generic, so that a build without CUDA kernels never instantiates (links) the call.
+      [&](auto on) { return cuda_api::causal_conv1d_update(p, on); });
 }
 
 void bind_conv(nb::module_& m) {

@@ -7,7 +7,6 @@
 #include "gdn/decode_mtp/cpu.hpp"
 #include "gdn/decode_mtp/params.hpp"
 #include "gdn/kernels/cuda_api.hpp"
-#include "step_args.hpp"
 
 namespace gdn::python {
 
@@ -20,15 +19,12 @@ static void decode_mtp(
     double norm_eps, const std::string& gate, const std::string& state_layout,
     int64_t first_valid_slot, int64_t num_k_heads, bool round_core_output,
     const OptFastWritableArray& error_count, std::optional<uintptr_t> stream, int split) {
-  decode_mtp::Params p;
-  set_step_args(
+  const decode_mtp::Params p = binding::decode_mtp_params<FastConstArray, FastWritableArray>(
       {mixed_qkv, a, b, A_log, dt_bias, state, cu_seqlens, out, z, norm_weight, scale, l2_eps,
        norm_eps, gate, state_layout, first_valid_slot, num_k_heads, round_core_output, error_count},
-      p);
-  p.state_indices = to_view(state_indices, "state_indices");
-  p.num_accepted_tokens = to_view(num_accepted_tokens, "num_accepted_tokens");
-  run_step(
-      p, state, stream, [&] { return decode_mtp::run_cpu(p); },
+      state_indices, num_accepted_tokens, array_view);
+  run_call(
+      p.state, "state", state, stream, [&] { return decode_mtp::run_cpu(p); },
       // Generic, so that a build without CUDA kernels never instantiates (links) the call.
       [&](auto on) { return cuda_api::decode_mtp(p, on, split); });
 }

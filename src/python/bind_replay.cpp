@@ -7,7 +7,6 @@
 #include "gdn/kernels/cuda_api_replay.hpp"
 #include "gdn/replay/cpu.hpp"
 #include "gdn/replay/params.hpp"
-#include "step_args.hpp"
 
 namespace gdn::python {
 
@@ -23,20 +22,13 @@ static void decode_mtp_replay(
     double norm_eps, const std::string& gate, const std::string& state_layout,
     int64_t first_valid_slot, int64_t num_k_heads, bool round_core_output,
     const OptFastWritableArray& error_count, std::optional<uintptr_t> stream, int split) {
-  replay::Params p;
-  set_step_args(
+  const replay::Params p = binding::replay_params<FastConstArray, FastWritableArray>(
       {mixed_qkv, a, b, A_log, dt_bias, state, cu_seqlens, out, z, norm_weight, scale, l2_eps,
        norm_eps, gate, state_layout, first_valid_slot, num_k_heads, round_core_output, error_count},
-      p);
-  p.state_indices = to_view(state_indices, "state_indices");
-  p.num_accepted_tokens = to_view(num_accepted_tokens, "num_accepted_tokens");
-  p.window_k = to_view(window_k, "window_k");
-  p.window_v = to_view(window_v, "window_v");
-  p.window_a = to_view(window_a, "window_a");
-  p.window_b = to_view(window_b, "window_b");
-  p.window_len = to_view(window_len, "window_len");
-  run_step(
-      p, state, stream, [&] { return replay::run_cpu(p); },
+      {state_indices, window_k, window_v, window_a, window_b, window_len, num_accepted_tokens},
+      array_view);
+  run_call(
+      p.state, "state", state, stream, [&] { return replay::run_cpu(p); },
       // Generic, so that a build without CUDA kernels never instantiates (links) the call.
       [&](auto on) { return cuda_api::replay(p, on, split); });
 }

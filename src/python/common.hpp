@@ -1,5 +1,7 @@
 // Shared binding helpers: DLPack arrays (nb::ndarray, FastArray) -> gdn::TensorView, the launch
-// stream, Status -> Python errors.
+// stream and the run of a call. Status -> Python errors and the string arguments are
+// binding/op_params.hpp's (nanobind raises its std::invalid_argument as ValueError,
+// std::runtime_error as RuntimeError).
 #pragma once
 
 #include <nanobind/nanobind.h>
@@ -15,6 +17,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "binding/op_params.hpp"
 #include "gdn/core/status.hpp"
 #include "gdn/core/support.hpp"
 #include "gdn/core/tensor_view.hpp"
@@ -29,51 +32,13 @@ using OptArray = std::optional<nb::ndarray<>>;
 using ConstArray = nb::ndarray<nb::ro>;
 using OptConstArray = std::optional<ConstArray>;
 
-inline DType to_dtype(nb::dlpack::dtype t, const char* name) {
-  using code = nb::dlpack::dtype_code;
-  if (t.lanes == 1) {
-    if (t.code == uint8_t(code::Float) && t.bits == 32) return DType::kFloat32;
-    if (t.code == uint8_t(code::Float) && t.bits == 16) return DType::kFloat16;
-    if (t.code == uint8_t(code::Float) && t.bits == 64) return DType::kFloat64;
-    if (t.code == uint8_t(code::Bfloat) && t.bits == 16) return DType::kBFloat16;
-    if (t.code == uint8_t(code::Int) && t.bits == 32) return DType::kInt32;
-    if (t.code == uint8_t(code::Int) && t.bits == 64) return DType::kInt64;
-    if (t.code == uint8_t(code::Bool) && t.bits == 8) return DType::kBool;
-  }
-  throw nb::value_error((std::string(name) + " has an unsupported dtype (code " +
-                         std::to_string(t.code) + ", " + std::to_string(t.bits) + " bits)")
-                            .c_str());
-}
-
-// The view of an array described by DLPack fields (shape and strides in elements, `ndim` of them).
-// The one place arrays become views, whichever import read them, so the errors are the same.
+// The view of an array described by DLPack fields: binding::make_view, the one place arrays become
+// views (here and in the torch op kernels), so the errors are the same.
 inline TensorView make_view(const void* data, nb::dlpack::dtype dtype, int32_t device_type,
                             int32_t device_id, int64_t ndim, const int64_t* shape,
                             const int64_t* strides, const char* name) {
-  if (ndim > TensorView::kMaxDims)
-    throw nb::value_error((std::string(name) + " has " + std::to_string(ndim) +
-                           " dimensions; at most 4 are supported")
-                              .c_str());
-  TensorView v;
-  // Read-only arrays only ever back views the operation reads.
-  v.data = const_cast<void*>(data);
-  v.dtype = to_dtype(dtype, name);
-  v.ndim = int(ndim);
-  for (int d = 0; d < v.ndim; ++d) {
-    v.shape[d] = shape[d];
-    v.strides[d] = strides[d];
-  }
-  // Page-locked host memory (DLPack kDLCUDAHost: torch's pinned CPU tensors) is host memory.
-  if (device_type == nb::device::cpu::value || device_type == nb::device::cuda_host::value) {
-    v.device = {DeviceType::kCPU, 0};
-  } else if (device_type == nb::device::cuda::value) {
-    v.device = {DeviceType::kCUDA, int(device_id)};
-  } else {
-    throw nb::value_error((std::string(name) + " lives on an unsupported device type " +
-                           std::to_string(device_type) + " (CPU and CUDA are supported)")
-                              .c_str());
-  }
-  return v;
+  return binding::make_view(data, {dtype.code, dtype.bits, dtype.lanes}, device_type, device_id,
+                            ndim, shape, strides, name);
 }
 
 template <class... Ts>
@@ -301,25 +266,32 @@ inline void* launch_stream(std::optional<uintptr_t> stream, const FastArray<Read
   return s.is_none() ? nullptr : reinterpret_cast<void*>(nb::cast<uintptr_t>(s));
 }
 
-// Status -> Python exception (ValueError for bad input, RuntimeError for the rest).
-inline void throw_if_error(const Status& s) {
-  if (s.is_ok()) return;
-  if (s.code() == StatusCode::kInvalidArgument || s.code() == StatusCode::kUnsupported)
-    throw nb::value_error(s.reason().c_str());
-  throw std::runtime_error(s.reason());
+// binding::*_params' `view`: the nanobind arrays' to_view.
+inline constexpr auto array_view = [](const auto& array, const char* name) {
+  return to_view(array, name);
+};
+
+// Runs a call (binding::run): `cpu()` for host state, else `cuda(stream)` on the given stream or
+// the current stream of `state`'s framework, each without the GIL; raises on a failed Status.
+// `cuda` is called (and, when generic, instantiated) only in builds with CUDA kernels.
+template <class Cpu, class Cuda>
+void run_call(const TensorView& state_view, const char* state_name, const FastWritableArray& state,
+              std::optional<uintptr_t> stream, Cpu&& cpu, Cuda&& cuda) {
+  binding::run(
+      state_view, state_name,
+      [&] {
+        nb::gil_scoped_release release;
+        return cpu();
+      },
+      [&](auto...) {
+        void* launch_on = launch_stream(stream, state);
+        nb::gil_scoped_release release;
+        return cuda(launch_on);
+      });
 }
 
-inline GateActivation parse_gate(const std::string& s) {
-  if (s == "silu" || s == "swish") return GateActivation::kSiLU;
-  if (s == "sigmoid") return GateActivation::kSigmoid;
-  throw nb::value_error(("gate must be 'silu' or 'sigmoid', got '" + s + "'").c_str());
-}
-
-inline StateLayout parse_layout(const std::string& s) {
-  if (s == "vk") return StateLayout::kVK;
-  if (s == "kv") return StateLayout::kKV;
-  throw nb::value_error(("state_layout must be 'vk' or 'kv', got '" + s + "'").c_str());
-}
+using binding::parse_layout;
+using binding::throw_if_error;
 
 }  // namespace gdn::python
 
