@@ -12,7 +12,8 @@ where the GPU work of a call is longer.
 Rows (T tokens per request, B requests; H = 2, HV = 4, K = V = 128 on CUDA, 8 on the CPU):
 
 - ``x.add_(1)`` on a 16-element tensor: torch's floor for one op from Python;
-- ``gdn.decode_mtp`` (the Python function) and ``torch.ops.gdn.decode_mtp`` (the torch op) at
+- ``gdn.decode_mtp`` (the Python function) and ``torch.ops.gdn.decode_mtp`` (the torch op, with
+  the kernels ``gdn.ops.KERNELS`` names: C++ or the Python function; recorded in the JSON) at
   T in {1, 4} and B in {1, 128}; target (issue 8): each <= 2x ``x.add_(1)`` at every T and B;
 - ``gdn._C.decode_mtp`` with the stream given, positional (the binding alone);
 - pieces: one ``tensor.__dlpack__()`` (what nanobind's import calls per array),
@@ -40,6 +41,7 @@ import time
 import torch
 
 import gdn
+import gdn.ops
 
 H, HV = 2, 4
 
@@ -157,7 +159,8 @@ def main():
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
     print(f"device {device} ({where}), torch {torch.__version__}, gdn {gdn.__version__}, "
           f"H = {H}, HV = {HV}, K = V = {dim}; {args.calls} calls x {args.repeats} repeats; "
-          f"torch tensors through the DLPack C exchange API: {'yes' if fast_import else 'no'}")
+          f"torch tensors through the DLPack C exchange API: {'yes' if fast_import else 'no'}; "
+          f"torch.ops.gdn kernels: {gdn.ops.KERNELS} ({gdn.ops.KERNELS_REASON})")
     if device.type == "cpu":
         print("CPU: the kernel runs inside the call, so rows grow with B and T; the 'trivial "
               "kernel' rows (T = 0: no token runs) are the host cost of a call.")
@@ -176,7 +179,9 @@ def main():
                                "python": platform.python_version(), "cpu": platform.processor(),
                                "cpus": os.cpu_count(), "H": H, "HV": HV, "K": dim, "V": dim,
                                "calls": args.calls, "repeats": args.repeats,
-                               "fast_import": fast_import},
+                               "fast_import": fast_import,
+                               "torch_op_kernels": gdn.ops.KERNELS,
+                               "torch_op_kernels_reason": gdn.ops.KERNELS_REASON},
                "add_us": add_us,
                "pieces": {name: {"us": us, "add_us": add_us, "vs_add": ratio}
                           for name, (us, add_us, ratio) in pieces.items()},

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Developer build without installing: builds the module into BUILD_DIR and assembles an importable
-# package at BUILD_DIR/pkg/gdn (links to python/gdn/*.py plus the built _C). Then:
+# package at BUILD_DIR/pkg/gdn (links to python/gdn/*.py plus the built _C and, when torch is
+# importable, the torch op kernels). Then:
 #   PYTHONPATH=BUILD_DIR/pkg pytest tests/py
 # Usage: scripts/dev_build.sh BUILD_DIR [extra cmake args, e.g. -DGDN_ENABLE_CUDA=ON]
 set -euo pipefail
@@ -18,4 +19,8 @@ pkg="$build/pkg/gdn"
 rm -rf "$pkg" && mkdir -p "$pkg"
 for f in "$root"/python/gdn/*; do ln -s "$f" "$pkg/"; done
 ln -sf "$build"/_C*.so "$pkg/"
+# The torch op kernels and the torch version they were built against, when built.
+for f in "$build"/libgdn_torch_ops.so "$build"/torch_ops.json; do
+  if [ -e "$f" ]; then ln -sf "$f" "$pkg/"; fi
+done
 echo "PYTHONPATH=$build/pkg"

@@ -37,6 +37,9 @@ def info() -> None:
     print(f"  CUDA head dims     : {gdn._C.cuda_head_dims()}, S <= {gdn._C.cuda_max_spec_columns}")
     print(f"  C++ headers        : {gdn.include_dir()}")
     print(f"  CMake package      : {gdn.cmake_dir()}")
+    ops = getattr(gdn, "ops", None)  # imported with gdn when torch is installed
+    if ops is not None:
+        print(f"  torch op kernels   : {ops.KERNELS} ({ops.KERNELS_REASON})")
 
 
 def selfcheck(seed: int = 0) -> bool:

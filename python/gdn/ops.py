@@ -6,16 +6,31 @@ carry as they are; tests/py/test_torch_op.py checks this. The ops mutate their o
 nothing, so they need no fake kernels beyond a no-op and work under
 ``torch.compile(fullgraph=True)`` and CUDA graphs (launches go to torch's current stream).
 
-Every op is registered by :func:`_op`: the schema is defined on one ``torch.library.Library`` and
-the gdn function is the CPU and CUDA kernel. ``torch.library.custom_op`` is not used: on
-torch 2.11 its ADInplaceOrView kernel indexes the mutated arguments in the call's ``args`` /
+Every op is defined by :func:`_op`: the schema on one ``torch.library.Library``, a no-op fake
+kernel, and the gdn function as the op's Python kernel. ``torch.library.custom_op`` is not used:
+on torch 2.11 its ADInplaceOrView kernel indexes the mutated arguments in the call's ``args`` /
 ``kwargs``, which the dispatcher has stripped of trailing defaults, so omitting an optional
 mutated argument (``error_count=None``) raised ``IndexError``.
+
+Kernels. The per-layer ops (:data:`CPP_OPS`: ``decode_mtp``, ``decode_mtp_replay``,
+``causal_conv1d_update``) have C++ CPU and CUDA kernels in ``libgdn_torch_ops.so``
+(src/torch_ops/kernels.cpp, built when torch is importable at build time): an eager call goes
+from the dispatcher straight into the library, without converting its arguments to Python
+objects and back. They raise the exception type and message the gdn function raises. A C++ torch
+extension is tied to the torch it was compiled against, so the library is loaded only when the
+running torch's version equals the one recorded next to it (``torch_ops.json``). Otherwise (not
+built, another torch version, a failed load, or ``GDN_TORCH_OP_KERNELS=python`` set at import)
+these ops keep the gdn function as their Python kernel; :data:`KERNELS` says which kernels they
+use (``"c++"`` or ``"python"``) and :data:`KERNELS_REASON` why. The metadata ops
+(``metadata_plan``, ``metadata_state_rows``) run once per step, not per layer, and always have
+Python kernels.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
+import os
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -37,8 +52,18 @@ SCHEMA_EXCLUDED: Dict[str, Tuple[Optional[str], str]] = {
 #: The gdn function behind each op, by op name.
 FUNCTIONS: Dict[str, Callable[..., object]] = {}
 
+#: The ops libgdn_torch_ops.so has C++ kernels for (when it is loaded, see :data:`KERNELS`).
+CPP_OPS = ("decode_mtp", "decode_mtp_replay", "causal_conv1d_update")
+
+# The dispatch keys the ops have real kernels for.
+_KEYS = ("CPU", "CUDA")
+
 # Kept alive for the process: dropping a Library deregisters its ops.
 _LIB = torch.library.Library("gdn", "DEF")
+
+# The Python kernel of each op, registered (after the C++ library had its chance) for the keys
+# that have no C++ kernel.
+_PYTHON_KERNELS: Dict[str, Callable[..., None]] = {}
 
 
 def _fake(*args, **kwargs) -> None:
@@ -47,9 +72,10 @@ def _fake(*args, **kwargs) -> None:
 
 
 def _op(function: Callable[..., object], mutates_args: Sequence[str]):
-    """Registers ``torch.ops.gdn.<name>`` with the decorated signature (a stub whose annotations
-    are torch types; ``mutates_args`` are marked ``(a!)`` so torch.compile functionalizes them)
-    and ``function`` as its CPU and CUDA kernel; returns the op."""
+    """Defines ``torch.ops.gdn.<name>`` with the decorated signature (a stub whose annotations are
+    torch types; ``mutates_args`` are marked ``(a!)`` so torch.compile functionalizes them), its
+    fake kernel and ``function`` as its Python kernel (registered by :func:`_register_kernels`);
+    returns the op."""
 
     def register(signature: Callable[..., None]) -> object:
         name = signature.__name__
@@ -67,13 +93,50 @@ def _op(function: Callable[..., object], mutates_args: Sequence[str]):
                     kwargs[arg] = kwargs.pop(op_name)
             function(*args, **kwargs)
 
-        for key in ("CPU", "CUDA"):
-            _LIB.impl(name, kernel, key)
+        _PYTHON_KERNELS[name] = kernel
         torch.library.register_fake(f"gdn::{name}", _fake, lib=_LIB)
         FUNCTIONS[name] = function
         return getattr(torch.ops.gdn, name)
 
     return register
+
+
+def _load_cpp_kernels() -> Tuple[str, str]:
+    """Loads libgdn_torch_ops.so (its TORCH_LIBRARY_IMPL registrations implement :data:`CPP_OPS`)
+    when it was built against this torch: ``("c++", what was loaded)``, else ``("python", why
+    not)``."""
+    choice = os.environ.get("GDN_TORCH_OP_KERNELS", "auto").strip().lower()
+    if choice not in ("auto", "", "python"):
+        raise ValueError(f"GDN_TORCH_OP_KERNELS must be 'auto' or 'python', got {choice!r}")
+    if choice == "python":
+        return "python", "GDN_TORCH_OP_KERNELS=python"
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        with open(os.path.join(here, "torch_ops.json")) as fh:
+            built = json.load(fh)
+    except FileNotFoundError:
+        return "python", ("this gdn was built without the torch op kernels (torch was not "
+                          "importable at build time, or GDN_BUILD_TORCH_OPS=OFF)")
+    running = str(torch.__version__)
+    if built["torch"] != running:
+        return "python", (f"{built['library']} was built against torch {built['torch']}, this is "
+                          f"torch {running} (a C++ torch extension runs only in its own version)")
+    try:
+        torch.ops.load_library(os.path.join(here, built["library"]))
+    except OSError as e:
+        return "python", f"{built['library']} failed to load: {e}"
+    return "c++", f"{built['library']} (built against torch {built['torch']})"
+
+
+def _register_kernels() -> Tuple[str, str]:
+    """Loads the C++ kernels when it may, then registers each op's Python kernel for the keys left
+    without one; returns (:data:`KERNELS`, :data:`KERNELS_REASON`)."""
+    kernels, reason = _load_cpp_kernels()
+    for name, kernel in _PYTHON_KERNELS.items():
+        for key in _KEYS:
+            if not torch._C._dispatch_has_kernel_for_dispatch_key(f"gdn::{name}", key):
+                _LIB.impl(name, kernel, key)
+    return kernels, reason
 
 
 @_op(_decode_mtp, mutates_args=("state", "out", "error_count"))
@@ -209,3 +272,8 @@ def metadata_state_rows(
     """torch op form of :func:`gdn.metadata.state_rows` (``plan`` is written only when
     ``num_accepted_tokens`` is gathered; the CPU count of padded rows is not returned;
     ``checkpoint_indices`` is written in replay mode)."""
+
+
+#: ``"c++"`` when the ops of :data:`CPP_OPS` run libgdn_torch_ops.so's C++ kernels, ``"python"``
+#: when they run their gdn function as a Python kernel; :data:`KERNELS_REASON` says why.
+KERNELS, KERNELS_REASON = _register_kernels()

@@ -1,14 +1,22 @@
 """torch.ops.gdn.decode_mtp: same results as gdn.decode_mtp, a correct schema (opcheck), and usable
 inside torch.compile(fullgraph=True). Every torch.ops.gdn op: callable with its optional mutated
 arguments omitted under each autograd mode (CPU, and CUDA when present), and every tensor it may
-write marked mutable in its schema."""
+write marked mutable in its schema. The per-layer ops run C++ kernels when the package was built
+with them (else, or with GDN_TORCH_OP_KERNELS=python, the gdn function as a Python kernel), and
+raise what the function raises."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import inspect
+import json
+import os
+import pathlib
 import shutil
+import subprocess
+import sys
+import textwrap
 from typing import Any, Callable, Dict, FrozenSet
 
 import pytest
@@ -88,6 +96,7 @@ def test_opcheck(gen, cfg, counter):
     args, opts = case.args(), case.kwargs()
     if counter:  # the optional device error counter is part of the schema (mutated)
         opts["error_count"] = torch.zeros(1, dtype=torch.int32)
+    assert _cpu_kernel("decode_mtp") == _expected_kernels()  # opcheck runs the build's kernels
     result = torch.library.opcheck(torch.ops.gdn.decode_mtp.default, args, opts)
     assert all(v == "SUCCESS" for v in result.values()), result
 
@@ -113,6 +122,7 @@ def _backends():
 
 @pytest.mark.parametrize("backend", _backends())
 def test_torch_compile_fullgraph(gen, backend):
+    assert _cpu_kernel("decode_mtp") == _expected_kernels()  # the compiled graph calls them
     H, HV, K, V = 1, 2, 16, 16
     torch._dynamo.reset()
     step = _compiled_step(H, HV, K, V)
@@ -490,3 +500,127 @@ def test_metadata_state_rows_op_in_replay_mode(gen):
     schema = torch.ops.gdn.metadata_state_rows.default._schema
     mutable = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
     assert set(outputs) <= mutable
+
+
+# ---- the kernels: C++ where the package has them, else the gdn function ---------------------------
+
+PACKAGE = pathlib.Path(gdn.__file__).parent
+
+
+def _expected_kernels() -> str:
+    """"c++" when the package holds torch op kernels built against this torch (torch_ops.json names
+    its version) and GDN_TORCH_OP_KERNELS does not ask for Python ones, else "python"."""
+    if os.environ.get("GDN_TORCH_OP_KERNELS", "").strip().lower() == "python":
+        return "python"
+    built = PACKAGE / "torch_ops.json"
+    if not built.exists():
+        return "python"
+    return "c++" if json.loads(built.read_text())["torch"] == str(torch.__version__) else "python"
+
+
+def _cpu_kernel(name: str) -> str:
+    """Whose CPU kernel torch.ops.gdn.<name> has, by the dispatcher's record: "c++" (an unboxed
+    function of src/torch_ops/kernels.cpp) or "python" (the gdn function, from gdn/ops.py)."""
+    dump = torch._C._dispatch_dump(f"gdn::{name}").splitlines()
+    line = next(row for row in dump if row.startswith("CPU:"))
+    if "torch_ops/kernels.cpp" in line and "unboxed" in line:
+        return "c++"
+    assert "ops.py" in line, line
+    return "python"
+
+
+def test_each_op_has_the_builds_kernels():
+    from gdn import ops
+    expected = _expected_kernels()
+    assert ops.KERNELS == expected, ops.KERNELS_REASON
+    assert ops.KERNELS_REASON
+    assert set(ops.CPP_OPS) < set(WRITES)
+    for name in sorted(WRITES):  # the metadata ops (once per step) always run the function
+        assert _cpu_kernel(name) == (expected if name in ops.CPP_OPS else "python"), name
+
+
+# Bad calls: a change to a valid call's tensors, and the argument the error must name.
+BAD_CALLS = {
+    "decode_mtp-dtype": ("decode_mtp", lambda t: t.update(state_indices=t["state_indices"].float()),
+                         "state_indices has dtype float32"),
+    "decode_mtp-shape": ("decode_mtp", lambda t: t.update(A_log=t["A_log"][:1]), "A_log dimension"),
+    "decode_mtp-range": ("decode_mtp", lambda t: t["num_accepted_tokens"].add_(5),
+                         "num_accepted_tokens = 8 is outside"),
+    "decode_mtp-dlpack-dtype": ("decode_mtp", lambda t: t.update(cu_seqlens=t["cu_seqlens"].byte()),
+                                "cu_seqlens has an unsupported dtype"),
+    "replay-dtype": ("decode_mtp_replay", lambda t: t.update(window_len=t["window_len"].float()),
+                     "window_len has dtype float32"),
+    "replay-shape": ("decode_mtp_replay", lambda t: t.update(window_k=t["window_k"][:, :2]),
+                     "window_v dimension 1"),
+    "replay-range": ("decode_mtp_replay", lambda t: t["num_accepted_tokens"].add_(3),
+                     "num_accepted_tokens[0] = 5 is outside"),
+    "conv-dtype": ("causal_conv1d_update", lambda t: t.update(cu_seqlens=t["cu_seqlens"].float()),
+                   "cu_seqlens has dtype float32"),
+    "conv-shape": ("causal_conv1d_update",
+                   lambda t: t.update(conv_state=t["conv_state"][:, :, :2]), "conv_state holds"),
+    "conv-range": ("causal_conv1d_update", lambda t: t["conv_state_indices"].add_(100),
+                   "conv_state_indices[0] = "),
+}
+
+
+def _raised(fn, *args, **kwargs):
+    with pytest.raises(Exception) as info:
+        fn(*args, **kwargs)
+    return type(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CALLS))
+def test_op_raises_what_the_function_raises(gen, case):
+    """Same exception type and message, naming the argument, and nothing written."""
+    name, spoil, names = BAD_CALLS[case]
+    call = CALLS[name](gen, "cpu")
+    spoil(call.t)
+    raised = _raised(call.fn, _clone(call.t))
+    assert raised[0] is ValueError and names in raised[1], raised
+    before = _clone(call.t)
+    assert _raised(call.op, call.t) == raised
+    assert not _changed(before, call.t)
+
+
+@pytest.mark.parametrize("options", [dict(gate="relu"), dict(state_layout="kvv"),
+                                     dict(first_valid_slot=-1)], ids=str)
+def test_op_raises_what_the_function_raises_for_scalars(gen, options):
+    case = _case(gen, "fp32_vk_silu")
+    kwargs = {**case.kwargs(), **options}
+    raised = _raised(gdn.decode_mtp, *case.args(), **kwargs)
+    assert raised[0] is ValueError and next(iter(options)) in raised[1], raised
+    assert _raised(torch.ops.gdn.decode_mtp, *case.args(), **kwargs) == raised
+
+
+def test_python_kernels_on_request(tmp_path):
+    """GDN_TORCH_OP_KERNELS=python (read at import): every op runs the gdn function, with the same
+    results as the function and as this process's kernels."""
+    case = _case(torch.Generator().manual_seed(7), "bf16_kv_sigmoid_strided")
+    here = list(_run_copy(case, torch.ops.gdn.decode_mtp))
+    assert _same(here, list(_run_copy(case, gdn.decode_mtp)))
+    source = textwrap.dedent("""
+        import sys
+        import torch
+        sys.path.insert(0, sys.argv[1])  # this test module and its reference
+        import gdn
+        import test_torch_op as t
+        assert gdn.ops.KERNELS == "python", gdn.ops.KERNELS
+        assert "GDN_TORCH_OP_KERNELS" in gdn.ops.KERNELS_REASON, gdn.ops.KERNELS_REASON
+        assert all(t._cpu_kernel(name) == "python" for name in t.WRITES)
+        case = t._case(torch.Generator().manual_seed(7), "bf16_kv_sigmoid_strided")
+        torch.save(list(t._run_copy(case, torch.ops.gdn.decode_mtp)), sys.argv[2])
+    """)
+    saved = tmp_path / "python_kernels.pt"
+    result = subprocess.run([sys.executable, "-c", source, str(pathlib.Path(__file__).parent),
+                             str(saved)], env=dict(os.environ, GDN_TORCH_OP_KERNELS="python"),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert _same(torch.load(saved), here)
+
+
+def test_unknown_kernel_choice_is_refused():
+    source = "import gdn"
+    env = dict(os.environ, GDN_TORCH_OP_KERNELS="fortran")
+    result = subprocess.run([sys.executable, "-c", source], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode != 0 and "GDN_TORCH_OP_KERNELS must be" in result.stderr
