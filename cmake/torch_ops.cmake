@@ -7,7 +7,10 @@
 # Included from CMakeLists.txt once Python_EXECUTABLE is known.
 
 set(GDN_TORCH_OPS OFF)
-if(NOT GDN_BUILD_TORCH_OPS STREQUAL "OFF")
+if(GDN_BUILD_TORCH_OPS STREQUAL "OFF")
+  message(STATUS "gdn: torch op kernels OFF (GDN_BUILD_TORCH_OPS=OFF); torch.ops.gdn.* use Python "
+                 "kernels")
+else()
   execute_process(COMMAND "${Python_EXECUTABLE}" "${CMAKE_CURRENT_LIST_DIR}/torch_build_info.py"
                   RESULT_VARIABLE _gdn_torch_rc OUTPUT_VARIABLE _gdn_torch_info
                   ERROR_VARIABLE _gdn_torch_error)
@@ -36,8 +39,14 @@ if(NOT GDN_BUILD_TORCH_OPS STREQUAL "OFF")
 endif()
 
 if(GDN_TORCH_OPS)
-  message(STATUS "gdn: torch op kernels ON (torch ${_gdn_torch_version}, CUDA kernels "
-                 "${_gdn_torch_cuda}/${GDN_HAS_CUDA} in torch/gdn)")
+  if(NOT _gdn_torch_cuda)
+    set(_gdn_keys "CPU kernels (a CPU torch)")
+  elseif(GDN_HAS_CUDA)
+    set(_gdn_keys "CPU and CUDA kernels")
+  else()
+    set(_gdn_keys "CPU kernels; CUDA calls raise, this build has no CUDA kernels")
+  endif()
+  message(STATUS "gdn: torch op kernels ON (torch ${_gdn_torch_version}: ${_gdn_keys})")
   set(_gdn_torch_libraries)
   foreach(_lib c10 torch_cpu)
     find_library(_gdn_torch_lib ${_lib} PATHS "${_gdn_torch_library_dir}" NO_DEFAULT_PATH NO_CACHE
