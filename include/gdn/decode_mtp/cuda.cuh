@@ -45,10 +45,10 @@ inline size_t shared_bytes(int S, int split, int buffers, bool replay) {
 // 4 chunks through 3 (4 CTAs fit an SM instead of 3), except for small batches (fewer than 4 heads
 // per SM), where 2 buffers measured faster at T > 1 (H200, benchmarks/results/tuning_v2.json:
 // T = 4, B = 8: 28.6 us with 2, 32.5 us with 3; B = 32: 104 us with 2, 97 us with 3). Replay, whose
-// CTAs also stage up to 2S tokens and are bound by latency more than by bytes, takes as many CTAs
-// per SM as its registers allow (kMinCtasPerSm): 2 buffers, and 1 for an fp32 slice from 4 heads
-// per SM (fp32, B = 128: T = 4 6 % and T = 8 21 % faster than 2 buffers at 4 CTAs per SM;
-// benchmarks/results/replay_v2_h200.json).
+// CTAs also stage up to 2S tokens and are bound by latency and issue more than by bytes, wants as
+// many CTAs per SM as its registers allow (kMinCtasPerSm; shared memory allows them at S <= 5): 2
+// buffers, and 1 for an fp32 slice from 4 heads per SM (fp32, B = 128: T = 4 6 % and T = 8 21 %
+// faster than 2 buffers at 4 CTAs per SM; benchmarks/results/replay_v2_h200.json).
 inline int choose_buffers(int state_bytes, int64_t heads, int sm_count, bool replay) {
   const bool small_batch = heads < 4 * int64_t(sm_count);
   if (replay) return state_bytes == 4 && !small_batch ? 1 : 2;

@@ -84,13 +84,13 @@ inline constexpr int kChunkRows =
     kWarps * kRowsPerGroup;  // rows per bulk copy (one pass of the warps)
 inline constexpr int kMaxChunks = kHeadDim / kChunkRows;  // 4
 inline constexpr int kMaxSplit = 8;                       // CTAs per head (portable cluster size)
-// Register budget: six CTAs per SM (80 registers) for write-all, where a 16-bit slice at T = 1
-// fits six by shared memory; five (96, no spills) for replay, which holds 2 rows per lane and
-// keeps its decay as a scalar (advance_rows_scaled), with the chunk buffers that let five fit by
-// shared memory (choose_buffers): latency-bound, it gains more from the fifth CTA than from the
-// registers (B = 128: bf16 4-12 % faster, fp32 6-21 %; benchmarks/results/replay_v2_h200.json).
-template <bool kReplay>
-inline constexpr int kMinCtasPerSm = kReplay ? 5 : 6;
+// Register budget: six CTAs per SM (80 registers, no spills) in both modes. Write-all: a 16-bit
+// slice at T = 1 fits six by shared memory. Replay (2 rows per lane, the decay as a scalar:
+// advance_rows_scaled) is bound by latency and issue more than by bytes, and its launcher picks
+// the chunk buffers that let as many CTAs fit (choose_buffers): six at S <= 5 (B = 128, T = 4: fp32
+// 5 %, bf16 4 % faster than five at 96 registers; T = 8, where shared memory allows five, 1-3 %
+// slower; benchmarks/results/replay_v2_h200.json).
+inline constexpr int kMinCtasPerSm = 6;
 // Shared-memory chunk buffers of a CTA (1..kMaxChunks, chosen by the launcher): a buffer is
 // refilled with a later chunk once every warp holds its rows in registers.
 static_assert(kCudaMaxSpecColumns <= 32, "slot ids of a row are read by the first lanes");
@@ -176,14 +176,16 @@ __device__ __forceinline__ DecodeRow classify_decode_row(int64_t c0, int64_t c1,
 }
 
 // Stages token t of a request into shared memory with one warp: q and k L2-normalised (q times
-// scale) as fp32 [2][128] at qk, the R values of the CTA's rows at v_row, and (lane 0) alpha =
+// scale) as fp32 [128] at q_row (output tokens) and k_row, the R values of the CTA's rows at
+// v_row, and (lane 0) alpha =
 // exp(g), beta at gates (replay: and k . q, see advance_rows_scaled). Replay: tokens t < n_replay
 // are the checkpoint slot's window tokens (raw k, v, a, b; the same math as their first pass; no
 // q), later ones the call's rows.
 template <bool kReplay>
 __device__ __forceinline__ void stage_token(const KernelArgs& args, int t, int n_replay, int64_t c0,
                                             int64_t source, int h, int hv, int row0, int R,
-                                            int lane, float* qk, float* v_row, float* gates) {
+                                            int lane, float* q_row, float* k_row, float* v_row,
+                                            float* gates) {
   const bool replayed = kReplay && t < n_replay;
   const void *k_src, *v_src, *a_src, *b_src;  // this token's k, v, a, b: window or call rows
   int64_t k_off, v_off, a_off, b_off;
@@ -229,7 +231,6 @@ __device__ __forceinline__ void stage_token(const KernelArgs& args, int t, int n
   const float4 k = bits4_to_f32(kb, args.qkv_dtype);
   const float kk = warp_sum(k.x * k.x + k.y * k.y + k.z * k.z + k.w * k.w);
   const float kinv = 1.0f / sqrtf(kk + args.l2_eps);
-  qk += 4 * lane;
   const float4 kn = make_float4(k.x * kinv, k.y * kinv, k.z * kinv, k.w * kinv);
   float kq = 0.0f;
   if (!replayed) {  // a replayed token produces no output: no q
@@ -237,10 +238,10 @@ __device__ __forceinline__ void stage_token(const KernelArgs& args, int t, int n
     const float qq = warp_sum(q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w);
     const float qinv = args.scale / sqrtf(qq + args.l2_eps);
     const float4 qn = make_float4(q.x * qinv, q.y * qinv, q.z * qinv, q.w * qinv);
-    *reinterpret_cast<float4*>(qk) = qn;
+    *reinterpret_cast<float4*>(q_row + 4 * lane) = qn;
     if (kReplay) kq = warp_sum(qn.x * kn.x + qn.y * kn.y + qn.z * kn.z + qn.w * kn.w);
   }
-  *reinterpret_cast<float4*>(qk + kHeadDim) = kn;
+  *reinterpret_cast<float4*>(k_row + 4 * lane) = kn;
 #pragma unroll
   for (int i = 0; i < kHeadDim / 32; ++i)
     if (lane + 32 * i < R) v_row[lane + 32 * i] = bits_to_f32(vb[i], args.qkv_dtype);
@@ -439,20 +440,21 @@ __device__ __forceinline__ float gate_act(const KernelArgs& args, float zv) {
 __host__ __device__ constexpr int gate_floats(bool replay) { return replay ? 3 : 2; }
 
 // Byte offsets of a CTA's shared arrays. S = state columns (T <= S), R = rows of the CTA; a
-// replay CTA stages up to 2S tokens (n <= S replayed, T <= S new).
+// replay CTA stages up to 2S tokens (n <= S replayed, T <= S new; q only of the new ones).
 struct SmemPlan {
   int rows_per_chunk, chunks, buffers;
-  int bars, meta, tile, qk, v, gates, o, z, ss, rstd, w, total;
+  int bars, meta, tile, k, q, v, gates, o, z, ss, rstd, w, total;
   __host__ __device__ SmemPlan(int S, int R, int state_bytes, int max_buffers, bool replay) {
-    const int staged = replay ? 2 * S : S;  // token slots of qk, v and gates
+    const int staged = replay ? 2 * S : S;  // token slots of k, v and gates (q: output tokens)
     rows_per_chunk = R < kChunkRows ? R : kChunkRows;
     chunks = R / rows_per_chunk;
     buffers = chunks < max_buffers ? chunks : max_buffers;
     bars = 0;    // uint64_t[kMaxChunks]
     meta = 64;   // RowMeta
     tile = 256;  // [buffers][rows_per_chunk][128] state
-    qk = tile + buffers * rows_per_chunk * kHeadDim * state_bytes;  // float [staged][2][128] q, k
-    v = qk + staged * 2 * kHeadDim * 4;                             // float [staged][R]
+    k = tile + buffers * rows_per_chunk * kHeadDim * state_bytes;  // float [staged][128]
+    q = k + staged * kHeadDim * 4;                                 // float [S][128]
+    v = q + S * kHeadDim * 4;                                      // float [staged][R]
     gates = v + staged * R * 4;                    // float [staged][gate_floats(replay)]
     o = gates + staged * gate_floats(replay) * 4;  // float [S][R] core output
     z = o + S * R * 4;                             // float [S][R] act(z)
@@ -473,7 +475,7 @@ struct TokenArgs {
 };
 
 template <class StateT, int kRatio, bool kReplay>
-__global__ void __launch_bounds__(kThreads, kMinCtasPerSm<kReplay>)
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     decode_mtp_kernel(const __grid_constant__ KernelArgs args) {
   extern __shared__ __align__(128) unsigned char smem[];
   using Bits = StateBits<StateT>;
@@ -490,7 +492,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm<kReplay>)
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + plan.bars);
   RowMeta& meta = *reinterpret_cast<RowMeta*>(smem + plan.meta);
   StateT* tile = reinterpret_cast<StateT*>(smem + plan.tile);
-  float* qk_s = reinterpret_cast<float*>(smem + plan.qk);
+  float* k_s = reinterpret_cast<float*>(smem + plan.k);
+  float* q_s = reinterpret_cast<float*>(smem + plan.q);
   float* v_s = reinterpret_cast<float*>(smem + plan.v);
   float* gates_s = reinterpret_cast<float*>(smem + plan.gates);
   float* o_s = reinterpret_cast<float*>(smem + plan.o);
@@ -616,7 +619,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm<kReplay>)
   //    same math as their first pass), tokens n.. from this call's rows.
   for (int t = warp; t < tokens; t += kWarps)
     stage_token<kReplay>(args, t, n_replay, c0, source, h, hv, row0, R, lane,
-                         qk_s + t * 2 * kHeadDim, v_s + t * R, gates_s + gate_floats(kReplay) * t);
+                         t < n_replay ? nullptr : q_s + (t - n_replay) * kHeadDim,
+                         k_s + t * kHeadDim, v_s + t * R, gates_s + gate_floats(kReplay) * t);
   if (gated) {
     for (int e = tid; e < (T << log2_R); e += kThreads) {
       const int t = e >> log2_R, r = e & (R - 1);
@@ -713,7 +717,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm<kReplay>)
       }
     };
     auto token_args = [&](int t) {  // staged k, q, gates and this lane's v of token t
-      return TokenArgs{qk_s + t * 2 * kHeadDim + kHeadDim, qk_s + t * 2 * kHeadDim,
+      return TokenArgs{k_s + t * kHeadDim, t < n_replay ? nullptr : q_s + (t - n_replay) * kHeadDim,
                        gates_s + gate_floats(kReplay) * t, v_s[t * R + my_row]};
     };
 
