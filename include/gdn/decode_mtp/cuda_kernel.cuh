@@ -291,6 +291,11 @@ __device__ __forceinline__ int lane_row(int lane) { return (lane >> 2) & 7; }
 __device__ __forceinline__ float dot4(float4 x, float4 w) {
   return x.x * w.x + x.y * w.y + x.z * w.z + x.w * w.w;
 }
+// p + x . w as one chain of FMAs (replay: one instruction per element, where write-all adds the
+// chunks' products separately).
+__device__ __forceinline__ float dot4_acc(float4 x, float4 w, float p) {
+  return fmaf(x.w, w.w, fmaf(x.z, w.z, fmaf(x.y, w.y, fmaf(x.x, w.x, p))));
+}
 
 // One token of the delta rule on the 8 rows a warp holds (write-all): decay, u = S k, S += beta
 // (v - u) k^T, and o = S q of the updated state, returned for row lane_row(lane) in every lane of
@@ -381,7 +386,7 @@ __device__ __forceinline__ float advance_rows_scaled(GroupRows<kRows>& s, float&
     const float4 kj = *reinterpret_cast<const float4*>(k + G::col(lane, j));
 #pragma unroll
     for (int r = 0; r < kRows; ++r)
-      pk[r] = j == 0 ? dot4(s.x[r][j], kj) : pk[r] + dot4(s.x[r][j], kj);
+      pk[r] = j == 0 ? dot4(s.x[r][j], kj) : dot4_acc(s.x[r][j], kj, pk[r]);
   }
   if constexpr (kOutput) {
 #pragma unroll
@@ -389,7 +394,7 @@ __device__ __forceinline__ float advance_rows_scaled(GroupRows<kRows>& s, float&
       const float4 qj = *reinterpret_cast<const float4*>(q + G::col(lane, j));
 #pragma unroll
       for (int r = 0; r < kRows; ++r)
-        pq[r] = j == 0 ? dot4(s.x[r][j], qj) : pq[r] + dot4(s.x[r][j], qj);
+        pq[r] = j == 0 ? dot4(s.x[r][j], qj) : dot4_acc(s.x[r][j], qj, pq[r]);
     }
   }
   const float step = fmaf(-beta, transpose_reduce(pk, lane), beta_v_over_c);
@@ -440,28 +445,31 @@ __device__ __forceinline__ float gate_act(const KernelArgs& args, float zv) {
 __host__ __device__ constexpr int gate_floats(bool replay) { return replay ? 3 : 2; }
 
 // Byte offsets of a CTA's shared arrays. S = state columns (T <= S), R = rows of the CTA; a
-// replay CTA stages up to 2S tokens (n <= S replayed, T <= S new; q only of the new ones).
+// replay CTA stages up to 2S tokens (n <= S replayed, T <= S new; q only of the new ones). The
+// per-token arrays come first, at offsets of S and R alone, and the state tile last: the token
+// loop recomputes these addresses rather than hold them in registers, and then they cost a few
+// integer instructions instead of the tile's size.
 struct SmemPlan {
   int rows_per_chunk, chunks, buffers;
-  int bars, meta, tile, k, q, v, gates, o, z, ss, rstd, w, total;
+  int bars, meta, k, q, gates, v, o, z, ss, rstd, w, tile, total;
   __host__ __device__ SmemPlan(int S, int R, int state_bytes, int max_buffers, bool replay) {
     const int staged = replay ? 2 * S : S;  // token slots of k, v and gates (q: output tokens)
     rows_per_chunk = R < kChunkRows ? R : kChunkRows;
     chunks = R / rows_per_chunk;
     buffers = chunks < max_buffers ? chunks : max_buffers;
-    bars = 0;    // uint64_t[kMaxChunks]
-    meta = 64;   // RowMeta
-    tile = 256;  // [buffers][rows_per_chunk][128] state
-    k = tile + buffers * rows_per_chunk * kHeadDim * state_bytes;  // float [staged][128]
-    q = k + staged * kHeadDim * 4;                                 // float [S][128]
-    v = q + S * kHeadDim * 4;                                      // float [staged][R]
-    gates = v + staged * R * 4;                    // float [staged][gate_floats(replay)]
-    o = gates + staged * gate_floats(replay) * 4;  // float [S][R] core output
+    bars = 0;                                      // uint64_t[kMaxChunks]
+    meta = 64;                                     // RowMeta
+    k = 256;                                       // float [staged][128]
+    q = k + staged * kHeadDim * 4;                 // float [S][128]
+    gates = q + S * kHeadDim * 4;                  // float [staged][gate_floats(replay)]
+    v = gates + staged * gate_floats(replay) * 4;  // float [staged][R]
+    o = v + staged * R * 4;                        // float [S][R] core output
     z = o + S * R * 4;                             // float [S][R] act(z)
     ss = z + S * R * 4;                            // float [S][16] group partials of o^2
     rstd = ss + S * kGroupsPerHead * 4;            // float [S]
     w = rstd + S * 4;                              // float [R] norm weight
-    total = w + R * 4;
+    tile = (w + R * 4 + 127) / 128 * 128;  // [buffers][rows_per_chunk][128] state (bulk copies)
+    total = tile + buffers * rows_per_chunk * kHeadDim * state_bytes;
   }
 };
 static_assert(sizeof(RowMeta) <= 256 - 64, "RowMeta fits between the barriers and the tile");
@@ -716,9 +724,11 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
         if (lane == 0) ss_s[to * kGroupsPerHead + g] = sq;
       }
     };
-    auto token_args = [&](int t) {  // staged k, q, gates and this lane's v of token t
-      return TokenArgs{k_s + t * kHeadDim, t < n_replay ? nullptr : q_s + (t - n_replay) * kHeadDim,
-                       gates_s + gate_floats(kReplay) * t, v_s[t * R + my_row]};
+    // Staged token t as the token steps read it; q_row: its q (output tokens; replayed ones have
+    // none).
+    auto token_args = [&](int t, const float* q_row) {
+      return TokenArgs{k_s + t * kHeadDim, q_row, gates_s + gate_floats(kReplay) * t,
+                       v_s[t * R + my_row]};
     };
 
     if constexpr (kReplay) {
@@ -726,7 +736,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
       // after the last of them. Then the new tokens, outputs only.
       float scale_c = 1.0f;  // the rows hold S / scale_c (advance_rows_scaled)
       for (int t = 0; t < n_replay; ++t) {
-        const TokenArgs x = token_args(t);
+        const TokenArgs x = token_args(t, nullptr);
         advance_rows_scaled<false>(s, scale_c, x.k, x.q, 0.0f, x.gates[0], x.gates[1], x.v, true,
                                    lane);
       }
@@ -735,14 +745,14 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
         store_rows(source);
       }
       for (int t = n_replay; t < tokens; ++t) {
-        const TokenArgs x = token_args(t);
+        const TokenArgs x = token_args(t, q_s + (t - n_replay) * kHeadDim);
         emit_output(t - n_replay,
                     advance_rows_scaled<true>(s, scale_c, x.k, x.q, x.gates[2], x.gates[0],
                                               x.gates[1], x.v, t + 1 < tokens, lane));
       }
     } else {
       for (int t = 0; t < tokens; ++t) {
-        const TokenArgs x = token_args(t);
+        const TokenArgs x = token_args(t, q_s + t * kHeadDim);
         const float o = advance_rows(s, x.k, x.q, x.gates[0], x.gates[1], x.v, lane);
         // The state after token t -> slot state_indices[n, t] (null: skipped).
         const int64_t dest = __shfl_sync(0xffffffffu, my_slot, t);
