@@ -402,18 +402,24 @@ def test_invalid_rows_inside_a_large_batch(gen, state_dtype):
 
 # ---- graphs, streams, compile, other array libraries ---------------------------------------------
 
+# The function and the torch op (whose CUDA kernel is C++ when the package has the torch op
+# kernels) each launch on torch's current stream.
+CALLERS = {"function": gdn.decode_mtp, "torch_op": torch.ops.gdn.decode_mtp}
+
+
 @requires_cuda
-def test_cuda_graph_capture_and_replay(gen):
+@pytest.mark.parametrize("caller", list(CALLERS))
+def test_cuda_graph_capture_and_replay(gen, caller):
     case = case128(gen, H=2, HV=8, S=4, T=(4, 1, 3, 2), act=BF16, state_dtype=BF16)
     dev = map_case(case, "cuda")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        dev.run()  # warm-up outside capture
+        dev.run(CALLERS[caller])  # warm-up outside capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        dev.run()
+        dev.run(CALLERS[caller])
     for _ in range(2):
         fresh = case128(gen, H=2, HV=8, S=4, T=(4, 1, 3, 2), act=BF16, state_dtype=BF16,
                         acc=case.acc)
@@ -432,7 +438,8 @@ def test_cuda_graph_capture_and_replay(gen):
 
 
 @requires_cuda
-def test_runs_on_torch_current_stream(gen):
+@pytest.mark.parametrize("caller", list(CALLERS))
+def test_runs_on_torch_current_stream(gen, caller):
     case = case128(gen, H=1, HV=4, S=3, T=(3, 2), act=BF16)
     ref = case.reference()
     dev = map_case(case, "cuda")
@@ -440,11 +447,29 @@ def test_runs_on_torch_current_stream(gen):
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         torch.cuda._sleep(20_000_000)  # keep the stream busy: a launch elsewhere would race ahead
-        dev.run()
+        dev.run(CALLERS[caller])
         out = dev.out.clone()          # ordered after the launch on this stream
     stream.synchronize()
     rows = case.token_rows()
     assert rel_l2(out.cpu()[rows], ref.out[rows]) <= OUT16_BAR
+
+
+@requires_cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("caller", list(CALLERS))
+def test_runs_on_the_arrays_device(gen, caller):
+    """Arrays on cuda:1 while cuda:0 is current: the call runs on cuda:1 (on its current stream)
+    and leaves cuda:0 current."""
+    case = case128(gen, H=1, HV=4, S=3, T=(3, 2), act=BF16)
+    ref = case.reference()
+    dev = map_case(case, "cuda:1")
+    dev.poison_out()
+    with torch.cuda.device(0):
+        dev.run(CALLERS[caller])
+        assert torch.cuda.current_device() == 0
+    torch.cuda.synchronize(1)
+    rows = case.token_rows()
+    assert rel_l2(dev.out.cpu()[rows], ref.out[rows]) <= OUT16_BAR
 
 
 @requires_cuda

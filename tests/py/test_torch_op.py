@@ -518,11 +518,12 @@ def _expected_kernels() -> str:
     return "c++" if json.loads(built.read_text())["torch"] == str(torch.__version__) else "python"
 
 
-def _cpu_kernel(name: str) -> str:
-    """Whose CPU kernel torch.ops.gdn.<name> has, by the dispatcher's record: "c++" (an unboxed
-    function of src/torch_ops/kernels.cpp) or "python" (the gdn function, from gdn/ops.py)."""
+def _cpu_kernel(name: str, key: str = "CPU") -> str:
+    """Whose kernel torch.ops.gdn.<name> has for a dispatch key, by the dispatcher's record: "c++"
+    (an unboxed function of src/torch_ops/kernels.cpp) or "python" (the gdn function, from
+    gdn/ops.py)."""
     dump = torch._C._dispatch_dump(f"gdn::{name}").splitlines()
-    line = next(row for row in dump if row.startswith("CPU:"))
+    line = next(row for row in dump if row.startswith(key + ":"))
     if "torch_ops/kernels.cpp" in line and "unboxed" in line:
         return "c++"
     assert "ops.py" in line, line
@@ -535,8 +536,12 @@ def test_each_op_has_the_builds_kernels():
     assert ops.KERNELS == expected, ops.KERNELS_REASON
     assert ops.KERNELS_REASON
     assert set(ops.CPP_OPS) < set(WRITES)
+    # A CPU torch has no CUDA tensors: the library gives only a CUDA torch CUDA kernels.
+    expected_cuda = expected if torch.version.cuda is not None else "python"
     for name in sorted(WRITES):  # the metadata ops (once per step) always run the function
         assert _cpu_kernel(name) == (expected if name in ops.CPP_OPS else "python"), name
+        assert _cpu_kernel(name, "CUDA") == (expected_cuda if name in ops.CPP_OPS
+                                             else "python"), name
 
 
 # Bad calls: a change to a valid call's tensors, and the argument the error must name.
