@@ -25,8 +25,10 @@
 //
 // Gated RMSNorm. o of every (token, row) is kept in shared memory; each group's sum of o^2 (fixed
 // butterfly order) goes to a per-group partial, and the 16 partials of a head are added in group
-// order, reading other CTAs' partials through distributed shared memory. The result does not
-// depend on the split.
+// order. A split head's CTAs push their partials into each other's shared memory (st.async,
+// counted by a transaction barrier) instead of reading them after a release cluster barrier,
+// whose fence would wait for every state store of the CTA to drain. The result does not depend on
+// the split.
 //
 // Replay verify (kReplay, docs replay.md) runs on the same CTA mapping: the slice comes from the
 // request's one checkpoint slot, the staged token list is the n accepted window tokens (raw k, v,
@@ -57,19 +59,21 @@ using dev::allow_dependent_launch;
 using dev::bits4_to_f32;
 using dev::bits_to_f32;
 using dev::bulk_load;
-using dev::cluster_arrive;
-using dev::cluster_peer;
+using dev::cluster_arrive_relaxed;
+using dev::cluster_shared_address;
 using dev::cluster_wait;
 using dev::l2_evict_first_policy;
 using dev::l2_evict_normal_policy;
 using dev::load_bits;
 using dev::load_bits4;
+using dev::mbarrier_arrive_expect_tx;
 using dev::mbarrier_init;
 using dev::mbarrier_init_fence;
 using dev::mbarrier_wait;
 using dev::sigmoid;
 using dev::softplus;
 using dev::StateBits;
+using dev::store_to_peer;
 using dev::store_value;
 using dev::transpose_reduce;
 using dev::wait_for_prior_grids;
@@ -457,7 +461,7 @@ struct SmemPlan {
     rows_per_chunk = R < kChunkRows ? R : kChunkRows;
     chunks = R / rows_per_chunk;
     buffers = chunks < max_buffers ? chunks : max_buffers;
-    bars = 0;                                      // uint64_t[kMaxChunks]
+    bars = 0;                                      // uint64_t[kMaxChunks + 1]: chunks, norm
     meta = 64;                                     // RowMeta
     k = 256;                                       // float [staged][128]
     q = k + staged * kHeadDim * 4;                 // float [S][128]
@@ -473,6 +477,7 @@ struct SmemPlan {
   }
 };
 static_assert(sizeof(RowMeta) <= 256 - 64, "RowMeta fits between the barriers and the tile");
+static_assert((kMaxChunks + 1) * 8 <= 64, "the chunk and norm barriers fit before RowMeta");
 
 // A staged token as the token steps read it (shared memory), and the value of the lane's row.
 struct TokenArgs {
@@ -526,10 +531,21 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
   const bool bulk = false;
 #endif
   const int chunks = plan.chunks, buffers = plan.buffers, rows_per_chunk = plan.rows_per_chunk;
-  if (bulk && tid == 0) {
-    for (int c = 0; c < buffers; ++c) mbarrier_init(&bars[c], 1);
+  // A split head's norm partials arrive from the peers on norm_bar (one arrival: this CTA's
+  // thread 0, which expects their bytes).
+  uint64_t* norm_bar = bars + kMaxChunks;
+  if (tid == 0 && (bulk || clustered)) {
+    if (bulk)
+      for (int c = 0; c < buffers; ++c) mbarrier_init(&bars[c], 1);
+    if (clustered) mbarrier_init(norm_bar, 1);
     mbarrier_init_fence();
   }
+  // Peers may signal norm_bar once they have waited for this arrival (before their first push).
+  if (clustered) cluster_arrive_relaxed();
+  // Every exit: a clustered CTA first waits for its peers' arrival (they take the same exit).
+  auto leave = [&]() {
+    if (clustered) cluster_wait();
+  };
 
   wait_for_prior_grids();  // nothing below may read what earlier launches write before this
   allow_dependent_launch();
@@ -561,7 +577,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     source = meta.slot[0];
     const ReplayRow row = classify_replay_row(c0, c1, args.L, S, source, args.num_slots,
                                               args.first_valid_slot, acc, INT64_MAX);
-    if (row == ReplayRow::kPadded) return;  // nothing to read or write, out rows included
+    if (row == ReplayRow::kPadded) return leave();  // nothing to read or write, out rows included
     valid = row == ReplayRow::kLive;
   } else {
     bool slots_in_pool = true;
@@ -569,7 +585,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     source = acc >= 1 && acc <= S ? meta.slot[acc - 1] : -1;
     const DecodeRow row =
         classify_decode_row(c0, c1, args.L, S, acc, slots_in_pool, source, args.first_valid_slot);
-    if (row == DecodeRow::kPadded) return;  // nothing to read or write
+    if (row == DecodeRow::kPadded) return leave();  // nothing to read or write
     valid = row == DecodeRow::kLive;
   }
   // An invalid row stores nothing, zero-fills its output rows inside [0, L) and is counted once.
@@ -581,6 +597,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
       store_value(args.out, args.out_dtype, (l * HV + hv) * kHeadDim + row0 + (e & (R - 1)), 0.0f);
     }
     if (args.error_count && hv == 0 && rank == 0 && tid == 0) atomicAdd(args.error_count, 1);
+    leave();
   };
   if (!valid) {
     reject_row();
@@ -650,6 +667,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
       return;
     }
   }
+  if (clustered) cluster_wait();  // every peer's norm_bar is initialised: partials may be pushed
 
   // 5. Chunks of 32 rows (4 groups of 8, one per warp) in order; a buffer is refilled with chunk
   //    c + buffers once every warp holds its rows of chunk c in registers.
@@ -719,9 +737,15 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     auto emit_output = [&](int to, float o) {
       if (args.round_core_output) o = dev::round_to(args.out_dtype, o);
       if ((lane & 3) == 0) o_s[to * R + my_row] = o;
-      if (norm) {
+      if (norm) {  // every lane holds the group's sum; lane p > 0 pushes it to peer rank + p
         const float sq = group_sum_sq(o);
-        if (lane == 0) ss_s[to * kGroupsPerHead + g] = sq;
+        float* part = ss_s + to * kGroupsPerHead + rank * groups + g;
+        if (lane == 0) *part = sq;
+        if (clustered && lane > 0 && lane < split) {
+          const int peer = (rank + lane) & (split - 1);
+          store_to_peer(cluster_shared_address(part, peer), sq,
+                        cluster_shared_address(norm_bar, peer));
+        }
       }
     };
     // Staged token t as the token steps read it; q_row: its q (output tokens; replayed ones have
@@ -764,23 +788,21 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
 
   // 6. Gated RMSNorm over all 128 rows (the partials of every CTA of the cluster), in one fixed
   //    order whatever the split, then the outputs.
-  if (clustered) {
-    cluster_arrive();
-    cluster_wait();
-  } else {
-    __syncthreads();
-  }
+  __syncthreads();  // o and this CTA's partials visible
   if (norm) {
     if (tid < T) {
+      if (clustered) {  // the peers' partials: (split - 1) CTAs x groups x T floats
+        if (tid == 0) mbarrier_arrive_expect_tx(norm_bar, uint32_t((split - 1) * groups * T * 4));
+        mbarrier_wait(norm_bar, 0u);
+      }
       float total = 0.0f;
 #pragma unroll
-      for (int gg = 0; gg < kGroupsPerHead; ++gg) {  // the 16 group partials of the head, in order
-        const float* part = ss_s + tid * kGroupsPerHead + gg % groups;
-        total += clustered ? *cluster_peer(part, gg / groups) : *part;
-      }
+      for (int gg = 0; gg < kGroupsPerHead; ++gg)  // the 16 group partials of the head, in order
+        total += ss_s[tid * kGroupsPerHead + gg];
       rstd_s[tid] = 1.0f / sqrtf(total / float(kHeadDim) + args.norm_eps);
     }
-    if (clustered) cluster_arrive();  // done reading the peers' partials (waited for at exit)
+    // Every CTA has every peer's partials (no push is still in flight) before any exits.
+    if (clustered) cluster_arrive_relaxed();
     __syncthreads();
   }
   for (int e = tid; e < (T << log2_R); e += kThreads) {
@@ -792,7 +814,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     }
     store_value(args.out, args.out_dtype, ((c0 + t) * HV + hv) * kHeadDim + row0 + r, y);
   }
-  if (clustered) cluster_wait();  // peers may still be reading this CTA's partials
+  if (clustered) cluster_wait();
 }
 
 }  // namespace gdn::decode_mtp::cuda_detail

@@ -230,9 +230,18 @@ __device__ __forceinline__ float transpose_reduce(float (&p)[kRows], int lane) {
 
 // ---- thread-block clusters (sm_90) --------------------------------------------------------------
 
+// A release arrive orders every earlier store of the thread at cluster scope, global ones too: it
+// waits for them to drain (MEMBAR.ALL.GPU). The relaxed arrive orders nothing; it is for lifetime
+// (no CTA exits while a peer may still access it) and, after mbarrier_init_fence, for publishing
+// mbarrier initialisation to the peers.
 __device__ __forceinline__ void cluster_arrive() {
 #if GDN_CUDA_SM90
   asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if GDN_CUDA_SM90
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
 #endif
 }
 __device__ __forceinline__ void cluster_wait() {
@@ -249,6 +258,36 @@ __device__ __forceinline__ const float* cluster_peer(const float* p, int rank) {
 #else
   (void)rank;
   return p;
+#endif
+}
+
+// Shared-memory address (shared::cluster window) of `p`'s counterpart in CTA `rank` of this
+// cluster.
+__device__ __forceinline__ uint32_t cluster_shared_address(const void* p, int rank) {
+  uint32_t out = 0;
+#if GDN_CUDA_SM90
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n"
+               : "=r"(out)
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))), "r"(rank));
+#else
+  (void)p;
+  (void)rank;
+#endif
+  return out;
+}
+// Stores `value` at `addr` in a peer CTA's shared memory and completes 4 bytes of the transaction
+// of the peer's mbarrier at `bar` (both from cluster_shared_address): the peer sees the value once
+// that barrier's phase completes. No fence on either side, unlike a release cluster barrier.
+__device__ __forceinline__ void store_to_peer(uint32_t addr, float value, uint32_t bar) {
+#if GDN_CUDA_SM90
+  asm volatile(
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];\n" ::"r"(addr),
+      "f"(value), "r"(bar)
+      : "memory");
+#else
+  (void)addr;
+  (void)value;
+  (void)bar;
 #endif
 }
 
@@ -317,16 +356,26 @@ __device__ __forceinline__ uint64_t l2_evict_normal_policy() {
   return policy;
 }
 
+// Arrives on `bar` (one of its arrivals) and expects `bytes` more of transactions in its phase.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+#if GDN_CUDA_SM90
+  asm volatile(
+      "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(bar)),
+      "r"(bytes)
+      : "memory");
+#else
+  (void)bar;
+  (void)bytes;
+#endif
+}
+
 // Arms `bar` for `bytes` and copies them from global to shared memory; the barrier's phase
 // completes when they have landed. dst, src and bytes are multiples of 16; policy is an L2 cache
 // policy (l2_evict_first_policy).
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar,
                                           uint64_t policy) {
 #if GDN_CUDA_SM90
-  asm volatile(
-      "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(bar)),
-      "r"(bytes)
-      : "memory");
+  mbarrier_arrive_expect_tx(bar, bytes);
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
       " [%0], [%1], %2, [%3], %4;\n" ::"r"(shared_address(dst)),
