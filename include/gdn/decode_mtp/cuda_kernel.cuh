@@ -301,6 +301,29 @@ __device__ __forceinline__ float dot4_acc(float4 x, float4 w, float p) {
   return fmaf(x.w, w.w, fmaf(x.z, w.z, fmaf(x.y, w.y, fmaf(x.x, w.x, p))));
 }
 
+// After a reduction each lane holds the value of row lane_row(lane); d[r] = the value of the lane's
+// own row first_row + r (it sits in quad r of the row set).
+template <int kRows>
+__device__ __forceinline__ void spread_row_values(float mine, int lane, float (&d)[kRows]) {
+  if constexpr (kRows == 2) {
+    const float other = __shfl_xor_sync(0xffffffffu, mine, 4);
+    d[0] = lane & 4 ? other : mine;
+    d[1] = lane & 4 ? mine : other;
+  } else {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+      d[r] = __shfl_sync(0xffffffffu, mine, (lane & ~(4 * kRows - 4)) | (4 * r));
+  }
+}
+
+// x += k d (one float4 chunk of a row).
+__device__ __forceinline__ void add_scaled(float4& x, float4 k, float d) {
+  x.x += k.x * d;
+  x.y += k.y * d;
+  x.z += k.z * d;
+  x.w += k.w * d;
+}
+
 // One token of the delta rule on the 8 rows a warp holds (write-all): decay, u = S k, S += beta
 // (v - u) k^T, and o = S q of the updated state, returned for row lane_row(lane) in every lane of
 // its quad. k and q are the token's staged vectors (shared memory), read chunk by chunk (k twice:
@@ -323,29 +346,16 @@ __device__ __forceinline__ float advance_rows(GroupRows<kRows>& s, const float* 
       p[r] = j == 0 ? dot4(x, kj) : p[r] + dot4(x, kj);
     }
   }
-  const float delta_mine = beta * (v - transpose_reduce(p, lane));
   float d[kRows];  // delta of each of this lane's rows
-  if constexpr (kRows == 2) {
-    const float other = __shfl_xor_sync(0xffffffffu, delta_mine, 4);
-    d[0] = lane & 4 ? other : delta_mine;
-    d[1] = lane & 4 ? delta_mine : other;
-  } else {
-#pragma unroll
-    for (int r = 0; r < kRows; ++r)  // row first_row + r sits in the quad r of the row set
-      d[r] = __shfl_sync(0xffffffffu, delta_mine, (lane & ~(4 * kRows - 4)) | (4 * r));
-  }
+  spread_row_values(beta * (v - transpose_reduce(p, lane)), lane, d);
 #pragma unroll
   for (int j = 0; j < G::kChunks; ++j) {
     const float4 kj = *reinterpret_cast<const float4*>(k + G::col(lane, j));
     const float4 qj = *reinterpret_cast<const float4*>(q + G::col(lane, j));
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      float4& x = s.x[r][j];
-      x.x += kj.x * d[r];
-      x.y += kj.y * d[r];
-      x.z += kj.z * d[r];
-      x.w += kj.w * d[r];
-      p[r] = j == 0 ? dot4(x, qj) : p[r] + dot4(x, qj);
+      add_scaled(s.x[r][j], kj, d[r]);
+      p[r] = j == 0 ? dot4(s.x[r][j], qj) : p[r] + dot4(s.x[r][j], qj);
     }
   }
   return transpose_reduce(p, lane);
@@ -406,26 +416,12 @@ __device__ __forceinline__ float advance_rows_scaled(GroupRows<kRows>& s, float&
   if constexpr (kOutput) o = c * fmaf(step, kq, transpose_reduce(pq, lane));
   if (!update) return o;
   float d[kRows];  // step of each of this lane's rows
-  if constexpr (kRows == 2) {
-    const float other = __shfl_xor_sync(0xffffffffu, step, 4);
-    d[0] = lane & 4 ? other : step;
-    d[1] = lane & 4 ? step : other;
-  } else {
-#pragma unroll
-    for (int r = 0; r < kRows; ++r)
-      d[r] = __shfl_sync(0xffffffffu, step, (lane & ~(4 * kRows - 4)) | (4 * r));
-  }
+  spread_row_values(step, lane, d);
 #pragma unroll
   for (int j = 0; j < G::kChunks; ++j) {
     const float4 kj = *reinterpret_cast<const float4*>(k + G::col(lane, j));
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      float4& x = s.x[r][j];
-      x.x += kj.x * d[r];
-      x.y += kj.y * d[r];
-      x.z += kj.z * d[r];
-      x.w += kj.w * d[r];
-    }
+    for (int r = 0; r < kRows; ++r) add_scaled(s.x[r][j], kj, d[r]);
   }
   return o;
 }
