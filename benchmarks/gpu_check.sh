@@ -78,6 +78,11 @@ if has bench; then
   python3 benchmarks/bench_host_overhead.py --device cuda --json "$OUT/host_overhead_h200.json" \
     > "$OUT/host_overhead.log" 2>&1 || status=1
   tail -n 20 "$OUT/host_overhead.log"
+  # The same with the torch ops' Python kernels (what a torch the library was not built for gets).
+  GDN_TORCH_OP_KERNELS=python python3 benchmarks/bench_host_overhead.py --device cuda \
+    --json "$OUT/host_overhead_python_kernels_h200.json" > "$OUT/host_overhead_python.log" 2>&1 ||
+    status=1
+  grep -E "torch.ops" "$OUT/host_overhead_python.log" | head -6
 fi
 
 if has demo; then
