@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
     dev::mbarrier_init(&bar, 16 / kWarps);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+  dev::cluster_arrive_relaxed();
   const T* base = pool + head * kD * kD + g * 8 * kD + 4 * lane;
   T* dbase = dst_pool + head * kD * kD + g * 8 * kD + 4 * lane;
   Raw cur[8];
@@ -197,17 +197,14 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
   sq += __shfl_xor_sync(0xffffffffu, sq, 4);
   sq += __shfl_xor_sync(0xffffffffu, sq, 8);
   sq += __shfl_xor_sync(0xffffffffu, sq, 16);
-  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+  dev::cluster_wait();
   float* o_leader = const_cast<float*>(dev::cluster_peer(o_s, 0));
   float* ss_leader = const_cast<float*>(dev::cluster_peer(ss_s, 0));
   if ((lane & 3) == 0) o_leader[g * 8 + (lane >> 2)] = o;
   if (lane == 0) ss_leader[g] = sq;
   if (kWarps > 1) __syncthreads();
   if (threadIdx.x == 0) {
-    uint32_t remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, 0;\n"
-                 : "=r"(remote)
-                 : "r"(dev::shared_address(&bar)));
+    const uint32_t remote = dev::cluster_shared_address(&bar, 0);
     asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote)
                  : "memory");
   }

@@ -230,15 +230,11 @@ __device__ __forceinline__ float transpose_reduce(float (&p)[kRows], int lane) {
 
 // ---- thread-block clusters (sm_90) --------------------------------------------------------------
 
-// A release arrive orders every earlier store of the thread at cluster scope, global ones too: it
-// waits for them to drain (MEMBAR.ALL.GPU). The relaxed arrive orders nothing; it is for lifetime
-// (no CTA exits while a peer may still access it) and, after mbarrier_init_fence, for publishing
-// mbarrier initialisation to the peers.
-__device__ __forceinline__ void cluster_arrive() {
-#if GDN_CUDA_SM90
-  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-#endif
-}
+// A relaxed arrive: it orders no memory. It is for lifetime (no CTA exits while a peer may still
+// access it) and, after mbarrier_init_fence, for publishing mbarrier initialisation to the peers.
+// Data goes between CTAs through store_to_peer or mbarriers: a release arrive would order every
+// earlier store of the thread at cluster scope, global ones too, and wait for them to drain
+// (MEMBAR.ALL.GPU).
 __device__ __forceinline__ void cluster_arrive_relaxed() {
 #if GDN_CUDA_SM90
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
