@@ -849,24 +849,16 @@ void expect_builder_matches(const Builder& b, Step& s, const std::string& where)
   }
   const int32_t* plan = b.host_plan(b.last_slot());
   const Layout& l = b.layout();
+  auto plan_rows = [&](int64_t at, int64_t rows) {  // `rows` words of the plan from offset `at`
+    return std::vector<int32_t>(plan + at, plan + at + rows);
+  };
   if (s.replay) {
-    EXPECT_EQ(
-        std::vector<int32_t>(plan + l.replay_counts, plan + l.replay_counts + e.spec_rows_written),
-        e.replay_counts)
-        << where;
-    EXPECT_EQ(std::vector<int32_t>(plan + l.non_spec_replay_counts,
-                                   plan + l.non_spec_replay_counts + e.rows_written),
-              e.non_spec_replay_counts)
+    EXPECT_EQ(plan_rows(l.replay_counts, e.spec_rows_written), e.replay_counts) << where;
+    EXPECT_EQ(plan_rows(l.non_spec_replay_counts, e.rows_written), e.non_spec_replay_counts)
         << where;
   }
-  EXPECT_EQ(std::vector<int32_t>(plan + l.spec_num_accepted,
-                                 plan + l.spec_num_accepted + e.spec_rows_written),
-            e.spec_accepted)
-      << where;
-  EXPECT_EQ(std::vector<int32_t>(plan + l.non_spec_source_column,
-                                 plan + l.non_spec_source_column + e.rows_written),
-            e.non_spec_source_column)
-      << where;
+  EXPECT_EQ(plan_rows(l.spec_num_accepted, e.spec_rows_written), e.spec_accepted) << where;
+  EXPECT_EQ(plan_rows(l.non_spec_source_column, e.rows_written), e.non_spec_source_column) << where;
 }
 
 // A base step whose tables and capacity a builder keeps for many steps.
