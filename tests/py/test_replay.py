@@ -178,16 +178,42 @@ def test_chain_against_float64_reference(gen, device, H, HV, state_dtype, act):
                                   params=layer_params(gen, HV))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_chain_with_strong_decay(gen, device):
+def closed_form_batch(HV):
+    """Requests enough for a head per SM: with S >= 8 the CUDA kernel then replays in closed
+    form (gdn/decode_mtp/cuda.cuh: use_closed_form), below that token by token."""
+    return torch.cuda.get_device_properties(0).multi_processor_count // HV + 2
+
+
+_NEEDS_CUDA = pytest.mark.skipif(_CUDA is not None, reason=f"CUDA replay: {_CUDA}")
+STRONG_DECAY_CASES = [pytest.param("cpu", "token", id="cpu"),
+                      pytest.param("cuda", "token", id="cuda-token-by-token", marks=_NEEDS_CUDA),
+                      pytest.param("cuda", "closed", id="cuda-closed-form", marks=_NEEDS_CUDA)]
+
+
+@pytest.mark.parametrize("device,form", STRONG_DECAY_CASES)
+def test_chain_with_strong_decay(gen, device, form):
     """Heads whose state decays by up to e^-100 per token, some to exactly 0 in float32 (the CUDA
-    replay kernel keeps the decay as a scalar and folds it back into the state when it gets small:
-    both paths against the float64 reference), next to ordinary heads, over deep windows."""
+    replay kernel's token-by-token form keeps the decay as a scalar and folds it back into the
+    state when it gets small; its closed form multiplies the alphas, never divides), next to
+    ordinary heads, over deep windows, against the float64 reference."""
     HV = 8
     A_log = torch.tensor([4.5, 3.0, 2.0, 1.0, 0.0, -1.0, 4.0, 2.5], dtype=FP32)
     dt_bias = torch.tensor([3.0, 1.0, 0.5, 2.0, 0.0, 0.0, -1.0, 0.0], dtype=FP32)
+    N = closed_form_batch(HV) if form == "closed" else 4
     check_chain_against_reference(gen, device, H=2, HV=HV, state_dtype=FP32, act=FP32,
-                                  params=(A_log, dt_bias), N=4, S=8, steps=5)
+                                  params=(A_log, dt_bias), N=N, S=8, steps=5)
+
+
+@_NEEDS_CUDA
+@pytest.mark.parametrize("state_dtype,act", [(FP32, FP32), (FP32, BF16), (BF16, BF16)],
+                         ids=["state_fp32_act_fp32", "state_fp32_act_bf16", "state_bf16"])
+@pytest.mark.parametrize("H,HV", [(4, 8), (1, 8), (3, 9)], ids=["r2", "r8", "r3"])
+def test_chain_in_closed_form(gen, H, HV, state_dtype, act):
+    """Deep windows (S = 8) with a head per SM or more: the CUDA kernel's closed form, chained
+    with random T and acceptance (n = 0 .. T, padded rows), against the float64 reference."""
+    check_chain_against_reference(gen, "cuda", H=H, HV=HV, state_dtype=state_dtype, act=act,
+                                  params=layer_params(gen, HV), N=closed_form_batch(HV), S=8,
+                                  steps=4)
 
 
 @pytest.mark.parametrize("device", DEVICES)

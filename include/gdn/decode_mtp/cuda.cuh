@@ -37,8 +37,9 @@ using gdn::cuda::kernel_ptx_version;
 using gdn::cuda::kMaxDevices;
 
 template <class StateT>
-inline size_t shared_bytes(int S, int split, int buffers, bool replay) {
-  return size_t(SmemPlan(S, kHeadDim / split, int(sizeof(StateT)), buffers, replay).total);
+inline size_t shared_bytes(int S, int split, int buffers, bool replay, bool closed_form) {
+  return size_t(
+      SmemPlan(S, kHeadDim / split, int(sizeof(StateT)), buffers, replay, closed_form).total);
 }
 
 // Chunk buffers per CTA. Write-all: a 16-bit slice keeps one per chunk. An fp32 slice streams its
@@ -64,14 +65,25 @@ inline bool use_evict_hints(int state_bytes, int64_t heads, int sm_count) {
   return state_bytes != 4 || heads < 16 * int64_t(sm_count);
 }
 
+// Replay's form (the kernel's kClosedForm): the closed form once every SM has a head and the window
+// is deep, token by token otherwise. The closed form's per-CTA solve costs latency that small
+// batches cannot hide, and at S < 8 its shorter token loop does not pay for it (H200, one head per
+// CTA, against token by token: T = 8, B = 32 to 512 10-13 % faster, B = 8 4 %; T = 4, B = 128
+// fp32 7 % slower, B = 1 25-40 % slower; benchmarks/results/replay_closed_form_h200.json).
+inline constexpr int kClosedFormMinS = 8;
+inline bool use_closed_form(int S, int64_t heads, int sm_count) {
+  return S >= kClosedFormMinS && heads >= int64_t(sm_count);
+}
+
 // CTAs per head: 1 once every SM has a head, else the smallest split that gives every SM a CTA.
-// Deep windows (S >= 8) at four or more heads per SM take 2: a CTA stages the same S tokens (2S in
-// replay) for half the rows, so twice as many CTAs fit an SM's shared memory (H200, T = 8 with an
-// fp32 state: write-all B = 32 5 % faster, replay B = 128 and 512 7 %; 16-bit states within 1 %
-// or faster; benchmarks/results/split_sweep_h200.json).
-inline int choose_split(int64_t heads, int sm_count, bool clusters, int S) {
+// Deep windows (S >= 8) at four or more heads per SM take 2 (not replay in closed form, whose
+// per-CTA solve a split would repeat): a CTA stages the same S tokens (2S in replay) for half the
+// rows, so twice as many CTAs fit an SM's shared memory (H200, T = 8 with an fp32 state: write-all
+// B = 32 5 % faster, token-by-token replay B = 128 and 512 7 %; 16-bit states within 1 % or
+// faster; benchmarks/results/split_sweep_h200.json).
+inline int choose_split(int64_t heads, int sm_count, bool clusters, int S, bool closed_form) {
   if (!clusters) return 1;
-  if (S >= 8 && heads >= 4 * int64_t(sm_count)) return 2;
+  if (S >= 8 && heads >= 4 * int64_t(sm_count) && !closed_form) return 2;
   int split = 1;
   while (split < kMaxSplit && heads * split < sm_count) split *= 2;
   return split;
@@ -116,17 +128,21 @@ template <DType kState, int kRatio, bool kReplay>
 inline Status launch_kernel(const KernelArgs& args_in, int device, int split_request,
                             cudaStream_t stream) {
   using StateT = typename device_type<kState>::type;
-  constexpr auto kernel = decode_mtp_kernel<StateT, kRatio, kReplay>;
   KernelArgs args = args_in;
   DeviceInfo info;
   GDN_RETURN_IF_ERROR(device_info(device, &info));
+  const int64_t heads = args.N * args.HV;
+  const bool closed_form = kReplay && use_closed_form(args.S, heads, info.sm_count);
+  auto kernel = decode_mtp_kernel<StateT, kRatio, kReplay, false>;
+  if constexpr (kReplay)
+    if (closed_form) kernel = decode_mtp_kernel<StateT, kRatio, true, true>;
   static std::atomic<int> ptx_cache[kMaxDevices];
-  static std::atomic<int> smem_cache[kMaxDevices];
+  static std::atomic<int> smem_cache[2][kMaxDevices];  // per kernel: token by token, closed form
   // sm_90 image: clusters, bulk copies and programmatic dependent launch.
   const bool hopper = info.major >= 9 && kernel_ptx_version(kernel, device, ptx_cache) >= 90;
-  const int64_t heads = args.N * args.HV;
-  const int split =
-      split_request > 0 ? split_request : choose_split(heads, info.sm_count, hopper, args.S);
+  const int split = split_request > 0
+                        ? split_request
+                        : choose_split(heads, info.sm_count, hopper, args.S, closed_form);
   if (split != 1 && split != 2 && split != 4 && split != 8)
     return Status::invalid("decode_mtp: split must be 1, 2, 4 or 8, got " + std::to_string(split));
   if (split > 1 && !hopper)
@@ -140,10 +156,11 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
   args.buffers = choose_buffers(int(sizeof(StateT)), heads, info.sm_count, kReplay);
   args.evict_hints = use_evict_hints(int(sizeof(StateT)), heads, info.sm_count);
 
-  const size_t smem = shared_bytes<StateT>(args.S, split, args.buffers, kReplay);
+  const size_t smem = shared_bytes<StateT>(args.S, split, args.buffers, kReplay, closed_form);
   GDN_RETURN_IF_ERROR(allow_dynamic_shared(
-      kernel, device, int(shared_bytes<StateT>(kCudaMaxSpecColumns, 1, kMaxChunks, kReplay)),
-      smem_cache));
+      kernel, device,
+      int(shared_bytes<StateT>(kCudaMaxSpecColumns, 1, kMaxChunks, kReplay, closed_form)),
+      smem_cache[closed_form]));
   return launch_ex(kernel, dim3(unsigned(heads * split)), dim3(unsigned(kThreads)), smem, split,
                    hopper, stream, args, kReplay ? "replay" : "decode_mtp");
 }

@@ -37,8 +37,11 @@
 // produce outputs only. Replay runs up to 2S tokens per slice and is bound by their latency, so
 // its token step keeps the decay as a scalar beside the rows (advance_rows_scaled: 2 or 3 FMAs per
 // element and token instead of 3 or 4, one reduction phase per token) and its CTAs are sized for
-// five per SM. This kernel only reads the window; a second launch saves the new tokens into it
-// (gdn/replay/cuda.cuh), so no CTA can overwrite a window row another CTA still replays.
+// five per SM. Deep windows at large batches take the closed form instead (kClosedForm,
+// prepare_replay): the CTA solves the window's triangular system once, and each row then needs
+// n + T independent dot products and n rank-1 updates. This kernel only reads the window; a second
+// launch saves the new tokens into it (gdn/replay/cuda.cuh), so no CTA can overwrite a window row
+// another CTA still replays.
 //
 // Math and rounding follow gdn/decode_mtp/cpu.hpp (fp32 throughout, o kept fp32 into the norm,
 // 16-bit state stored round-to-nearest-even). Invalid rows (device-side indices) write no state,
@@ -76,6 +79,7 @@ using dev::StateBits;
 using dev::store_to_peer;
 using dev::store_value;
 using dev::transpose_reduce;
+using dev::transpose_sum;
 using dev::wait_for_prior_grids;
 using dev::warp_sum;
 
@@ -181,8 +185,8 @@ __device__ __forceinline__ DecodeRow classify_decode_row(int64_t c0, int64_t c1,
 
 // Stages token t of a request into shared memory with one warp: q and k L2-normalised (q times
 // scale) as fp32 [128] at q_row (output tokens) and k_row, the R values of the CTA's rows at
-// v_row, and (lane 0) alpha =
-// exp(g), beta at gates (replay: and k . q, see advance_rows_scaled). Replay: tokens t < n_replay
+// v_row, and (lane 0) alpha = exp(g), beta at gates (replay: and k . q, for the token-by-token
+// form). Replay: tokens t < n_replay
 // are the checkpoint slot's window tokens (raw k, v, a, b; the same math as their first pass; no
 // q), later ones the call's rows.
 template <bool kReplay>
@@ -426,6 +430,122 @@ __device__ __forceinline__ float advance_rows_scaled(GroupRows<kRows>& s, float&
   return o;
 }
 
+// Replay in closed form (chunked delta rule, WY form). With m = n + T staged tokens j (alpha_j,
+// beta_j, unit k_j, v_j of a row; q_j for the new ones), g_j = alpha_0 .. alpha_j and
+// R(j, i) = alpha_(i+1) .. alpha_j (products only: no division, alpha = 0 is exact), a row s of the
+// checkpoint evolves as x_j = g_j s + sum_(i<=j) R(j, i) w_i k_i with
+//   w_j = beta_j (v_j - g_j s . k_j - sum_(i<j) L'_ji w_i / beta_j),  L'_ji = beta_j R(j, i) k_i .
+//   k_j.
+// The triangular system is the same for every row, so it is solved once per CTA, on the vectors
+// (prepare_replay): w_j = vt_j - s . kt_j, and o_j = x_j . q_j = s . qt_j + ot_j, where
+//   kt_j = beta_j g_j k_j - sum_(i<j) L'_ji kt_i          (per column, [m][128])
+//   vt_j = beta_j v_j - sum_(i<j) L'_ji vt_i              (per row, [m][R])
+//   qt_j = g_j q_j - sum_(i<=j) Q_ij kt_i,  ot_j = sum_(i<=j) Q_ij vt_i,  Q_ij = R(j, i) k_i . q_j.
+// A row then costs n + T independent dot products with the staged kt (replayed) and qt (new)
+// vectors and, for the checkpoint x_(n-1) = g_(n-1) s + sum_(i<n) R(n-1, i) w_i k_i, n rank-1
+// updates: 2n + T + 1 FMAs per element instead of 2n + 3T - 1 token by token, with no chain of
+// reductions between tokens.
+//
+// Shared arrays (SmemPlan, replay): k_s [m][128] k, then kt; q_s [m][128] q_j at the rows j >= n
+// of the new tokens (then qt_j) and the replayed tokens' raw k_i at rows i < n; v_s [m][R] v, then
+// vt, then for i < n the checkpoint coefficient R(n-1, i) w_i; o_s [T][R] ot, then o; gates_s
+// [m][5] alpha, beta, k . q, g, R(n-1, j); mat_s [m][m] L' below the diagonal, Q on and above it
+// ([i][j]).
+inline constexpr int kReplayGateFloats = 5;  // alpha, beta, k . q, g, R(n-1, j)
+
+// Index of a lower-triangle pair (i <= j) numbered row by row: e = j (j + 1) / 2 + i.
+__device__ __forceinline__ void triangle_pair(int e, int& j, int& i) {
+  j = int((sqrtf(8.0f * float(e) + 1.0f) - 1.0f) * 0.5f);
+  while (j * (j + 1) / 2 > e) --j;  // the float root can be one off either way
+  while ((j + 1) * (j + 2) / 2 <= e) ++j;
+  i = e - j * (j + 1) / 2;
+}
+
+// x . y of two staged [128] vectors by one thread, starting at a column that depends on `start`
+// (threads of a warp reading different rows then hit different banks).
+__device__ __forceinline__ float dot_staged(const float* x, const float* y, int start) {
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
+  for (int step = 0; step < kHeadDim / 4; ++step) {
+    const int c = 4 * ((step + start) & (kHeadDim / 4 - 1));
+    const float4 a = *reinterpret_cast<const float4*>(x + c);
+    const float4 b = *reinterpret_cast<const float4*>(y + c);
+    acc[step & 3] = fmaf(a.x, b.x, fmaf(a.y, b.y, fmaf(a.z, b.z, fmaf(a.w, b.w, acc[step & 3]))));
+  }
+  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+}
+
+// The per-CTA solve of the closed form (whole CTA, between two barriers; see above).
+__device__ __forceinline__ void prepare_replay(int n, int m, int R, int tid, float* k_s, float* q_s,
+                                               float* gates_s, float* mat_s, float* v_s,
+                                               float* o_s) {
+  float* const gates = gates_s;
+  auto alpha = [&](int l) { return gates[kReplayGateFloats * l]; };
+  // 1. Decays and the token pair products.
+  for (int j = tid; j < m; j += kThreads) {
+    float g = 1.0f, cf = j < n ? 1.0f : 0.0f;
+    for (int l = 0; l <= j; ++l) g *= alpha(l);
+    for (int l = j + 1; l < n; ++l) cf *= alpha(l);
+    gates[kReplayGateFloats * j + 3] = g;
+    gates[kReplayGateFloats * j + 4] = cf;
+  }
+  for (int e = tid; e < m * (m + 1) / 2; e += kThreads) {
+    int j, i;
+    triangle_pair(e, j, i);
+    float r = 1.0f;
+    for (int l = i + 1; l <= j; ++l) r *= alpha(l);
+    const float* ki = k_s + i * kHeadDim;
+    if (i < j)
+      mat_s[j * m + i] =
+          gates[kReplayGateFloats * j + 1] * r * dot_staged(ki, k_s + j * kHeadDim, tid);
+    if (j >= n) mat_s[i * m + j] = r * dot_staged(ki, q_s + j * kHeadDim, tid);
+  }
+  __syncthreads();
+  // 2. kt and qt of column c = tid, vt and ot of row tid (< R), token by token. Every thread reads
+  //    and writes only its own column and row.
+  //    kt_j replaces k_j in k_s; a replayed token's raw k_j moves to its unused q_s row for the
+  //    checkpoint update.
+  static_assert(kThreads == kHeadDim, "one thread per column");
+  float* const kt_col = k_s + tid;
+  float* const q_col = q_s + tid;
+  float* const v_col = v_s + tid;
+  if (tid < R) {
+    for (int j = 0; j < m; ++j) {
+      const float* lj = mat_s + j * m;
+      const float beta = gates[kReplayGateFloats * j + 1];
+      const float k = kt_col[j * kHeadDim];
+      float kt = beta * gates[kReplayGateFloats * j + 3] * k, vt = beta * v_col[j * R];
+      for (int i = 0; i < j; ++i) {
+        kt = fmaf(-lj[i], kt_col[i * kHeadDim], kt);
+        vt = fmaf(-lj[i], v_col[i * R], vt);
+      }
+      kt_col[j * kHeadDim] = kt;
+      v_col[j * R] = vt;
+      if (j < n) q_col[j * kHeadDim] = k;
+    }
+  } else {  // a split head's CTA: the columns beyond its rows
+    for (int j = 0; j < m; ++j) {
+      const float* lj = mat_s + j * m;
+      const float k = kt_col[j * kHeadDim];
+      float kt = gates[kReplayGateFloats * j + 1] * gates[kReplayGateFloats * j + 3] * k;
+      for (int i = 0; i < j; ++i) kt = fmaf(-lj[i], kt_col[i * kHeadDim], kt);
+      kt_col[j * kHeadDim] = kt;
+      if (j < n) q_col[j * kHeadDim] = k;
+    }
+  }
+  for (int j = n; j < m; ++j) {  // every kt and vt is known: the new tokens' qt and ot
+    float qt = gates[kReplayGateFloats * j + 3] * q_col[j * kHeadDim], ot = 0.0f;
+    for (int i = 0; i <= j; ++i) {
+      const float qij = mat_s[i * m + j];
+      qt = fmaf(-qij, kt_col[i * kHeadDim], qt);
+      ot = fmaf(qij, tid < R ? v_col[i * R] : 0.0f, ot);
+    }
+    q_col[j * kHeadDim] = qt;
+    if (tid < R) o_s[(j - n) * R + tid] = ot;
+  }
+  __syncthreads();
+}
+
 // A group's share of sum(o^2) over its 8 rows, in one fixed butterfly order (every split and
 // kernel adds the same way, so the norm does not depend on the mapping).
 __device__ __forceinline__ float group_sum_sq(float o) {
@@ -441,33 +561,39 @@ __device__ __forceinline__ float gate_act(const KernelArgs& args, float zv) {
   return args.gate_sigmoid ? sigmoid(zv) : zv * sigmoid(zv);
 }
 
-// Floats staged per token besides q, k and v: alpha, beta (and k . q in replay).
-__host__ __device__ constexpr int gate_floats(bool replay) { return replay ? 3 : 2; }
+// Floats staged per token besides q, k and v: alpha, beta (replay: and k . q, g, R(n-1, j)).
+__host__ __device__ constexpr int gate_floats(bool replay, bool closed_form) {
+  return closed_form ? kReplayGateFloats : replay ? 3 : 2;
+}
 
 // Byte offsets of a CTA's shared arrays. S = state columns (T <= S), R = rows of the CTA; a
-// replay CTA stages up to 2S tokens (n <= S replayed, T <= S new; q only of the new ones). The
+// replay CTA stages up to 2S tokens (n <= S replayed, T <= S new; q of the new ones), and in
+// closed form q at each new token's row of 2S and the [2S][2S] matrix of its solve. The
 // per-token arrays come first, at offsets of S and R alone, and the state tile last: the token
 // loop recomputes these addresses rather than hold them in registers, and then they cost a few
 // integer instructions instead of the tile's size.
 struct SmemPlan {
   int rows_per_chunk, chunks, buffers;
-  int bars, meta, k, q, gates, v, o, z, ss, rstd, w, tile, total;
-  __host__ __device__ SmemPlan(int S, int R, int state_bytes, int max_buffers, bool replay) {
-    const int staged = replay ? 2 * S : S;  // token slots of k, v and gates (q: output tokens)
+  int bars, meta, k, q, gates, mat, v, o, z, ss, rstd, w, tile, total;
+  __host__ __device__ SmemPlan(int S, int R, int state_bytes, int max_buffers, bool replay,
+                               bool closed_form) {
+    const int staged = replay ? 2 * S : S;        // token slots of k, v and gates
+    const int q_rows = closed_form ? staged : S;  // ... and of q
     rows_per_chunk = R < kChunkRows ? R : kChunkRows;
     chunks = R / rows_per_chunk;
     buffers = chunks < max_buffers ? chunks : max_buffers;
-    bars = 0;                                      // uint64_t[kMaxChunks + 1]: chunks, norm
-    meta = 64;                                     // RowMeta
-    k = 256;                                       // float [staged][128]
-    q = k + staged * kHeadDim * 4;                 // float [S][128]
-    gates = q + S * kHeadDim * 4;                  // float [staged][gate_floats(replay)]
-    v = gates + staged * gate_floats(replay) * 4;  // float [staged][R]
-    o = v + staged * R * 4;                        // float [S][R] core output
-    z = o + S * R * 4;                             // float [S][R] act(z)
-    ss = z + S * R * 4;                            // float [S][16] group partials of o^2
-    rstd = ss + S * kGroupsPerHead * 4;            // float [S]
-    w = rstd + S * 4;                              // float [R] norm weight
+    bars = 0;                           // uint64_t[kMaxChunks + 1]: chunks, norm
+    meta = 64;                          // RowMeta
+    k = 256;                            // float [staged][128]
+    q = k + staged * kHeadDim * 4;      // float [q_rows][128]
+    gates = q + q_rows * kHeadDim * 4;  // float [staged][gate_floats(replay, closed_form)]
+    mat = gates + staged * gate_floats(replay, closed_form) * 4;  // float [m][m], m <= staged
+    v = mat + (closed_form ? staged * staged * 4 : 0);            // float [staged][R]
+    o = v + staged * R * 4;                                       // float [S][R] core output
+    z = o + S * R * 4;                                            // float [S][R] act(z)
+    ss = z + S * R * 4;                    // float [S][16] group partials of o^2
+    rstd = ss + S * kGroupsPerHead * 4;    // float [S]
+    w = rstd + S * 4;                      // float [R] norm weight
     tile = (w + R * 4 + 127) / 128 * 128;  // [buffers][rows_per_chunk][128] state (bulk copies)
     total = tile + buffers * rows_per_chunk * kHeadDim * state_bytes;
   }
@@ -483,7 +609,7 @@ struct TokenArgs {
   float v;
 };
 
-template <class StateT, int kRatio, bool kReplay>
+template <class StateT, int kRatio, bool kReplay, bool kClosedForm = false>
 __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     decode_mtp_kernel(const __grid_constant__ KernelArgs args) {
   extern __shared__ __align__(128) unsigned char smem[];
@@ -497,7 +623,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
   const int groups = R / kRowsPerGroup;
   const int S = args.S;
   const int HV = args.HV;
-  const SmemPlan plan(S, R, int(sizeof(StateT)), args.buffers, kReplay);
+  constexpr bool closed_form = kReplay && kClosedForm;
+  constexpr int kGateFloats = gate_floats(kReplay, closed_form);
+  const SmemPlan plan(S, R, int(sizeof(StateT)), args.buffers, kReplay, closed_form);
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + plan.bars);
   RowMeta& meta = *reinterpret_cast<RowMeta*>(smem + plan.meta);
   StateT* tile = reinterpret_cast<StateT*>(smem + plan.tile);
@@ -505,6 +633,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
   float* q_s = reinterpret_cast<float*>(smem + plan.q);
   float* v_s = reinterpret_cast<float*>(smem + plan.v);
   float* gates_s = reinterpret_cast<float*>(smem + plan.gates);
+  float* mat_s = reinterpret_cast<float*>(smem + plan.mat);
   float* o_s = reinterpret_cast<float*>(smem + plan.o);
   float* z_s = reinterpret_cast<float*>(smem + plan.z);
   float* ss_s = reinterpret_cast<float*>(smem + plan.ss);
@@ -640,8 +769,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
   //    same math as their first pass), tokens n.. from this call's rows.
   for (int t = warp; t < tokens; t += kWarps)
     stage_token<kReplay>(args, t, n_replay, c0, source, h, hv, row0, R, lane,
-                         t < n_replay ? nullptr : q_s + (t - n_replay) * kHeadDim,
-                         k_s + t * kHeadDim, v_s + t * R, gates_s + gate_floats(kReplay) * t);
+                         t < n_replay ? nullptr : q_s + (closed_form ? t : t - n_replay) * kHeadDim,
+                         k_s + t * kHeadDim, v_s + t * R, gates_s + kGateFloats * t);
   if (gated) {
     for (int e = tid; e < (T << log2_R); e += kThreads) {
       const int t = e >> log2_R, r = e & (R - 1);
@@ -662,6 +791,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
       reject_row();
       return;
     }
+    if constexpr (closed_form)
+      prepare_replay(n_replay, tokens, R, tid, k_s, q_s, gates_s, mat_s, v_s, o_s);
   }
   if (clustered) cluster_wait();  // every peer's norm_bar is initialised: partials may be pushed
 
@@ -728,17 +859,20 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
       }
     };
 
-    // The core output of output token `to` (row my_row): to shared memory, and the group's share
-    // of sum(o^2).
-    auto emit_output = [&](int to, float o) {
+    // The core output o of output token `to` (row my_row; valid: this lane holds one) to shared
+    // memory (by the lane that owns it), and the group's share of sum(o^2): every lane holding
+    // the same token gets the sum, and its `copy`-th holder (copy 0) writes this CTA's partial or
+    // (copy p > 0) pushes it to peer rank + p.
+    auto emit_output = [&](int to, bool valid, float o, bool owner, int copy) {
       if (args.round_core_output) o = dev::round_to(args.out_dtype, o);
-      if ((lane & 3) == 0) o_s[to * R + my_row] = o;
-      if (norm) {  // every lane holds the group's sum; lane p > 0 pushes it to peer rank + p
-        const float sq = group_sum_sq(o);
+      if (valid && owner) o_s[to * R + my_row] = o;
+      if (norm) {
+        const float sq = group_sum_sq(valid ? o : 0.0f);
+        if (!valid) return;
         float* part = ss_s + to * kGroupsPerHead + rank * groups + g;
-        if (lane == 0) *part = sq;
-        if (clustered && lane > 0 && lane < split) {
-          const int peer = (rank + lane) & (split - 1);
+        if (copy == 0) *part = sq;
+        if (clustered && copy > 0 && copy < split) {
+          const int peer = (rank + copy) & (split - 1);
           store_to_peer(cluster_shared_address(part, peer), sq,
                         cluster_shared_address(norm_bar, peer));
         }
@@ -747,28 +881,88 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     // Staged token t as the token steps read it; q_row: its q (output tokens; replayed ones have
     // none).
     auto token_args = [&](int t, const float* q_row) {
-      return TokenArgs{k_s + t * kHeadDim, q_row, gates_s + gate_floats(kReplay) * t,
-                       v_s[t * R + my_row]};
+      return TokenArgs{k_s + t * kHeadDim, q_row, gates_s + kGateFloats * t, v_s[t * R + my_row]};
     };
 
     if constexpr (kReplay) {
-      // The n accepted window tokens advance the state only; it goes to the checkpoint once,
-      // after the last of them. Then the new tokens, outputs only.
-      float scale_c = 1.0f;  // the rows hold S / scale_c (advance_rows_scaled)
-      for (int t = 0; t < n_replay; ++t) {
-        const TokenArgs x = token_args(t, nullptr);
-        advance_rows_scaled<false>(s, scale_c, x.k, x.q, 0.0f, x.gates[0], x.gates[1], x.v, true,
-                                   lane);
-      }
-      if (n_replay > 0) {
-        fold_scale(s, scale_c);
-        store_rows(source);
-      }
-      for (int t = n_replay; t < tokens; ++t) {
-        const TokenArgs x = token_args(t, q_s + (t - n_replay) * kHeadDim);
-        emit_output(t - n_replay,
-                    advance_rows_scaled<true>(s, scale_c, x.k, x.q, x.gates[2], x.gates[0],
-                                              x.gates[1], x.v, t + 1 < tokens, lane));
+      if constexpr (!closed_form) {
+        // Token by token: the n accepted window tokens advance the state only; it goes to the
+        // checkpoint once, after the last of them. Then the new tokens, outputs only.
+        float scale_c = 1.0f;  // the rows hold S / scale_c (advance_rows_scaled)
+        for (int t = 0; t < n_replay; ++t) {
+          const TokenArgs x = token_args(t, nullptr);
+          advance_rows_scaled<false>(s, scale_c, x.k, x.q, 0.0f, x.gates[0], x.gates[1], x.v, true,
+                                     lane);
+        }
+        if (n_replay > 0) {
+          fold_scale(s, scale_c);
+          store_rows(source);
+        }
+        for (int t = n_replay; t < tokens; ++t) {
+          const TokenArgs x = token_args(t, q_s + (t - n_replay) * kHeadDim);
+          emit_output(t - n_replay, true,
+                      advance_rows_scaled<true>(s, scale_c, x.k, x.q, x.gates[2], x.gates[0],
+                                                x.gates[1], x.v, t + 1 < tokens, lane),
+                      (lane & 3) == 0, lane);
+        }
+      } else {
+        // Closed form: every dot product with the checkpoint rows first (batches of 4: lane holds
+        // dot b + (lane & 3) of row my_row after the reduction): w of the replayed tokens -> their
+        // checkpoint coefficients, o of the new ones. Then the checkpoint, once, after the n-th.
+        static_assert(kRows == 2, "replay reduces 2 rows x 4 dots over 8 lanes");
+        const int dots = n_replay + T;
+        for (int b = 0; b < dots; b += 4) {
+          float p[2 * 4];  // p[r * 4 + e]: row r of the lane's set, dot b + e
+#pragma unroll
+          for (int j = 0; j < Rows::kChunks; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int d = b + e < dots ? b + e : dots - 1;  // past the end: a repeat, unused
+              const float* vec = (d < n_replay ? k_s : q_s) + d * kHeadDim;  // kt_d or qt_d
+              const float4 wj = *reinterpret_cast<const float4*>(vec + Rows::col(lane, j));
+#pragma unroll
+              for (int r = 0; r < kRows; ++r)
+                p[r * 4 + e] = j == 0 ? dot4(s.x[r][j], wj) : dot4_acc(s.x[r][j], wj, p[r * 4 + e]);
+            }
+          const float dot = transpose_sum(p, lane);
+          const int d = b + (lane & 3);
+          if (d < n_replay) {  // w = vt - s . kt, times R(n-1, d): the checkpoint coefficient
+            float& vt = v_s[d * R + my_row];
+            vt = gates_s[kReplayGateFloats * d + 4] * (vt - dot);
+          }
+          const bool output = d >= n_replay && d < dots;
+          float o = 0.0f;
+          if (output) o = o_s[(d - n_replay) * R + my_row] + dot;
+          emit_output(d - n_replay, output, o, true, lane >> 2);  // token d: lanes d & 3 + 4p
+        }
+        if (n_replay > 0) {
+          __syncwarp();  // every lane's coefficients of the group's rows
+          const float g = gates_s[kReplayGateFloats * (n_replay - 1) + 3];
+#pragma unroll
+          for (int r = 0; r < kRows; ++r)
+#pragma unroll
+            for (int j = 0; j < Rows::kChunks; ++j) {
+              float4& x = s.x[r][j];
+              x.x *= g;
+              x.y *= g;
+              x.z *= g;
+              x.w *= g;
+            }
+          const int first = grow + Rows::first_row(lane);
+          for (int i = 0; i < n_replay; ++i) {
+            float coef[kRows];
+#pragma unroll
+            for (int r = 0; r < kRows; ++r) coef[r] = v_s[i * R + first + r];
+#pragma unroll
+            for (int j = 0; j < Rows::kChunks; ++j) {
+              const float4 kj = *reinterpret_cast<const float4*>(q_s + i * kHeadDim +
+                                                                 Rows::col(lane, j));  // raw k_i
+#pragma unroll
+              for (int r = 0; r < kRows; ++r) add_scaled(s.x[r][j], kj, coef[r]);
+            }
+          }
+          store_rows(source);
+        }
       }
     } else {
       for (int t = 0; t < tokens; ++t) {
@@ -777,7 +971,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
         // The state after token t -> slot state_indices[n, t] (null: skipped).
         const int64_t dest = __shfl_sync(0xffffffffu, my_slot, t);
         if (dest >= args.first_valid_slot && dest >= 0) store_rows(dest);
-        emit_output(t, o);
+        emit_output(t, true, o, (lane & 3) == 0, lane);  // every lane holds token t
       }
     }
   }

@@ -228,6 +228,26 @@ __device__ __forceinline__ float transpose_reduce(float (&p)[kRows], int lane) {
   return x;
 }
 
+// Sums of N values (N = 2, 4 or 8) over the N lanes lane ^ 0 .. lane ^ (N - 1), each lane with one
+// partial of every value: a transposing butterfly that trades half of the values at each stage.
+// On return the lane holds the full sum of value lane & (N - 1) (N - 1 shuffles for N sums). p is
+// overwritten.
+template <int N>
+__device__ __forceinline__ float transpose_sum(float (&p)[N], int lane) {
+  static_assert(N == 2 || N == 4 || N == 8, "2, 4 or 8 values");
+#pragma unroll
+  for (int half = N / 2; half >= 1; half /= 2) {
+    const bool hi = lane & half;
+#pragma unroll
+    for (int i = 0; i < half; ++i) {
+      const float keep = hi ? p[i + half] : p[i];
+      const float send = hi ? p[i] : p[i + half];
+      p[i] = keep + __shfl_xor_sync(0xffffffffu, send, half);
+    }
+  }
+  return p[0];
+}
+
 // ---- thread-block clusters (sm_90) --------------------------------------------------------------
 
 // A relaxed arrive: it orders no memory. It is for lifetime (no CTA exits while a peer may still
