@@ -185,11 +185,10 @@ __device__ __forceinline__ DecodeRow classify_decode_row(int64_t c0, int64_t c1,
 
 // Stages token t of a request into shared memory with one warp: q and k L2-normalised (q times
 // scale) as fp32 [128] at q_row (output tokens) and k_row, the R values of the CTA's rows at
-// v_row, and (lane 0) alpha = exp(g), beta at gates (replay: and k . q, for the token-by-token
-// form). Replay: tokens t < n_replay
-// are the checkpoint slot's window tokens (raw k, v, a, b; the same math as their first pass; no
-// q), later ones the call's rows.
-template <bool kReplay>
+// v_row, and (lane 0) alpha = exp(g), beta at gates (kWithKq: and k . q, for the token-by-token
+// replay step). Replay: tokens t < n_replay are the checkpoint slot's window tokens (raw k, v, a,
+// b; the same math as their first pass; no q), later ones the call's rows.
+template <bool kReplay, bool kWithKq>
 __device__ __forceinline__ void stage_token(const KernelArgs& args, int t, int n_replay, int64_t c0,
                                             int64_t source, int h, int hv, int row0, int R,
                                             int lane, float* q_row, float* k_row, float* v_row,
@@ -247,7 +246,7 @@ __device__ __forceinline__ void stage_token(const KernelArgs& args, int t, int n
     const float qinv = args.scale / sqrtf(qq + args.l2_eps);
     const float4 qn = make_float4(q.x * qinv, q.y * qinv, q.z * qinv, q.w * qinv);
     *reinterpret_cast<float4*>(q_row + 4 * lane) = qn;
-    if (kReplay) kq = warp_sum(qn.x * kn.x + qn.y * kn.y + qn.z * kn.z + qn.w * kn.w);
+    if (kWithKq) kq = warp_sum(qn.x * kn.x + qn.y * kn.y + qn.z * kn.z + qn.w * kn.w);
   }
   *reinterpret_cast<float4*>(k_row + 4 * lane) = kn;
 #pragma unroll
@@ -259,7 +258,7 @@ __device__ __forceinline__ void stage_token(const KernelArgs& args, int t, int n
         A * softplus(bits_to_f32(ab, args.a_dtype) + bits_to_f32(db, args.dt_bias_dtype));
     gates[0] = expf(g);
     gates[1] = sigmoid(bits_to_f32(bb, args.b_dtype));
-    if (kReplay) gates[2] = kq;
+    if (kWithKq) gates[2] = kq;
   }
 }
 
@@ -303,6 +302,20 @@ __device__ __forceinline__ float dot4(float4 x, float4 w) {
 // chunks' products separately).
 __device__ __forceinline__ float dot4_acc(float4 x, float4 w, float p) {
   return fmaf(x.w, w.w, fmaf(x.z, w.z, fmaf(x.y, w.y, fmaf(x.x, w.x, p))));
+}
+
+// p[r] = the lane's part of row r . w (its columns of a staged [128] vector), one FMA chain per
+// row.
+template <int kRows>
+__device__ __forceinline__ void lane_row_dots(const GroupRows<kRows>& s, const float* w, int lane,
+                                              float (&p)[kRows]) {
+#pragma unroll
+  for (int j = 0; j < GroupRows<kRows>::kChunks; ++j) {
+    const float4 wj = *reinterpret_cast<const float4*>(w + GroupRows<kRows>::col(lane, j));
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+      p[r] = j == 0 ? dot4(s.x[r][j], wj) : dot4_acc(s.x[r][j], wj, p[r]);
+  }
 }
 
 // After a reduction each lane holds the value of row lane_row(lane); d[r] = the value of the lane's
@@ -399,22 +412,8 @@ __device__ __forceinline__ float advance_rows_scaled(GroupRows<kRows>& s, float&
   if (!(c >= kFoldBelow)) fold_scale(s, c);  // uniform over the CTA; also catches alpha = 0
   const float beta_v_over_c = beta * v * __frcp_rn(c);  // off the chain: depends on the gates only
   float pk[kRows], pq[kRows];
-#pragma unroll
-  for (int j = 0; j < G::kChunks; ++j) {
-    const float4 kj = *reinterpret_cast<const float4*>(k + G::col(lane, j));
-#pragma unroll
-    for (int r = 0; r < kRows; ++r)
-      pk[r] = j == 0 ? dot4(s.x[r][j], kj) : dot4_acc(s.x[r][j], kj, pk[r]);
-  }
-  if constexpr (kOutput) {
-#pragma unroll
-    for (int j = 0; j < G::kChunks; ++j) {
-      const float4 qj = *reinterpret_cast<const float4*>(q + G::col(lane, j));
-#pragma unroll
-      for (int r = 0; r < kRows; ++r)
-        pq[r] = j == 0 ? dot4(s.x[r][j], qj) : dot4_acc(s.x[r][j], qj, pq[r]);
-    }
-  }
+  lane_row_dots(s, k, lane, pk);
+  if constexpr (kOutput) lane_row_dots(s, q, lane, pq);
   const float step = fmaf(-beta, transpose_reduce(pk, lane), beta_v_over_c);
   float o = 0.0f;
   if constexpr (kOutput) o = c * fmaf(step, kq, transpose_reduce(pq, lane));
@@ -449,9 +448,10 @@ __device__ __forceinline__ float advance_rows_scaled(GroupRows<kRows>& s, float&
 // Shared arrays (SmemPlan, replay): k_s [m][128] k, then kt; q_s [m][128] q_j at the rows j >= n
 // of the new tokens (then qt_j) and the replayed tokens' raw k_i at rows i < n; v_s [m][R] v, then
 // vt, then for i < n the checkpoint coefficient R(n-1, i) w_i; o_s [T][R] ot, then o; gates_s
-// [m][5] alpha, beta, k . q, g, R(n-1, j); mat_s [m][m] L' below the diagonal, Q on and above it
+// [m][4] alpha, beta, g_j, R(n-1, j); mat_s [m][m] L' below the diagonal, Q on and above it
 // ([i][j]).
-inline constexpr int kReplayGateFloats = 5;  // alpha, beta, k . q, g, R(n-1, j)
+inline constexpr int kClosedGateFloats = 4;
+inline constexpr int kGateAlpha = 0, kGateBeta = 1, kGateDecay = 2, kGateCheckpoint = 3;
 
 // Index of a lower-triangle pair (i <= j) numbered row by row: e = j (j + 1) / 2 + i.
 __device__ __forceinline__ void triangle_pair(int e, int& j, int& i) {
@@ -477,44 +477,41 @@ __device__ __forceinline__ float dot_staged(const float* x, const float* y, int 
 
 // The per-CTA solve of the closed form (whole CTA, between two barriers; see above).
 __device__ __forceinline__ void prepare_replay(int n, int m, int R, int tid, float* k_s, float* q_s,
-                                               float* gates_s, float* mat_s, float* v_s,
-                                               float* o_s) {
-  float* const gates = gates_s;
-  auto alpha = [&](int l) { return gates[kReplayGateFloats * l]; };
+                                               float* gates, float* mat_s, float* v_s, float* o_s) {
+  auto gate = [&](int j, int which) -> float& { return gates[kClosedGateFloats * j + which]; };
   // 1. Decays and the token pair products.
   for (int j = tid; j < m; j += kThreads) {
     float g = 1.0f, cf = j < n ? 1.0f : 0.0f;
-    for (int l = 0; l <= j; ++l) g *= alpha(l);
-    for (int l = j + 1; l < n; ++l) cf *= alpha(l);
-    gates[kReplayGateFloats * j + 3] = g;
-    gates[kReplayGateFloats * j + 4] = cf;
+    for (int l = 0; l <= j; ++l) g *= gate(l, kGateAlpha);
+    for (int l = j + 1; l < n; ++l) cf *= gate(l, kGateAlpha);
+    gate(j, kGateDecay) = g;
+    gate(j, kGateCheckpoint) = cf;
   }
   for (int e = tid; e < m * (m + 1) / 2; e += kThreads) {
     int j, i;
     triangle_pair(e, j, i);
     float r = 1.0f;
-    for (int l = i + 1; l <= j; ++l) r *= alpha(l);
+    for (int l = i + 1; l <= j; ++l) r *= gate(l, kGateAlpha);
     const float* ki = k_s + i * kHeadDim;
-    if (i < j)
-      mat_s[j * m + i] =
-          gates[kReplayGateFloats * j + 1] * r * dot_staged(ki, k_s + j * kHeadDim, tid);
+    if (i < j) mat_s[j * m + i] = gate(j, kGateBeta) * r * dot_staged(ki, k_s + j * kHeadDim, tid);
     if (j >= n) mat_s[i * m + j] = r * dot_staged(ki, q_s + j * kHeadDim, tid);
   }
   __syncthreads();
-  // 2. kt and qt of column c = tid, vt and ot of row tid (< R), token by token. Every thread reads
-  //    and writes only its own column and row.
-  //    kt_j replaces k_j in k_s; a replayed token's raw k_j moves to its unused q_s row for the
-  //    checkpoint update.
+  // 2. kt and qt of column tid, vt and ot of row tid (< R: a split head's CTA has fewer rows),
+  //    token by token. Every thread reads and writes only its own column and row. kt_j replaces
+  //    k_j in k_s; a replayed token's raw k_j moves to its unused q_s row for the checkpoint.
   static_assert(kThreads == kHeadDim, "one thread per column");
+  const bool row = tid < R;
   float* const kt_col = k_s + tid;
   float* const q_col = q_s + tid;
   float* const v_col = v_s + tid;
-  if (tid < R) {
+  // Two loops rather than one with `row` as a predicate, which needs more registers than the
+  // kernel's 80 (ptxas spills).
+  if (row) {
     for (int j = 0; j < m; ++j) {
       const float* lj = mat_s + j * m;
-      const float beta = gates[kReplayGateFloats * j + 1];
-      const float k = kt_col[j * kHeadDim];
-      float kt = beta * gates[kReplayGateFloats * j + 3] * k, vt = beta * v_col[j * R];
+      const float beta = gate(j, kGateBeta), k = kt_col[j * kHeadDim];
+      float kt = beta * gate(j, kGateDecay) * k, vt = beta * v_col[j * R];
       for (int i = 0; i < j; ++i) {
         kt = fmaf(-lj[i], kt_col[i * kHeadDim], kt);
         vt = fmaf(-lj[i], v_col[i * R], vt);
@@ -523,25 +520,25 @@ __device__ __forceinline__ void prepare_replay(int n, int m, int R, int tid, flo
       v_col[j * R] = vt;
       if (j < n) q_col[j * kHeadDim] = k;
     }
-  } else {  // a split head's CTA: the columns beyond its rows
+  } else {  // columns only
     for (int j = 0; j < m; ++j) {
       const float* lj = mat_s + j * m;
       const float k = kt_col[j * kHeadDim];
-      float kt = gates[kReplayGateFloats * j + 1] * gates[kReplayGateFloats * j + 3] * k;
+      float kt = gate(j, kGateBeta) * gate(j, kGateDecay) * k;
       for (int i = 0; i < j; ++i) kt = fmaf(-lj[i], kt_col[i * kHeadDim], kt);
       kt_col[j * kHeadDim] = kt;
       if (j < n) q_col[j * kHeadDim] = k;
     }
   }
   for (int j = n; j < m; ++j) {  // every kt and vt is known: the new tokens' qt and ot
-    float qt = gates[kReplayGateFloats * j + 3] * q_col[j * kHeadDim], ot = 0.0f;
+    float qt = gate(j, kGateDecay) * q_col[j * kHeadDim], ot = 0.0f;
     for (int i = 0; i <= j; ++i) {
       const float qij = mat_s[i * m + j];
       qt = fmaf(-qij, kt_col[i * kHeadDim], qt);
-      ot = fmaf(qij, tid < R ? v_col[i * R] : 0.0f, ot);
+      if (row) ot = fmaf(qij, v_col[i * R], ot);
     }
     q_col[j * kHeadDim] = qt;
-    if (tid < R) o_s[(j - n) * R + tid] = ot;
+    if (row) o_s[(j - n) * R + tid] = ot;
   }
   __syncthreads();
 }
@@ -561,9 +558,10 @@ __device__ __forceinline__ float gate_act(const KernelArgs& args, float zv) {
   return args.gate_sigmoid ? sigmoid(zv) : zv * sigmoid(zv);
 }
 
-// Floats staged per token besides q, k and v: alpha, beta (replay: and k . q, g, R(n-1, j)).
+// Floats staged per token besides q, k and v: alpha, beta (replay token by token: and k . q;
+// closed form: and g_j, R(n-1, j)).
 __host__ __device__ constexpr int gate_floats(bool replay, bool closed_form) {
-  return closed_form ? kReplayGateFloats : replay ? 3 : 2;
+  return closed_form ? kClosedGateFloats : replay ? 3 : 2;
 }
 
 // Byte offsets of a CTA's shared arrays. S = state columns (T <= S), R = rows of the CTA; a
@@ -768,9 +766,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
   //    weight. Replay: tokens 0..n-1 come from the checkpoint slot's window (raw k, v, a, b; the
   //    same math as their first pass), tokens n.. from this call's rows.
   for (int t = warp; t < tokens; t += kWarps)
-    stage_token<kReplay>(args, t, n_replay, c0, source, h, hv, row0, R, lane,
-                         t < n_replay ? nullptr : q_s + (closed_form ? t : t - n_replay) * kHeadDim,
-                         k_s + t * kHeadDim, v_s + t * R, gates_s + kGateFloats * t);
+    stage_token<kReplay, kReplay && !closed_form>(
+        args, t, n_replay, c0, source, h, hv, row0, R, lane,
+        t < n_replay ? nullptr : q_s + (closed_form ? t : t - n_replay) * kHeadDim,
+        k_s + t * kHeadDim, v_s + t * R, gates_s + kGateFloats * t);
   if (gated) {
     for (int e = tid; e < (T << log2_R); e += kThreads) {
       const int t = e >> log2_R, r = e & (R - 1);
@@ -928,7 +927,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
           const int d = b + (lane & 3);
           if (d < n_replay) {  // w = vt - s . kt, times R(n-1, d): the checkpoint coefficient
             float& vt = v_s[d * R + my_row];
-            vt = gates_s[kReplayGateFloats * d + 4] * (vt - dot);
+            vt = gates_s[kClosedGateFloats * d + kGateCheckpoint] * (vt - dot);
           }
           const bool output = d >= n_replay && d < dots;
           float o = 0.0f;
@@ -937,7 +936,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
         }
         if (n_replay > 0) {
           __syncwarp();  // every lane's coefficients of the group's rows
-          const float g = gates_s[kReplayGateFloats * (n_replay - 1) + 3];
+          const float g = gates_s[kClosedGateFloats * (n_replay - 1) + kGateDecay];
 #pragma unroll
           for (int r = 0; r < kRows; ++r)
 #pragma unroll
