@@ -558,6 +558,14 @@ __device__ __forceinline__ float gate_act(const KernelArgs& args, float zv) {
   return args.gate_sigmoid ? sigmoid(zv) : zv * sigmoid(zv);
 }
 
+// Values of act(z) a thread loads at once (all of them for T <= kZBatch at R = 128): 4, or 2 in
+// the fp32 write-all kernel, which spills with 4. The first batch goes out with the token staging's
+// loads; a staging warp used to load its z after its tokens, a second round trip before the first
+// chunk (H200, B = 128: bf16 write-all T = 2 4 %, T = 4 4 %, replay T = 4 3-4 % faster; T = 1
+// unchanged; benchmarks/results/z_batch_h200.json).
+template <class StateT, bool kReplay>
+inline constexpr int kZBatch = sizeof(StateT) == 4 && !kReplay ? 2 : 4;
+
 // Floats staged per token besides q, k and v: alpha, beta (replay token by token: and k . q;
 // closed form: and g_j, R(n-1, j)).
 __host__ __device__ constexpr int gate_floats(bool replay, bool closed_form) {
@@ -765,20 +773,37 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
   // 4. Activations of every staged token (warp w stages tokens w, w + 4, ...), act(z), norm
   //    weight. Replay: tokens 0..n-1 come from the checkpoint slot's window (raw k, v, a, b; the
   //    same math as their first pass), tokens n.. from this call's rows.
+  //    act(z) is staged in batches of kZBatch values per thread (tid + kThreads i), all loads of
+  //    a batch issued before any is used, the first batch before the token staging.
+  constexpr int kZBatch = cuda_detail::kZBatch<StateT, kReplay>;
+  const int z_count = gated ? T << log2_R : 0;  // z values of the CTA: [T][R]
+  auto load_z = [&](int first, uint32_t (&bits)[kZBatch]) {
+#pragma unroll
+    for (int i = 0; i < kZBatch; ++i) {
+      const int e = first + i * kThreads, t = e >> log2_R, r = e & (R - 1);
+      bits[i] = e < z_count
+                    ? load_bits(args.z, args.z_dtype,
+                                (c0 + t) * args.z_row_stride + hv * args.z_head_stride + row0 + r)
+                    : 0u;
+    }
+  };
+  auto stage_z = [&](int first, const uint32_t (&bits)[kZBatch]) {
+#pragma unroll
+    for (int i = 0; i < kZBatch; ++i)
+      if (first + i * kThreads < z_count)
+        z_s[first + i * kThreads] = gate_act(args, bits_to_f32(bits[i], args.z_dtype));
+  };
+  uint32_t z_bits[kZBatch];
+  load_z(tid, z_bits);
   for (int t = warp; t < tokens; t += kWarps)
     stage_token<kReplay, kReplay && !closed_form>(
         args, t, n_replay, c0, source, h, hv, row0, R, lane,
         t < n_replay ? nullptr : q_s + (closed_form ? t : t - n_replay) * kHeadDim,
         k_s + t * kHeadDim, v_s + t * R, gates_s + kGateFloats * t);
-  if (gated) {
-    for (int e = tid; e < (T << log2_R); e += kThreads) {
-      const int t = e >> log2_R, r = e & (R - 1);
-      const float zv =
-          bits_to_f32(load_bits(args.z, args.z_dtype,
-                                (c0 + t) * args.z_row_stride + hv * args.z_head_stride + row0 + r),
-                      args.z_dtype);
-      z_s[e] = gate_act(args, zv);
-    }
+  stage_z(tid, z_bits);
+  for (int first = tid + kZBatch * kThreads; first < z_count; first += kZBatch * kThreads) {
+    load_z(first, z_bits);
+    stage_z(first, z_bits);
   }
   if (norm && tid < R) w_s[tid] = bits_to_f32(w_bits, args.norm_dtype);
   __syncthreads();  // staged tokens (and a replay row's window_len) visible
