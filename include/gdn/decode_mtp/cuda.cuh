@@ -4,7 +4,8 @@
 // The grid is one CTA per (request, value head, row block). The row split (CTAs per head) is a
 // pure function of the shapes and the device: 1 once there are at least as many heads as SMs,
 // else the smallest of 2, 4, 8 that gives every SM a CTA (small batches are latency-bound: more,
-// smaller CTAs pull their bytes in parallel). Callers may pin it (benchmarks do).
+// smaller CTAs pull their bytes in parallel); 2 in two measured cases (choose_split). Callers may
+// pin it (benchmarks do).
 //
 // The launcher allocates nothing and never synchronises. The only attribute it sets (the kernel's
 // dynamic shared memory ceiling) is set once per kernel and device and is not a stream operation,
@@ -80,10 +81,15 @@ inline bool use_closed_form(int S, int64_t heads, int sm_count) {
 // per-CTA solve a split would repeat): a CTA stages the same S tokens (2S in replay) for half the
 // rows, so twice as many CTAs fit an SM's shared memory (H200, T = 8 with an fp32 state: write-all
 // B = 32 5 % faster, token-by-token replay B = 128 and 512 7 %; 16-bit states within 1 % or
-// faster; benchmarks/results/split_sweep_h200.json).
-inline int choose_split(int64_t heads, int sm_count, bool clusters, int S, bool closed_form) {
+// faster; benchmarks/results/split_sweep_h200.json). Token-by-token replay, bound by the latency
+// of its token chain, also takes 2 between one and two heads per SM (H200, B = 8, T = 4: fp32
+// 31.2 -> 28.6 us, bf16 31.8 -> 26.0; from two heads per SM (B = 16) it is slower;
+// benchmarks/results/replay_split_h200.json).
+inline int choose_split(int64_t heads, int sm_count, bool clusters, int S, bool replay,
+                        bool closed_form) {
   if (!clusters) return 1;
   if (S >= 8 && heads >= 4 * int64_t(sm_count) && !closed_form) return 2;
+  if (replay && !closed_form && heads >= sm_count && heads < 2 * int64_t(sm_count)) return 2;
   int split = 1;
   while (split < kMaxSplit && heads * split < sm_count) split *= 2;
   return split;
@@ -142,7 +148,7 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
   const bool hopper = info.major >= 9 && kernel_ptx_version(kernel, device, ptx_cache) >= 90;
   const int split = split_request > 0
                         ? split_request
-                        : choose_split(heads, info.sm_count, hopper, args.S, closed_form);
+                        : choose_split(heads, info.sm_count, hopper, args.S, kReplay, closed_form);
   if (split != 1 && split != 2 && split != 4 && split != 8)
     return Status::invalid("decode_mtp: split must be 1, 2, 4 or 8, got " + std::to_string(split));
   if (split > 1 && !hopper)
