@@ -179,8 +179,9 @@ def test_chain_against_float64_reference(gen, device, H, HV, state_dtype, act):
 
 
 def closed_form_batch(HV):
-    """Requests enough for a head per SM: with S >= 8 the CUDA kernel then replays in closed
-    form (gdn/decode_mtp/cuda.cuh: use_closed_form), below that token by token."""
+    """Requests enough for a head per SM (and fewer than two): with S >= 8 the CUDA kernel then
+    replays in closed form (gdn/decode_mtp/cuda.cuh: use_closed_form), below that token by token
+    with each head split over 2 CTAs (choose_split)."""
     return torch.cuda.get_device_properties(0).multi_processor_count // HV + 2
 
 
@@ -208,11 +209,14 @@ def test_chain_with_strong_decay(gen, device, form):
 @pytest.mark.parametrize("state_dtype,act", [(FP32, FP32), (FP32, BF16), (BF16, BF16)],
                          ids=["state_fp32_act_fp32", "state_fp32_act_bf16", "state_bf16"])
 @pytest.mark.parametrize("H,HV", [(4, 8), (1, 8), (3, 9)], ids=["r2", "r8", "r3"])
-def test_chain_in_closed_form(gen, H, HV, state_dtype, act):
-    """Deep windows (S = 8) with a head per SM or more: the CUDA kernel's closed form, chained
-    with random T and acceptance (n = 0 .. T, padded rows), against the float64 reference."""
+@pytest.mark.parametrize("S", [8, 4], ids=["closed_form", "token_by_token_split2"])
+def test_chain_at_a_head_per_sm(gen, H, HV, state_dtype, act, S):
+    """Between one and two heads per SM, the two launch choices of the CUDA replay kernel that
+    only such batches take: deep windows (S = 8) in closed form, shallower ones (S = 4) token by
+    token with each head split over 2 CTAs; chained with random T and acceptance (n = 0 .. T,
+    padded rows), against the float64 reference."""
     check_chain_against_reference(gen, "cuda", H=H, HV=HV, state_dtype=state_dtype, act=act,
-                                  params=layer_params(gen, HV), N=closed_form_batch(HV), S=8,
+                                  params=layer_params(gen, HV), N=closed_form_batch(HV), S=S,
                                   steps=4)
 
 
