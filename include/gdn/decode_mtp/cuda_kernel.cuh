@@ -558,13 +558,15 @@ __device__ __forceinline__ float gate_act(const KernelArgs& args, float zv) {
   return args.gate_sigmoid ? sigmoid(zv) : zv * sigmoid(zv);
 }
 
-// Values of act(z) a thread loads at once (all of them for T <= kZBatch at R = 128): 4, or 2 in
-// the fp32 write-all kernel, which spills with 4. The first batch goes out with the token staging's
-// loads; a staging warp used to load its z after its tokens, a second round trip before the first
-// chunk (H200, B = 128: bf16 write-all T = 2 4 %, T = 4 4 %, replay T = 4 3-4 % faster; T = 1
-// unchanged; benchmarks/results/z_batch_h200.json).
-template <class StateT, bool kReplay>
-inline constexpr int kZBatch = sizeof(StateT) == 4 && !kReplay ? 2 : 4;
+// Values of act(z) a thread loads at once (all of them for T <= the batch at R = 128): 4, or 2 in
+// the fp32 write-all kernel, which spills with 4 (with 4, the fp16-state closed-form replay
+// kernels spill 8 bytes: two local loads per chunk). The first batch goes out with the token
+// staging's loads; a staging warp used to load its z after its tokens, a second round trip before
+// the first chunk (H200, B = 128: bf16 write-all T = 2 4 %, T = 4 4 %, replay T = 4 3-4 % faster;
+// T = 1 unchanged; benchmarks/results/z_batch_h200.json).
+__host__ __device__ constexpr int z_batch(int state_bytes, bool replay) {
+  return state_bytes == 4 && !replay ? 2 : 4;
+}
 
 // Floats staged per token besides q, k and v: alpha, beta (replay token by token: and k . q;
 // closed form: and g_j, R(n-1, j)).
@@ -775,7 +777,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
   //    same math as their first pass), tokens n.. from this call's rows.
   //    act(z) is staged in batches of kZBatch values per thread (tid + kThreads i), all loads of
   //    a batch issued before any is used, the first batch before the token staging.
-  constexpr int kZBatch = cuda_detail::kZBatch<StateT, kReplay>;
+  constexpr int kZBatch = z_batch(int(sizeof(StateT)), kReplay);
   const int z_count = gated ? T << log2_R : 0;  // z values of the CTA: [T][R]
   auto load_z = [&](int first, uint32_t (&bits)[kZBatch]) {
 #pragma unroll
