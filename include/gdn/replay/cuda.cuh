@@ -5,10 +5,11 @@
 //      split): each CTA reads its rows of the checkpoint and the window tokens it replays, stores
 //      the advanced checkpoint rows once and writes its outputs. It never writes the window.
 //   2. the window save below: one CTA per request copies the new tokens' raw k, v, a, b rows into
-//      the slot's window and sets window_len. It starts only after every CTA of launch 1 has
-//      finished (stream order; with programmatic dependent launch its CTAs may be resident early
-//      but wait for launch 1's completion before any access), so no window row is overwritten
-//      while a CTA of another value head or row block still replays it.
+//      the slot's window and sets window_len. It stores only after every CTA of launch 1 has
+//      finished (stream order; with programmatic dependent launch its CTAs may be resident early,
+//      load what launch 1 does not write, and wait for launch 1's completion before any store),
+//      so no window row is overwritten while a CTA of another value head or row block still
+//      replays it.
 // A row is decided the same way in both launches (classify_replay_row, which reads window_len
 // before launch 2 rewrites it), so an invalid row stores nothing anywhere.
 //
@@ -33,6 +34,9 @@ using decode_mtp::cuda_detail::classify_replay_row;
 using decode_mtp::cuda_detail::ReplayRow;
 
 inline constexpr int kSaveThreads = 256;
+// Units of k and v a thread has in flight at once (TP1 with bf16 activations: a request's k and v
+// at T = 4 are 3,072 16-byte units, one batch of 256 threads x 12).
+inline constexpr int kSaveBatch = 12;
 
 struct WindowSaveArgs {
   const char* mixed_qkv;  // byte pointers: the save copies raw elements
@@ -57,105 +61,124 @@ struct WindowSaveArgs {
   bool vector;  // every k / v row starts and ends 16-byte aligned on both sides
 };
 
-// Copies `count` units of `Unit` (element i of token t at src(t) + i, dst(t) + i) by the whole CTA.
-// Each thread loads kBatch units before storing them, so a request's copy costs a few memory
-// round trips rather than one per token (the loads do not wait behind the previous stores).
-template <class Unit, class Src, class Dst>
-__device__ __forceinline__ void cta_copy_tokens(int64_t tokens, int64_t per_token, Src src,
-                                                Dst dst) {
-  constexpr int kBatch = 8;
-  const int64_t count = tokens * per_token;
-  int64_t t = threadIdx.x / per_token, i = threadIdx.x % per_token;  // of unit `base`
-  for (int64_t base = threadIdx.x; base < count; base += int64_t(kBatch) * kSaveThreads) {
-    Unit u[kBatch];
-    int64_t ts[kBatch], is[kBatch];
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b) {  // unit base + b * kSaveThreads is element i of token t
-      ts[b] = t;
-      is[b] = i;
-      if (t < tokens) u[b] = reinterpret_cast<const Unit*>(src(t))[i];
-      for (i += kSaveThreads; i >= per_token; i -= per_token) ++t;  // no division per unit
-    }
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b)
-      if (ts[b] < tokens) reinterpret_cast<Unit*>(dst(ts[b]))[is[b]] = u[b];
+// Unit e of a copy of T tokens of `per_token` units each, as (token t, unit j of the token),
+// stepped by the CTA's thread count without a division per unit (a 64-bit division per unit made
+// the copy slower than per-token copies at small batches).
+struct TokenUnit {
+  int64_t t, j;
+  __device__ __forceinline__ TokenUnit(int64_t e, int64_t per_token)
+      : t(e / per_token), j(e % per_token) {}
+  __device__ __forceinline__ void next(int64_t per_token) {
+    for (j += kSaveThreads; j >= per_token; j -= per_token) ++t;
   }
+};
+
+// An a or b element of `size` bytes, as raw bits.
+__device__ __forceinline__ uint32_t load_raw(const char* p, int size) {
+  return size == 4 ? *reinterpret_cast<const uint32_t*>(p) : *reinterpret_cast<const uint16_t*>(p);
+}
+__device__ __forceinline__ void store_raw(char* p, int size, uint32_t bits) {
+  if (size == 4)
+    *reinterpret_cast<uint32_t*>(p) = bits;
+  else
+    *reinterpret_cast<uint16_t*>(p) = uint16_t(bits);
 }
 
-// One token's k and v (k_bytes + v_bytes, contiguous in mixed_qkv's row, split in the window),
-// in units of `Unit`.
-template <class Unit>
-__device__ __forceinline__ void copy_kv(const WindowSaveArgs& args, int64_t slot, int64_t c0,
-                                        int64_t T) {
-  const int64_t k_units = args.k_bytes / int64_t(sizeof(Unit));
-  const int64_t v_units = args.v_bytes / int64_t(sizeof(Unit));
-  cta_copy_tokens<Unit>(
-      T, k_units,
-      [&](int64_t t) { return args.mixed_qkv + (c0 + t) * args.qkv_row + args.k_bytes; },
-      [&](int64_t t) { return args.window_k + slot * args.wk_slot + t * args.wk_token; });
-  cta_copy_tokens<Unit>(
-      T, v_units,
-      [&](int64_t t) { return args.mixed_qkv + (c0 + t) * args.qkv_row + 2 * args.k_bytes; },
-      [&](int64_t t) { return args.window_v + slot * args.wv_slot + t * args.wv_token; });
-}
-
-// a or b (HV elements per token, `size` bytes each) of T tokens into its window.
-template <class Unit>
-__device__ __forceinline__ void copy_gate(const char* src, int64_t src_row, char* dst,
-                                          int64_t dst_slot, int64_t dst_token, int64_t slot,
-                                          int64_t c0, int64_t T, int HV) {
-  cta_copy_tokens<Unit>(
-      T, HV, [&](int64_t t) { return src + (c0 + t) * src_row; },
-      [&](int64_t t) { return dst + slot * dst_slot + t * dst_token; });
-}
-
-// One CTA per request row. A template so that a header-defined kernel has one definition however
-// many translation units include it.
-template <int kThreads>
-__global__ void __launch_bounds__(kThreads)
+// One CTA per request row: the T new tokens' raw k and v (contiguous in the mixed_qkv row, in
+// units of KvUnit), a and b into the slot's window, and window_len[slot] = T. Nothing it reads is
+// written by the replay launch (this call's inputs, and window_len, which only this launch
+// writes), so the meta loads and the first batch go out before it waits for that launch; only the
+// stores wait (the replay launch has then read every window it replays). A template so that a
+// header-defined kernel has one definition however many translation units include it.
+template <class KvUnit>
+__global__ void __launch_bounds__(kSaveThreads)
     save_window_kernel(const __grid_constant__ WindowSaveArgs args) {
-  static_assert(kThreads == kSaveThreads, "the copies stride by kSaveThreads");
-  __shared__ int64_t meta[5];         // slot, c0, c1, replay count, window_len[slot]
-  gdn::cuda::wait_for_prior_grids();  // the replay launch has read every window it replays
+  __shared__ int64_t meta[5];  // slot, c0, c1, replay count, window_len[slot]
   gdn::cuda::allow_dependent_launch();
+  const int tid = int(threadIdx.x);
   const int64_t i = blockIdx.x;
-  if (threadIdx.x == 0) {
-    const int64_t slot =
-        gdn::cuda::load_index(args.state_indices, args.index_dtype, i * args.index_stride);
-    meta[0] = slot;
+  if (tid == 0)
+    meta[0] = gdn::cuda::load_index(args.state_indices, args.index_dtype, i * args.index_stride);
+  else if (tid == 1)
     meta[1] = gdn::cuda::load_index(args.cu_seqlens, args.cu_dtype, i);
+  else if (tid == 2)
     meta[2] = gdn::cuda::load_index(args.cu_seqlens, args.cu_dtype, i + 1);
+  else if (tid == 3)
     meta[3] = gdn::cuda::load_index(args.num_accepted_tokens, args.acc_dtype, i);
-    meta[4] = slot >= 0 && slot < args.num_slots ? int64_t(args.window_len[slot]) : 0;
-  }
   __syncthreads();
-  const int64_t slot = meta[0], c0 = meta[1], c1 = meta[2], T = c1 - c0;
-  if (classify_replay_row(c0, c1, args.L, args.S, slot, args.num_slots, args.first_valid_slot,
-                          meta[3], meta[4]) != ReplayRow::kLive)
+  const int64_t slot = meta[0], c0 = meta[1], c1 = meta[2], n = meta[3], T = c1 - c0;
+  // Token range and slot first, so that every load below stays inside the arrays; the window
+  // length goes out with the first batch.
+  if (classify_replay_row(c0, c1, args.L, args.S, slot, args.num_slots, args.first_valid_slot, n,
+                          INT64_MAX) != ReplayRow::kLive)
     return;
-  if (args.vector)
-    copy_kv<uint4>(args, slot, c0, T);
-  else if (args.qkv_size == 4)
-    copy_kv<uint32_t>(args, slot, c0, T);
-  else
-    copy_kv<uint16_t>(args, slot, c0, T);
-  if (args.a_size == 4)
-    copy_gate<uint32_t>(args.a, args.a_row, args.window_a, args.wa_slot, args.wa_token, slot, c0, T,
-                        args.HV);
-  else
-    copy_gate<uint16_t>(args.a, args.a_row, args.window_a, args.wa_slot, args.wa_token, slot, c0, T,
-                        args.HV);
-  if (args.b_size == 4)
-    copy_gate<uint32_t>(args.b, args.b_row, args.window_b, args.wb_slot, args.wb_token, slot, c0, T,
-                        args.HV);
-  else
-    copy_gate<uint16_t>(args.b, args.b_row, args.window_b, args.wb_slot, args.wb_token, slot, c0, T,
-                        args.HV);
-  if (threadIdx.x == 0) args.window_len[slot] = int(T);  // this thread read it above
+  if (tid == 0) meta[4] = args.window_len[slot];
+
+  constexpr int64_t kUnit = sizeof(KvUnit);
+  const int64_t k_units = args.k_bytes / kUnit, per_token = k_units + args.v_bytes / kUnit;
+  const int64_t kv_count = T * per_token, ab_count = T * args.HV;
+  auto kv_src = [&](const TokenUnit& u) {
+    return reinterpret_cast<const KvUnit*>(args.mixed_qkv + (c0 + u.t) * args.qkv_row +
+                                           args.k_bytes) +
+           u.j;
+  };
+  auto kv_dst = [&](const TokenUnit& u) {
+    return u.j < k_units ? reinterpret_cast<KvUnit*>(args.window_k + slot * args.wk_slot +
+                                                     u.t * args.wk_token) +
+                               u.j
+                         : reinterpret_cast<KvUnit*>(args.window_v + slot * args.wv_slot +
+                                                     u.t * args.wv_token) +
+                               (u.j - k_units);
+  };
+  // Pass p: k/v units tid + kSaveThreads (kSaveBatch p + b), and element tid + kSaveThreads p of a
+  // and of b (token e / HV, head e % HV). The pass count is the same in every thread.
+  const int64_t kv_per_pass = int64_t(kSaveBatch) * kSaveThreads;
+  const int64_t passes =
+      (kv_count + kv_per_pass - 1) / kv_per_pass > (ab_count + kSaveThreads - 1) / kSaveThreads
+          ? (kv_count + kv_per_pass - 1) / kv_per_pass
+          : (ab_count + kSaveThreads - 1) / kSaveThreads;
+  TokenUnit cursor(tid, per_token);
+  for (int64_t p = 0; p < passes; ++p) {
+    const TokenUnit first = cursor;
+    KvUnit units[kSaveBatch];
+#pragma unroll
+    for (int b = 0; b < kSaveBatch; ++b) {
+      if (cursor.t < T) units[b] = *kv_src(cursor);
+      cursor.next(per_token);
+    }
+    const int64_t e = tid + p * kSaveThreads;
+    const int64_t et = e / args.HV, eh = e % args.HV;
+    uint32_t a_bits = 0, b_bits = 0;
+    if (e < ab_count) {
+      a_bits = load_raw(args.a + (c0 + et) * args.a_row + eh * args.a_size, args.a_size);
+      b_bits = load_raw(args.b + (c0 + et) * args.b_row + eh * args.b_size, args.b_size);
+    }
+    if (p == 0) {
+      __syncthreads();  // window_len[slot]
+      if (classify_replay_row(c0, c1, args.L, args.S, slot, args.num_slots, args.first_valid_slot,
+                              n, meta[4]) != ReplayRow::kLive)
+        return;
+      gdn::cuda::wait_for_prior_grids();  // the replay launch has read the old window
+    }
+    TokenUnit at = first;
+#pragma unroll
+    for (int b = 0; b < kSaveBatch; ++b) {
+      if (at.t < T) *kv_dst(at) = units[b];
+      at.next(per_token);
+    }
+    if (e < ab_count) {
+      store_raw(args.window_a + slot * args.wa_slot + et * args.wa_token + eh * args.a_size,
+                args.a_size, a_bits);
+      store_raw(args.window_b + slot * args.wb_slot + et * args.wb_token + eh * args.b_size,
+                args.b_size, b_bits);
+    }
+  }
+  if (tid == 0) args.window_len[slot] = int(T);
 }
 
+template <class KvUnit>
 inline Status launch_save_window(const WindowSaveArgs& args, int64_t N, cudaStream_t stream) {
-  constexpr auto kernel = save_window_kernel<kSaveThreads>;
+  constexpr auto kernel = save_window_kernel<KvUnit>;
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) {
     const cudaError_t err = cudaGetLastError();
@@ -169,6 +192,13 @@ inline Status launch_save_window(const WindowSaveArgs& args, int64_t N, cudaStre
       info.major >= 9 && gdn::cuda::kernel_ptx_version(kernel, device, ptx_cache) >= 90;
   return decode_mtp::cuda_detail::launch_ex(kernel, dim3(unsigned(N)), dim3(unsigned(kSaveThreads)),
                                             0, 1, pdl, stream, args, "replay: window save");
+}
+
+// k and v move in 16-byte units where every row is aligned, else element by element.
+inline Status launch_save_window(const WindowSaveArgs& args, int64_t N, cudaStream_t stream) {
+  if (args.vector) return launch_save_window<uint4>(args, N, stream);
+  if (args.qkv_size == 4) return launch_save_window<uint32_t>(args, N, stream);
+  return launch_save_window<uint16_t>(args, N, stream);
 }
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
