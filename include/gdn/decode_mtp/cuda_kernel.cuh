@@ -23,12 +23,12 @@
 // every token the group's 8 rows are stored to that token's slot from registers (coalesced row
 // segments, one 16-byte (fp32) or 8-byte chunk per lane).
 //
-// Gated RMSNorm. o of every (token, row) is kept in shared memory; each group's sum of o^2 (fixed
-// butterfly order) goes to a per-group partial, and the 16 partials of a head are added in group
-// order. A split head's CTAs push their partials into each other's shared memory (st.async,
-// counted by a transaction barrier) instead of reading them after a release cluster barrier,
-// whose fence would wait for every state store of the CTA to drain. The result does not depend on
-// the split.
+// Gated RMSNorm. o of every (token, row) is kept in shared memory; after the rows are done, each
+// group's sum of o^2 (a fixed pairwise tree) goes to a per-group partial, and the 16 partials of a
+// head are added in group order. A split head's CTAs push their partials into each other's shared
+// memory (st.async, counted by a transaction barrier) instead of reading them after a release
+// cluster barrier, whose fence would wait for every state store of the CTA to drain. The result
+// does not depend on the split.
 //
 // Replay verify (kReplay, docs replay.md) runs on the same CTA mapping: the slice comes from the
 // request's one checkpoint slot, the staged token list is the n accepted window tokens (raw k, v,
@@ -543,14 +543,18 @@ __device__ __forceinline__ void prepare_replay(int n, int m, int R, int tid, flo
   __syncthreads();
 }
 
-// A group's share of sum(o^2) over its 8 rows, in one fixed butterfly order (every split and
-// kernel adds the same way, so the norm does not depend on the mapping).
-__device__ __forceinline__ float group_sum_sq(float o) {
-  float sq = o * o;
-  sq += __shfl_xor_sync(0xffffffffu, sq, 4);
-  sq += __shfl_xor_sync(0xffffffffu, sq, 8);
-  sq += __shfl_xor_sync(0xffffffffu, sq, 16);
-  return sq;
+// A group's share of sum(o^2): its 8 rows' squares added as a pairwise tree, in one fixed order
+// (every split and kernel adds the same way, so the norm does not depend on the mapping). The
+// intrinsics keep the squares from being fused into the additions.
+__device__ __forceinline__ float group_sum_sq(const float* o) {
+  float sq[kRowsPerGroup];
+#pragma unroll
+  for (int r = 0; r < kRowsPerGroup; ++r) sq[r] = __fmul_rn(o[r], o[r]);
+#pragma unroll
+  for (int width = 1; width < kRowsPerGroup; width *= 2)
+#pragma unroll
+    for (int r = 0; r < kRowsPerGroup; r += 2 * width) sq[r] = __fadd_rn(sq[r], sq[r + width]);
+  return sq[0];
 }
 
 // act(z) of the output gate.
@@ -559,8 +563,9 @@ __device__ __forceinline__ float gate_act(const KernelArgs& args, float zv) {
 }
 
 // Values of act(z) a thread loads at once (all of them for T <= the batch at R = 128): 4, or 2 in
-// the fp32 write-all kernel, which spills with 4 (with 4, the fp16-state closed-form replay
-// kernels spill 8 bytes: two local loads per chunk). The first batch goes out with the token
+// the fp32 write-all kernel, which spills with 4 (at 80 registers ptxas still keeps a few values
+// of some kernels in local memory, one or two L1 loads per chunk: fp32 write-all 4 bytes, bf16
+// closed-form replay 12). The first batch goes out with the token
 // staging's loads; a staging warp used to load its z after its tokens, a second round trip before
 // the first chunk (H200, B = 128: bf16 write-all T = 2 4 %, T = 4 4 %, replay T = 4 3-4 % faster;
 // T = 1 unchanged; benchmarks/results/z_batch_h200.json).
@@ -633,6 +638,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
   const int HV = args.HV;
   constexpr bool closed_form = kReplay && kClosedForm;
   constexpr int kGateFloats = gate_floats(kReplay, closed_form);
+  constexpr bool kPartialsPerGroup = sizeof(StateT) == 4 && !kReplay;  // see push_partial
   const SmemPlan plan(S, R, int(sizeof(StateT)), args.buffers, kReplay, closed_form);
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + plan.bars);
   RowMeta& meta = *reinterpret_cast<RowMeta*>(smem + plan.meta);
@@ -722,6 +728,23 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     valid = row == DecodeRow::kLive;
   }
   // An invalid row stores nothing, zero-fills its output rows inside [0, L) and is counted once.
+  // The share of sum(o^2) of group g for output token t (from o_s), written as this CTA's partial
+  // and pushed to every peer CTA of a split head (st.async, counted by their norm_bar). Taken from
+  // o_s once a group's rows are done rather than per token in the token loop, which then spends no
+  // shuffles on the norm: after the loop by the whole CTA, or in the fp32 write-all kernel by each
+  // warp as it finishes a group (kPartialsPerGroup: that CTA streams its bytes and a phase after
+  // the loop lengthens its tail; H200, benchmarks/results/norm_partials_h200.json).
+  auto push_partial = [&](int t, int g) {
+    float* part = ss_s + t * kGroupsPerHead + rank * groups + g;
+    const float sq = group_sum_sq(o_s + t * R + g * kRowsPerGroup);
+    *part = sq;
+    if (clustered)
+      for (int copy = 1; copy < split; ++copy) {
+        const int peer = (rank + copy) & (split - 1);
+        store_to_peer(cluster_shared_address(part, peer), sq,
+                      cluster_shared_address(norm_bar, peer));
+      }
+  };
   auto reject_row = [&]() {
     const int64_t lo = c0 < 0 ? 0 : c0, hi = c1 > args.L ? args.L : c1;
     const int64_t count = hi > lo ? (hi - lo) * R : 0;
@@ -885,24 +908,11 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
       }
     };
 
-    // The core output o of output token `to` (row my_row; valid: this lane holds one) to shared
-    // memory (by the lane that owns it), and the group's share of sum(o^2): every lane holding
-    // the same token gets the sum, and its `copy`-th holder (copy 0) writes this CTA's partial or
-    // (copy p > 0) pushes it to peer rank + p.
-    auto emit_output = [&](int to, bool valid, float o, bool owner, int copy) {
+    // The core output o of output token `to` (row my_row) to shared memory, by the lane that
+    // owns it.
+    auto emit_output = [&](int to, float o, bool owner) {
       if (args.round_core_output) o = dev::round_to(args.out_dtype, o);
-      if (valid && owner) o_s[to * R + my_row] = o;
-      if (norm) {
-        const float sq = group_sum_sq(valid ? o : 0.0f);
-        if (!valid) return;
-        float* part = ss_s + to * kGroupsPerHead + rank * groups + g;
-        if (copy == 0) *part = sq;
-        if (clustered && copy > 0 && copy < split) {
-          const int peer = (rank + copy) & (split - 1);
-          store_to_peer(cluster_shared_address(part, peer), sq,
-                        cluster_shared_address(norm_bar, peer));
-        }
-      }
+      if (owner) o_s[to * R + my_row] = o;
     };
     // Staged token t as the token steps read it; q_row: its q (output tokens; replayed ones have
     // none).
@@ -926,10 +936,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
         }
         for (int t = n_replay; t < tokens; ++t) {
           const TokenArgs x = token_args(t, q_s + (t - n_replay) * kHeadDim);
-          emit_output(t - n_replay, true,
+          emit_output(t - n_replay,
                       advance_rows_scaled<true>(s, scale_c, x.k, x.q, x.gates[2], x.gates[0],
                                                 x.gates[1], x.v, t + 1 < tokens, lane),
-                      (lane & 3) == 0, lane);
+                      (lane & 3) == 0);
         }
       } else {
         // Closed form: every dot product with the checkpoint rows first (batches of 4: lane holds
@@ -959,7 +969,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
           const bool output = d >= n_replay && d < dots;
           float o = 0.0f;
           if (output) o = o_s[(d - n_replay) * R + my_row] + dot;
-          emit_output(d - n_replay, output, o, true, lane >> 2);  // token d: lanes d & 3 + 4p
+          emit_output(d - n_replay, o, output);  // token d: lanes d & 3 + 4p
         }
         if (n_replay > 0) {
           __syncwarp();  // every lane's coefficients of the group's rows
@@ -997,15 +1007,24 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
         // The state after token t -> slot state_indices[n, t] (null: skipped).
         const int64_t dest = __shfl_sync(0xffffffffu, my_slot, t);
         if (dest >= args.first_valid_slot && dest >= 0) store_rows(dest);
-        emit_output(t, true, o, (lane & 3) == 0, lane);  // every lane holds token t
+        emit_output(t, o, (lane & 3) == 0);  // every lane holds token t
       }
+    }
+    if (kPartialsPerGroup && norm) {  // the group's outputs are in o_s: lane t takes token t
+      __syncwarp();
+      for (int t = lane; t < T; t += 32) push_partial(t, g);
     }
   }
 
   // 6. Gated RMSNorm over all 128 rows (the partials of every CTA of the cluster), in one fixed
   //    order whatever the split, then the outputs.
-  __syncthreads();  // o and this CTA's partials visible
+  __syncthreads();  // o (and with kPartialsPerGroup this CTA's partials) visible
   if (norm) {
+    if constexpr (!kPartialsPerGroup) {
+      for (int e = tid; e < T * groups; e += kThreads)
+        push_partial(e >> (log2_R - 3), e & (groups - 1));  // groups = R / 8
+      __syncthreads();                                      // this CTA's partials visible
+    }
     if (tid < T) {
       if (clustered) {  // the peers' partials: (split - 1) CTAs x groups x T floats
         if (tid == 0) mbarrier_arrive_expect_tx(norm_bar, uint32_t((split - 1) * groups * T * 4));
