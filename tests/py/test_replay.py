@@ -210,7 +210,7 @@ def test_chain_with_strong_decay(gen, device, form):
                                              (FP16, FP16)],
                          ids=["state_fp32_act_fp32", "state_fp32_act_bf16", "state_bf16",
                               "state_fp16"])
-@pytest.mark.parametrize("H,HV", [(4, 8), (1, 8), (3, 9)], ids=["r2", "r8", "r3"])
+@pytest.mark.parametrize("H,HV", [(4, 8), (1, 8), (3, 9), (8, 8)], ids=["r2", "r8", "r3", "r1"])
 @pytest.mark.parametrize("S", [8, 4], ids=["closed_form", "token_by_token_split2"])
 def test_chain_at_a_head_per_sm(gen, H, HV, state_dtype, act, S):
     """Between one and two heads per SM, the two launch choices of the CUDA replay kernel that
