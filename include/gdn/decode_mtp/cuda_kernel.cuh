@@ -565,10 +565,10 @@ __device__ __forceinline__ float gate_act(const KernelArgs& args, float zv) {
 // Values of act(z) a thread loads at once (all of them for T <= the batch at R = 128): 4, or 2 in
 // the fp32 write-all kernel, which spills with 4 (at 80 registers ptxas still keeps a few values
 // of some kernels in local memory, one or two L1 loads per chunk: fp32 write-all 4 bytes, bf16
-// closed-form replay 12). The first batch goes out with the token
-// staging's loads; a staging warp used to load its z after its tokens, a second round trip before
-// the first chunk (H200, B = 128: bf16 write-all T = 2 4 %, T = 4 4 %, replay T = 4 3-4 % faster;
-// T = 1 unchanged; benchmarks/results/z_batch_h200.json).
+// closed-form replay 12). The first batch goes out with the token staging's loads; a staging
+// warp used to load its z after its tokens, a second round trip before the first chunk (H200,
+// B = 128: bf16 write-all T = 2 4 %, T = 4 4 %, replay T = 4 3-4 % faster; T = 1 unchanged;
+// benchmarks/results/z_batch_h200.json).
 __host__ __device__ constexpr int z_batch(int state_bytes, bool replay) {
   return state_bytes == 4 && !replay ? 2 : 4;
 }
@@ -727,7 +727,6 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     if (row == DecodeRow::kPadded) return leave();  // nothing to read or write
     valid = row == DecodeRow::kLive;
   }
-  // An invalid row stores nothing, zero-fills its output rows inside [0, L) and is counted once.
   // The share of sum(o^2) of group g for output token t (from o_s), written as this CTA's partial
   // and pushed to every peer CTA of a split head (st.async, counted by their norm_bar). Taken from
   // o_s once a group's rows are done rather than per token in the token loop, which then spends no
@@ -745,6 +744,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
                       cluster_shared_address(norm_bar, peer));
       }
   };
+  // An invalid row stores nothing, zero-fills its output rows inside [0, L) and is counted once.
   auto reject_row = [&]() {
     const int64_t lo = c0 < 0 ? 0 : c0, hi = c1 > args.L ? args.L : c1;
     const int64_t count = hi > lo ? (hi - lo) * R : 0;

@@ -133,10 +133,9 @@ __global__ void __launch_bounds__(kSaveThreads)
   // Pass p: k/v units tid + kSaveThreads (kSaveBatch p + b), and element tid + kSaveThreads p of a
   // and of b (token e / HV, head e % HV). The pass count is the same in every thread.
   const int64_t kv_per_pass = int64_t(kSaveBatch) * kSaveThreads;
-  const int64_t passes =
-      (kv_count + kv_per_pass - 1) / kv_per_pass > (ab_count + kSaveThreads - 1) / kSaveThreads
-          ? (kv_count + kv_per_pass - 1) / kv_per_pass
-          : (ab_count + kSaveThreads - 1) / kSaveThreads;
+  const int64_t kv_passes = (kv_count + kv_per_pass - 1) / kv_per_pass;
+  const int64_t ab_passes = (ab_count + kSaveThreads - 1) / kSaveThreads;
+  const int64_t passes = kv_passes > ab_passes ? kv_passes : ab_passes;
   TokenUnit cursor(tid, per_token);
   for (int64_t p = 0; p < passes; ++p) {
     const TokenUnit first = cursor;
