@@ -400,6 +400,49 @@ def test_invalid_rows_inside_a_large_batch(gen, state_dtype):
         assert rel_l2(state[slot], ref.pool[slot]) <= bar, f"slot {slot}"
 
 
+@requires_cuda
+@pytest.mark.parametrize("layout", ["vk", "kv"])
+@pytest.mark.parametrize("state_dtype", [BF16, FP16], ids=["state_bf16", "state_fp16"])
+def test_single_token_form(gen, state_dtype, layout):
+    """Decode without drafts (S = 1) with a 16-bit state at seven heads per SM: on a device with an
+    H100's or H200's shared memory the launcher takes the kernel's single-token form there (eight
+    CTAs per SM, gdn/decode_mtp/cuda.cuh use_single_token). Padded rows (null slot ids) and
+    invalid rows (accepted count 0) included: valid requests match the reference, invalid ones
+    write no state and zero their rows, the counter counts them once."""
+    HV = 8
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    N = (7 * sm_count + HV - 1) // HV
+    assert 6 * sm_count < N * HV <= 8 * sm_count
+    T = [0 if i % 17 == 5 else 1 for i in range(N)]
+    case = case128(gen, H=1, HV=HV, S=1, T=T, act=BF16, state_dtype=state_dtype,
+                   layout=layout, first_valid_slot=1)
+    ref = case.reference()
+    before = case.pool_buffer.clone()
+    bad = {i for i in range(3, N, 11) if T[i] == 1}
+    dev = map_case(case, "cuda")
+    for i in bad:
+        dev.num_accepted_tokens[i] = 0
+    errors = torch.zeros(1, dtype=torch.int32, device="cuda")
+    dev.poison_out()
+    dev.run(error_count=errors)
+    torch.cuda.synchronize()
+    assert int(errors) == len(bad)
+    out, pool = dev.out.cpu(), dev.pool_buffer.cpu()
+    cu = case.cu_seqlens.tolist()
+    for i in range(N):
+        rows = list(range(cu[i], cu[i + 1]))
+        if i in bad:
+            assert torch.all(out[rows] == 0), f"request {i}"
+        elif rows:
+            assert rel_l2(out[rows], ref.out[rows]) <= OUT16_BAR, f"request {i}"
+    changed = (pool.view(torch.uint8) != before.view(torch.uint8)).any(-1).nonzero().flatten()
+    expected = {slot for slot, (i, _) in ref.written.items() if i not in bad}
+    assert set(changed.tolist()) <= expected
+    state = pool[:, : case.state[0].numel()].view(case.state.shape)
+    for slot in expected:
+        assert rel_l2(state[slot], ref.pool[slot]) <= STATE16_BAR, f"slot {slot}"
+
+
 # ---- graphs, streams, compile, other array libraries ---------------------------------------------
 
 # The function and the torch op (whose CUDA kernel is C++ when the package has the torch op

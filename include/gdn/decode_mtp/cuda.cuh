@@ -76,6 +76,27 @@ inline bool use_closed_form(int S, int64_t heads, int sm_count) {
   return S >= kClosedFormMinS && heads >= int64_t(sm_count);
 }
 
+// The single-token form (the kernel's kSingleToken): decode without drafts (S = 1) with a 16-bit
+// state, where eight of its CTAs fit an SM (`fits`: shared memory; the regular kernel holds six,
+// at 80 registers) and they take fewer waves than the regular kernel's, up to
+// kSingleTokenMaxHeadsPerSm heads per SM. The last wave of a launch is latency-bound, so one wave
+// fewer pays for the form's slower CTAs (three chunk buffers, local-memory spills at 64 registers);
+// with as many waves it is slower (H200, bf16, T = 1, against the regular kernel: 7.75 heads per
+// SM 18-19 % faster, 15.5 6-8 %, 23 3 %, 31 0-1 %; 5.8 (one wave either way) 14-15 % slower, 62
+// 1.4 %; benchmarks/results/single_token_h200.json).
+inline constexpr int kSingleTokenMaxHeadsPerSm = 32;
+inline bool use_single_token(int state_bytes, bool replay, int S, int64_t heads, int sm_count,
+                             bool fits) {
+  if (replay || state_bytes != 2 || S != 1 || !fits ||
+      heads > kSingleTokenMaxHeadsPerSm * int64_t(sm_count))
+    return false;
+  const auto waves = [&](int ctas_per_sm) {
+    const int64_t slots = int64_t(ctas_per_sm) * sm_count;
+    return (heads + slots - 1) / slots;
+  };
+  return waves(kSingleTokenCtasPerSm) < waves(kMinCtasPerSm);
+}
+
 // CTAs per head: 1 once every SM has a head, else the smallest split that gives every SM a CTA.
 // Deep windows (S >= 8) at four or more heads per SM take 2 (not replay in closed form, whose
 // per-CTA solve a split would repeat): a CTA stages the same S tokens (2S in replay) for half the
@@ -139,11 +160,20 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
   GDN_RETURN_IF_ERROR(device_info(device, &info));
   const int64_t heads = args.N * args.HV;
   const bool closed_form = kReplay && use_closed_form(args.S, heads, info.sm_count);
+  // The form's shared memory, and the 1 KB the runtime reserves per CTA, eight times over.
+  const size_t single_token_smem = shared_bytes<StateT>(1, 1, kSingleTokenBuffers, false, false);
+  const bool single_token = use_single_token(
+      int(sizeof(StateT)), kReplay, args.S, heads, info.sm_count,
+      kSingleTokenCtasPerSm * (single_token_smem + 1024) <= size_t(info.shared_per_sm));
   auto kernel = decode_mtp_kernel<StateT, kRatio, kReplay, false>;
   if constexpr (kReplay)
     if (closed_form) kernel = decode_mtp_kernel<StateT, kRatio, true, true>;
+  if constexpr (!kReplay && sizeof(StateT) == 2)
+    if (single_token) kernel = decode_mtp_kernel<StateT, kRatio, false, false, true>;
+  const int form = closed_form ? 1 : single_token ? 2 : 0;
   static std::atomic<int> ptx_cache[kMaxDevices];
-  static std::atomic<int> smem_cache[2][kMaxDevices];  // per kernel: token by token, closed form
+  // Per kernel form: token by token, closed form, single token.
+  static std::atomic<int> smem_cache[3][kMaxDevices];
   // sm_90 image: clusters, bulk copies and programmatic dependent launch.
   const bool hopper = info.major >= 9 && kernel_ptx_version(kernel, device, ptx_cache) >= 90;
   const int split = split_request > 0
@@ -159,14 +189,19 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
     return Status::unsupported("decode_mtp: too many (request, value head) pairs for one launch");
   args.split = split;
   args.bulk_load = hopper && args.state_vector;
-  args.buffers = choose_buffers(int(sizeof(StateT)), heads, info.sm_count, kReplay);
+  args.buffers = single_token ? kSingleTokenBuffers
+                              : choose_buffers(int(sizeof(StateT)), heads, info.sm_count, kReplay);
   args.evict_hints = use_evict_hints(int(sizeof(StateT)), heads, info.sm_count);
 
   const size_t smem = shared_bytes<StateT>(args.S, split, args.buffers, kReplay, closed_form);
-  GDN_RETURN_IF_ERROR(allow_dynamic_shared(
-      kernel, device,
-      int(shared_bytes<StateT>(kCudaMaxSpecColumns, 1, kMaxChunks, kReplay, closed_form)),
-      smem_cache[closed_form]));
+  // The ceiling covers every launch of the kernel. Eight single-token CTAs need all of an SM's
+  // shared memory (the largest carveout).
+  const int ceiling =
+      single_token
+          ? int(single_token_smem)
+          : int(shared_bytes<StateT>(kCudaMaxSpecColumns, 1, kMaxChunks, kReplay, closed_form));
+  GDN_RETURN_IF_ERROR(
+      allow_dynamic_shared(kernel, device, ceiling, smem_cache[form], single_token));
   return launch_ex(kernel, dim3(unsigned(heads * split)), dim3(unsigned(kThreads)), smem, split,
                    hopper, stream, args, kReplay ? "replay" : "decode_mtp");
 }

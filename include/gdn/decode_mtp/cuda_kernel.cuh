@@ -43,6 +43,10 @@
 // launch saves the new tokens into it (gdn/replay/cuda.cuh), so no CTA can overwrite a window row
 // another CTA still replays.
 //
+// Decode without drafts (S = 1) with a 16-bit state has a second form of the kernel
+// (kSingleToken): T and S compile-time 1 and 64 registers, so that eight CTAs fit an SM instead of
+// six. The launcher takes it where it saves a wave (use_single_token).
+//
 // Math and rounding follow gdn/decode_mtp/cpu.hpp (fp32 throughout, o kept fp32 into the norm,
 // 16-bit state stored round-to-nearest-even). Invalid rows (device-side indices) write no state,
 // zero-fill their output rows inside [0, L) and bump the optional error counter once. Every
@@ -99,6 +103,11 @@ inline constexpr int kMaxSplit = 8;                       // CTAs per head (port
 // 5 %, bf16 4 % faster than five at 96 registers; T = 8, where shared memory allows five, 1-3 %
 // slower; benchmarks/results/replay_v2_h200.json).
 inline constexpr int kMinCtasPerSm = 6;
+// Decode without drafts (S = 1) with a 16-bit state (the kernel's kSingleToken form): T and S are
+// compile-time 1 and the register budget 64, so that eight CTAs fit an SM with three chunk buffers
+// (the launcher's use_single_token says when).
+inline constexpr int kSingleTokenCtasPerSm = 8;
+inline constexpr int kSingleTokenBuffers = 3;
 // Shared-memory chunk buffers of a CTA (1..kMaxChunks, chosen by the launcher): a buffer is
 // refilled with a later chunk once every warp holds its rows in registers.
 static_assert(kCudaMaxSpecColumns <= 32, "slot ids of a row are read by the first lanes");
@@ -622,9 +631,12 @@ struct TokenArgs {
   float v;
 };
 
-template <class StateT, int kRatio, bool kReplay, bool kClosedForm = false>
-__global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
+template <class StateT, int kRatio, bool kReplay, bool kClosedForm = false,
+          bool kSingleToken = false>
+__global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm : kMinCtasPerSm)
     decode_mtp_kernel(const __grid_constant__ KernelArgs args) {
+  static_assert(!kSingleToken || (!kReplay && sizeof(StateT) == 2),
+                "the single-token form is write-all with a 16-bit state");
   extern __shared__ __align__(128) unsigned char smem[];
   using Bits = StateBits<StateT>;
   using Raw = typename Bits::Raw;
@@ -634,7 +646,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
   const int log2_R = 7 - (split == 1 ? 0 : split == 2 ? 1 : split == 4 ? 2 : 3);
   const int R = 1 << log2_R;  // rows of this CTA
   const int groups = R / kRowsPerGroup;
-  const int S = args.S;
+  const int S = kSingleToken ? 1 : args.S;
   const int HV = args.HV;
   constexpr bool closed_form = kReplay && kClosedForm;
   constexpr int kGateFloats = gate_floats(kReplay, closed_form);
@@ -759,9 +771,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     reject_row();
     return;
   }
-  const int T = int(c1 - c0);
-  const int n_replay = kReplay ? int(acc) : 0;  // window tokens replayed before the new ones
-  const int tokens = n_replay + T;              // staged tokens
+  const int T = kSingleToken ? 1 : int(c1 - c0);  // a valid row has 1 <= T <= S
+  const int n_replay = kReplay ? int(acc) : 0;    // window tokens replayed before the new ones
+  const int tokens = n_replay + T;                // staged tokens
   const int64_t head_elems = int64_t(kHeadDim) * kHeadDim;
   const int64_t head_offset = int64_t(hv) * head_elems;
 
