@@ -7,9 +7,10 @@
 // smaller CTAs pull their bytes in parallel); 2 in two measured cases (choose_split). Callers may
 // pin it (benchmarks do).
 //
-// The launcher allocates nothing and never synchronises. The only attribute it sets (the kernel's
-// dynamic shared memory ceiling) is set once per kernel and device and is not a stream operation,
-// so launches are safe inside CUDA-graph capture. On sm_90 images it launches with programmatic
+// The launcher allocates nothing and never synchronises. The attributes it sets (the kernel's
+// dynamic shared memory ceiling; for the single-token form also the largest carveout) are set once
+// per kernel and device and are not stream operations, so launches are safe inside CUDA-graph
+// capture. On sm_90 images it launches with programmatic
 // dependent launch (the kernel waits for earlier grids before its first read) and, for a split
 // head, as a thread-block cluster.
 #pragma once
@@ -82,8 +83,9 @@ inline bool use_closed_form(int S, int64_t heads, int sm_count) {
 // kSingleTokenMaxHeadsPerSm heads per SM. The last wave of a launch is latency-bound, so one wave
 // fewer pays for the form's slower CTAs (three chunk buffers, local-memory spills at 64 registers);
 // with as many waves it is slower (H200, bf16, T = 1, against the regular kernel: 7.75 heads per
-// SM 18-19 % faster, 15.5 6-8 %, 23 3 %, 31 0-1 %; 5.8 (one wave either way) 14-15 % slower, 62
-// 1.4 %; benchmarks/results/single_token_h200.json).
+// SM 18-19 % faster, 15.5 6-8 %, 23 3 %, 31 0-1 %, 62 1.4 % slower; at 5.8, one wave either way,
+// 14-15 % slower, from where the hardware placed the CTAs:
+// benchmarks/results/single_token_h200.json, cta_spread_h200.json).
 inline constexpr int kSingleTokenMaxHeadsPerSm = 32;
 inline bool use_single_token(int state_bytes, bool replay, int S, int64_t heads, int sm_count,
                              bool fits) {
