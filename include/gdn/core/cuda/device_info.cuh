@@ -16,22 +16,30 @@ inline constexpr int kMaxDevices = 64;
 struct DeviceInfo {
   int sm_count = 0;
   int major = 0;
-  int shared_per_sm = 0;  // bytes of shared memory an SM gives its resident CTAs
+  int shared_per_sm = 0;     // bytes of shared memory an SM gives its resident CTAs
+  int reserved_per_cta = 0;  // bytes of it the runtime reserves per CTA
+  int shared_per_cta = 0;    // the most a CTA may ask for (opting in)
 };
 
 inline Status device_info(int device, DeviceInfo* info) {
   static std::atomic<int> sm_count[kMaxDevices];
   static std::atomic<int> major[kMaxDevices];
   static std::atomic<int> shared_per_sm[kMaxDevices];
+  static std::atomic<int> reserved_per_cta[kMaxDevices];
+  static std::atomic<int> shared_per_cta[kMaxDevices];
   if (device < 0 || device >= kMaxDevices)
     return Status(StatusCode::kCudaError,
                   "device index " + std::to_string(device) + " out of range");
   int sms = sm_count[device].load(std::memory_order_acquire);
   if (sms == 0) {
-    int mj = 0, smem = 0;
+    int mj = 0, smem = 0, reserved = 0, optin = 0;
     if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
         cudaDeviceGetAttribute(&mj, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
         cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device) !=
+            cudaSuccess ||
+        cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device) !=
+            cudaSuccess ||
+        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
             cudaSuccess) {
       const cudaError_t err = cudaGetLastError();
       return Status(StatusCode::kCudaError,
@@ -39,11 +47,15 @@ inline Status device_info(int device, DeviceInfo* info) {
     }
     major[device].store(mj, std::memory_order_relaxed);
     shared_per_sm[device].store(smem, std::memory_order_relaxed);
+    reserved_per_cta[device].store(reserved, std::memory_order_relaxed);
+    shared_per_cta[device].store(optin, std::memory_order_relaxed);
     sm_count[device].store(sms, std::memory_order_release);
   }
   info->sm_count = sms;
   info->major = major[device].load(std::memory_order_relaxed);
   info->shared_per_sm = shared_per_sm[device].load(std::memory_order_relaxed);
+  info->reserved_per_cta = reserved_per_cta[device].load(std::memory_order_relaxed);
+  info->shared_per_cta = shared_per_cta[device].load(std::memory_order_relaxed);
   return Status::ok();
 }
 

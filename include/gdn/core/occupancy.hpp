@@ -1,0 +1,39 @@
+// Occupancy arithmetic of a CUDA launch, host only and free of CUDA headers (the CPU tests check
+// it): how much dynamic shared memory a CTA asks for so that a launch's CTAs spread evenly over the
+// SMs.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace gdn {
+
+// Bytes by which an SM allocates shared memory to a CTA (sm_80 and sm_90 allocate in 128-byte
+// units; one such unit covers the rounding).
+inline constexpr size_t kSharedAllocationUnit = 128;
+
+// The hardware does not spread a launch's CTAs evenly over the SMs when there are fewer than the
+// SMs hold at once: it fills some SMs to the kernel's occupancy and leaves others nearly empty,
+// and the launch lasts as long as its fullest SMs (H200, 512 CTAs of a kernel that fits six per
+// SM: one to six per SM; benchmarks/results/cta_spread_h200.json). A CTA that asks for more shared
+// memory than it uses caps the CTAs per SM at the even share, ceil(ctas / sm_count).
+//
+// Returns the dynamic shared memory to launch with (never less than `needed`): `needed` itself
+// when the even share is at least what fits an SM anyway (`max_resident` by registers and threads,
+// or fewer by `needed` bytes), else the least that lets the even share fit and one CTA more not.
+// `reserved_per_cta`: the shared memory the runtime reserves per CTA (1 KB on sm_80 and sm_90).
+inline size_t even_share_shared_bytes(size_t needed, int64_t ctas, int sm_count,
+                                      size_t shared_per_sm, size_t reserved_per_cta,
+                                      int max_resident) {
+  if (ctas <= 0 || sm_count <= 0 || shared_per_sm == 0) return needed;
+  const int64_t share = (ctas + sm_count - 1) / sm_count;
+  const int64_t fit = int64_t(shared_per_sm / (needed + reserved_per_cta));
+  const int64_t resident = fit < max_resident ? fit : int64_t(max_resident);
+  if (share >= resident) return needed;
+  const size_t slice = shared_per_sm / size_t(share + 1);  // share + 1 CTAs must not fit
+  if (slice <= reserved_per_cta) return needed;
+  const size_t padded = slice - reserved_per_cta + kSharedAllocationUnit;
+  return padded > needed ? padded : needed;
+}
+
+}  // namespace gdn
