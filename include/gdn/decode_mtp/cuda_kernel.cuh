@@ -419,7 +419,9 @@ __device__ __forceinline__ float advance_rows_scaled(GroupRows<kRows>& s, float&
   using G = GroupRows<kRows>;
   c *= alpha;
   if (!(c >= kFoldBelow)) fold_scale(s, c);  // uniform over the CTA; also catches alpha = 0
-  const float beta_v_over_c = beta * v * __frcp_rn(c);  // off the chain: depends on the gates only
+  // Off the chain (it depends on the gates only); c is normal (kFoldBelow <= c <= 1), so the
+  // hardware reciprocal (1 ulp) needs none of __frcp_rn's range handling.
+  const float beta_v_over_c = beta * v * __fdividef(1.0f, c);
   float pk[kRows], pq[kRows];
   lane_row_dots(s, k, lane, pk);
   if constexpr (kOutput) lane_row_dots(s, q, lane, pq);
@@ -937,21 +939,35 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
         // Token by token: the n accepted window tokens advance the state only; it goes to the
         // checkpoint once, after the last of them. Then the new tokens, outputs only.
         float scale_c = 1.0f;  // the rows hold S / scale_c (advance_rows_scaled)
+        // Token t's staged k, gates and v of row my_row, as running pointers (recomputing them
+        // from S and t cost about 20 instructions per token).
+        const float* k_t = k_s;
+        const float* gates_t = gates_s;
+        const float* v_t = v_s + my_row;
         for (int t = 0; t < n_replay; ++t) {
-          const TokenArgs x = token_args(t, nullptr);
-          advance_rows_scaled<false>(s, scale_c, x.k, x.q, 0.0f, x.gates[0], x.gates[1], x.v, true,
-                                     lane);
+          advance_rows_scaled<false>(s, scale_c, k_t, nullptr, 0.0f, gates_t[0], gates_t[1], *v_t,
+                                     true, lane);
+          k_t += kHeadDim;
+          gates_t += kGateFloats;
+          v_t += R;
         }
         if (n_replay > 0) {
           fold_scale(s, scale_c);
           store_rows(source);
         }
+        const float* q_t = q_s;
+        float* o_t = o_s + my_row;  // output token t - n of row my_row
+        const bool round_output = args.round_core_output;
         for (int t = n_replay; t < tokens; ++t) {
-          const TokenArgs x = token_args(t, q_s + (t - n_replay) * kHeadDim);
-          emit_output(t - n_replay,
-                      advance_rows_scaled<true>(s, scale_c, x.k, x.q, x.gates[2], x.gates[0],
-                                                x.gates[1], x.v, t + 1 < tokens, lane),
-                      (lane & 3) == 0);
+          float o = advance_rows_scaled<true>(s, scale_c, k_t, q_t, gates_t[2], gates_t[0],
+                                              gates_t[1], *v_t, t + 1 < tokens, lane);
+          if (round_output) o = dev::round_to(args.out_dtype, o);
+          if ((lane & 3) == 0) *o_t = o;
+          k_t += kHeadDim;
+          q_t += kHeadDim;
+          gates_t += kGateFloats;
+          v_t += R;
+          o_t += R;
         }
       } else {
         // Closed form: every dot product with the checkpoint rows first (batches of 4: lane holds
