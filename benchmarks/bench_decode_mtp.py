@@ -20,7 +20,7 @@ against a device-to-device copy measured in the same process (read + write bytes
 datasheet value.
 
 Usage: python benchmarks/bench_decode_mtp.py [--quick] [--sweep-split] [--no-fla] [--no-replay]
-       [--json PATH] [--png PATH] [--budget SECONDS]
+       [--tokens T ...] [--batches B ...] [--json PATH] [--png PATH] [--budget SECONDS]
 """
 
 from __future__ import annotations
@@ -499,6 +499,7 @@ def main():
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--no-replay", action="store_true", help="skip replay verify (T > 1 rows)")
     ap.add_argument("--tokens", type=int, nargs="+", help="T values (default: 1 2 4 8; --quick: 1 4)")
+    ap.add_argument("--batches", type=int, nargs="+", help=f"B values (default: {BATCHES})")
     ap.add_argument("--json", default="benchmarks/results/decode_mtp_h200.json")
     ap.add_argument("--png", default="benchmarks/results/decode_mtp_h200.png")
     ap.add_argument("--budget", type=float, default=220.0, help="stop starting configs after this")
@@ -513,12 +514,13 @@ def main():
           f"fla {env['fla']}, triton {env['triton']}", flush=True)
     shapes = ["TP1"] if args.quick else list(SHAPES)
     tokens = args.tokens or ([1, 4] if args.quick else TOKENS)
+    batches = args.batches or BATCHES
     results, skipped = [], []
-    configs = [(sh, B, T, sdt) for sh in shapes for sdt in DTYPES for T in tokens for B in BATCHES]
+    configs = [(sh, B, T, sdt) for sh in shapes for sdt in DTYPES for T in tokens for B in batches]
     if args.sweep_split:  # TP1 at T in {1, 4} (or --tokens), replay included where T > 1
         for sdt in DTYPES:
             for T in args.tokens or (1, 4):
-                for B in BATCHES:
+                for B in batches:
                     for split in (1, 2, 4, 8):
                         configs.append(("TP1", B, T, sdt, split))
     for cfg in configs:
