@@ -8,11 +8,12 @@
 // pin it (benchmarks do).
 //
 // The launcher allocates nothing and never synchronises. The attributes it sets (the kernel's
-// dynamic shared memory ceiling; for the single-token form also the largest carveout) are set once
-// per kernel and device and are not stream operations, so launches are safe inside CUDA-graph
-// capture. On sm_90 images it launches with programmatic
-// dependent launch (the kernel waits for earlier grids before its first read) and, for a split
-// head, as a thread-block cluster.
+// dynamic shared memory ceiling, the device's opt-in maximum, and the largest carveout) are set
+// once per kernel and device and are not stream operations, so launches are safe inside CUDA-graph
+// capture. A launch with fewer CTAs than the SMs hold asks for more shared memory than it uses, to
+// spread its CTAs evenly; on those SMs it leaves less room for kernels of other streams. On sm_90
+// images it launches with programmatic dependent launch (the kernel waits for earlier grids before
+// its first read) and, for a split head, as a thread-block cluster.
 #pragma once
 
 #include <cuda_runtime.h>
