@@ -120,6 +120,13 @@ inline int choose_split(int64_t heads, int sm_count, bool clusters, int S, bool 
   return split;
 }
 
+// The largest cluster whose launches are spread evenly over the SMs (launch_kernel). H200, bf16
+// and fp32, against the hardware's placement: T = 1, B = 16 (512 CTAs) 18.9 -> 14.5 us bf16, 25.5
+// -> 21.3 fp32; replay T = 4, B = 8 (clusters of 2) 9-14 % faster; B = 1 (256 CTAs in clusters of
+// 8, two per SM) 60-80 % slower, presumably because the clusters no longer all fit at once
+// (benchmarks/results/cta_spread_h200.json).
+inline constexpr int kMaxSpreadCluster = 2;
+
 // Launches `kernel` with the config's grid, block and shared memory on `stream`, as a cluster of
 // `cluster` CTAs when > 1 and with programmatic dependent launch when `pdl`.
 template <class Kernel, class Args>
@@ -199,14 +206,17 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
   args.evict_hints = use_evict_hints(int(sizeof(StateT)), heads, info.sm_count);
 
   // Fewer CTAs than the SMs hold: each asks for the shared memory that caps the CTAs per SM at the
-  // even share, so that the hardware spreads them over every SM (gdn/core/occupancy.hpp; H200,
-  // bf16 T = 1, B = 16: 18.9 -> 15.0 us, replay T = 4, B = 8: 22.2 -> 20.0 us;
-  // benchmarks/results/cta_spread_h200.json). The occupancy arithmetic assumes the largest
-  // carveout, and the kernel may ask for up to all of an SM's shared memory.
-  const size_t smem = even_share_shared_bytes(
-      shared_bytes<StateT>(args.S, split, args.buffers, kReplay, closed_form), heads * split,
-      info.sm_count, size_t(info.shared_per_sm), size_t(info.reserved_per_cta),
-      single_token ? kSingleTokenCtasPerSm : kMinCtasPerSm);
+  // even share, so that the hardware spreads them over every SM (gdn/core/occupancy.hpp). Not for
+  // clusters of more than kMaxSpreadCluster CTAs, which then no longer fit a GPC at once.
+  // The occupancy arithmetic assumes the largest carveout, and the kernel may ask for up to all of
+  // an SM's shared memory.
+  const size_t needed = shared_bytes<StateT>(args.S, split, args.buffers, kReplay, closed_form);
+  const size_t smem =
+      split > kMaxSpreadCluster
+          ? needed
+          : even_share_shared_bytes(needed, heads * split, info.sm_count,
+                                    size_t(info.shared_per_sm), size_t(info.reserved_per_cta),
+                                    single_token ? kSingleTokenCtasPerSm : kMinCtasPerSm);
   GDN_RETURN_IF_ERROR(
       allow_dynamic_shared(kernel, device, info.shared_per_cta, smem_cache[form], true));
   return launch_ex(kernel, dim3(unsigned(heads * split)), dim3(unsigned(kThreads)), smem, split,
