@@ -120,11 +120,12 @@ inline int choose_split(int64_t heads, int sm_count, bool clusters, int S, bool 
   return split;
 }
 
-// The largest cluster whose launches are spread evenly over the SMs (launch_kernel). H200, bf16
-// and fp32, against the hardware's placement: T = 1, B = 16 (512 CTAs) 18.9 -> 14.5 us bf16, 25.5
-// -> 21.3 fp32; replay T = 4, B = 8 (clusters of 2) 9-14 % faster; B = 1 (256 CTAs in clusters of
-// 8, two per SM) 60-80 % slower, presumably because the clusters no longer all fit at once
-// (benchmarks/results/cta_spread_h200.json).
+// The largest cluster whose launches are spread evenly over the SMs (launch_kernel). H200, against
+// the hardware's placement, same run: B = 16 (512 CTAs) T = 1 bf16 18.4 -> 14.7 us, fp32 25.6 ->
+// 21.2, T = 4 10-11 % faster; replay T = 4 and 8, B = 8 (clusters of 2) 7-13 % faster with the
+// leaner replay token step; B >= 32 unchanged (+-1.4 %). B = 1 (256 CTAs in clusters of 8, two per
+// SM when padded) measured 60-80 % slower, presumably because the clusters no longer all fit at
+// once (benchmarks/results/cta_spread_replay_step_h200.json, cta_spread_h200.json).
 inline constexpr int kMaxSpreadCluster = 2;
 
 // Launches `kernel` with the config's grid, block and shared memory on `stream`, as a cluster of
