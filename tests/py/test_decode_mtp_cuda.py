@@ -423,6 +423,23 @@ def test_single_token_form(gen, state_dtype, layout):
     check_invalid_rows(case, {i for i in range(3, N, 11) if T[i] == 1}, STATE16_BAR)
 
 
+@requires_cuda
+@pytest.mark.parametrize("state_dtype", [FP32, BF16], ids=["state_fp32", "state_bf16"])
+def test_one_to_two_heads_per_sm(gen, state_dtype):
+    """Between one and two heads per SM with S <= 4 the launcher splits each head over 2 CTAs and
+    spreads them evenly over the SMs (gdn/decode_mtp/cuda.cuh choose_split): padded rows, invalid
+    rows and every T up to S."""
+    HV = 8
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    N = sm_count // HV + 2
+    assert sm_count <= N * HV < 2 * sm_count
+    T = [0 if i % 13 == 4 else 1 + i % 4 for i in range(N)]
+    case = case128(gen, H=2, HV=HV, S=4, T=T, act=BF16, state_dtype=state_dtype,
+                   first_valid_slot=1)
+    bar = FP32_BAR if state_dtype == FP32 else STATE16_BAR
+    check_invalid_rows(case, {i for i in range(2, N, 7) if T[i] > 0}, bar)
+
+
 # ---- graphs, streams, compile, other array libraries ---------------------------------------------
 
 # The function and the torch op (whose CUDA kernel is C++ when the package has the torch op

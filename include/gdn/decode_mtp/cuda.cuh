@@ -106,15 +106,20 @@ inline bool use_single_token(int state_bytes, bool replay, int S, int64_t heads,
 // per-CTA solve a split would repeat): a CTA stages the same S tokens (2S in replay) for half the
 // rows, so twice as many CTAs fit an SM's shared memory (H200, T = 8 with an fp32 state: write-all
 // B = 32 5 % faster, token-by-token replay B = 128 and 512 7 %; 16-bit states within 1 % or
-// faster; benchmarks/results/split_sweep_h200.json). Token-by-token replay, bound by the latency
-// of its token chain, also takes 2 between one and two heads per SM (H200, B = 8, T = 4: fp32
-// 31.2 -> 28.6 us, bf16 31.8 -> 26.0; from two heads per SM (B = 16) it is slower;
-// benchmarks/results/replay_split_h200.json).
+// faster; benchmarks/results/split_sweep_h200.json). Between one and two heads per SM, where the
+// launch is latency-bound, token-by-token replay and write-all up to S = 4 also take 2, spread
+// evenly over the SMs (H200, B = 8: replay T = 4 fp32 31.2 -> 28.6 us, bf16 31.8 -> 26.0,
+// benchmarks/results/replay_split_h200.json; write-all bf16 T = 1 10.7 -> 9.9, T = 4 19.0 -> 16.9,
+// fp32 T = 4 27.7 -> 26.0, fp32 T = 1 13.0 -> 13.2, benchmarks/results/split_b8_h200.json; S = 2
+// and 3 taken with the measured 1 and 4; replay from two heads per SM is slower).
+inline constexpr int kSplitTwoMaxS = 4;  // write-all, one to two heads per SM
 inline int choose_split(int64_t heads, int sm_count, bool clusters, int S, bool replay,
                         bool closed_form) {
   if (!clusters) return 1;
   if (S >= 8 && heads >= 4 * int64_t(sm_count) && !closed_form) return 2;
-  if (replay && !closed_form && heads >= sm_count && heads < 2 * int64_t(sm_count)) return 2;
+  if ((replay || S <= kSplitTwoMaxS) && !closed_form && heads >= sm_count &&
+      heads < 2 * int64_t(sm_count))
+    return 2;
   int split = 1;
   while (split < kMaxSplit && heads * split < sm_count) split *= 2;
   return split;
