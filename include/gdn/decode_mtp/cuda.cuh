@@ -213,9 +213,9 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
 
   // Fewer CTAs than the SMs hold: each asks for the shared memory that caps the CTAs per SM at the
   // even share, so that the hardware spreads them over every SM (gdn/core/occupancy.hpp). Not for
-  // clusters of more than kMaxSpreadCluster CTAs, which then no longer fit a GPC at once.
-  // The occupancy arithmetic assumes the largest carveout, and the kernel may ask for up to all of
-  // an SM's shared memory.
+  // clusters of more than kMaxSpreadCluster CTAs, which measured slower padded. The occupancy
+  // arithmetic assumes the largest carveout, and the kernel may ask for up to all of an SM's shared
+  // memory.
   const size_t needed = shared_bytes<StateT>(args.S, split, args.buffers, kReplay, closed_form);
   const size_t smem =
       split > kMaxSpreadCluster
