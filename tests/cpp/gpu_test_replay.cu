@@ -89,7 +89,8 @@ std::vector<ChainParam> gpu_chain_params() {
   c = gpu_config(4, 8, vk, 191);
   c.N = 20;
   out.push_back({"r8_large_batch", c, 6});
-  // ... and a deep window: the kernel's closed form (decode_mtp/cuda.cuh: use_closed_form).
+  // ... and a deep window: the kernel's closed form (use_closed_form in
+  // decode_mtp/cuda_launch_rules.hpp).
   c = gpu_config(4, 8, vk, 201);
   c.N = 20;
   c.S = 8;

@@ -411,8 +411,8 @@ def check_invalid_rows(case, bad, state_tol):
 def test_single_token_form(gen, state_dtype, layout):
     """Decode without drafts (S = 1) with a 16-bit state at seven heads per SM: on a device with an
     H100's or H200's shared memory the launcher takes the kernel's single-token form there (eight
-    CTAs per SM, gdn/decode_mtp/cuda.cuh use_single_token), with padded rows (null slot ids) and
-    invalid rows."""
+    CTAs per SM, use_single_token in gdn/decode_mtp/cuda_launch_rules.hpp), with padded rows (null
+    slot ids) and invalid rows."""
     HV = 8
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     N = (7 * sm_count + HV - 1) // HV
@@ -427,7 +427,7 @@ def test_single_token_form(gen, state_dtype, layout):
 @pytest.mark.parametrize("state_dtype", [FP32, BF16], ids=["state_fp32", "state_bf16"])
 def test_one_to_two_heads_per_sm(gen, state_dtype):
     """Between one and two heads per SM with S <= 4 the launcher splits each head over 2 CTAs and
-    spreads them evenly over the SMs (gdn/decode_mtp/cuda.cuh choose_split): padded rows, invalid
+    spreads them evenly over the SMs (gdn/decode_mtp/cuda_launch_rules.hpp): padded rows, invalid
     rows and every T up to S."""
     HV = 8
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count

@@ -180,8 +180,8 @@ def test_chain_against_float64_reference(gen, device, H, HV, state_dtype, act):
 
 def closed_form_batch(HV):
     """Requests enough for a head per SM (and fewer than two): with S >= 8 the CUDA kernel then
-    replays in closed form (gdn/decode_mtp/cuda.cuh: use_closed_form), below that token by token
-    with each head split over 2 CTAs (choose_split)."""
+    replays in closed form, below that token by token with each head split over 2 CTAs
+    (use_closed_form, choose_split: gdn/decode_mtp/cuda_launch_rules.hpp)."""
     return torch.cuda.get_device_properties(0).multi_processor_count // HV + 2
 
 

@@ -4,8 +4,9 @@
 // The grid is one CTA per (request, value head, row block). The row split (CTAs per head) is a
 // pure function of the shapes and the device: 1 once there are at least as many heads as SMs,
 // else the smallest of 2, 4, 8 that gives every SM a CTA (small batches are latency-bound: more,
-// smaller CTAs pull their bytes in parallel); 2 in two measured cases (choose_split). Callers may
-// pin it (benchmarks do).
+// smaller CTAs pull their bytes in parallel); 2 in two measured cases. Callers may pin it
+// (benchmarks do). This and every other choice of a launch (kernel form, chunk buffers, L2 hints,
+// shared memory) are the rules of gdn/decode_mtp/cuda_launch_rules.hpp.
 //
 // The launcher allocates nothing and never synchronises. The attributes it sets (the kernel's
 // dynamic shared memory ceiling, the device's opt-in maximum, and the largest carveout) are set
@@ -25,9 +26,9 @@
 
 #include "gdn/core/cuda/device_info.cuh"
 #include "gdn/core/dispatch.hpp"
-#include "gdn/core/occupancy.hpp"
 #include "gdn/core/support.hpp"
 #include "gdn/decode_mtp/cuda_kernel.cuh"
+#include "gdn/decode_mtp/cuda_launch_rules.hpp"
 #include "gdn/decode_mtp/params.hpp"
 
 namespace gdn::decode_mtp {
@@ -45,93 +46,6 @@ inline size_t shared_bytes(int S, int split, int buffers, bool replay, bool clos
   return size_t(
       SmemPlan(S, kHeadDim / split, int(sizeof(StateT)), buffers, replay, closed_form).total);
 }
-
-// Chunk buffers per CTA. Write-all: a 16-bit slice keeps one per chunk. An fp32 slice streams its
-// 4 chunks through 3 (4 CTAs fit an SM instead of 3), except for small batches (fewer than 4 heads
-// per SM), where 2 buffers measured faster at T > 1 (H200, benchmarks/results/tuning_v2.json:
-// T = 4, B = 8: 28.6 us with 2, 32.5 us with 3; B = 32: 104 us with 2, 97 us with 3). Replay, whose
-// CTAs also stage up to 2S tokens and are bound by latency and issue more than by bytes, wants as
-// many CTAs per SM as its registers allow (kMinCtasPerSm; shared memory allows them at S <= 5): 2
-// buffers, and 1 for an fp32 slice from 4 heads per SM (fp32, B = 128: T = 4 6 % and T = 8 21 %
-// faster than 2 buffers at 4 CTAs per SM; benchmarks/results/replay_v2_h200.json).
-inline int choose_buffers(int state_bytes, int64_t heads, int sm_count, bool replay) {
-  const bool small_batch = heads < 4 * int64_t(sm_count);
-  if (replay) return state_bytes == 4 && !small_batch ? 1 : 2;
-  if (state_bytes != 4) return kMaxChunks;
-  return small_batch ? 2 : 3;
-}
-
-// L2 eviction hints on the state stream (evict-first bulk loads, streaming stores): on, except for
-// an fp32 state at batches of at least 16 heads per SM, which stream faster without them (H200,
-// fp32 T = 1: B = 128 143 vs 146 us, B = 512 548 vs 572 us; smaller batches and 16-bit states are
-// as fast or faster with them; benchmarks/results/tuning_v3_hints.json).
-inline bool use_evict_hints(int state_bytes, int64_t heads, int sm_count) {
-  return state_bytes != 4 || heads < 16 * int64_t(sm_count);
-}
-
-// Replay's form (the kernel's kClosedForm): the closed form once every SM has a head and the window
-// is deep, token by token otherwise. The closed form's per-CTA solve costs latency that small
-// batches cannot hide, and at S < 8 its shorter token loop does not pay for it (H200, one head per
-// CTA, against token by token: T = 8, B = 32 to 512 10-13 % faster, B = 8 4 %; T = 4, B = 128
-// fp32 7 % slower, B = 1 25-40 % slower; benchmarks/results/replay_closed_form_h200.json).
-inline constexpr int kClosedFormMinS = 8;
-inline bool use_closed_form(int S, int64_t heads, int sm_count) {
-  return S >= kClosedFormMinS && heads >= int64_t(sm_count);
-}
-
-// The single-token form (the kernel's kSingleToken): decode without drafts (S = 1) with a 16-bit
-// state, where eight of its CTAs fit an SM (`fits`: shared memory; the regular kernel holds six,
-// at 80 registers) and they take fewer waves than the regular kernel's, up to
-// kSingleTokenMaxHeadsPerSm heads per SM. The last wave of a launch is latency-bound, so one wave
-// fewer pays for the form's slower CTAs (three chunk buffers, local-memory spills at 64 registers);
-// with as many waves it is slower (H200, bf16, T = 1, against the regular kernel: 7.75 heads per
-// SM 18-19 % faster, 15.5 6-8 %, 23 3 %, 31 0-1 %, 62 1.4 % slower; at 5.8, one wave either way,
-// 14-15 % slower, from where the hardware placed the CTAs:
-// benchmarks/results/single_token_h200.json, cta_spread_h200.json).
-inline constexpr int kSingleTokenMaxHeadsPerSm = 32;
-inline bool use_single_token(int state_bytes, bool replay, int S, int64_t heads, int sm_count,
-                             bool fits) {
-  if (replay || state_bytes != 2 || S != 1 || !fits ||
-      heads > kSingleTokenMaxHeadsPerSm * int64_t(sm_count))
-    return false;
-  const auto waves = [&](int ctas_per_sm) {
-    const int64_t slots = int64_t(ctas_per_sm) * sm_count;
-    return (heads + slots - 1) / slots;
-  };
-  return waves(kSingleTokenCtasPerSm) < waves(kMinCtasPerSm);
-}
-
-// CTAs per head: 1 once every SM has a head, else the smallest split that gives every SM a CTA.
-// Deep windows (S >= 8) at four or more heads per SM take 2 (not replay in closed form, whose
-// per-CTA solve a split would repeat): a CTA stages the same S tokens (2S in replay) for half the
-// rows, so twice as many CTAs fit an SM's shared memory (H200, T = 8 with an fp32 state: write-all
-// B = 32 5 % faster, token-by-token replay B = 128 and 512 7 %; 16-bit states within 1 % or
-// faster; benchmarks/results/split_sweep_h200.json). Between one and two heads per SM, where the
-// launch is latency-bound, token-by-token replay and write-all up to S = 4 also take 2, spread
-// evenly over the SMs (H200, B = 8: replay T = 4 fp32 31.2 -> 28.6 us, bf16 31.8 -> 26.0,
-// benchmarks/results/replay_split_h200.json; write-all bf16 T = 1 10.7 -> 9.9, T = 4 19.0 -> 16.9,
-// fp32 T = 4 27.7 -> 26.0, fp32 T = 1 13.0 -> 13.2, benchmarks/results/split_b8_h200.json; S = 2
-// and 3 taken with the measured 1 and 4; replay from two heads per SM is slower).
-inline constexpr int kSplitTwoMaxS = 4;  // write-all, one to two heads per SM
-inline int choose_split(int64_t heads, int sm_count, bool clusters, int S, bool replay,
-                        bool closed_form) {
-  if (!clusters) return 1;
-  if (S >= 8 && heads >= 4 * int64_t(sm_count) && !closed_form) return 2;
-  if ((replay || S <= kSplitTwoMaxS) && !closed_form && heads >= sm_count &&
-      heads < 2 * int64_t(sm_count))
-    return 2;
-  int split = 1;
-  while (split < kMaxSplit && heads * split < sm_count) split *= 2;
-  return split;
-}
-
-// The largest cluster whose launches are spread evenly over the SMs (launch_kernel). H200, against
-// the hardware's placement, same run: B = 16 (512 CTAs) T = 1 bf16 18.4 -> 14.7 us, fp32 25.6 ->
-// 21.2, T = 4 10-11 % faster; replay T = 4 and 8, B = 8 (clusters of 2) 7-13 % faster with the
-// leaner replay token step; B >= 32 unchanged (+-1.4 %). B = 1 (256 CTAs in clusters of 8, two per
-// SM when padded) measured 60-80 % slower, presumably because the clusters no longer all fit at
-// once (benchmarks/results/cta_spread_replay_step_h200.json, cta_spread_h200.json).
-inline constexpr int kMaxSpreadCluster = 2;
 
 // Launches `kernel` with the config's grid, block and shared memory on `stream`, as a cluster of
 // `cluster` CTAs when > 1 and with programmatic dependent launch when `pdl`.
@@ -211,20 +125,13 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
                               : choose_buffers(int(sizeof(StateT)), heads, info.sm_count, kReplay);
   args.evict_hints = use_evict_hints(int(sizeof(StateT)), heads, info.sm_count);
 
-  // Fewer CTAs than the SMs hold: each asks for the shared memory that caps the CTAs per SM at the
-  // even share, so that the hardware spreads them over every SM (gdn/core/occupancy.hpp). Not for
-  // clusters of more than kMaxSpreadCluster CTAs, which measured slower padded. The occupancy
-  // arithmetic assumes the largest carveout, and the kernel may ask for up to all of an SM's shared
-  // memory.
-  const size_t needed = shared_bytes<StateT>(args.S, split, args.buffers, kReplay, closed_form);
-  const size_t smem =
-      split > kMaxSpreadCluster
-          ? needed
-          : even_share_shared_bytes(needed, heads * split, info.sm_count,
-                                    size_t(info.shared_per_sm), size_t(info.reserved_per_cta),
-                                    single_token ? kSingleTokenCtasPerSm : kMinCtasPerSm);
-  GDN_RETURN_IF_ERROR(
-      allow_dynamic_shared(kernel, device, info.shared_per_cta, smem_cache[form], true));
+  // A launch with fewer CTAs than the SMs hold asks for the shared memory that spreads its CTAs
+  // evenly (launch_shared_bytes). That arithmetic assumes the largest carveout, and the kernel may
+  // ask for up to all of an SM's shared memory.
+  const size_t smem = launch_shared_bytes(
+      shared_bytes<StateT>(args.S, split, args.buffers, kReplay, closed_form), heads, split,
+      single_token, info.sm_count, size_t(info.shared_per_sm), size_t(info.reserved_per_cta));
+  GDN_RETURN_IF_ERROR(allow_dynamic_shared(kernel, device, info.shared_per_cta, smem_cache[form]));
   return launch_ex(kernel, dim3(unsigned(heads * split)), dim3(unsigned(kThreads)), smem, split,
                    hopper, stream, args, kReplay ? "replay" : "decode_mtp");
 }

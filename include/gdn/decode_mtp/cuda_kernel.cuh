@@ -58,6 +58,7 @@
 #include "gdn/core/cuda/device.cuh"
 #include "gdn/core/dispatch.hpp"
 #include "gdn/core/support.hpp"
+#include "gdn/decode_mtp/cuda_launch_rules.hpp"
 
 namespace gdn::decode_mtp::cuda_detail {
 
@@ -87,29 +88,6 @@ using dev::transpose_sum;
 using dev::wait_for_prior_grids;
 using dev::warp_sum;
 
-inline constexpr int kHeadDim = 128;                             // K = V of this kernel
-inline constexpr int kRowsPerGroup = 8;                          // V rows a warp holds at a time
-inline constexpr int kGroupsPerHead = kHeadDim / kRowsPerGroup;  // 16
-inline constexpr int kWarps = 4;
-inline constexpr int kThreads = kWarps * 32;
-inline constexpr int kChunkRows =
-    kWarps * kRowsPerGroup;  // rows per bulk copy (one pass of the warps)
-inline constexpr int kMaxChunks = kHeadDim / kChunkRows;  // 4
-inline constexpr int kMaxSplit = 8;                       // CTAs per head (portable cluster size)
-// Register budget: six CTAs per SM (80 registers, no spills) in both modes. Write-all: a 16-bit
-// slice at T = 1 fits six by shared memory. Replay (2 rows per lane, the decay as a scalar:
-// advance_rows_scaled) is bound by latency and issue more than by bytes, and its launcher picks
-// the chunk buffers that let as many CTAs fit (choose_buffers): six at S <= 5 (B = 128, T = 4: fp32
-// 5 %, bf16 4 % faster than five at 96 registers; T = 8, where shared memory allows five, 1-3 %
-// slower; benchmarks/results/replay_v2_h200.json).
-inline constexpr int kMinCtasPerSm = 6;
-// Decode without drafts (S = 1) with a 16-bit state (the kernel's kSingleToken form): T and S are
-// compile-time 1 and the register budget 64, so that eight CTAs fit an SM with three chunk buffers
-// (the launcher's use_single_token says when).
-inline constexpr int kSingleTokenCtasPerSm = 8;
-inline constexpr int kSingleTokenBuffers = 3;
-// Shared-memory chunk buffers of a CTA (1..kMaxChunks, chosen by the launcher): a buffer is
-// refilled with a later chunk once every warp holds its rows in registers.
 static_assert(kCudaMaxSpecColumns <= 32, "slot ids of a row are read by the first lanes");
 
 // Plain-data copy of Params/Problem for the kernel (TensorView is host-side).

@@ -78,14 +78,12 @@ inline int kernel_ptx_version(Kernel kernel, int device, std::atomic<int> (&cach
   return v;
 }
 
-// Lets `kernel` take up to `bytes` of dynamic shared memory on `device`, and with `max_carveout`
-// prefer the largest shared-memory carveout (a kernel whose occupancy needs all of an SM's shared
-// memory): attribute calls once per (kernel, device), not stream operations, so they are also
-// safe while a graph is being captured.
+// Lets `kernel` take up to `bytes` of dynamic shared memory on `device` and prefer the largest
+// shared-memory carveout (the launcher's occupancy arithmetic assumes it): attribute calls once per
+// (kernel, device), not stream operations, so they are also safe while a graph is being captured.
 template <class Kernel>
 inline Status allow_dynamic_shared(Kernel kernel, int device, int bytes,
-                                   std::atomic<int> (&cache)[kMaxDevices],
-                                   bool max_carveout = false) {
+                                   std::atomic<int> (&cache)[kMaxDevices]) {
   if (device < 0 || device >= kMaxDevices)
     return Status(StatusCode::kCudaError,
                   "device index " + std::to_string(device) + " out of range");
@@ -97,8 +95,8 @@ inline Status allow_dynamic_shared(Kernel kernel, int device, int bytes,
         StatusCode::kCudaError,
         std::string("cannot set the kernel's shared memory size: ") + cudaGetErrorString(err));
   }
-  if (max_carveout && cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                           int(cudaSharedmemCarveoutMaxShared)) != cudaSuccess) {
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                           int(cudaSharedmemCarveoutMaxShared)) != cudaSuccess) {
     const cudaError_t err = cudaGetLastError();
     return Status(
         StatusCode::kCudaError,

@@ -1,0 +1,133 @@
+// The CUDA decode_mtp launcher's rules (gdn/decode_mtp/cuda.cuh): the kernel's CTA shape and
+// occupancy budget, and the pure functions of the shapes and the device that pick a launch's kernel
+// form, head split, chunk buffers, L2 hints and shared memory. Host only and free of CUDA headers,
+// so that the CPU tests pin every rule (tests/cpp/test_launch_rules.cpp).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "gdn/core/occupancy.hpp"
+
+namespace gdn::decode_mtp::cuda_detail {
+
+inline constexpr int kHeadDim = 128;                             // K = V of this kernel
+inline constexpr int kRowsPerGroup = 8;                          // V rows a warp holds at a time
+inline constexpr int kGroupsPerHead = kHeadDim / kRowsPerGroup;  // 16
+inline constexpr int kWarps = 4;
+inline constexpr int kThreads = kWarps * 32;
+inline constexpr int kChunkRows =
+    kWarps * kRowsPerGroup;  // rows per bulk copy (one pass of the warps)
+inline constexpr int kMaxChunks = kHeadDim / kChunkRows;  // 4
+inline constexpr int kMaxSplit = 8;                       // CTAs per head (portable cluster size)
+// Register budget: six CTAs per SM (80 registers, no spills) in both modes. Write-all: a 16-bit
+// slice at T = 1 fits six by shared memory. Replay (2 rows per lane, the decay as a scalar:
+// advance_rows_scaled) is bound by latency and issue more than by bytes, and its launcher picks
+// the chunk buffers that let as many CTAs fit (choose_buffers): six at S <= 5 (B = 128, T = 4: fp32
+// 5 %, bf16 4 % faster than five at 96 registers; T = 8, where shared memory allows five, 1-3 %
+// slower; benchmarks/results/replay_v2_h200.json).
+inline constexpr int kMinCtasPerSm = 6;
+// Decode without drafts (S = 1) with a 16-bit state (the kernel's kSingleToken form): T and S are
+// compile-time 1 and the register budget 64, so that eight CTAs fit an SM with three chunk buffers
+// (the launcher's use_single_token says when).
+inline constexpr int kSingleTokenCtasPerSm = 8;
+inline constexpr int kSingleTokenBuffers = 3;
+
+// Chunk buffers per CTA. Write-all: a 16-bit slice keeps one per chunk. An fp32 slice streams its
+// 4 chunks through 3 (4 CTAs fit an SM instead of 3), except for small batches (fewer than 4 heads
+// per SM), where 2 buffers measured faster at T > 1 (H200, benchmarks/results/tuning_v2.json:
+// T = 4, B = 8: 28.6 us with 2, 32.5 us with 3; B = 32: 104 us with 2, 97 us with 3). Replay, whose
+// CTAs also stage up to 2S tokens and are bound by latency and issue more than by bytes, wants as
+// many CTAs per SM as its registers allow (kMinCtasPerSm; shared memory allows them at S <= 5): 2
+// buffers, and 1 for an fp32 slice from 4 heads per SM (fp32, B = 128: T = 4 6 % and T = 8 21 %
+// faster than 2 buffers at 4 CTAs per SM; benchmarks/results/replay_v2_h200.json).
+inline int choose_buffers(int state_bytes, int64_t heads, int sm_count, bool replay) {
+  const bool small_batch = heads < 4 * int64_t(sm_count);
+  if (replay) return state_bytes == 4 && !small_batch ? 1 : 2;
+  if (state_bytes != 4) return kMaxChunks;
+  return small_batch ? 2 : 3;
+}
+
+// L2 eviction hints on the state stream (evict-first bulk loads, streaming stores): on, except for
+// an fp32 state at batches of at least 16 heads per SM, which stream faster without them (H200,
+// fp32 T = 1: B = 128 143 vs 146 us, B = 512 548 vs 572 us; smaller batches and 16-bit states are
+// as fast or faster with them; benchmarks/results/tuning_v3_hints.json).
+inline bool use_evict_hints(int state_bytes, int64_t heads, int sm_count) {
+  return state_bytes != 4 || heads < 16 * int64_t(sm_count);
+}
+
+// Replay's form (the kernel's kClosedForm): the closed form once every SM has a head and the window
+// is deep, token by token otherwise. The closed form's per-CTA solve costs latency that small
+// batches cannot hide, and at S < 8 its shorter token loop does not pay for it (H200, one head per
+// CTA, against token by token: T = 8, B = 32 to 512 10-13 % faster, B = 8 4 %; T = 4, B = 128
+// fp32 7 % slower, B = 1 25-40 % slower; benchmarks/results/replay_closed_form_h200.json).
+inline constexpr int kClosedFormMinS = 8;
+inline bool use_closed_form(int S, int64_t heads, int sm_count) {
+  return S >= kClosedFormMinS && heads >= int64_t(sm_count);
+}
+
+// The single-token form (the kernel's kSingleToken): decode without drafts (S = 1) with a 16-bit
+// state, where eight of its CTAs fit an SM (`fits`: shared memory; the regular kernel holds six,
+// at 80 registers) and they take fewer waves than the regular kernel's, up to
+// kSingleTokenMaxHeadsPerSm heads per SM. The last wave of a launch is latency-bound, so one wave
+// fewer pays for the form's slower CTAs (three chunk buffers, local-memory spills at 64 registers);
+// with as many waves it is slower (H200, bf16, T = 1, against the regular kernel: 7.75 heads per
+// SM 18-19 % faster, 15.5 6-8 %, 23 3 %, 31 0-1 %, 62 1.4 % slower; at 5.8, one wave either way,
+// 14-15 % slower, from where the hardware placed the CTAs:
+// benchmarks/results/single_token_h200.json, cta_spread_h200.json).
+inline constexpr int kSingleTokenMaxHeadsPerSm = 32;
+inline bool use_single_token(int state_bytes, bool replay, int S, int64_t heads, int sm_count,
+                             bool fits) {
+  if (replay || state_bytes != 2 || S != 1 || !fits ||
+      heads > kSingleTokenMaxHeadsPerSm * int64_t(sm_count))
+    return false;
+  const auto waves = [&](int ctas_per_sm) {
+    const int64_t slots = int64_t(ctas_per_sm) * sm_count;
+    return (heads + slots - 1) / slots;
+  };
+  return waves(kSingleTokenCtasPerSm) < waves(kMinCtasPerSm);
+}
+
+// CTAs per head: 1 once every SM has a head, else the smallest split that gives every SM a CTA.
+// Deep windows (S >= 8) at four or more heads per SM take 2 (not replay in closed form, whose
+// per-CTA solve a split would repeat): a CTA stages the same S tokens (2S in replay) for half the
+// rows, so twice as many CTAs fit an SM's shared memory (H200, T = 8 with an fp32 state: write-all
+// B = 32 5 % faster, token-by-token replay B = 128 and 512 7 %; 16-bit states within 1 % or
+// faster; benchmarks/results/split_sweep_h200.json). Between one and two heads per SM, where the
+// launch is latency-bound, token-by-token replay and write-all up to S = 4 also take 2, spread
+// evenly over the SMs (H200, B = 8: replay T = 4 fp32 31.2 -> 28.6 us, bf16 31.8 -> 26.0,
+// benchmarks/results/replay_split_h200.json; write-all bf16 T = 1 10.7 -> 9.9, T = 4 19.0 -> 16.9,
+// fp32 T = 4 27.7 -> 26.0, fp32 T = 1 13.0 -> 13.2, benchmarks/results/split_b8_h200.json; S = 2
+// and 3 taken with the measured 1 and 4; replay from two heads per SM is slower).
+inline constexpr int kSplitTwoMaxS = 4;  // write-all, one to two heads per SM
+inline int choose_split(int64_t heads, int sm_count, bool clusters, int S, bool replay,
+                        bool closed_form) {
+  if (!clusters) return 1;
+  if (S >= 8 && heads >= 4 * int64_t(sm_count) && !closed_form) return 2;
+  if ((replay || S <= kSplitTwoMaxS) && !closed_form && heads >= sm_count &&
+      heads < 2 * int64_t(sm_count))
+    return 2;
+  int split = 1;
+  while (split < kMaxSplit && heads * split < sm_count) split *= 2;
+  return split;
+}
+
+// The largest cluster whose launches are spread evenly over the SMs (launch_kernel). H200, against
+// the hardware's placement, same run: B = 16 (512 CTAs) T = 1 bf16 18.4 -> 14.7 us, fp32 25.6 ->
+// 21.2, T = 4 10-11 % faster; replay T = 4 and 8, B = 8 (clusters of 2) 7-13 % faster with the
+// leaner replay token step; B >= 32 unchanged (+-1.4 %). B = 1 (256 CTAs in clusters of 8, two per
+// SM when padded) measured 60-80 % slower, presumably because the clusters no longer all fit at
+// once (benchmarks/results/cta_spread_replay_step_h200.json, cta_spread_h200.json).
+inline constexpr int kMaxSpreadCluster = 2;
+
+// Dynamic shared memory of a launch of `heads` heads split over `split` CTAs each, whose CTAs need
+// `needed` bytes: padded to the even share when the launch has fewer CTAs than the SMs hold
+// (even_share_shared_bytes), except for clusters of more than kMaxSpreadCluster CTAs.
+inline size_t launch_shared_bytes(size_t needed, int64_t heads, int split, bool single_token,
+                                  int sm_count, size_t shared_per_sm, size_t reserved_per_cta) {
+  if (split > kMaxSpreadCluster) return needed;
+  return even_share_shared_bytes(needed, heads * split, sm_count, shared_per_sm, reserved_per_cta,
+                                 single_token ? kSingleTokenCtasPerSm : kMinCtasPerSm);
+}
+
+}  // namespace gdn::decode_mtp::cuda_detail

@@ -1,0 +1,115 @@
+// The CUDA decode_mtp launcher's rules (gdn/decode_mtp/cuda_launch_rules.hpp) on an H200's
+// numbers: which kernel form, head split, chunk buffers, L2 hints and shared memory a launch of a
+// given shape gets. Host only: the rules are pure functions of the shapes and the device.
+#include <gtest/gtest.h>
+
+#include "gdn/decode_mtp/cuda_launch_rules.hpp"
+
+namespace gdn::decode_mtp::cuda_detail {
+namespace {
+
+constexpr int kSms = 132;
+constexpr size_t kSharedPerSm = 233472;  // 228 KB
+constexpr size_t kReserved = 1024;
+
+// Qwen3-Next TP1: 32 value heads per request.
+constexpr int64_t heads_at(int64_t B) { return 32 * B; }
+
+// Token-by-token replay and write-all (neither in closed form) with clusters available.
+int split_of(int64_t heads, int S, bool replay = false) {
+  return choose_split(heads, kSms, true, S, replay, false);
+}
+
+TEST(LaunchRules, SplitGivesEverySmACtaBelowOneHeadPerSm) {
+  EXPECT_EQ(split_of(heads_at(1), 1), 8);  // 32 heads: 256 CTAs
+  EXPECT_EQ(split_of(heads_at(1), 4), 8);
+  EXPECT_EQ(split_of(33, 1), 4);  // 132 CTAs
+  EXPECT_EQ(split_of(66, 1), 2);
+  EXPECT_EQ(split_of(131, 1), 2);
+  EXPECT_EQ(choose_split(32, kSms, false, 1, false, false), 1);  // no clusters: never split
+}
+
+TEST(LaunchRules, SplitTwoBetweenOneAndTwoHeadsPerSm) {
+  for (int S = 1; S <= kSplitTwoMaxS; ++S) {
+    EXPECT_EQ(split_of(heads_at(8), S), 2) << "S = " << S;  // 256 heads on 132 SMs
+    EXPECT_EQ(split_of(132, S), 2) << "S = " << S;
+    EXPECT_EQ(split_of(263, S), 2) << "S = " << S;
+    EXPECT_EQ(split_of(264, S), 1) << "S = " << S;  // two heads per SM
+  }
+  EXPECT_EQ(split_of(heads_at(8), kSplitTwoMaxS + 1), 1);  // deeper windows: not measured
+  EXPECT_EQ(split_of(heads_at(8), 8, true), 2);            // token-by-token replay, any S
+  EXPECT_EQ(choose_split(heads_at(8), kSms, true, 4, true, true), 1);  // closed form: never
+}
+
+TEST(LaunchRules, SplitTwoForDeepWindowsAtFourHeadsPerSm) {
+  EXPECT_EQ(split_of(4 * kSms, 8), 2);
+  EXPECT_EQ(split_of(heads_at(128), 9), 2);
+  EXPECT_EQ(split_of(4 * kSms - 1, 8), 1);
+  EXPECT_EQ(split_of(heads_at(128), 7), 1);
+  EXPECT_EQ(choose_split(heads_at(128), kSms, true, 9, true, true), 1);  // closed form
+}
+
+TEST(LaunchRules, ClosedFormForDeepWindowsFromOneHeadPerSm) {
+  EXPECT_TRUE(use_closed_form(kClosedFormMinS, kSms, kSms));
+  EXPECT_TRUE(use_closed_form(9, heads_at(128), kSms));
+  EXPECT_FALSE(use_closed_form(kClosedFormMinS - 1, heads_at(128), kSms));
+  EXPECT_FALSE(use_closed_form(9, kSms - 1, kSms));
+}
+
+TEST(LaunchRules, SingleTokenFormWhereItSavesAWave) {
+  const auto single = [](int64_t heads) {
+    return use_single_token(2, false, 1, heads, kSms, true);
+  };
+  EXPECT_TRUE(single(heads_at(32)));    // 7.75 heads per SM: one wave of 8 instead of two of 6
+  EXPECT_TRUE(single(heads_at(128)));   // 31 per SM: 4 waves instead of 6
+  EXPECT_FALSE(single(heads_at(16)));   // 3.9 per SM: one wave either way
+  EXPECT_FALSE(single(6 * kSms));       // 6 per SM: one wave either way
+  EXPECT_FALSE(single(heads_at(256)));  // 62 per SM: beyond kSingleTokenMaxHeadsPerSm
+  EXPECT_FALSE(use_single_token(4, false, 1, heads_at(32), kSms, true));   // fp32 state
+  EXPECT_FALSE(use_single_token(2, true, 1, heads_at(32), kSms, true));    // replay
+  EXPECT_FALSE(use_single_token(2, false, 2, heads_at(32), kSms, true));   // drafts
+  EXPECT_FALSE(use_single_token(2, false, 1, heads_at(32), kSms, false));  // does not fit
+}
+
+TEST(LaunchRules, ChunkBuffers) {
+  EXPECT_EQ(choose_buffers(2, heads_at(1), kSms, false), kMaxChunks);  // 16-bit: one per chunk
+  EXPECT_EQ(choose_buffers(2, heads_at(128), kSms, false), kMaxChunks);
+  EXPECT_EQ(choose_buffers(4, heads_at(8), kSms, false), 2);  // fp32 below 4 heads per SM
+  EXPECT_EQ(choose_buffers(4, heads_at(32), kSms, false), 3);
+  EXPECT_EQ(choose_buffers(4, heads_at(8), kSms, true), 2);  // replay
+  EXPECT_EQ(choose_buffers(4, heads_at(128), kSms, true), 1);
+  EXPECT_EQ(choose_buffers(2, heads_at(128), kSms, true), 2);
+}
+
+TEST(LaunchRules, EvictHintsOffOnlyForLargeFp32Batches) {
+  EXPECT_TRUE(use_evict_hints(2, heads_at(512), kSms));
+  EXPECT_TRUE(use_evict_hints(4, 16 * kSms - 1, kSms));
+  EXPECT_FALSE(use_evict_hints(4, 16 * kSms, kSms));
+  EXPECT_FALSE(use_evict_hints(4, heads_at(128), kSms));
+}
+
+// CTAs of `dynamic` bytes each that fit an SM (128-byte allocation units plus the reserve).
+int64_t resident(size_t dynamic) {
+  const size_t unit = kSharedAllocationUnit;
+  return int64_t(kSharedPerSm / ((dynamic + unit - 1) / unit * unit + kReserved));
+}
+
+TEST(LaunchRules, SharedMemorySpreadsSmallLaunchesUpToClustersOfTwo) {
+  const size_t needed = 30000;  // seven fit an SM; the register budget allows six
+  const auto bytes = [&](int64_t heads, int split, bool single_token = false) {
+    return launch_shared_bytes(needed, heads, split, single_token, kSms, kSharedPerSm, kReserved);
+  };
+  EXPECT_EQ(resident(bytes(heads_at(16), 1)), 4);  // 512 CTAs: at most 4 per SM
+  EXPECT_EQ(resident(bytes(heads_at(8), 2)), 4);   // 512 CTAs in clusters of 2
+  EXPECT_EQ(resident(bytes(100, 1)), 1);
+  EXPECT_EQ(bytes(heads_at(1), 8), needed);   // clusters of 8: as requested
+  EXPECT_EQ(bytes(heads_at(4), 4), needed);   // clusters of 4
+  EXPECT_EQ(bytes(heads_at(32), 1), needed);  // 1024 CTAs: more than the SMs hold
+  EXPECT_EQ(bytes(6 * kSms, 1), needed);      // six per SM: full already
+  // The single-token form's budget is eight per SM: seven per SM are padded to seven.
+  EXPECT_EQ(resident(launch_shared_bytes(20000, 7 * kSms, 1, true, kSms, kSharedPerSm, kReserved)),
+            7);
+}
+
+}  // namespace
+}  // namespace gdn::decode_mtp::cuda_detail
