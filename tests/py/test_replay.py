@@ -21,8 +21,8 @@ from reference_torch import (BF16, F64, FP16, FP32, FP32_BAR, OUT16_BAR, STATE16
                              cuda_skip_reason, decode_mtp_ref, rel_l2)
 
 _CUDA = cuda_skip_reason()
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    _CUDA is not None, reason=f"CUDA replay: {_CUDA}"))]
+needs_cuda = pytest.mark.skipif(_CUDA is not None, reason=f"CUDA replay: {_CUDA}")
+DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
 
 
 @dataclasses.dataclass
@@ -265,16 +265,20 @@ def test_chain_equals_write_every_token(gen, device, H, HV):
         wa_before, acc_before = wa.clone(), list(acc)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_kv_layout_and_first_pass(gen, device):
+# The "kv" layout takes plain loads into the chunk buffers; on CUDA, 20 requests x 32 heads give
+# every SM 4 or more heads, where an fp32 replay streams its slice through a single buffer.
+@pytest.mark.parametrize("device,H,HV,N", [
+    ("cpu", 1, 2, 3), pytest.param("cuda", 1, 2, 3, marks=needs_cuda),
+    pytest.param("cuda", 16, 32, 20, marks=needs_cuda)])
+def test_kv_layout_and_first_pass(gen, device, H, HV, N):
     """The "kv" state layout, and a request's first step (n = 0: nothing replayed or stored)."""
     K = V = 128 if device == "cuda" else 16
-    H, HV, N, S = 1, 2, 3, 3
+    S = 3
     pool = make_pool(gen, device, N=N, H=H, HV=HV, K=K, V=V, S=S, state_dtype=FP32, act=FP32,
                      first_valid_slot=0)
     kv_state = pool.state.transpose(-1, -2).contiguous()
     before = kv_state.clone()
-    T = [3, 1, 2]
+    T = [3, 1, 2] * (N // 3) + [2] * (N % 3)
     params = layer_params(gen, HV)
     inputs = random_inputs(gen, T, H=H, HV=HV, K=K, V=V, act=FP32, params=params)
     ref = reference_step(pool, inputs, T)
@@ -283,7 +287,7 @@ def test_kv_layout_and_first_pass(gen, device):
     assert rel_l2(out.cpu(), ref.out) <= FP32_BAR
     assert torch.equal(kv_state, before)  # n = 0 everywhere: no checkpoint store
     accept(pool, ref, T, gen)
-    T2 = [2, 3, 1]
+    T2 = [2, 3, 1] * (N // 3) + [3] * (N % 3)
     inputs2 = random_inputs(gen, T2, H=H, HV=HV, K=K, V=V, act=FP32, params=params)
     ref2 = reference_step(pool, inputs2, T2)
     out2 = replay_step(pool, inputs2, T2, device=device, state_layout="kv")

@@ -848,6 +848,9 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
     if (bulk) {
       mbarrier_wait(&bars[c % buffers], uint32_t(c / buffers) & 1u);
     } else {
+      // A buffer is overwritten only once every warp holds its rows of the chunk it held (with
+      // one buffer, the previous chunk).
+      if (c >= buffers) __syncthreads();
       plain_load_chunk(c);
       __syncthreads();
     }
