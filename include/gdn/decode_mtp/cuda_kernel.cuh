@@ -10,9 +10,10 @@
 // global -> shared memory as one bulk copy completing on its buffer's mbarrier, issued by one
 // thread as soon as the source slot is known: no registers are held while the bytes are in
 // flight, and the warps start on a chunk as soon as it lands. A buffer is refilled with a later
-// chunk once every warp holds its rows in registers (KernelArgs::buffers). Elsewhere (a kernel
-// image without sm_90, the "kv" layout, or a pool whose slot stride is not 16-byte aligned) the CTA
-// loads each chunk into the same buffers with plain loads: the slow path.
+// chunk once every warp holds its rows in registers (KernelArgs::buffers; per-warp copies and
+// refills without that CTA barrier measured no faster: benchmarks/results/warp_streams_h200.json).
+// Elsewhere (a kernel image without sm_90, the "kv" layout, or a pool whose slot stride is not
+// 16-byte aligned) the CTA loads each chunk into the same buffers with plain loads: the slow path.
 //
 // A warp owns 8 rows of a group at a time, kRows of them per lane (GroupRows: 8 / kRows float4
 // chunks of K columns per row in registers, fp32 whatever the storage dtype). Dot products over K
