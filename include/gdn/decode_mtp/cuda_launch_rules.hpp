@@ -99,7 +99,8 @@ inline bool use_single_token(int state_bytes, bool replay, int S, int64_t heads,
 // benchmarks/results/replay_split_h200.json; write-all bf16 T = 1 10.7 -> 9.9, T = 4 19.0 -> 16.9,
 // fp32 T = 4 27.7 -> 26.0, fp32 T = 1 13.0 -> 13.2, benchmarks/results/split_b8_h200.json; S = 2
 // and 3 taken with the measured 1 and 4; replay from two heads per SM is slower). At B = 1 and 8
-// every other split measured slower or within 2 % (benchmarks/results/split_sweep_small_b_h200.json).
+// every other split measured slower or within 2 %
+// (benchmarks/results/split_sweep_small_b_h200.json).
 inline constexpr int kSplitTwoMaxS = 4;  // write-all, one to two heads per SM
 inline int choose_split(int64_t heads, int sm_count, bool clusters, int S, bool replay,
                         bool closed_form) {
