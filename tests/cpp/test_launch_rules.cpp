@@ -72,13 +72,20 @@ TEST(LaunchRules, SingleTokenFormWhereItSavesAWave) {
 }
 
 TEST(LaunchRules, ChunkBuffers) {
-  EXPECT_EQ(choose_buffers(2, heads_at(1), kSms, false), kMaxChunks);  // 16-bit: one per chunk
-  EXPECT_EQ(choose_buffers(2, heads_at(128), kSms, false), kMaxChunks);
-  EXPECT_EQ(choose_buffers(4, heads_at(8), kSms, false), 2);  // fp32 below 4 heads per SM
-  EXPECT_EQ(choose_buffers(4, heads_at(32), kSms, false), 3);
-  EXPECT_EQ(choose_buffers(4, heads_at(8), kSms, true), 2);  // replay
-  EXPECT_EQ(choose_buffers(4, heads_at(128), kSms, true), 1);
-  EXPECT_EQ(choose_buffers(2, heads_at(128), kSms, true), 2);
+  EXPECT_EQ(choose_buffers(2, heads_at(1), kSms, false, true),
+            kMaxChunks);  // 16-bit: one per chunk
+  EXPECT_EQ(choose_buffers(2, heads_at(128), kSms, false, true), kMaxChunks);
+  EXPECT_EQ(choose_buffers(4, heads_at(8), kSms, false, true), 2);  // fp32 below 4 heads per SM
+  EXPECT_EQ(choose_buffers(4, heads_at(32), kSms, false, true), 3);
+  EXPECT_EQ(choose_buffers(4, heads_at(8), kSms, true, true), 2);  // replay
+  EXPECT_EQ(choose_buffers(4, heads_at(128), kSms, true, true), 1);
+  EXPECT_EQ(choose_buffers(2, heads_at(128), kSms, true, true), 2);
+  // Plain loads never stream through one buffer (the refill would race the other warps' reads).
+  for (const int state_bytes : {2, 4})
+    for (const int64_t B : {1, 8, 32, 128, 512})
+      for (const bool replay : {false, true})
+        EXPECT_GE(choose_buffers(state_bytes, heads_at(B), kSms, replay, false), 2)
+            << state_bytes << " " << B << " " << replay;
 }
 
 TEST(LaunchRules, EvictHintsOffOnlyForLargeFp32Batches) {

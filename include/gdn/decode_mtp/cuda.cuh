@@ -122,7 +122,8 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
   args.split = split;
   args.bulk_load = hopper && args.state_vector;
   args.buffers = single_token ? kSingleTokenBuffers
-                              : choose_buffers(int(sizeof(StateT)), heads, info.sm_count, kReplay);
+                              : choose_buffers(int(sizeof(StateT)), heads, info.sm_count, kReplay,
+                                               args.bulk_load);
   args.evict_hints = use_evict_hints(int(sizeof(StateT)), heads, info.sm_count);
 
   // A launch with fewer CTAs than the SMs hold asks for the shared memory that spreads its CTAs

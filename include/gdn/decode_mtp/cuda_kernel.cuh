@@ -848,11 +848,8 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
     const int g = c * kWarps + warp;  // this warp's group (R = 16: warps 2, 3 have none)
     if (bulk) {
       mbarrier_wait(&bars[c % buffers], uint32_t(c / buffers) & 1u);
-    } else {
-      // A buffer is overwritten only once every warp holds its rows of the chunk it held (with
-      // one buffer, the previous chunk).
-      if (c >= buffers) __syncthreads();
-      plain_load_chunk(c);
+    } else {  // at least 2 buffers (choose_buffers): the barrier of chunk c - 1 orders this refill
+      plain_load_chunk(c);  // after every warp's reads of chunk c - buffers
       __syncthreads();
     }
     GroupRows<kRows> s;

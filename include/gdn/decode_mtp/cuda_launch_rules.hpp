@@ -40,10 +40,13 @@ inline constexpr int kSingleTokenBuffers = 3;
 // CTAs also stage up to 2S tokens and are bound by latency and issue more than by bytes, wants as
 // many CTAs per SM as its registers allow (kMinCtasPerSm; shared memory allows them at S <= 5): 2
 // buffers, and 1 for an fp32 slice from 4 heads per SM (fp32, B = 128: T = 4 6 % and T = 8 21 %
-// faster than 2 buffers at 4 CTAs per SM; benchmarks/results/replay_v2_h200.json).
-inline int choose_buffers(int state_bytes, int64_t heads, int sm_count, bool replay) {
+// faster than 2 buffers at 4 CTAs per SM; benchmarks/results/replay_v2_h200.json). Plain loads
+// (bulk = false: the "kv" layout, unaligned pools, no sm_90 image) take at least 2: their CTA
+// refills a buffer right after the barrier of the previous chunk, which ensures that every warp has
+// read the chunk the buffer held only when that chunk is not the previous one.
+inline int choose_buffers(int state_bytes, int64_t heads, int sm_count, bool replay, bool bulk) {
   const bool small_batch = heads < 4 * int64_t(sm_count);
-  if (replay) return state_bytes == 4 && !small_batch ? 1 : 2;
+  if (replay) return state_bytes == 4 && !small_batch && bulk ? 1 : 2;
   if (state_bytes != 4) return kMaxChunks;
   return small_batch ? 2 : 3;
 }
