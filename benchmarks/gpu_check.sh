@@ -119,7 +119,8 @@ if has sanitize; then
         tests/py/test_replay.py -k "hostile or large_batch or strided_views or (replay and cuda)" \
         2>&1 | tail -8
       echo "pytest-memcheck exit ${PIPESTATUS[0]}"
-      # The plain-load path with one chunk buffer (fp32 replay, "kv" layout, 4+ heads per SM).
+      # The plain-load path where bulk copies would stream through one chunk buffer (fp32 replay,
+      # "kv" layout, 4+ heads per SM): the launcher must give it two.
       echo "--- compute-sanitizer --tool racecheck (pytest, kv-layout replay)"
       timeout "${SANITIZE_TIMEOUT:-120}" compute-sanitizer --tool racecheck --error-exitcode 3 \
         python3 -m pytest -q -p no:cacheprovider tests/py/test_replay.py -k "kv_layout and cuda" \
