@@ -496,6 +496,8 @@ def main():
     ap.add_argument("--sweep-split", action="store_true",
                     help="also time every head split (CTAs per value head) on TP1, write-all and "
                          "replay")
+    ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8],
+                    help="the splits --sweep-split times (default: 1 2 4 8)")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--no-replay", action="store_true", help="skip replay verify (T > 1 rows)")
     ap.add_argument("--tokens", type=int, nargs="+", help="T values (default: 1 2 4 8; --quick: 1 4)")
@@ -521,7 +523,7 @@ def main():
         for sdt in DTYPES:
             for T in args.tokens or (1, 4):
                 for B in batches:
-                    for split in (1, 2, 4, 8):
+                    for split in args.splits:
                         configs.append(("TP1", B, T, sdt, split))
     for cfg in configs:
         if time.time() - t0 > args.budget:
