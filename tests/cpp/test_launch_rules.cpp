@@ -46,7 +46,21 @@ TEST(LaunchRules, SplitTwoForDeepWindowsAtFourHeadsPerSm) {
   EXPECT_EQ(split_of(heads_at(128), 9), 2);
   EXPECT_EQ(split_of(4 * kSms - 1, 8), 1);
   EXPECT_EQ(split_of(heads_at(128), 7), 1);
+  EXPECT_EQ(split_of(heads_at(128), 7, true), 1);
   EXPECT_EQ(choose_split(heads_at(128), kSms, true, 9, true, true), 1);  // closed form
+}
+
+TEST(LaunchRules, SplitTwoForWriteAllDraftsFromFourToSixteenHeadsPerSm) {
+  for (int S = kSplitTwoMidMinS; S < 8; ++S) {
+    EXPECT_EQ(split_of(heads_at(32), S), 2) << "S = " << S;  // 7.75 heads per SM
+    EXPECT_EQ(split_of(4 * kSms, S), 2) << "S = " << S;
+    EXPECT_EQ(split_of(16 * kSms - 1, S), 2) << "S = " << S;
+    EXPECT_EQ(split_of(4 * kSms - 1, S), 1) << "S = " << S;
+    EXPECT_EQ(split_of(16 * kSms, S), 1) << "S = " << S;
+    EXPECT_EQ(split_of(heads_at(128), S), 1) << "S = " << S;       // 31 heads per SM
+    EXPECT_EQ(split_of(heads_at(32), S, true), 1) << "S = " << S;  // replay: not measured
+  }
+  EXPECT_EQ(split_of(heads_at(32), kSplitTwoMidMinS - 1), 1);  // S = 2: slower with 2
 }
 
 TEST(LaunchRules, ClosedFormForDeepWindowsFromOneHeadPerSm) {
