@@ -502,6 +502,7 @@ def main():
     ap.add_argument("--no-replay", action="store_true", help="skip replay verify (T > 1 rows)")
     ap.add_argument("--tokens", type=int, nargs="+", help="T values (default: 1 2 4 8; --quick: 1 4)")
     ap.add_argument("--batches", type=int, nargs="+", help=f"B values (default: {BATCHES})")
+    ap.add_argument("--states", nargs="+", choices=list(DTYPES), help="state dtypes (default: all)")
     ap.add_argument("--json", default="benchmarks/results/decode_mtp_h200.json")
     ap.add_argument("--png", default="benchmarks/results/decode_mtp_h200.png")
     ap.add_argument("--budget", type=float, default=220.0, help="stop starting configs after this")
@@ -518,9 +519,10 @@ def main():
     tokens = args.tokens or ([1, 4] if args.quick else TOKENS)
     batches = args.batches or BATCHES
     results, skipped = [], []
-    configs = [(sh, B, T, sdt) for sh in shapes for sdt in DTYPES for T in tokens for B in batches]
+    states = args.states or list(DTYPES)
+    configs = [(sh, B, T, sdt) for sh in shapes for sdt in states for T in tokens for B in batches]
     if args.sweep_split:  # TP1 at T in {1, 4} (or --tokens), replay included where T > 1
-        for sdt in DTYPES:
+        for sdt in states:
             for T in args.tokens or (1, 4):
                 for B in batches:
                     for split in args.splits:
