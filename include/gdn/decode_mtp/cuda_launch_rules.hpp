@@ -105,9 +105,9 @@ inline bool use_single_token(int state_bytes, bool replay, int S, int64_t heads,
 // every other split measured slower or within 2 %
 // (benchmarks/results/split_sweep_small_b_h200.json). Write-all with S >= 3 from four to sixteen
 // heads per SM also takes 2 (H200, B = 32: fp32 T = 4 98.9 -> 92.9 us, T = 3 78.9 -> 75.6, bf16
-// T = 4 53.0 -> 51.9; B = 64 within 1 %: benchmarks/results/split_sweep_s34_h200.json; S = 5..7
-// follow S = 4 and S >= 8 unmeasured; S = 2 at B = 32 and S = 4 at 31 heads per SM measured slower
-// with 2, split_sweep_h200.json).
+// T = 4 53.0 -> 51.9; B = 64 within 1 %: benchmarks/results/split_sweep_s34_h200.json; S = 5..7,
+// not measured, are taken with S = 4 and S >= 8; S = 2 at B = 32 and S = 4 at 31 heads per SM
+// measured slower with 2, split_sweep_h200.json).
 inline constexpr int kSplitTwoMaxS = 4;     // write-all, one to two heads per SM
 inline constexpr int kSplitTwoMidMinS = 3;  // write-all, four to sixteen heads per SM
 inline constexpr int kSplitTwoMidMaxHeadsPerSm = 16;
