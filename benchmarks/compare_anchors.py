@@ -3,9 +3,13 @@ kernel as measured on the same kind of GPU (docs performance.md §5; vLLM cannot
 byte-model floor at the measured copy bandwidth of the H200 (4.26 TB/s), and the target: at least
 5 % faster than the best anchor, or within 3 % of the floor. A second table sets the replay-verify
 rows of the same run against write-every-token libgdn, the best anchor, the floor of the "fold,
-fused" byte model and the replay targets (the replay issue's table).
+fused" byte model and the replay targets (the replay issue's table). With --ceiling, the first
+table also shows the stream ceiling of each row that probe_write_stream.py measured: the fastest
+no-math kernel moving the same state bytes (one read, T in-place writes of random slots; no
+activations), from its own run on the same kind of GPU.
 
-Usage: python benchmarks/compare_anchors.py benchmarks/results/decode_mtp_h200.json
+Usage: python benchmarks/compare_anchors.py benchmarks/results/decode_mtp_h200.json \
+           [--ceiling benchmarks/results/probe_write_stream_h200.json]
 """
 
 from __future__ import annotations
@@ -32,6 +36,17 @@ def floor_us(r):
     state = HV * DIM * DIM * (4 if r["state"] == "fp32" else 2)
     act = ((2 * H * DIM + HV * DIM) + 2 * HV + 2 * HV * DIM) * 2
     return B * ((1 + T) * state + T * act) / (COPY_TBPS * 1e12) * 1e6
+
+
+def stream_ceilings(path):
+    """(state, T, B) -> the fastest time of probe_write_stream.py's kernels for that row, in us."""
+    if not path:
+        return {}
+    best = {}
+    for r in json.load(open(path))["results"]:
+        key = (r["state"], r["T"], r["B"])
+        best[key] = min(best.get(key, float("inf")), r["us"])
+    return best
 
 
 def rows(doc, shape="TP1"):
@@ -87,21 +102,29 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("json", help="a bench_decode_mtp.py result file")
     ap.add_argument("--shape", default="TP1")
+    ap.add_argument("--ceiling", help="a probe_write_stream.py result file (adds its stream ceilings)")
     args = ap.parse_args()
     doc = json.load(open(args.json))
     env = doc["environment"]
     print(f"{env['gpu']} · libgdn {env['git_sha'][:10]} · torch {env['torch']} · CUDA {env['cuda']} · "
           f"fla {env.get('fla')} · copy {env['copy_tbps']:.2f} TB/s\n")
-    print("| state | T | B | floor µs | libgdn µs (% copy) | FLA µs | vLLM µs (§5) | best anchor / libgdn | target |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    ceil = stream_ceilings(args.ceiling)
+    extra_head = " stream ceiling µs | libgdn / ceiling |" if ceil else ""
+    print("| state | T | B | floor µs | libgdn µs (% copy) | FLA µs | vLLM µs (§5) | best anchor / libgdn | target |"
+          + extra_head)
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|" + ("---:|---:|" if ceil else ""))
     fmt = lambda x: "—" if x is None else f"{x:.2f}"  # noqa: E731
     met = 0
     rs = rows(doc, args.shape)
     for r in rs:
         met += r["verdict"] == "met"
         ratio = "—" if r["vs_best"] is None else f"{r['vs_best']:.2f}x"
+        extra = ""
+        if ceil:
+            c = ceil.get((r["state"], r["T"], r["B"]))
+            extra = " — | — |" if c is None else f" {c:.2f} | {r['gdn'] / c:.3f} |"
         print(f"| {r['state']} | {r['T']} | {r['B']} | {r['floor']:.1f} | {r['gdn']:.2f} ({r['pct']:.0f} %) | "
-              f"{fmt(r['fla'])} | {fmt(r['vllm'])} | {ratio} | {r['verdict']} |")
+              f"{fmt(r['fla'])} | {fmt(r['vllm'])} | {ratio} | {r['verdict']} |" + extra)
     print(f"\ntarget met in {met} of {len(rs)} rows")
     if any(r.get("impl") == "replay" for r in doc["results"]):
         replay_table(doc, args.shape)
