@@ -16,8 +16,8 @@ constexpr size_t kReserved = 1024;
 constexpr int64_t heads_at(int64_t B) { return 32 * B; }
 
 // Token-by-token replay and write-all (neither in closed form) with clusters available.
-int split_of(int64_t heads, int S, bool replay = false) {
-  return choose_split(heads, kSms, true, S, replay, false);
+int split_of(int64_t heads, int S, bool replay = false, int state_bytes = 4) {
+  return choose_split(heads, kSms, true, S, replay, false, state_bytes);
 }
 
 TEST(LaunchRules, SplitGivesEverySmACtaBelowOneHeadPerSm) {
@@ -26,7 +26,7 @@ TEST(LaunchRules, SplitGivesEverySmACtaBelowOneHeadPerSm) {
   EXPECT_EQ(split_of(33, 1), 4);  // 132 CTAs
   EXPECT_EQ(split_of(66, 1), 2);
   EXPECT_EQ(split_of(131, 1), 2);
-  EXPECT_EQ(choose_split(32, kSms, false, 1, false, false), 1);  // no clusters: never split
+  EXPECT_EQ(choose_split(32, kSms, false, 1, false, false, 4), 1);  // no clusters: never split
 }
 
 TEST(LaunchRules, SplitTwoBetweenOneAndTwoHeadsPerSm) {
@@ -38,7 +38,7 @@ TEST(LaunchRules, SplitTwoBetweenOneAndTwoHeadsPerSm) {
   }
   EXPECT_EQ(split_of(heads_at(8), kSplitTwoMaxS + 1), 1);  // deeper windows: not measured
   EXPECT_EQ(split_of(heads_at(8), 8, true), 2);            // token-by-token replay, any S
-  EXPECT_EQ(choose_split(heads_at(8), kSms, true, 4, true, true), 1);  // closed form: never
+  EXPECT_EQ(choose_split(heads_at(8), kSms, true, 4, true, true, 4), 1);  // closed form: never
 }
 
 TEST(LaunchRules, SplitTwoForDeepWindowsAtFourHeadsPerSm) {
@@ -47,7 +47,7 @@ TEST(LaunchRules, SplitTwoForDeepWindowsAtFourHeadsPerSm) {
   EXPECT_EQ(split_of(4 * kSms - 1, 8), 1);
   EXPECT_EQ(split_of(heads_at(128), 7), 1);
   EXPECT_EQ(split_of(heads_at(128), 7, true), 1);
-  EXPECT_EQ(choose_split(heads_at(128), kSms, true, 9, true, true), 1);  // closed form
+  EXPECT_EQ(choose_split(heads_at(128), kSms, true, 9, true, true, 4), 1);  // closed form
 }
 
 TEST(LaunchRules, SplitTwoForWriteAllDraftsFromFourToSixteenHeadsPerSm) {
@@ -57,9 +57,17 @@ TEST(LaunchRules, SplitTwoForWriteAllDraftsFromFourToSixteenHeadsPerSm) {
     EXPECT_EQ(split_of(16 * kSms - 1, S), 2) << "S = " << S;
     EXPECT_EQ(split_of(4 * kSms - 1, S), 1) << "S = " << S;
     EXPECT_EQ(split_of(16 * kSms, S), 1) << "S = " << S;
-    EXPECT_EQ(split_of(heads_at(128), S), 1) << "S = " << S;       // 31 heads per SM
-    EXPECT_EQ(split_of(heads_at(32), S, true), 1) << "S = " << S;  // replay: not measured
+    EXPECT_EQ(split_of(heads_at(128), S), 1) << "S = " << S;          // 31 heads per SM
+    EXPECT_EQ(split_of(heads_at(32), S, true, 2), 1) << "S = " << S;  // bf16 replay: 1
   }
+  EXPECT_EQ(split_of(heads_at(32), 8, false, 2), 1);   // 16-bit deep windows below 16 per SM
+  EXPECT_EQ(split_of(heads_at(128), 8, false, 2), 2);  // ... and from 16 heads per SM
+  EXPECT_EQ(split_of(heads_at(32), 8, false, 4), 2);   // fp32 deep windows
+  for (int S = 2; S <= kSplitTwoMaxS; ++S) {           // fp32 token-by-token replay
+    EXPECT_EQ(split_of(heads_at(32), S, true), 2) << "S = " << S;
+    EXPECT_EQ(split_of(8 * kSms, S, true), 1) << "S = " << S;
+  }
+  EXPECT_EQ(split_of(heads_at(32), kSplitTwoMaxS + 1, true), 1);
   EXPECT_EQ(split_of(heads_at(32), kSplitTwoMidMinS - 1), 1);  // S = 2: slower with 2
 }
 

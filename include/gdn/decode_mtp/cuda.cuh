@@ -4,9 +4,9 @@
 // The grid is one CTA per (request, value head, row block). The row split (CTAs per head) is a
 // pure function of the shapes and the device: 1 once there are at least as many heads as SMs,
 // else the smallest of 2, 4, 8 that gives every SM a CTA (small batches are latency-bound: more,
-// smaller CTAs pull their bytes in parallel); 2 in three measured cases. Callers may pin it
-// (benchmarks do). This and every other choice of a launch (kernel form, chunk buffers, L2 hints,
-// shared memory) are the rules of gdn/decode_mtp/cuda_launch_rules.hpp.
+// smaller CTAs pull their bytes in parallel); 2 in the measured cases of choose_split. Callers may
+// pin it (benchmarks do). This and every other choice of a launch (kernel form, chunk buffers, L2
+// hints, shared memory) are the rules of gdn/decode_mtp/cuda_launch_rules.hpp.
 //
 // The launcher allocates nothing and never synchronises. The attributes it sets (the kernel's
 // dynamic shared memory ceiling, the device's opt-in maximum, and the largest carveout) are set
@@ -108,9 +108,9 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
   static std::atomic<int> smem_cache[3][kMaxDevices];
   // sm_90 image: clusters, bulk copies and programmatic dependent launch.
   const bool hopper = info.major >= 9 && kernel_ptx_version(kernel, device, ptx_cache) >= 90;
-  const int split = split_request > 0
-                        ? split_request
-                        : choose_split(heads, info.sm_count, hopper, args.S, kReplay, closed_form);
+  const int split = split_request > 0 ? split_request
+                                      : choose_split(heads, info.sm_count, hopper, args.S, kReplay,
+                                                     closed_form, int(sizeof(StateT)));
   if (split != 1 && split != 2 && split != 4 && split != 8)
     return Status::invalid("decode_mtp: split must be 1, 2, 4 or 8, got " + std::to_string(split));
   if (split > 1 && !hopper)

@@ -108,15 +108,24 @@ inline bool use_single_token(int state_bytes, bool replay, int S, int64_t heads,
 // T = 4 53.0 -> 51.9; B = 64 within 1 %: benchmarks/results/split_sweep_s34_h200.json; S = 5..7,
 // not measured, are taken with S = 4 and S >= 8; S = 2 at B = 32 and S = 4 at 31 heads per SM
 // measured slower with 2, split_sweep_h200.json).
+// Two exceptions from four heads per SM (benchmarks/results/split_sweep_mid_b_h200.json): a 16-bit
+// state with deep windows (S >= 8) below sixteen heads per SM keeps 1 (bf16 T = 8: B = 32 93.2 ->
+// 90.9 us, B = 64 179.4 -> 174.6), and token-by-token replay of an fp32 state at S <= 4 below eight
+// heads per SM takes 2 (B = 32: T = 2 50.7 -> 46.0 us, T = 4 63.4 -> 58.0; at B = 64 T = 4 was 4 %
+// slower with 2; bf16 replay as fast or slower).
 inline constexpr int kSplitTwoMaxS = 4;     // write-all, one to two heads per SM
 inline constexpr int kSplitTwoMidMinS = 3;  // write-all, four to sixteen heads per SM
 inline constexpr int kSplitTwoMidMaxHeadsPerSm = 16;
+inline constexpr int kReplaySplitTwoMaxHeadsPerSm = 8;  // fp32 replay, S <= kSplitTwoMaxS
 inline int choose_split(int64_t heads, int sm_count, bool clusters, int S, bool replay,
-                        bool closed_form) {
+                        bool closed_form, int state_bytes) {
   if (!clusters) return 1;
-  if (S >= 8 && heads >= 4 * int64_t(sm_count) && !closed_form) return 2;
-  if (!replay && S >= kSplitTwoMidMinS && heads >= 4 * int64_t(sm_count) &&
-      heads < kSplitTwoMidMaxHeadsPerSm * int64_t(sm_count))
+  const int64_t sms = sm_count;
+  const bool mid = heads >= 4 * sms && heads < kSplitTwoMidMaxHeadsPerSm * sms;
+  if (S >= 8 && heads >= 4 * sms && !closed_form && !(mid && state_bytes != 4)) return 2;
+  if (!replay && S >= kSplitTwoMidMinS && S < 8 && mid) return 2;
+  if (replay && !closed_form && state_bytes == 4 && S <= kSplitTwoMaxS && heads >= 4 * sms &&
+      heads < kReplaySplitTwoMaxHeadsPerSm * sms)
     return 2;
   if ((replay || S <= kSplitTwoMaxS) && !closed_form && heads >= sm_count &&
       heads < 2 * int64_t(sm_count))
