@@ -171,30 +171,51 @@ __device__ __forceinline__ DecodeRow classify_decode_row(int64_t c0, int64_t c1,
   return valid ? DecodeRow::kLive : DecodeRow::kInvalid;
 }
 
+// alpha = exp(g) and beta of staged token t at gates[0], gates[1], by one thread: lane t of one
+// warp stages every token's gates (at most 2S <= 32 tokens), which costs that warp one pass of
+// the gate math instead of a pass per token in the token-staging warps. Replay: tokens
+// t < n_replay take a and b from the checkpoint slot's window, later ones from the call's rows.
+template <bool kReplay>
+__device__ __forceinline__ void stage_gates(const KernelArgs& args, int t, int n_replay, int64_t c0,
+                                            int64_t source, int hv, float* gates) {
+  const bool replayed = kReplay && t < n_replay;
+  const void* a_src = replayed ? args.window_a : args.a;
+  const void* b_src = replayed ? args.window_b : args.b;
+  const int64_t l = c0 + (t - n_replay);
+  const int64_t a_off = replayed ? source * args.wa_slot_stride + t * args.wa_token_stride + hv
+                                 : l * args.a_row_stride + hv;
+  const int64_t b_off = replayed ? source * args.wb_slot_stride + t * args.wb_token_stride + hv
+                                 : l * args.b_row_stride + hv;
+  const uint32_t ab = load_bits(a_src, args.a_dtype, a_off);
+  const uint32_t bb = load_bits(b_src, args.b_dtype, b_off);
+  const uint32_t Ab = load_bits(args.A_log, args.A_log_dtype, hv);
+  const uint32_t db = load_bits(args.dt_bias, args.dt_bias_dtype, hv);
+  const float A = -expf(bits_to_f32(Ab, args.A_log_dtype));
+  const float g = A * softplus(bits_to_f32(ab, args.a_dtype) + bits_to_f32(db, args.dt_bias_dtype));
+  gates[0] = expf(g);
+  gates[1] = sigmoid(bits_to_f32(bb, args.b_dtype));
+}
+
 // Stages token t of a request into shared memory with one warp: q and k L2-normalised (q times
 // scale) as fp32 [128] at q_row (output tokens) and k_row, the R values of the CTA's rows at
-// v_row, and (lane 0) alpha = exp(g), beta at gates (kWithKq: and k . q, for the token-by-token
-// replay step). Replay: tokens t < n_replay are the checkpoint slot's window tokens (raw k, v, a,
-// b; the same math as their first pass; no q), later ones the call's rows.
+// v_row, and (kWithKq, lane 0) k . q at gates[2], for the token-by-token replay step (the gates
+// themselves: stage_gates). Replay: tokens t < n_replay are the checkpoint slot's window tokens
+// (raw k and v; the same math as their first pass; no q), later ones the call's rows.
 template <bool kReplay, bool kWithKq>
 __device__ __forceinline__ void stage_token(const KernelArgs& args, int t, int n_replay, int64_t c0,
                                             int64_t source, int h, int hv, int row0, int R,
                                             int lane, float* q_row, float* k_row, float* v_row,
                                             float* gates) {
   const bool replayed = kReplay && t < n_replay;
-  const void *k_src, *v_src, *a_src, *b_src;  // this token's k, v, a, b: window or call rows
-  int64_t k_off, v_off, a_off, b_off;
+  const void *k_src, *v_src;  // this token's k and v: window or call rows
+  int64_t k_off, v_off;
   bool k_vector;
   uint4 qb = make_uint4(0u, 0u, 0u, 0u);
   if (replayed) {
     k_src = args.window_k;
     v_src = args.window_v;
-    a_src = args.window_a;
-    b_src = args.window_b;
     k_off = source * args.wk_slot_stride + t * args.wk_token_stride + int64_t(h) * kHeadDim;
     v_off = source * args.wv_slot_stride + t * args.wv_token_stride + int64_t(hv) * kHeadDim;
-    a_off = source * args.wa_slot_stride + t * args.wa_token_stride + hv;
-    b_off = source * args.wb_slot_stride + t * args.wb_token_stride + hv;
     k_vector = args.window_k_vector;
   } else {
     const int64_t l = c0 + (t - n_replay);
@@ -202,12 +223,8 @@ __device__ __forceinline__ void stage_token(const KernelArgs& args, int t, int n
     qb = load_bits4(args.mixed_qkv, args.qkv_dtype, base + int64_t(h) * kHeadDim + 4 * lane,
                     args.qkv_vector);
     k_src = v_src = args.mixed_qkv;
-    a_src = args.a;
-    b_src = args.b;
     k_off = base + int64_t(args.H + h) * kHeadDim;
     v_off = base + int64_t(2 * args.H + hv) * kHeadDim;
-    a_off = l * args.a_row_stride + hv;
-    b_off = l * args.b_row_stride + hv;
     k_vector = args.qkv_vector;
   }
   const uint4 kb = load_bits4(k_src, args.qkv_dtype, k_off + 4 * lane, k_vector);
@@ -216,13 +233,6 @@ __device__ __forceinline__ void stage_token(const KernelArgs& args, int t, int n
 #pragma unroll
   for (int i = 0; i < kHeadDim / 32; ++i)
     vb[i] = lane + 32 * i < R ? load_bits(v_src, args.qkv_dtype, vbase + lane + 32 * i) : 0u;
-  uint32_t ab = 0, bb = 0, Ab = 0, db = 0;
-  if (lane == 0) {
-    ab = load_bits(a_src, args.a_dtype, a_off);
-    bb = load_bits(b_src, args.b_dtype, b_off);
-    Ab = load_bits(args.A_log, args.A_log_dtype, hv);
-    db = load_bits(args.dt_bias, args.dt_bias_dtype, hv);
-  }
   const float4 k = bits4_to_f32(kb, args.qkv_dtype);
   const float kk = warp_sum(k.x * k.x + k.y * k.y + k.z * k.z + k.w * k.w);
   const float kinv = 1.0f / sqrtf(kk + args.l2_eps);
@@ -240,14 +250,7 @@ __device__ __forceinline__ void stage_token(const KernelArgs& args, int t, int n
 #pragma unroll
   for (int i = 0; i < kHeadDim / 32; ++i)
     if (lane + 32 * i < R) v_row[lane + 32 * i] = bits_to_f32(vb[i], args.qkv_dtype);
-  if (lane == 0) {
-    const float A = -expf(bits_to_f32(Ab, args.A_log_dtype));
-    const float g =
-        A * softplus(bits_to_f32(ab, args.a_dtype) + bits_to_f32(db, args.dt_bias_dtype));
-    gates[0] = expf(g);
-    gates[1] = sigmoid(bits_to_f32(bb, args.b_dtype));
-    if (kWithKq) gates[2] = kq;
-  }
+  if (kWithKq && lane == 0) gates[2] = kq;
 }
 
 // The 8 rows of a group in a warp's registers, kRows (8, 4 or 2) rows per lane. The 4 kRows lanes
@@ -399,8 +402,8 @@ __device__ __forceinline__ float advance_rows_scaled(GroupRows<kRows>& s, float&
   c *= alpha;
   if (!(c >= kFoldBelow)) fold_scale(s, c);  // uniform over the CTA; also catches alpha = 0
   // Off the chain (it depends on the gates only); c is normal (kFoldBelow <= c <= 1), so the
-  // hardware reciprocal (1 ulp) needs none of __frcp_rn's range handling.
-  const float beta_v_over_c = beta * v * __fdividef(1.0f, c);
+  // hardware reciprocal (1 ulp) needs no range handling.
+  const float beta_v_over_c = beta * v * dev::fast_rcp(c);
   float pk[kRows], pq[kRows];
   lane_row_dots(s, k, lane, pk);
   if constexpr (kOutput) lane_row_dots(s, q, lane, pq);
@@ -767,13 +770,14 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
   const bool hints = kReplay || args.evict_hints;  // replay: one checkpoint store, hints kept
   const uint64_t policy =
       bulk && tid == 0 ? (hints ? l2_evict_first_policy() : l2_evict_normal_policy()) : 0;
-  auto issue_chunk = [&](int c) {  // one thread
-    bulk_load(tile + (c % buffers) * chunk_elems,
-              src + int64_t(row0 + c * rows_per_chunk) * kHeadDim, chunk_bytes, &bars[c % buffers],
-              policy);
+  // Chunk c goes to buffer b = c % buffers (the chunk loop keeps b as a running counter: a
+  // remainder by the runtime buffer count costs a signed division per chunk and warp).
+  auto issue_chunk = [&](int c, int b) {  // one thread
+    bulk_load(tile + b * chunk_elems, src + int64_t(row0 + c * rows_per_chunk) * kHeadDim,
+              chunk_bytes, &bars[b], policy);
   };
-  auto plain_load_chunk = [&](int c) {  // the whole CTA
-    StateT* buf = tile + (c % buffers) * chunk_elems;
+  auto plain_load_chunk = [&](int c, int b) {  // the whole CTA
+    StateT* buf = tile + b * chunk_elems;
     const int r0 = row0 + c * rows_per_chunk;
     if (args.state_kv) {  // element (row v, column k) at k * 128 + v: rows fastest
       for (int e = tid; e < chunk_elems; e += kThreads) {
@@ -785,7 +789,7 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
     }
   };
   if (bulk && tid == 0)
-    for (int c = 0; c < buffers; ++c) issue_chunk(c);
+    for (int c = 0; c < buffers; ++c) issue_chunk(c, c);
   if (kReplay && tid == 0) meta.stored = *(args.window_len + source);  // overlaps the copies
 
   // 4. Activations of every staged token (warp w stages tokens w, w + 4, ...), act(z), norm
@@ -795,15 +799,16 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
   //    a batch issued before any is used, the first batch before the token staging.
   constexpr int kZBatch = z_batch(int(sizeof(StateT)), kReplay);
   const int z_count = gated ? T << log2_R : 0;  // z values of the CTA: [T][R]
+  // Value e = t R + r of the CTA is at z_base + t z_row_stride + r; e steps by kThreads, a
+  // multiple of R, so a thread's values share r and their offsets step by kThreads / R rows
+  // (computed once: the 64-bit index math per value cost about 30 instructions).
+  const int64_t z_base = c0 * args.z_row_stride + hv * args.z_head_stride + row0;
+  const int64_t z_step = int64_t(kThreads >> log2_R) * args.z_row_stride;
   auto load_z = [&](int first, uint32_t (&bits)[kZBatch]) {
+    int64_t at = z_base + int64_t(first >> log2_R) * args.z_row_stride + (first & (R - 1));
 #pragma unroll
-    for (int i = 0; i < kZBatch; ++i) {
-      const int e = first + i * kThreads, t = e >> log2_R, r = e & (R - 1);
-      bits[i] = e < z_count
-                    ? load_bits(args.z, args.z_dtype,
-                                (c0 + t) * args.z_row_stride + hv * args.z_head_stride + row0 + r)
-                    : 0u;
-    }
+    for (int i = 0; i < kZBatch; ++i, at += z_step)
+      bits[i] = first + i * kThreads < z_count ? load_bits(args.z, args.z_dtype, at) : 0u;
   };
   auto stage_z = [&](int first, const uint32_t (&bits)[kZBatch]) {
 #pragma unroll
@@ -813,6 +818,8 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
   };
   uint32_t z_bits[kZBatch];
   load_z(tid, z_bits);
+  if (warp == kWarps - 1 && lane < tokens)  // the warp with the fewest tokens to stage
+    stage_gates<kReplay>(args, lane, n_replay, c0, source, hv, gates_s + kGateFloats * lane);
   for (int t = warp; t < tokens; t += kWarps)
     stage_token<kReplay, kReplay && !closed_form>(
         args, t, n_replay, c0, source, h, hv, row0, R, lane,
@@ -844,17 +851,19 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
   const int64_t row_step = args.state_kv ? 1 : kHeadDim;  // element distance between rows
   const int64_t col_step = args.state_kv ? kHeadDim : 1;  // ... and between K columns
   StateT* const pool = static_cast<StateT*>(args.state);
+  int buf = 0;           // chunk c's buffer, c % buffers
+  uint32_t parity = 0u;  // ... and the phase of its barrier, (c / buffers) & 1
   for (int c = 0; c < chunks; ++c) {
     const int g = c * kWarps + warp;  // this warp's group (R = 16: warps 2, 3 have none)
     if (bulk) {
-      mbarrier_wait(&bars[c % buffers], uint32_t(c / buffers) & 1u);
+      mbarrier_wait(&bars[buf], parity);
     } else {  // at least 2 buffers (choose_buffers): the barrier of chunk c - 1 orders this refill
-      plain_load_chunk(c);  // after every warp's reads of chunk c - buffers
+      plain_load_chunk(c, buf);  // after every warp's reads of chunk c - buffers
       __syncthreads();
     }
     GroupRows<kRows> s;
     if (g < groups) {
-      const StateT* rows = tile + (c % buffers) * chunk_elems +
+      const StateT* rows = tile + buf * chunk_elems +
                            (warp * kRowsPerGroup + Rows::first_row(lane)) * kHeadDim;
 #pragma unroll
       for (int r = 0; r < kRows; ++r)
@@ -867,8 +876,12 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
       __syncthreads();  // every warp's rows of chunk c are in registers: refill its buffer
       if (tid == 0) {
         dev::fence_proxy_async();  // the reads above before the bulk copy's writes
-        issue_chunk(c + buffers);
+        issue_chunk(c + buffers, buf);
       }
+    }
+    if (++buf == buffers) {
+      buf = 0;
+      parity ^= 1u;
     }
     if (g >= groups) continue;
     const int grow = g * kRowsPerGroup;        // first row of the group in this CTA
@@ -1047,14 +1060,20 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
     if (clustered) cluster_arrive_relaxed();
     __syncthreads();
   }
-  for (int e = tid; e < (T << log2_R); e += kThreads) {
-    const int t = e >> log2_R, r = e & (R - 1);
+  // The outputs of this thread: rows r = tid % R of tokens tid / R + i kThreads / R (as z above).
+  const int r_out = tid & (R - 1);
+  const int t_step = kThreads >> log2_R;
+  const int64_t out_step = int64_t(t_step) * HV * kHeadDim;
+  int64_t out_at = ((c0 + (tid >> log2_R)) * HV + hv) * kHeadDim + row0 + r_out;
+  const float w_out = norm ? w_s[r_out] : 1.0f;
+  for (int e = tid; e < (T << log2_R); e += kThreads, out_at += out_step) {
+    const int t = e >> log2_R;
     float y = o_s[e];
     if (norm) {
-      y = y * rstd_s[t] * w_s[r];
+      y = y * rstd_s[t] * w_out;
       if (gated) y *= z_s[e];
     }
-    store_value(args.out, args.out_dtype, ((c0 + t) * HV + hv) * kHeadDim + row0 + r, y);
+    store_value(args.out, args.out_dtype, out_at, y);
   }
   if (clustered) cluster_wait();
 }
