@@ -851,10 +851,14 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
   const int64_t row_step = args.state_kv ? 1 : kHeadDim;  // element distance between rows
   const int64_t col_step = args.state_kv ? kHeadDim : 1;  // ... and between K columns
   StateT* const pool = static_cast<StateT*>(args.state);
-  int buf = 0;           // chunk c's buffer, c % buffers
-  uint32_t parity = 0u;  // ... and the phase of its barrier, (c / buffers) & 1
+  // Chunk c's buffer, c % buffers, and the phase of its barrier, (c / buffers) & 1, as running
+  // counters; the single-token form, at 64 registers, spills them and takes the division.
+  int ring_buf = 0;
+  uint32_t ring_parity = 0u;
   for (int c = 0; c < chunks; ++c) {
     const int g = c * kWarps + warp;  // this warp's group (R = 16: warps 2, 3 have none)
+    const int buf = kSingleToken ? c % buffers : ring_buf;
+    const uint32_t parity = kSingleToken ? uint32_t(c / buffers) & 1u : ring_parity;
     if (bulk) {
       mbarrier_wait(&bars[buf], parity);
     } else {  // at least 2 buffers (choose_buffers): the barrier of chunk c - 1 orders this refill
@@ -879,9 +883,9 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
         issue_chunk(c + buffers, buf);
       }
     }
-    if (++buf == buffers) {
-      buf = 0;
-      parity ^= 1u;
+    if (++ring_buf == buffers) {
+      ring_buf = 0;
+      ring_parity ^= 1u;
     }
     if (g >= groups) continue;
     const int grow = g * kRowsPerGroup;        // first row of the group in this CTA
