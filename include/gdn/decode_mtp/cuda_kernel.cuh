@@ -607,6 +607,16 @@ struct SmemPlan {
 static_assert(sizeof(RowMeta) <= 256 - 64, "RowMeta fits between the barriers and the tile");
 static_assert((kMaxChunks + 1) * 8 <= 64, "the chunk and norm barriers fit before RowMeta");
 
+// Chunk c's buffer, c % buffers, and the phase of that buffer's barrier, (c / buffers) & 1,
+// without a division by the runtime buffer count (a signed division per chunk and warp) or
+// counters carried through the chunk loop (which the 80-register kernels spill): a CTA has at
+// most 4 chunks, so c < 2 buffers whenever buffers >= 2.
+__device__ __forceinline__ void chunk_ring(int c, int buffers, int& buf, uint32_t& parity) {
+  const bool wrapped = c >= buffers;
+  buf = buffers == 1 ? 0 : wrapped ? c - buffers : c;
+  parity = buffers == 1 ? uint32_t(c) & 1u : uint32_t(wrapped);
+}
+
 // A staged token as the token steps read it (shared memory), and the value of the lane's row.
 struct TokenArgs {
   const float* k;
@@ -770,8 +780,7 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
   const bool hints = kReplay || args.evict_hints;  // replay: one checkpoint store, hints kept
   const uint64_t policy =
       bulk && tid == 0 ? (hints ? l2_evict_first_policy() : l2_evict_normal_policy()) : 0;
-  // Chunk c goes to buffer b = c % buffers (the chunk loop keeps b as a running counter: a
-  // remainder by the runtime buffer count costs a signed division per chunk and warp).
+  // Chunk c goes to buffer b = c % buffers (chunk_ring).
   auto issue_chunk = [&](int c, int b) {  // one thread
     bulk_load(tile + b * chunk_elems, src + int64_t(row0 + c * rows_per_chunk) * kHeadDim,
               chunk_bytes, &bars[b], policy);
@@ -851,14 +860,12 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
   const int64_t row_step = args.state_kv ? 1 : kHeadDim;  // element distance between rows
   const int64_t col_step = args.state_kv ? kHeadDim : 1;  // ... and between K columns
   StateT* const pool = static_cast<StateT*>(args.state);
-  // Chunk c's buffer, c % buffers, and the phase of its barrier, (c / buffers) & 1, as running
-  // counters; the single-token form, at 64 registers, spills them and takes the division.
-  int ring_buf = 0;
-  uint32_t ring_parity = 0u;
+  static_assert(kMaxChunks <= 4, "chunk_ring: c < 2 buffers unless buffers == 1");
   for (int c = 0; c < chunks; ++c) {
     const int g = c * kWarps + warp;  // this warp's group (R = 16: warps 2, 3 have none)
-    const int buf = kSingleToken ? c % buffers : ring_buf;
-    const uint32_t parity = kSingleToken ? uint32_t(c / buffers) & 1u : ring_parity;
+    int buf;
+    uint32_t parity;
+    chunk_ring(c, buffers, buf, parity);
     if (bulk) {
       mbarrier_wait(&bars[buf], parity);
     } else {  // at least 2 buffers (choose_buffers): the barrier of chunk c - 1 orders this refill
@@ -882,10 +889,6 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
         dev::fence_proxy_async();  // the reads above before the bulk copy's writes
         issue_chunk(c + buffers, buf);
       }
-    }
-    if (++ring_buf == buffers) {
-      ring_buf = 0;
-      ring_parity ^= 1u;
     }
     if (g >= groups) continue;
     const int grow = g * kRowsPerGroup;        // first row of the group in this CTA
