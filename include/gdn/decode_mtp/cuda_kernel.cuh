@@ -874,8 +874,8 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
     }
     GroupRows<kRows> s;
     if (g < groups) {
-      const StateT* rows = tile + buf * chunk_elems +
-                           (warp * kRowsPerGroup + Rows::first_row(lane)) * kHeadDim;
+      const StateT* rows =
+          tile + buf * chunk_elems + (warp * kRowsPerGroup + Rows::first_row(lane)) * kHeadDim;
 #pragma unroll
       for (int r = 0; r < kRows; ++r)
 #pragma unroll
