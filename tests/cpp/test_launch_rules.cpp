@@ -110,6 +110,16 @@ TEST(LaunchRules, ChunkBuffers) {
             << state_bytes << " " << B << " " << replay;
 }
 
+TEST(LaunchRules, ChunkRingIsRemainderAndPhase) {
+  for (int chunks = 1; chunks <= kMaxChunks; ++chunks)
+    for (int buffers = 1; buffers <= chunks; ++buffers)
+      for (int c = 0; c < chunks; ++c) {
+        const ChunkSlot ring = chunk_ring(c, buffers);
+        EXPECT_EQ(ring.buffer, c % buffers) << "c " << c << " buffers " << buffers;
+        EXPECT_EQ(ring.parity, uint32_t(c / buffers) & 1u) << "c " << c << " buffers " << buffers;
+      }
+}
+
 TEST(LaunchRules, EvictHintsOffOnlyForLargeFp32Batches) {
   EXPECT_TRUE(use_evict_hints(2, heads_at(512), kSms));
   EXPECT_TRUE(use_evict_hints(4, 16 * kSms - 1, kSms));

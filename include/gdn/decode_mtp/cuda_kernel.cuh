@@ -607,16 +607,6 @@ struct SmemPlan {
 static_assert(sizeof(RowMeta) <= 256 - 64, "RowMeta fits between the barriers and the tile");
 static_assert((kMaxChunks + 1) * 8 <= 64, "the chunk and norm barriers fit before RowMeta");
 
-// Chunk c's buffer, c % buffers, and the phase of that buffer's barrier, (c / buffers) & 1,
-// without a division by the runtime buffer count (a signed division per chunk and warp) or
-// counters carried through the chunk loop (which the 80-register kernels spill): a CTA has at
-// most 4 chunks, so c < 2 buffers whenever buffers >= 2.
-__device__ __forceinline__ void chunk_ring(int c, int buffers, int& buf, uint32_t& parity) {
-  const bool wrapped = c >= buffers;
-  buf = buffers == 1 ? 0 : wrapped ? c - buffers : c;
-  parity = buffers == 1 ? uint32_t(c) & 1u : uint32_t(wrapped);
-}
-
 // A staged token as the token steps read it (shared memory), and the value of the lane's row.
 struct TokenArgs {
   const float* k;
@@ -860,12 +850,11 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
   const int64_t row_step = args.state_kv ? 1 : kHeadDim;  // element distance between rows
   const int64_t col_step = args.state_kv ? kHeadDim : 1;  // ... and between K columns
   StateT* const pool = static_cast<StateT*>(args.state);
-  static_assert(kMaxChunks <= 4, "chunk_ring: c < 2 buffers unless buffers == 1");
   for (int c = 0; c < chunks; ++c) {
     const int g = c * kWarps + warp;  // this warp's group (R = 16: warps 2, 3 have none)
-    int buf;
-    uint32_t parity;
-    chunk_ring(c, buffers, buf, parity);
+    const ChunkSlot ring = chunk_ring(c, buffers);
+    const int buf = ring.buffer;
+    const uint32_t parity = ring.parity;
     if (bulk) {
       mbarrier_wait(&bars[buf], parity);
     } else {  // at least 2 buffers (choose_buffers): the barrier of chunk c - 1 orders this refill

@@ -51,6 +51,23 @@ inline int choose_buffers(int state_bytes, int64_t heads, int sm_count, bool rep
   return small_batch ? 2 : 3;
 }
 
+// Chunk c's buffer, c % buffers, and the phase of that buffer's barrier, (c / buffers) & 1, in the
+// kernel's chunk loop, without a division by the runtime buffer count (a signed division per
+// chunk and warp) or counters carried through the loop (which the 80-register kernels spill): a
+// CTA has at most kMaxChunks = 4 chunks, so c < 2 buffers whenever buffers >= 2.
+struct ChunkSlot {
+  int buffer;
+  uint32_t parity;
+};
+static_assert(kMaxChunks <= 4, "chunk_ring: c < 2 buffers unless buffers == 1");
+constexpr ChunkSlot chunk_ring(int c, int buffers) {
+  const bool wrapped = c >= buffers;
+  return {buffers == 1 ? 0
+          : wrapped    ? c - buffers
+                       : c,
+          buffers == 1 ? uint32_t(c) & 1u : uint32_t(wrapped)};
+}
+
 // L2 eviction hints on the state stream (evict-first bulk loads, streaming stores): on, except for
 // an fp32 state at batches of at least 16 heads per SM, which stream faster without them (H200,
 // fp32 T = 1: B = 128 143 vs 146 us, B = 512 548 vs 572 us; smaller batches and 16-bit states are
