@@ -37,12 +37,12 @@
 // stored once, to the checkpoint, after the n-th token (not at all for n = 0), and the new tokens
 // produce outputs only. Replay runs up to 2S tokens per slice and is bound by their latency, so
 // its token step keeps the decay as a scalar beside the rows (advance_rows_scaled: 2 or 3 FMAs per
-// element and token instead of 3 or 4, one reduction phase per token) and its CTAs are sized for
-// five per SM. Deep windows at large batches take the closed form instead (kClosedForm,
-// prepare_replay): the CTA solves the window's triangular system once, and each row then needs
-// n + T independent dot products and n rank-1 updates. This kernel only reads the window; a second
-// launch saves the new tokens into it (gdn/replay/cuda.cuh), so no CTA can overwrite a window row
-// another CTA still replays.
+// element and token instead of 3 or 4, one reduction phase per token) and its launches take the
+// chunk buffers that let six CTAs fit an SM (choose_buffers). Deep windows at large batches take
+// the closed form instead (kClosedForm, prepare_replay): the CTA solves the window's triangular
+// system once, and each row then needs n + T independent dot products and n rank-1 updates. This
+// kernel only reads the window; a second launch saves the new tokens into it (gdn/replay/cuda.cuh),
+// so no CTA can overwrite a window row another CTA still replays.
 //
 // Decode without drafts (S = 1) with a 16-bit state has a second form of the kernel
 // (kSingleToken): T and S compile-time 1 and 64 registers, so that eight CTAs fit an SM instead of
