@@ -173,11 +173,16 @@ __device__ __forceinline__ DecodeRow classify_decode_row(int64_t c0, int64_t c1,
 
 // alpha = exp(g) and beta of staged token t at gates[0], gates[1], by one thread: lane t of one
 // warp stages every token's gates (at most 2S <= 32 tokens), which costs that warp one pass of
-// the gate math instead of a pass per token in the token-staging warps. Replay: tokens
-// t < n_replay take a and b from the checkpoint slot's window, later ones from the call's rows.
+// the gate math instead of a pass per token in the token-staging warps. The loads (load_gates)
+// go out before that warp stages its own tokens and the math (stage_gates) comes after them, so
+// that the warp waits for one round trip, not two. Replay: tokens t < n_replay take a and b from
+// the checkpoint slot's window, later ones from the call's rows.
+struct GateBits {
+  uint32_t a, b, A_log, dt_bias;
+};
 template <bool kReplay>
-__device__ __forceinline__ void stage_gates(const KernelArgs& args, int t, int n_replay, int64_t c0,
-                                            int64_t source, int hv, float* gates) {
+__device__ __forceinline__ GateBits load_gates(const KernelArgs& args, int t, int n_replay,
+                                               int64_t c0, int64_t source, int hv) {
   const bool replayed = kReplay && t < n_replay;
   const void* a_src = replayed ? args.window_a : args.a;
   const void* b_src = replayed ? args.window_b : args.b;
@@ -186,14 +191,17 @@ __device__ __forceinline__ void stage_gates(const KernelArgs& args, int t, int n
                                  : l * args.a_row_stride + hv;
   const int64_t b_off = replayed ? source * args.wb_slot_stride + t * args.wb_token_stride + hv
                                  : l * args.b_row_stride + hv;
-  const uint32_t ab = load_bits(a_src, args.a_dtype, a_off);
-  const uint32_t bb = load_bits(b_src, args.b_dtype, b_off);
-  const uint32_t Ab = load_bits(args.A_log, args.A_log_dtype, hv);
-  const uint32_t db = load_bits(args.dt_bias, args.dt_bias_dtype, hv);
-  const float A = -expf(bits_to_f32(Ab, args.A_log_dtype));
-  const float g = A * softplus(bits_to_f32(ab, args.a_dtype) + bits_to_f32(db, args.dt_bias_dtype));
+  return {load_bits(a_src, args.a_dtype, a_off), load_bits(b_src, args.b_dtype, b_off),
+          load_bits(args.A_log, args.A_log_dtype, hv),
+          load_bits(args.dt_bias, args.dt_bias_dtype, hv)};
+}
+__device__ __forceinline__ void stage_gates(const KernelArgs& args, const GateBits& bits,
+                                            float* gates) {
+  const float A = -expf(bits_to_f32(bits.A_log, args.A_log_dtype));
+  const float g = A * softplus(bits_to_f32(bits.a, args.a_dtype) +
+                               bits_to_f32(bits.dt_bias, args.dt_bias_dtype));
   gates[0] = expf(g);
-  gates[1] = sigmoid(bits_to_f32(bb, args.b_dtype));
+  gates[1] = sigmoid(bits_to_f32(bits.b, args.b_dtype));
 }
 
 // Stages token t of a request into shared memory with one warp: q and k L2-normalised (q times
@@ -817,13 +825,15 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
   };
   uint32_t z_bits[kZBatch];
   load_z(tid, z_bits);
-  if (warp == kWarps - 1 && lane < tokens)  // the warp with the fewest tokens to stage
-    stage_gates<kReplay>(args, lane, n_replay, c0, source, hv, gates_s + kGateFloats * lane);
+  const bool gate_lane = warp == kWarps - 1 && lane < tokens;  // the warp with the fewest tokens
+  GateBits gate_bits{};
+  if (gate_lane) gate_bits = load_gates<kReplay>(args, lane, n_replay, c0, source, hv);
   for (int t = warp; t < tokens; t += kWarps)
     stage_token<kReplay, kReplay && !closed_form>(
         args, t, n_replay, c0, source, h, hv, row0, R, lane,
         t < n_replay ? nullptr : q_s + (closed_form ? t : t - n_replay) * kHeadDim,
         k_s + t * kHeadDim, v_s + t * R, gates_s + kGateFloats * t);
+  if (gate_lane) stage_gates(args, gate_bits, gates_s + kGateFloats * lane);
   stage_z(tid, z_bits);
   for (int first = tid + kZBatch * kThreads; first < z_count; first += kZBatch * kThreads) {
     load_z(first, z_bits);
