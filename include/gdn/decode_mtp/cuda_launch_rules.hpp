@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "gdn/core/host_device.hpp"
 #include "gdn/core/occupancy.hpp"
 
 namespace gdn::decode_mtp::cuda_detail {
@@ -60,7 +61,7 @@ struct ChunkSlot {
   uint32_t parity;
 };
 static_assert(kMaxChunks <= 4, "chunk_ring: c < 2 buffers unless buffers == 1");
-constexpr ChunkSlot chunk_ring(int c, int buffers) {
+GDN_HOST_DEVICE constexpr ChunkSlot chunk_ring(int c, int buffers) {
   const bool wrapped = c >= buffers;
   return {buffers == 1 ? 0
           : wrapped    ? c - buffers

@@ -25,14 +25,9 @@
 #include <cstdint>
 #include <string>
 
+#include "gdn/core/host_device.hpp"
 #include "gdn/core/status.hpp"
 #include "gdn/metadata/params.hpp"
-
-#if defined(__CUDACC__)
-#define GDN_METADATA_HD __host__ __device__
-#else
-#define GDN_METADATA_HD
-#endif
 
 namespace gdn::metadata {
 
@@ -77,11 +72,11 @@ struct RowCounts {
   int32_t plan_errors;
 };
 
-GDN_METADATA_HD inline int32_t clamp_rows(int32_t v, int32_t hi) {
+GDN_HOST_DEVICE inline int32_t clamp_rows(int32_t v, int32_t hi) {
   return v < 0 ? 0 : (v > hi ? hi : v);
 }
 
-GDN_METADATA_HD inline RowCounts read_row_counts(const StateRowsArgs& a) {
+GDN_HOST_DEVICE inline RowCounts read_row_counts(const StateRowsArgs& a) {
   const int32_t* h = a.plan;
   RowCounts r;
   const int32_t spec_req = h[kSpecRowsWritten] < 0 ? 0 : h[kSpecRowsWritten];
@@ -99,7 +94,7 @@ GDN_METADATA_HD inline RowCounts read_row_counts(const StateRowsArgs& a) {
 }
 
 // Whether columns [start, start + width) of row `request` lie inside the table.
-GDN_METADATA_HD inline bool row_readable(const GroupTable& t, int32_t request, int32_t start,
+GDN_HOST_DEVICE inline bool row_readable(const GroupTable& t, int32_t request, int32_t start,
                                          int32_t width) {
   return request >= 0 && request < t.num_rows && start >= 0 && start <= t.num_cols - width;
 }
@@ -107,7 +102,7 @@ GDN_METADATA_HD inline bool row_readable(const GroupTable& t, int32_t request, i
 // The source column of live non-spec row j of `request`, counted from its start: acc - 1 (from
 // the accepted counts being gathered, else from the plan), or 0 in replay mode (the checkpoint).
 // Out of range (request past the counts, a count outside [1, S], replay: [0, S]): -1.
-GDN_METADATA_HD inline int32_t non_spec_source(const StateRowsArgs& a, int32_t j, int32_t request) {
+GDN_HOST_DEVICE inline int32_t non_spec_source(const StateRowsArgs& a, int32_t j, int32_t request) {
   if (a.accepted) {
     if (request < 0 || request >= a.accepted_len) return -1;
     const int32_t count = a.accepted[request];
@@ -122,7 +117,7 @@ GDN_METADATA_HD inline int32_t non_spec_source(const StateRowsArgs& a, int32_t j
 // The value (table entry) of non-spec row j's destination and source, or false when the row's
 // columns start..start + acc - 1 (replay: start) are not all inside the table (or its count is
 // out of range).
-GDN_METADATA_HD inline bool non_spec_entries(const StateRowsArgs& a, const GroupTable& t, int32_t j,
+GDN_HOST_DEVICE inline bool non_spec_entries(const StateRowsArgs& a, const GroupTable& t, int32_t j,
                                              int32_t* dst, int32_t* src) {
   const int32_t request = a.plan[a.non_spec_request + j];
   const int32_t start = a.plan[a.non_spec_start + j];
@@ -137,7 +132,7 @@ GDN_METADATA_HD inline bool non_spec_entries(const StateRowsArgs& a, const Group
 // Writes the gathered acc - 1 of non-spec row j into the plan (live rows; padded rows keep 0),
 // and in replay mode its replay count n (padded rows 0) with acc = max(n, 1). A request past the
 // counts gets acc - 1 = -1 (replay: n = -1, a count replay verify refuses).
-GDN_METADATA_HD inline void gather_non_spec_accepted(const StateRowsArgs& a, int32_t j, bool live) {
+GDN_HOST_DEVICE inline void gather_non_spec_accepted(const StateRowsArgs& a, int32_t j, bool live) {
   int32_t count = a.replay ? 0 : 1;
   if (live) {
     const int32_t request = a.plan[a.non_spec_request + j];
@@ -154,7 +149,7 @@ GDN_METADATA_HD inline void gather_non_spec_accepted(const StateRowsArgs& a, int
 // replay count 0); in replay mode the gathered count is n and acc = max(n, 1). Returns 1 when the
 // row's request or count is out of range (the count is copied as is; a request past the counts
 // gets acc = 1 and, in replay mode, n = -1, which replay verify refuses).
-GDN_METADATA_HD inline int32_t gather_accepted(const StateRowsArgs& a, int32_t j, bool live) {
+GDN_HOST_DEVICE inline int32_t gather_accepted(const StateRowsArgs& a, int32_t j, bool live) {
   int32_t acc = 1, n = 0, bad = 0;
   if (live) {
     const int32_t request = a.plan[a.spec_request + j];

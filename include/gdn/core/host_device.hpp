@@ -1,0 +1,10 @@
+// GDN_HOST_DEVICE: marks a function that host-only headers (free of CUDA headers, checked by the
+// CPU tests) share with the CUDA kernels, so that nvcc compiles it for both sides without
+// --expt-relaxed-constexpr (which a consumer of the headers need not pass).
+#pragma once
+
+#if defined(__CUDACC__)
+#define GDN_HOST_DEVICE __host__ __device__
+#else
+#define GDN_HOST_DEVICE
+#endif
