@@ -90,6 +90,7 @@ using dev::wait_for_prior_grids;
 using dev::warp_sum;
 
 static_assert(kCudaMaxSpecColumns <= 32, "slot ids of a row are read by the first lanes");
+static_assert(2 * kCudaMaxSpecColumns <= 32, "stage_gates: one lane per staged replay token");
 
 // Plain-data copy of Params/Problem for the kernel (TensorView is host-side).
 struct KernelArgs {
@@ -862,9 +863,7 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
   StateT* const pool = static_cast<StateT*>(args.state);
   for (int c = 0; c < chunks; ++c) {
     const int g = c * kWarps + warp;  // this warp's group (R = 16: warps 2, 3 have none)
-    const ChunkSlot ring = chunk_ring(c, buffers);
-    const int buf = ring.buffer;
-    const uint32_t parity = ring.parity;
+    const auto [buf, parity] = chunk_ring(c, buffers);
     if (bulk) {
       mbarrier_wait(&bars[buf], parity);
     } else {  // at least 2 buffers (choose_buffers): the barrier of chunk c - 1 orders this refill
@@ -1068,8 +1067,7 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
   }
   // The outputs of this thread: rows r = tid % R of tokens tid / R + i kThreads / R (as z above).
   const int r_out = tid & (R - 1);
-  const int t_step = kThreads >> log2_R;
-  const int64_t out_step = int64_t(t_step) * HV * kHeadDim;
+  const int64_t out_step = int64_t(kThreads >> log2_R) * HV * kHeadDim;
   int64_t out_at = ((c0 + (tid >> log2_R)) * HV + hv) * kHeadDim + row0 + r_out;
   const float w_out = norm ? w_s[r_out] : 1.0f;
   for (int e = tid; e < (T << log2_R); e += kThreads, out_at += out_step) {
