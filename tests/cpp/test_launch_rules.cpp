@@ -121,10 +121,11 @@ TEST(LaunchRules, ChunkRingIsRemainderAndPhase) {
 }
 
 TEST(LaunchRules, EvictHintsOffOnlyForLargeFp32Batches) {
-  EXPECT_TRUE(use_evict_hints(2, heads_at(512), kSms));
-  EXPECT_TRUE(use_evict_hints(4, 16 * kSms - 1, kSms));
-  EXPECT_FALSE(use_evict_hints(4, 16 * kSms, kSms));
-  EXPECT_FALSE(use_evict_hints(4, heads_at(128), kSms));
+  EXPECT_TRUE(use_evict_hints(2, false, heads_at(512), kSms));
+  EXPECT_TRUE(use_evict_hints(4, false, 16 * kSms - 1, kSms));
+  EXPECT_FALSE(use_evict_hints(4, false, 16 * kSms, kSms));
+  EXPECT_FALSE(use_evict_hints(4, false, heads_at(128), kSms));
+  EXPECT_TRUE(use_evict_hints(4, true, heads_at(128), kSms));  // replay in closed form keeps them
 }
 
 // CTAs of `dynamic` bytes each that fit an SM (128-byte allocation units plus the reserve).

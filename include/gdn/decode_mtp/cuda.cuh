@@ -124,7 +124,7 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
   args.buffers = single_token ? kSingleTokenBuffers
                               : choose_buffers(int(sizeof(StateT)), heads, info.sm_count, kReplay,
                                                args.bulk_load);
-  args.evict_hints = use_evict_hints(int(sizeof(StateT)), heads, info.sm_count);
+  args.evict_hints = use_evict_hints(int(sizeof(StateT)), closed_form, heads, info.sm_count);
 
   // A launch with fewer CTAs than the SMs hold asks for the shared memory that spreads its CTAs
   // evenly (launch_shared_bytes). That arithmetic assumes the largest carveout, and the kernel may

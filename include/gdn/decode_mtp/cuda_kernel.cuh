@@ -776,7 +776,7 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
       static_cast<const StateT*>(args.state) + source * args.slot_stride + head_offset;
   const int chunk_elems = rows_per_chunk * kHeadDim;
   const uint32_t chunk_bytes = uint32_t(chunk_elems * int(sizeof(StateT)));
-  const bool hints = kReplay || args.evict_hints;  // replay: one checkpoint store, hints kept
+  const bool hints = args.evict_hints;
   const uint64_t policy =
       bulk && tid == 0 ? (hints ? l2_evict_first_policy() : l2_evict_normal_policy()) : 0;
   // Chunk c goes to buffer b = c % buffers (chunk_ring).

@@ -71,10 +71,12 @@ GDN_HOST_DEVICE constexpr ChunkSlot chunk_ring(int c, int buffers) {
 
 // L2 eviction hints on the state stream (evict-first bulk loads, streaming stores): on, except for
 // an fp32 state at batches of at least 16 heads per SM, which stream faster without them (H200,
-// fp32 T = 1: B = 128 143 vs 146 us, B = 512 548 vs 572 us; smaller batches and 16-bit states are
-// as fast or faster with them; benchmarks/results/tuning_v3_hints.json).
-inline bool use_evict_hints(int state_bytes, int64_t heads, int sm_count) {
-  return state_bytes != 4 || heads < 16 * int64_t(sm_count);
+// write-all fp32 T = 1: B = 128 143 vs 146 us, B = 512 548 vs 572 us; smaller batches and 16-bit
+// states are as fast or faster with them; benchmarks/results/tuning_v3_hints.json). The same holds
+// for token-by-token replay (fp32, B = 128 and 512, T = 2 and 4: 2.0-2.7 % faster without them);
+// replay in closed form keeps them (T = 8: 1.5-1.9 % slower without; replay_hints_h200.json).
+inline bool use_evict_hints(int state_bytes, bool closed_form, int64_t heads, int sm_count) {
+  return state_bytes != 4 || closed_form || heads < 16 * int64_t(sm_count);
 }
 
 // Replay's form (the kernel's kClosedForm): the closed form once every SM has a head and the window
