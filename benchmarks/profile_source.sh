@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Where the decode_mtp kernel's warps wait, per line of CUDA source: builds the extension (the CUDA
+# sources carry -lineinfo), then for each configuration profiles one launch with Nsight Compute
+# (SourceCounters and the usual sections) and writes its source page (per CUDA line: instructions
+# executed, warp-stall samples by reason) as CSV and its sections as text to $OUT.
+# benchmarks/summarize_source.py turns the CSVs into a per-line table.
+#
+#   CONFIGS="replay_b8_t4_fp32=--impl replay --B 8 --T 4 --state fp32" OUT=/tmp/prof \
+#     benchmarks/profile_source.sh
+#
+# Environment: OUT (default ./profile_out), JOBS (16), GDN_CUDA_ARCHITECTURES (90a), CONFIGS
+# (';'-separated NAME=profile_decode_mtp.py arguments), SKIP_BUILD (1: use build/gpu as it is).
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+OUT=${OUT:-$root/profile_out}
+JOBS=${JOBS:-16}
+ARCHS=${GDN_CUDA_ARCHITECTURES:-90a}
+BUILD=$root/build/gpu
+CONFIGS=${CONFIGS:-"replay_b8_t4_fp32=--impl replay --B 8 --T 4 --state fp32"}
+mkdir -p "$OUT"
+if [ "${SKIP_BUILD:-0}" != 1 ]; then
+  GDN_BUILD_JOBS=$JOBS scripts/dev_build.sh "$BUILD" -DGDN_ENABLE_CUDA=ON -DGDN_BUILD_TESTS=OFF \
+    -DGDN_CUDA_ARCHITECTURES="$ARCHS" -DCMAKE_CUDA_ARCHITECTURES="$ARCHS" > /tmp/profile_build.log \
+    2>&1 || { tail -20 /tmp/profile_build.log; exit 1; }
+fi
+export PYTHONPATH=$BUILD/pkg${PYTHONPATH:+:$PYTHONPATH}
+IFS=';' read -r -a cfgs <<< "$CONFIGS"
+for entry in "${cfgs[@]}"; do
+  name=${entry%%=*}
+  args=${entry#*=}
+  rep=/tmp/profile_$name
+  echo "--- $name: $args"
+  # shellcheck disable=SC2086
+  timeout 120 ncu --clock-control none -k regex:decode_mtp_kernel --launch-skip 2 --launch-count 1 \
+    --section SourceCounters --section SpeedOfLight --section LaunchStats --section Occupancy \
+    --section WarpStateStats --section SchedulerStats --import-source yes -f -o "$rep" \
+    python3 benchmarks/profile_decode_mtp.py $args 2>&1 | grep -vE "^==PROF==|^\s*$" | tail -3
+  ncu -i "$rep.ncu-rep" --page source --print-source cuda --csv > "$OUT/src_$name.csv" 2>&1
+  ncu -i "$rep.ncu-rep" --page details > "$OUT/details_$name.txt" 2>&1
+  grep -E "Duration|DRAM Throughput|Issued Warp Per Scheduler|Achieved Occupancy|Registers Per|Block Limit (Reg|Shared)" \
+    "$OUT/details_$name.txt" | sed -E "s/ +/ /g"
+  wc -l "$OUT/src_$name.csv"
+done
