@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Where the decode_mtp kernel's warps wait, per line of CUDA source: builds the extension (the CUDA
-# sources carry -lineinfo), then for each configuration profiles one launch with Nsight Compute
-# (SourceCounters and the usual sections) and writes its source page (per CUDA line: instructions
-# executed, warp-stall samples by reason) as CSV and its sections as text to $OUT.
-# benchmarks/summarize_source.py turns the CSVs into a per-line table.
+# Where the decode_mtp kernel's warps wait, per SASS instruction: builds the extension, then for
+# each configuration profiles one launch with Nsight Compute (SourceCounters and the usual
+# sections) and writes its source page (per instruction: instructions executed and warp-stall
+# samples by reason; columns "Instructions Executed", "Warp Stall Sampling (All Samples)") as CSV
+# and its sections as text to $OUT. Grouping the instructions by how often they run per head
+# separates the token loops from per-chunk and per-warp code.
 #
 #   CONFIGS="replay_b8_t4_fp32=--impl replay --B 8 --T 4 --state fp32" OUT=/tmp/prof \
 #     benchmarks/profile_source.sh
@@ -34,9 +35,9 @@ for entry in "${cfgs[@]}"; do
   # shellcheck disable=SC2086
   timeout 120 ncu --clock-control none -k regex:decode_mtp_kernel --launch-skip 2 --launch-count 1 \
     --section SourceCounters --section SpeedOfLight --section LaunchStats --section Occupancy \
-    --section WarpStateStats --section SchedulerStats --import-source yes -f -o "$rep" \
+    --section WarpStateStats --section SchedulerStats -f -o "$rep" \
     python3 benchmarks/profile_decode_mtp.py $args 2>&1 | grep -vE "^==PROF==|^\s*$" | tail -3
-  ncu -i "$rep.ncu-rep" --page source --print-source cuda --csv > "$OUT/src_$name.csv" 2>&1
+  ncu -i "$rep.ncu-rep" --page source --print-source sass --csv > "$OUT/src_$name.csv" 2>&1
   ncu -i "$rep.ncu-rep" --page details > "$OUT/details_$name.txt" 2>&1
   grep -E "Duration|DRAM Throughput|Issued Warp Per Scheduler|Achieved Occupancy|Registers Per|Block Limit (Reg|Shared)" \
     "$OUT/details_$name.txt" | sed -E "s/ +/ /g"
