@@ -102,9 +102,9 @@ if has sanitize; then
   stage sanitize
   {
     # memcheck on every device test (one of the long replay chains); racecheck where shared
-    # memory is used (the decode_mtp kernel, also in replay mode).
+    # memory is used (the decode_mtp kernel, also in replay mode and replay's closed form).
     for run in "memcheck:*:-*ReplayCudaChain*" "memcheck:*ReplayCudaChain*r8*" \
-               "racecheck:*DecodeMtp*:*ReplayCuda.*"; do
+               "racecheck:*DecodeMtp*:*ReplayCuda.*" "racecheck:*ReplayCudaChain*closed_form*"; do
       tool=${run%%:*}
       filter=${run#*:}
       echo "--- compute-sanitizer --tool $tool (gdn_gpu_tests, $filter)"
