@@ -95,6 +95,10 @@ std::vector<ChainParam> gpu_chain_params() {
   c.N = 20;
   c.S = 8;
   out.push_back({"r8_large_batch_closed_form", c, 6});
+  // ... with windows of up to 24 tokens: the closed form's solve through shared memory (more
+  // tokens than solve_in_registers holds).
+  c.S = 12;
+  out.push_back({"r8_large_batch_closed_form_S12", c, 6});
   return out;
 }
 

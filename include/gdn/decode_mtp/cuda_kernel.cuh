@@ -477,32 +477,11 @@ __device__ __forceinline__ float dot_staged(const float* x, const float* y, int 
   return (acc[0] + acc[1]) + (acc[2] + acc[3]);
 }
 
-// The per-CTA solve of the closed form (whole CTA, between two barriers; see above).
-__device__ __forceinline__ void prepare_replay(int n, int m, int R, int tid, float* k_s, float* q_s,
-                                               float* gates, float* mat_s, float* v_s, float* o_s) {
-  auto gate = [&](int j, int which) -> float& { return gates[kClosedGateFloats * j + which]; };
-  // 1. Decays and the token pair products.
-  for (int j = tid; j < m; j += kThreads) {
-    float g = 1.0f, cf = j < n ? 1.0f : 0.0f;
-    for (int l = 0; l <= j; ++l) g *= gate(l, kGateAlpha);
-    for (int l = j + 1; l < n; ++l) cf *= gate(l, kGateAlpha);
-    gate(j, kGateDecay) = g;
-    gate(j, kGateCheckpoint) = cf;
-  }
-  for (int e = tid; e < m * (m + 1) / 2; e += kThreads) {
-    int j, i;
-    triangle_pair(e, j, i);
-    float r = 1.0f;
-    for (int l = i + 1; l <= j; ++l) r *= gate(l, kGateAlpha);
-    const float* ki = k_s + i * kHeadDim;
-    if (i < j) mat_s[j * m + i] = gate(j, kGateBeta) * r * dot_staged(ki, k_s + j * kHeadDim, tid);
-    if (j >= n) mat_s[i * m + j] = r * dot_staged(ki, q_s + j * kHeadDim, tid);
-  }
-  __syncthreads();
-  // 2. kt and qt of column tid, vt and ot of row tid (< R: a split head's CTA has fewer rows),
-  //    token by token. Every thread reads and writes only its own column and row. kt_j replaces
-  //    k_j in k_s; a replayed token's raw k_j moves to its unused q_s row for the checkpoint.
-  static_assert(kThreads == kHeadDim, "one thread per column");
+// prepare_replay's step 2 for any window (m <= 2S tokens): kt and vt through shared memory.
+__device__ __forceinline__ void solve_in_shared(int n, int m, int R, int tid, float* k_s,
+                                                float* q_s, const float* gates, const float* mat_s,
+                                                float* v_s, float* o_s) {
+  auto gate = [&](int j, int which) { return gates[kClosedGateFloats * j + which]; };
   const bool row = tid < R;
   float* const kt_col = k_s + tid;
   float* const q_col = q_s + tid;
@@ -542,6 +521,87 @@ __device__ __forceinline__ void prepare_replay(int n, int m, int R, int tid, flo
     q_col[j * kHeadDim] = qt;
     if (row) o_s[(j - n) * R + tid] = ot;
   }
+}
+
+// prepare_replay's step 2 for windows of up to kSolveInRegisters tokens (S <= 8): the thread's
+// column of kt and row of vt stay in registers, so token j's sums over the earlier tokens are
+// unrolled FMAs on registers (one shared load of L' or Q each) instead of a loop of shared-memory
+// round trips. Same operations in the same order as solve_in_shared (the same bits).
+inline constexpr int kSolveInRegisters = 16;
+__device__ __forceinline__ void solve_in_registers(int n, int m, int R, int tid, float* k_s,
+                                                   float* q_s, const float* gates,
+                                                   const float* mat_s, float* v_s, float* o_s) {
+  auto gate = [&](int j, int which) { return gates[kClosedGateFloats * j + which]; };
+  const bool row = tid < R;
+  float* const kt_col = k_s + tid;
+  float* const q_col = q_s + tid;
+  float* const v_col = v_s + tid;
+  float kt[kSolveInRegisters], vt[kSolveInRegisters];
+#pragma unroll
+  for (int j = 0; j < kSolveInRegisters; ++j) {
+    if (j >= m) break;  // uniform over the CTA
+    const float* lj = mat_s + j * m;
+    const float beta = gate(j, kGateBeta), k = kt_col[j * kHeadDim];
+    float a = beta * gate(j, kGateDecay) * k, b = row ? beta * v_col[j * R] : 0.0f;
+#pragma unroll
+    for (int i = 0; i < j; ++i) {
+      const float l = lj[i];
+      a = fmaf(-l, kt[i], a);
+      b = fmaf(-l, vt[i], b);
+    }
+    kt[j] = a;
+    vt[j] = b;
+    kt_col[j * kHeadDim] = a;
+    if (row) v_col[j * R] = b;
+    if (j < n) q_col[j * kHeadDim] = k;
+  }
+#pragma unroll
+  for (int j = 0; j < kSolveInRegisters; ++j) {  // the new tokens' qt and ot
+    if (j >= m) break;
+    if (j < n) continue;
+    float qt = gate(j, kGateDecay) * q_col[j * kHeadDim], ot = 0.0f;
+#pragma unroll
+    for (int i = 0; i <= j; ++i) {
+      const float qij = mat_s[i * m + j];
+      qt = fmaf(-qij, kt[i], qt);
+      ot = fmaf(qij, vt[i], ot);
+    }
+    q_col[j * kHeadDim] = qt;
+    if (row) o_s[(j - n) * R + tid] = ot;
+  }
+}
+
+// The per-CTA solve of the closed form (whole CTA, between two barriers; see above). Step 2 keeps
+// a thread's column and row in registers for windows of up to kSolveInRegisters tokens.
+__device__ __forceinline__ void prepare_replay(int n, int m, int R, int tid, float* k_s, float* q_s,
+                                               float* gates, float* mat_s, float* v_s, float* o_s) {
+  auto gate = [&](int j, int which) -> float& { return gates[kClosedGateFloats * j + which]; };
+  // 1. Decays and the token pair products.
+  for (int j = tid; j < m; j += kThreads) {
+    float g = 1.0f, cf = j < n ? 1.0f : 0.0f;
+    for (int l = 0; l <= j; ++l) g *= gate(l, kGateAlpha);
+    for (int l = j + 1; l < n; ++l) cf *= gate(l, kGateAlpha);
+    gate(j, kGateDecay) = g;
+    gate(j, kGateCheckpoint) = cf;
+  }
+  for (int e = tid; e < m * (m + 1) / 2; e += kThreads) {
+    int j, i;
+    triangle_pair(e, j, i);
+    float r = 1.0f;
+    for (int l = i + 1; l <= j; ++l) r *= gate(l, kGateAlpha);
+    const float* ki = k_s + i * kHeadDim;
+    if (i < j) mat_s[j * m + i] = gate(j, kGateBeta) * r * dot_staged(ki, k_s + j * kHeadDim, tid);
+    if (j >= n) mat_s[i * m + j] = r * dot_staged(ki, q_s + j * kHeadDim, tid);
+  }
+  __syncthreads();
+  // 2. kt and qt of column tid, vt and ot of row tid (< R: a split head's CTA has fewer rows),
+  //    token by token. Every thread reads and writes only its own column and row. kt_j replaces
+  //    k_j in k_s; a replayed token's raw k_j moves to its unused q_s row for the checkpoint.
+  static_assert(kThreads == kHeadDim, "one thread per column");
+  if (m <= kSolveInRegisters)
+    solve_in_registers(n, m, R, tid, k_s, q_s, gates, mat_s, v_s, o_s);
+  else
+    solve_in_shared(n, m, R, tid, k_s, q_s, gates, mat_s, v_s, o_s);
   __syncthreads();
 }
 
