@@ -33,11 +33,12 @@ for entry in "${cfgs[@]}"; do
   rep=/tmp/profile_$name
   echo "--- $name: $args"
   # shellcheck disable=SC2086
-  timeout 120 ncu --clock-control none -k regex:decode_mtp_kernel --launch-skip 2 --launch-count 1 \
+  timeout 120 ncu --clock-control none -k regex:decode_mtp_kernel --launch-skip 2 --launch-count 1 --import-source yes \
     --section SourceCounters --section SpeedOfLight --section LaunchStats --section Occupancy \
     --section WarpStateStats --section SchedulerStats -f -o "$rep" \
     python3 benchmarks/profile_decode_mtp.py $args 2>&1 | grep -vE "^==PROF==|^\s*$" | tail -3
   ncu -i "$rep.ncu-rep" --page source --print-source sass --csv > "$OUT/src_$name.csv" 2>&1
+  ncu -i "$rep.ncu-rep" --page source --print-source cuda,sass --csv > "$OUT/srcmix_$name.csv" 2>&1
   ncu -i "$rep.ncu-rep" --page details > "$OUT/details_$name.txt" 2>&1
   grep -E "Duration|DRAM Throughput|Issued Warp Per Scheduler|Achieved Occupancy|Registers Per|Block Limit (Reg|Shared)" \
     "$OUT/details_$name.txt" | sed -E "s/ +/ /g"
