@@ -104,7 +104,7 @@ if has sanitize; then
     # memcheck on every device test (one of the long replay chains); racecheck where shared
     # memory is used (the decode_mtp kernel, also in replay mode and replay's closed form).
     for run in "memcheck:*:-*ReplayCudaChain*" "memcheck:*ReplayCudaChain*r8*" \
-               "racecheck:*DecodeMtp*:*ReplayCuda.*" "racecheck:*ReplayCudaChain*closed_form*"; do
+               "racecheck:*DecodeMtp*:*ReplayCuda.*" "racecheck:*ReplayCudaChain*closed_form*3_steps*"; do
       tool=${run%%:*}
       filter=${run#*:}
       echo "--- compute-sanitizer --tool $tool (gdn_gpu_tests, $filter)"

@@ -99,6 +99,15 @@ std::vector<ChainParam> gpu_chain_params() {
   // tokens than solve_in_registers holds).
   c.S = 12;
   out.push_back({"r8_large_batch_closed_form_S12", c, 6});
+  // Short closed-form chains (N x HV = 160 heads, still one per SM of an H200) that racecheck can
+  // run in its time (benchmarks/gpu_check.sh): the per-CTA solve's shared arrays, in registers
+  // and through shared memory.
+  c = gpu_config(4, 8, vk, 211);
+  c.N = 5;
+  c.S = 8;
+  out.push_back({"r8_closed_form_3_steps", c, 3});
+  c.S = 12;
+  out.push_back({"r8_closed_form_S12_3_steps", c, 3});
   return out;
 }
 
