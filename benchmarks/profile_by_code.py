@@ -60,26 +60,19 @@ def parts_of(source_lines: list[str]) -> list[str]:
 
 def read_source_page(csv_path: Path) -> list[tuple[str, int, int, int, str]]:
     """(file name, line, instructions executed, stall samples, source text) per source line."""
-    rows, file_name, columns = [], "", None
+    rows, file_name, columns = [], "", None  # columns: where the two counts are
+    count = lambda row, i: int(row[i]) if i < len(row) and row[i].isdigit() else 0  # noqa: E731
     with open(csv_path, newline="") as f:
         for row in csv.reader(f):
             if not row:
                 continue
             if row[0] == "File Path":
                 file_name = Path(row[1]).name
-                continue
-            if row[0] == "Line No":
-                columns = {name: i for i, name in enumerate(row) if name not in ("Source",)}
-                continue
-            if columns is None or not row[0].isdigit():
-                continue
-
-            def value(name: str) -> int:
-                text = row[columns[name]] if name in columns else ""
-                return int(text) if text.isdigit() else 0
-
-            rows.append((file_name, int(row[0]), value(INSTRUCTIONS), value(SAMPLES),
-                         row[1].strip() if len(row) > 1 else ""))
+            elif row[0] == "Line No":
+                columns = (row.index(INSTRUCTIONS), row.index(SAMPLES))
+            elif columns is not None and row[0].isdigit():  # a source line (SASS rows have none)
+                rows.append((file_name, int(row[0]), count(row, columns[0]), count(row, columns[1]),
+                             row[1].strip() if len(row) > 1 else ""))
     if columns is None:
         raise SystemExit(f"{csv_path}: no source page (no 'Line No' header)")
     return rows
