@@ -30,9 +30,12 @@ wait
 
 if [ -n "${TEST_ARGS:-}" ]; then
   last=${trees[-1]}
+  xdist=()  # the CUDA test files take minutes on one process
+  python3 -c "import xdist" 2>/dev/null && xdist=(-n 12)
   # shellcheck disable=SC2086
   (cd "$last" && PYTHONPATH=build/gpu/pkg timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q \
-     -p no:cacheprovider $TEST_ARGS > "$OUT/test.log" 2>&1; echo "test $(basename "$last") exit $?")
+     -p no:cacheprovider "${xdist[@]}" $TEST_ARGS > "$OUT/test.log" 2>&1
+   echo "test $(basename "$last") exit $?")
   tail -n 3 "$OUT/test.log"
 fi
 

@@ -89,25 +89,22 @@ std::vector<ChainParam> gpu_chain_params() {
   c = gpu_config(4, 8, vk, 191);
   c.N = 20;
   out.push_back({"r8_large_batch", c, 6});
-  // ... and a deep window: the kernel's closed form (use_closed_form in
-  // decode_mtp/cuda_launch_rules.hpp).
-  c = gpu_config(4, 8, vk, 201);
-  c.N = 20;
-  c.S = 8;
-  out.push_back({"r8_large_batch_closed_form", c, 6});
-  // ... with windows of up to 24 tokens: the closed form's solve through shared memory (more
-  // tokens than solve_in_registers holds).
-  c.S = 12;
-  out.push_back({"r8_large_batch_closed_form_S12", c, 6});
-  // Short closed-form chains (N x HV = 160 heads, still one per SM of an H200) that racecheck can
-  // run in its time (benchmarks/gpu_check.sh): the per-CTA solve's shared arrays, in registers
-  // and through shared memory.
-  c = gpu_config(4, 8, vk, 211);
-  c.N = 5;
-  c.S = 8;
-  out.push_back({"r8_closed_form_3_steps", c, 3});
-  c.S = 12;
-  out.push_back({"r8_closed_form_S12_3_steps", c, 3});
+  // Deep windows: the kernel's closed form (use_closed_form in decode_mtp/cuda_launch_rules.hpp),
+  // at S = 8 (its solve in registers) and S = 12 (windows of up to 24 tokens: the solve through
+  // shared memory, more tokens than solve_in_registers holds).
+  const auto closed_form = [&](const char* name_s8, const char* name_s12, uint32_t seed, int N,
+                               int steps) {
+    ReplayConfig cf = gpu_config(4, 8, vk, seed);
+    cf.N = N;
+    cf.S = 8;
+    out.push_back({name_s8, cf, steps});
+    cf.S = 12;
+    out.push_back({name_s12, cf, steps});
+  };
+  closed_form("r8_large_batch_closed_form", "r8_large_batch_closed_form_S12", 201, 20, 6);
+  // Short chains (N x HV = 160 heads, still one per SM of an H200) that racecheck can run in its
+  // time (benchmarks/gpu_check.sh): the per-CTA solve's shared arrays.
+  closed_form("r8_closed_form_3_steps", "r8_closed_form_S12_3_steps", 211, 5, 3);
   return out;
 }
 
