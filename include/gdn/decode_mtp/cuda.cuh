@@ -42,9 +42,11 @@ using gdn::cuda::kernel_ptx_version;
 using gdn::cuda::kMaxDevices;
 
 template <class StateT>
-inline size_t shared_bytes(int S, int split, int buffers, bool replay, bool closed_form) {
+inline size_t shared_bytes(int S, int split, int buffers, bool replay, bool closed_form,
+                           int z_bytes = 4) {
   return size_t(
-      SmemPlan(S, kHeadDim / split, int(sizeof(StateT)), buffers, replay, closed_form).total);
+      SmemPlan(S, kHeadDim / split, int(sizeof(StateT)), buffers, replay, closed_form, z_bytes)
+          .total);
 }
 
 // Launches `kernel` with the config's grid, block and shared memory on `stream`, as a cluster of
@@ -130,8 +132,10 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
   // evenly (launch_shared_bytes). That arithmetic assumes the largest carveout, and the kernel may
   // ask for up to all of an SM's shared memory.
   const size_t smem = launch_shared_bytes(
-      shared_bytes<StateT>(args.S, split, args.buffers, kReplay, closed_form), heads, split,
-      single_token, info.sm_count, size_t(info.shared_per_sm), size_t(info.reserved_per_cta));
+      shared_bytes<StateT>(args.S, split, args.buffers, kReplay, closed_form,
+                           closed_form ? staged_z_bytes(args.z != nullptr, args.z_dtype) : 4),
+      heads, split, single_token, info.sm_count, size_t(info.shared_per_sm),
+      size_t(info.reserved_per_cta));
   GDN_RETURN_IF_ERROR(allow_dynamic_shared(kernel, device, info.shared_per_cta, smem_cache[form]));
   return launch_ex(kernel, dim3(unsigned(heads * split)), dim3(unsigned(kThreads)), smem, split,
                    hopper, stream, args, kReplay ? "replay" : "decode_mtp");

@@ -75,6 +75,7 @@ using dev::l2_evict_first_policy;
 using dev::l2_evict_normal_policy;
 using dev::load_bits;
 using dev::load_bits4;
+using dev::load_value;
 using dev::mbarrier_arrive_expect_tx;
 using dev::mbarrier_init;
 using dev::mbarrier_init_fence;
@@ -449,9 +450,9 @@ __device__ __forceinline__ float advance_rows_scaled(GroupRows<kRows>& s, float&
 //
 // Shared arrays (SmemPlan, replay): k_s [m][128] k, then kt; q_s [m][128] q_j at the rows j >= n
 // of the new tokens (then qt_j) and the replayed tokens' raw k_i at rows i < n; v_s [m][R] v, then
-// vt, then for i < n the checkpoint coefficient R(n-1, i) w_i; o_s [T][R] ot, then o; gates_s
-// [m][4] alpha, beta, g_j, R(n-1, j); mat_s [m][m] L' below the diagonal, Q on and above it
-// ([i][j]).
+// vt, then for i < n the checkpoint coefficient R(n-1, i) w_i and for j >= n ot_j, then o_j (o_s
+// = v_s + n R: no array of its own); gates_s [m][4] alpha, beta, g_j, R(n-1, j); mat_s [m][m] L'
+// below the diagonal, Q on and above it ([i][j]); z_s z's raw bits (act(z) at the output).
 inline constexpr int kClosedGateFloats = 4;
 inline constexpr int kGateAlpha = 0, kGateBeta = 1, kGateDecay = 2, kGateCheckpoint = 3;
 
@@ -511,7 +512,9 @@ __device__ __forceinline__ void solve_in_shared(int n, int m, int R, int tid, fl
       if (j < n) q_col[j * kHeadDim] = k;
     }
   }
-  for (int j = n; j < m; ++j) {  // every kt and vt is known: the new tokens' qt and ot
+  // Every kt and vt is known: the new tokens' qt and ot, from the last token down, because ot_j
+  // may replace vt_j in v_s (the closed form's o lives in v's rows n ..) and reads vt_i, i <= j.
+  for (int j = m - 1; j >= n; --j) {
     float qt = gate(j, kGateDecay) * q_col[j * kHeadDim], ot = 0.0f;
     for (int i = 0; i <= j; ++i) {
       const float qij = mat_s[i * m + j];
@@ -641,6 +644,12 @@ __host__ __device__ constexpr int gate_floats(bool replay, bool closed_form) {
   return closed_form ? kClosedGateFloats : replay ? 3 : 2;
 }
 
+// Bytes of a staged z value in the closed form (SmemPlan): z's raw bits, 2 for a 16-bit z (and
+// without z, whose array then holds nothing).
+__host__ __device__ constexpr int staged_z_bytes(bool gated, DType z_dtype) {
+  return gated && z_dtype == DType::kFloat32 ? 4 : 2;
+}
+
 // Byte offsets of a CTA's shared arrays. S = state columns (T <= S), R = rows of the CTA; a
 // replay CTA stages up to 2S tokens (n <= S replayed, T <= S new; q of the new ones), and in
 // closed form q at each new token's row of 2S and the [2S][2S] matrix of its solve. The
@@ -650,8 +659,10 @@ __host__ __device__ constexpr int gate_floats(bool replay, bool closed_form) {
 struct SmemPlan {
   int rows_per_chunk, chunks, buffers;
   int bars, meta, k, q, gates, mat, v, o, z, ss, rstd, w, tile, total;
+  // z_bytes: the size of a staged z value. The closed form stages z's raw bits (2 bytes for a
+  // 16-bit z) and applies act(z) at the output; the other forms stage act(z) as fp32 (4).
   __host__ __device__ SmemPlan(int S, int R, int state_bytes, int max_buffers, bool replay,
-                               bool closed_form) {
+                               bool closed_form, int z_bytes = 4) {
     const int staged = replay ? 2 * S : S;        // token slots of k, v and gates
     const int q_rows = closed_form ? staged : S;  // ... and of q
     rows_per_chunk = R < kChunkRows ? R : kChunkRows;
@@ -664,12 +675,15 @@ struct SmemPlan {
     gates = q + q_rows * kHeadDim * 4;  // float [staged][gate_floats(replay, closed_form)]
     mat = gates + staged * gate_floats(replay, closed_form) * 4;  // float [m][m], m <= staged
     v = mat + (closed_form ? staged * staged * 4 : 0);            // float [staged][R]
-    o = v + staged * R * 4;                                       // float [S][R] core output
-    z = o + S * R * 4;                                            // float [S][R] act(z)
-    ss = z + S * R * 4;                    // float [S][16] group partials of o^2
-    rstd = ss + S * kGroupsPerHead * 4;    // float [S]
-    w = rstd + S * 4;                      // float [R] norm weight
-    tile = (w + R * 4 + 127) / 128 * 128;  // [buffers][rows_per_chunk][128] state (bulk copies)
+    // Core output o [S][R]. The closed form keeps it in v's rows n .. n + T - 1 instead (the new
+    // tokens' vt are dead once the solve has turned them into ot): no array of its own.
+    o = v + staged * R * 4;
+    z = o + (closed_form ? 0 : S * R * 4);  // [S][R] act(z) (fp32), or z's raw bits (closed form)
+    ss = z + S * R * z_bytes;               // float [S][16] group partials of o^2
+    rstd = ss + S * kGroupsPerHead * 4;     // float [S]
+    w = rstd + S * 4;  // float [R] norm weight (closed form at R = 128: a register per thread)
+    tile = (w + (closed_form && R == kHeadDim ? 0 : R * 4) + 127) / 128 *
+           128;  // [buffers][rows_per_chunk][128] state (bulk copies)
     total = tile + buffers * rows_per_chunk * kHeadDim * state_bytes;
   }
 };
@@ -704,7 +718,8 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
   constexpr bool closed_form = kReplay && kClosedForm;
   constexpr int kGateFloats = gate_floats(kReplay, closed_form);
   constexpr bool kPartialsPerGroup = sizeof(StateT) == 4 && !kReplay;  // see push_partial
-  const SmemPlan plan(S, R, int(sizeof(StateT)), args.buffers, kReplay, closed_form);
+  const SmemPlan plan(S, R, int(sizeof(StateT)), args.buffers, kReplay, closed_form,
+                      closed_form ? staged_z_bytes(args.z != nullptr, args.z_dtype) : 4);
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + plan.bars);
   RowMeta& meta = *reinterpret_cast<RowMeta*>(smem + plan.meta);
   StateT* tile = reinterpret_cast<StateT*>(smem + plan.tile);
@@ -880,9 +895,18 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
   };
   auto stage_z = [&](int first, const uint32_t (&bits)[kZBatch]) {
 #pragma unroll
-    for (int i = 0; i < kZBatch; ++i)
-      if (first + i * kThreads < z_count)
-        z_s[first + i * kThreads] = gate_act(args, bits_to_f32(bits[i], args.z_dtype));
+    for (int i = 0; i < kZBatch; ++i) {
+      const int e = first + i * kThreads;
+      if (e >= z_count) continue;
+      if constexpr (closed_form) {  // raw bits; act(z) at the output
+        if (args.z_dtype != DType::kFloat32)
+          reinterpret_cast<uint16_t*>(z_s)[e] = uint16_t(bits[i]);
+        else
+          reinterpret_cast<uint32_t*>(z_s)[e] = bits[i];
+      } else {
+        z_s[e] = gate_act(args, bits_to_f32(bits[i], args.z_dtype));
+      }
+    }
   };
   uint32_t z_bits[kZBatch];
   load_z(tid, z_bits);
@@ -900,7 +924,10 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
     load_z(first, z_bits);
     stage_z(first, z_bits);
   }
-  if (norm && tid < R) w_s[tid] = bits_to_f32(w_bits, args.norm_dtype);
+  // The closed form at R = 128 has no w_s (SmemPlan): each thread loads the norm weight of the row
+  // it outputs again at the end (a held w_bits would cost the token loop a register).
+  const bool w_in_register = closed_form && R == kHeadDim;
+  if (norm && tid < R && !w_in_register) w_s[tid] = bits_to_f32(w_bits, args.norm_dtype);
   __syncthreads();  // staged tokens (and a replay row's window_len) visible
 
   if constexpr (kReplay) {  // the replay count against the tokens the window holds
@@ -911,7 +938,8 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
       return;
     }
     if constexpr (closed_form)
-      prepare_replay(n_replay, tokens, R, tid, k_s, q_s, gates_s, mat_s, v_s, o_s);
+      prepare_replay(n_replay, tokens, R, tid, k_s, q_s, gates_s, mat_s, v_s,
+                     v_s + n_replay * R);  // ot (then o) in the new tokens' rows of v (SmemPlan)
   }
   if (clustered) cluster_wait();  // every peer's norm_bar is initialised: partials may be pushed
 
@@ -1051,10 +1079,13 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
             float& vt = v_s[d * R + my_row];
             vt = gates_s[kClosedGateFloats * d + kGateCheckpoint] * (vt - dot);
           }
-          const bool output = d >= n_replay && d < dots;
-          float o = 0.0f;
-          if (output) o = o_s[(d - n_replay) * R + my_row] + dot;
-          emit_output(d - n_replay, o, output);  // token d: lanes d & 3 + 4p
+          if (d >= n_replay && d < dots) {  // token d: lanes d & 3 + 4p; o_d replaces ot_d in
+                                            // v's row d (SmemPlan)
+            float& o_d = v_s[d * R + my_row];
+            float o = o_d + dot;
+            if (args.round_core_output) o = dev::round_to(args.out_dtype, o);
+            o_d = o;
+          }
         }
         if (n_replay > 0) {
           __syncwarp();  // every lane's coefficients of the group's rows
@@ -1101,6 +1132,8 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
     }
   }
 
+  if constexpr (closed_form) o_s = v_s + n_replay * R;  // o in the new tokens' rows of v
+
   // 6. Gated RMSNorm over all 128 rows (the partials of every CTA of the cluster), in one fixed
   //    order whatever the split, then the outputs.
   __syncthreads();  // o (and with kPartialsPerGroup this CTA's partials) visible
@@ -1129,13 +1162,24 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
   const int r_out = tid & (R - 1);
   const int64_t out_step = int64_t(kThreads >> log2_R) * HV * kHeadDim;
   int64_t out_at = ((c0 + (tid >> log2_R)) * HV + hv) * kHeadDim + row0 + r_out;
-  const float w_out = norm ? w_s[r_out] : 1.0f;
+  const float w_out = !norm           ? 1.0f
+                      : w_in_register ? load_value(args.norm_weight, args.norm_dtype, row0 + r_out)
+                                      : w_s[r_out];
   for (int e = tid; e < (T << log2_R); e += kThreads, out_at += out_step) {
     const int t = e >> log2_R;
     float y = o_s[e];
     if (norm) {
       y = y * rstd_s[t] * w_out;
-      if (gated) y *= z_s[e];
+      if (gated) {
+        if constexpr (closed_form) {
+          const uint32_t bits = args.z_dtype != DType::kFloat32
+                                    ? uint32_t(reinterpret_cast<const uint16_t*>(z_s)[e])
+                                    : reinterpret_cast<const uint32_t*>(z_s)[e];
+          y *= gate_act(args, bits_to_f32(bits, args.z_dtype));
+        } else {
+          y *= z_s[e];
+        }
+      }
     }
     store_value(args.out, args.out_dtype, out_at, y);
   }
