@@ -94,19 +94,22 @@ TEST(LaunchRules, SingleTokenFormWhereItSavesAWave) {
 }
 
 TEST(LaunchRules, ChunkBuffers) {
-  EXPECT_EQ(choose_buffers(2, heads_at(1), kSms, false, true),
+  EXPECT_EQ(choose_buffers(2, heads_at(1), kSms, false, false, true),
             kMaxChunks);  // 16-bit: one per chunk
-  EXPECT_EQ(choose_buffers(2, heads_at(128), kSms, false, true), kMaxChunks);
-  EXPECT_EQ(choose_buffers(4, heads_at(8), kSms, false, true), 2);  // fp32 below 4 heads per SM
-  EXPECT_EQ(choose_buffers(4, heads_at(32), kSms, false, true), 3);
-  EXPECT_EQ(choose_buffers(4, heads_at(8), kSms, true, true), 2);  // replay
-  EXPECT_EQ(choose_buffers(4, heads_at(128), kSms, true, true), 1);
-  EXPECT_EQ(choose_buffers(2, heads_at(128), kSms, true, true), 2);
+  EXPECT_EQ(choose_buffers(2, heads_at(128), kSms, false, false, true), kMaxChunks);
+  EXPECT_EQ(choose_buffers(4, heads_at(8), kSms, false, false, true),
+            2);  // fp32 below 4 heads per SM
+  EXPECT_EQ(choose_buffers(4, heads_at(32), kSms, false, false, true), 3);
+  EXPECT_EQ(choose_buffers(4, heads_at(8), kSms, true, false, true), 2);  // replay
+  EXPECT_EQ(choose_buffers(4, heads_at(128), kSms, true, false, true), 1);
+  EXPECT_EQ(choose_buffers(2, heads_at(128), kSms, true, false, true), 2);
+  EXPECT_EQ(choose_buffers(2, heads_at(128), kSms, true, true, true), 1);  // closed form
+  EXPECT_EQ(choose_buffers(2, heads_at(8), kSms, true, true, true), 2);
   // Plain loads never stream through one buffer (the refill would race the other warps' reads).
   for (const int state_bytes : {2, 4})
     for (const int64_t B : {1, 8, 32, 128, 512})
       for (const bool replay : {false, true})
-        EXPECT_GE(choose_buffers(state_bytes, heads_at(B), kSms, replay, false), 2)
+        EXPECT_GE(choose_buffers(state_bytes, heads_at(B), kSms, replay, false, false), 2)
             << state_bytes << " " << B << " " << replay;
 }
 
@@ -137,7 +140,8 @@ int64_t resident(size_t dynamic) {
 TEST(LaunchRules, SharedMemorySpreadsSmallLaunchesUpToClustersOfTwo) {
   const size_t needed = 30000;  // seven fit an SM; the register budget allows six
   const auto bytes = [&](int64_t heads, int split, bool single_token = false) {
-    return launch_shared_bytes(needed, heads, split, single_token, kSms, kSharedPerSm, kReserved);
+    return launch_shared_bytes(needed, heads, split, single_token, false, kSms, kSharedPerSm,
+                               kReserved);
   };
   EXPECT_EQ(resident(bytes(heads_at(16), 1)), 4);  // 512 CTAs: at most 4 per SM
   EXPECT_EQ(resident(bytes(heads_at(8), 2)), 4);   // 512 CTAs in clusters of 2
@@ -147,8 +151,26 @@ TEST(LaunchRules, SharedMemorySpreadsSmallLaunchesUpToClustersOfTwo) {
   EXPECT_EQ(bytes(heads_at(32), 1), needed);  // 1024 CTAs: more than the SMs hold
   EXPECT_EQ(bytes(6 * kSms, 1), needed);      // six per SM: full already
   // The single-token form's budget is eight per SM: seven per SM are padded to seven.
-  EXPECT_EQ(resident(launch_shared_bytes(20000, 7 * kSms, 1, true, kSms, kSharedPerSm, kReserved)),
-            7);
+  EXPECT_EQ(
+      resident(launch_shared_bytes(20000, 7 * kSms, 1, true, false, kSms, kSharedPerSm, kReserved)),
+      7);
+}
+
+TEST(LaunchRules, ClosedFormKeepsItsWavesWithFewerCtasPerSm) {
+  const size_t needed = 45184;  // closed form, S = 8, fp32: five fit an SM
+  const auto closed = [&](int64_t heads) {
+    return resident(
+        launch_shared_bytes(needed, heads, 1, false, true, kSms, kSharedPerSm, kReserved));
+  };
+  EXPECT_EQ(closed(heads_at(32)), 4);   // 1024 CTAs: two waves of 5 per SM or of 4
+  EXPECT_EQ(closed(heads_at(64)), 4);   // 2048: four waves either way
+  EXPECT_EQ(closed(heads_at(128)), 5);  // 4096: seven waves of 5, eight of 4
+  EXPECT_EQ(closed(heads_at(512)), 5);  // 16384: 25 waves of 5
+  EXPECT_EQ(closed(heads_at(8)), 2);    // 256: one wave, the even share
+  // Write-all and token-by-token replay keep every CTA that fits once the SMs are full.
+  EXPECT_EQ(
+      launch_shared_bytes(needed, heads_at(32), 1, false, false, kSms, kSharedPerSm, kReserved),
+      needed);
 }
 
 }  // namespace

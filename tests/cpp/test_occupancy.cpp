@@ -44,6 +44,23 @@ TEST(Occupancy, RegisterLimitCounts) {
   EXPECT_EQ(resident(even_share_shared_bytes(20000, 700, kSms, kH200Shared, kReserved, 8)), 6);
 }
 
+TEST(Occupancy, BalancedWavesTakeTheFewestCtasPerSmOfTheirWaveCount) {
+  const size_t needed = 37092;  // six fit an SM
+  for (int64_t ctas : {int64_t(100), int64_t(792), int64_t(793), int64_t(1024), int64_t(1600),
+                       int64_t(4096), int64_t(16384)}) {
+    const int64_t per_wave = 6 * kSms, waves = (ctas + per_wave - 1) / per_wave;
+    const int64_t share = (ctas + waves * kSms - 1) / (waves * kSms);
+    const size_t bytes =
+        even_share_shared_bytes(needed, ctas, kSms, kH200Shared, kReserved, 6, true);
+    ASSERT_GE(bytes, needed) << ctas;
+    EXPECT_EQ(resident(bytes), share) << ctas << " CTAs";
+    // ... and as many waves as with every CTA that fits.
+    EXPECT_EQ((ctas + resident(bytes) * kSms - 1) / (resident(bytes) * kSms), waves) << ctas;
+  }
+  EXPECT_EQ(resident(even_share_shared_bytes(needed, 1024, kSms, kH200Shared, kReserved, 6, true)),
+            4);  // two waves of 4 per SM, not of 6
+}
+
 TEST(Occupancy, DegenerateInputsKeepTheRequest) {
   EXPECT_EQ(even_share_shared_bytes(1000, 0, kSms, kH200Shared, kReserved, 6), size_t(1000));
   EXPECT_EQ(even_share_shared_bytes(1000, 10, 0, kH200Shared, kReserved, 6), size_t(1000));

@@ -125,7 +125,7 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
   args.bulk_load = hopper && args.state_vector;
   args.buffers = single_token ? kSingleTokenBuffers
                               : choose_buffers(int(sizeof(StateT)), heads, info.sm_count, kReplay,
-                                               args.bulk_load);
+                                               closed_form, args.bulk_load);
   args.evict_hints = use_evict_hints(int(sizeof(StateT)), closed_form, heads, info.sm_count);
 
   // A launch with fewer CTAs than the SMs hold asks for the shared memory that spreads its CTAs
@@ -134,7 +134,7 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
   const size_t smem = launch_shared_bytes(
       shared_bytes<StateT>(args.S, split, args.buffers, kReplay, closed_form,
                            closed_form ? staged_z_bytes(args.z != nullptr, args.z_dtype) : 4),
-      heads, split, single_token, info.sm_count, size_t(info.shared_per_sm),
+      heads, split, single_token, closed_form, info.sm_count, size_t(info.shared_per_sm),
       size_t(info.reserved_per_cta));
   GDN_RETURN_IF_ERROR(allow_dynamic_shared(kernel, device, info.shared_per_cta, smem_cache[form]));
   return launch_ex(kernel, dim3(unsigned(heads * split)), dim3(unsigned(kThreads)), smem, split,

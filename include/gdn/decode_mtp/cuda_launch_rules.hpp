@@ -41,13 +41,16 @@ inline constexpr int kSingleTokenBuffers = 3;
 // CTAs also stage up to 2S tokens and are bound by latency and issue more than by bytes, wants as
 // many CTAs per SM as its registers allow (kMinCtasPerSm; shared memory allows them at S <= 5): 2
 // buffers, and 1 for an fp32 slice from 4 heads per SM (fp32, B = 128: T = 4 6 % and T = 8 21 %
-// faster than 2 buffers at 4 CTAs per SM; benchmarks/results/replay_v2_h200.json). Plain loads
+// faster than 2 buffers at 4 CTAs per SM; benchmarks/results/replay_v2_h200.json) and for the
+// closed form of any state from 4 heads per SM (bf16 T = 8: six CTAs per SM instead of five, B =
+// 128 3.2 % and B = 512 2.1 % faster; benchmarks/results/closed_form_smem_h200.json). Plain loads
 // (bulk = false: the "kv" layout, unaligned pools, no sm_90 image) take at least 2: their CTA
 // refills a buffer right after the barrier of the previous chunk, which ensures that every warp has
 // read the chunk the buffer held only when that chunk is not the previous one.
-inline int choose_buffers(int state_bytes, int64_t heads, int sm_count, bool replay, bool bulk) {
+inline int choose_buffers(int state_bytes, int64_t heads, int sm_count, bool replay,
+                          bool closed_form, bool bulk) {
   const bool small_batch = heads < 4 * int64_t(sm_count);
-  if (replay) return state_bytes == 4 && !small_batch && bulk ? 1 : 2;
+  if (replay) return (state_bytes == 4 || closed_form) && !small_batch && bulk ? 1 : 2;
   if (state_bytes != 4) return kMaxChunks;
   return small_batch ? 2 : 3;
 }
@@ -165,12 +168,15 @@ inline constexpr int kMaxSpreadCluster = 2;
 
 // Dynamic shared memory of a launch of `heads` heads split over `split` CTAs each, whose CTAs need
 // `needed` bytes: padded to the even share when the launch has fewer CTAs than the SMs hold
-// (even_share_shared_bytes), except for clusters of more than kMaxSpreadCluster CTAs.
+// (even_share_shared_bytes), except for clusters of more than kMaxSpreadCluster CTAs. Replay in
+// closed form, bound by latency, is also capped at the fewest CTAs per SM that keep its wave count
+// (balance_waves).
 inline size_t launch_shared_bytes(size_t needed, int64_t heads, int split, bool single_token,
-                                  int sm_count, size_t shared_per_sm, size_t reserved_per_cta) {
+                                  bool closed_form, int sm_count, size_t shared_per_sm,
+                                  size_t reserved_per_cta) {
   if (split > kMaxSpreadCluster) return needed;
   return even_share_shared_bytes(needed, heads * split, sm_count, shared_per_sm, reserved_per_cta,
-                                 single_token ? kSingleTokenCtasPerSm : kMinCtasPerSm);
+                                 single_token ? kSingleTokenCtasPerSm : kMinCtasPerSm, closed_form);
 }
 
 }  // namespace gdn::decode_mtp::cuda_detail
