@@ -137,40 +137,34 @@ int64_t resident(size_t dynamic) {
   return int64_t(kSharedPerSm / ((dynamic + unit - 1) / unit * unit + kReserved));
 }
 
-TEST(LaunchRules, SharedMemorySpreadsSmallLaunchesUpToClustersOfTwo) {
+TEST(LaunchRules, SharedMemorySpreadsEachWaveUpToClustersOfTwo) {
   const size_t needed = 30000;  // seven fit an SM; the register budget allows six
   const auto bytes = [&](int64_t heads, int split, bool single_token = false) {
-    return launch_shared_bytes(needed, heads, split, single_token, false, kSms, kSharedPerSm,
-                               kReserved);
+    return launch_shared_bytes(needed, heads, split, single_token, kSms, kSharedPerSm, kReserved);
   };
   EXPECT_EQ(resident(bytes(heads_at(16), 1)), 4);  // 512 CTAs: at most 4 per SM
   EXPECT_EQ(resident(bytes(heads_at(8), 2)), 4);   // 512 CTAs in clusters of 2
   EXPECT_EQ(resident(bytes(100, 1)), 1);
-  EXPECT_EQ(bytes(heads_at(1), 8), needed);   // clusters of 8: as requested
-  EXPECT_EQ(bytes(heads_at(4), 4), needed);   // clusters of 4
-  EXPECT_EQ(bytes(heads_at(32), 1), needed);  // 1024 CTAs: more than the SMs hold
-  EXPECT_EQ(bytes(6 * kSms, 1), needed);      // six per SM: full already
+  EXPECT_EQ(bytes(heads_at(1), 8), needed);        // clusters of 8: as requested
+  EXPECT_EQ(bytes(heads_at(4), 4), needed);        // clusters of 4
+  EXPECT_EQ(resident(bytes(heads_at(32), 1)), 4);  // 1024 CTAs: two waves of 4 per SM, not of 6
+  EXPECT_EQ(bytes(6 * kSms, 1), needed);           // six per SM: full already
+  EXPECT_EQ(bytes(12 * kSms, 1), needed);          // two full waves
   // The single-token form's budget is eight per SM: seven per SM are padded to seven.
-  EXPECT_EQ(
-      resident(launch_shared_bytes(20000, 7 * kSms, 1, true, false, kSms, kSharedPerSm, kReserved)),
-      7);
+  EXPECT_EQ(resident(launch_shared_bytes(20000, 7 * kSms, 1, true, kSms, kSharedPerSm, kReserved)),
+            7);
 }
 
 TEST(LaunchRules, ClosedFormKeepsItsWavesWithFewerCtasPerSm) {
   const size_t needed = 45184;  // closed form, S = 8, fp32: five fit an SM
   const auto closed = [&](int64_t heads) {
-    return resident(
-        launch_shared_bytes(needed, heads, 1, false, true, kSms, kSharedPerSm, kReserved));
+    return resident(launch_shared_bytes(needed, heads, 1, false, kSms, kSharedPerSm, kReserved));
   };
   EXPECT_EQ(closed(heads_at(32)), 4);   // 1024 CTAs: two waves of 5 per SM or of 4
   EXPECT_EQ(closed(heads_at(64)), 4);   // 2048: four waves either way
   EXPECT_EQ(closed(heads_at(128)), 5);  // 4096: seven waves of 5, eight of 4
   EXPECT_EQ(closed(heads_at(512)), 5);  // 16384: 25 waves of 5
   EXPECT_EQ(closed(heads_at(8)), 2);    // 256: one wave, the even share
-  // Write-all and token-by-token replay keep every CTA that fits once the SMs are full.
-  EXPECT_EQ(
-      launch_shared_bytes(needed, heads_at(32), 1, false, false, kSms, kSharedPerSm, kReserved),
-      needed);
 }
 
 }  // namespace

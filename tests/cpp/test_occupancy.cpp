@@ -28,9 +28,9 @@ TEST(Occupancy, CapsCtasPerSmAtTheEvenShare) {
   }
 }
 
-TEST(Occupancy, LeavesFullLaunchesAlone) {
+TEST(Occupancy, LeavesFullWavesAlone) {
   const size_t needed = 37092;
-  for (int64_t ctas : {int64_t(661), int64_t(792), int64_t(793), int64_t(4096), int64_t(1) << 30})
+  for (int64_t ctas : {int64_t(661), int64_t(792), int64_t(1584), int64_t(4096), int64_t(1) << 30})
     EXPECT_EQ(even_share_shared_bytes(needed, ctas, kSms, kH200Shared, kReserved, 6), needed)
         << ctas;
   // Shared memory already limits a 53 KB CTA to four per SM: a share of four needs no padding.
@@ -38,27 +38,23 @@ TEST(Occupancy, LeavesFullLaunchesAlone) {
   EXPECT_EQ(resident(even_share_shared_bytes(53872, 396, kSms, kH200Shared, kReserved, 6)), 3);
 }
 
+TEST(Occupancy, LaterWavesTakeTheFewestCtasPerSmOfTheirWaveCount) {
+  const size_t needed = 37092;  // six fit an SM
+  for (int64_t ctas : {int64_t(793), int64_t(1024), int64_t(1600), int64_t(2000), int64_t(16384)}) {
+    const int64_t per_wave = 6 * kSms, waves = (ctas + per_wave - 1) / per_wave;
+    const size_t bytes = even_share_shared_bytes(needed, ctas, kSms, kH200Shared, kReserved, 6);
+    ASSERT_GE(bytes, needed) << ctas;
+    const int64_t r = resident(bytes);
+    EXPECT_EQ((ctas + r * kSms - 1) / (r * kSms), waves) << ctas << " CTAs: as many waves";
+    EXPECT_GT((ctas + (r - 1) * kSms - 1) / ((r - 1) * kSms), waves) << ctas << " CTAs: the fewest";
+  }
+  EXPECT_EQ(resident(even_share_shared_bytes(needed, 1024, kSms, kH200Shared, kReserved, 6)), 4);
+}
+
 TEST(Occupancy, RegisterLimitCounts) {
   // Eight fit by shared memory, the register budget allows six: a share of six is full already.
   EXPECT_EQ(even_share_shared_bytes(20000, 792, kSms, kH200Shared, kReserved, 6), size_t(20000));
   EXPECT_EQ(resident(even_share_shared_bytes(20000, 700, kSms, kH200Shared, kReserved, 8)), 6);
-}
-
-TEST(Occupancy, BalancedWavesTakeTheFewestCtasPerSmOfTheirWaveCount) {
-  const size_t needed = 37092;  // six fit an SM
-  for (int64_t ctas : {int64_t(100), int64_t(792), int64_t(793), int64_t(1024), int64_t(1600),
-                       int64_t(4096), int64_t(16384)}) {
-    const int64_t per_wave = 6 * kSms, waves = (ctas + per_wave - 1) / per_wave;
-    const int64_t share = (ctas + waves * kSms - 1) / (waves * kSms);
-    const size_t bytes =
-        even_share_shared_bytes(needed, ctas, kSms, kH200Shared, kReserved, 6, true);
-    ASSERT_GE(bytes, needed) << ctas;
-    EXPECT_EQ(resident(bytes), share) << ctas << " CTAs";
-    // ... and as many waves as with every CTA that fits.
-    EXPECT_EQ((ctas + resident(bytes) * kSms - 1) / (resident(bytes) * kSms), waves) << ctas;
-  }
-  EXPECT_EQ(resident(even_share_shared_bytes(needed, 1024, kSms, kH200Shared, kReserved, 6, true)),
-            4);  // two waves of 4 per SM, not of 6
 }
 
 TEST(Occupancy, DegenerateInputsKeepTheRequest) {

@@ -18,10 +18,12 @@ inline constexpr size_t kSharedAllocationUnit = 128;
 // SM: one to six per SM; benchmarks/results/cta_spread_h200.json). A CTA that asks for more shared
 // memory than it uses caps the CTAs per SM at the even share, ceil(ctas / sm_count).
 //
-// With `balance_waves`, a launch of several waves is capped the same way, at the fewest CTAs per SM
-// that still take its CTAs in as many waves, ceil(ctas / (waves * sm_count)): for CTAs bound by
-// latency rather than bytes, an SM that holds one CTA more only makes each of them slower when the
-// wave count stays (replay's closed form, 1024 CTAs: 5 per SM 8.5 % slower than 4).
+// A launch of several waves is capped the same way, at the fewest CTAs per SM that still take it
+// in as many waves, ceil(ctas / (waves * sm_count)): an SM that holds one CTA more only makes each
+// of them slower when the wave count stays. H200, 1024 CTAs (two waves of 6 or of 4 per SM), 4 per
+// SM against 6: token-by-token replay bf16 T = 2 9.2 % and T = 4 8.0 % faster, write-all bf16
+// T = 2 4.0 %; replay in closed form (S = 8, five fit) 4 per SM against 5: 2.1-2.3 % faster
+// instead of 7-9 % slower (benchmarks/results/closed_form_smem_h200.json).
 //
 // Returns the dynamic shared memory to launch with (never less than `needed`): `needed` itself
 // when the share is at least what fits an SM anyway (`max_resident` by registers and threads, or
@@ -29,13 +31,13 @@ inline constexpr size_t kSharedAllocationUnit = 128;
 // `reserved_per_cta`: the shared memory the runtime reserves per CTA (1 KB on sm_80 and sm_90).
 inline size_t even_share_shared_bytes(size_t needed, int64_t ctas, int sm_count,
                                       size_t shared_per_sm, size_t reserved_per_cta,
-                                      int max_resident, bool balance_waves = false) {
+                                      int max_resident) {
   if (ctas <= 0 || sm_count <= 0 || shared_per_sm == 0) return needed;
   const int64_t fit = int64_t(shared_per_sm / (needed + reserved_per_cta));
   const int64_t resident = fit < max_resident ? fit : int64_t(max_resident);
   if (resident <= 0) return needed;
   const int64_t per_wave = resident * sm_count;
-  const int64_t waves = balance_waves ? (ctas + per_wave - 1) / per_wave : 1;
+  const int64_t waves = (ctas + per_wave - 1) / per_wave;
   const int64_t share = (ctas + waves * sm_count - 1) / (waves * sm_count);
   if (share >= resident) return needed;
   const size_t slice = shared_per_sm / size_t(share + 1);  // share + 1 CTAs must not fit

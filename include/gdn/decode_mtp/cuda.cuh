@@ -11,8 +11,9 @@
 // The launcher allocates nothing and never synchronises. The attributes it sets (the kernel's
 // dynamic shared memory ceiling, the device's opt-in maximum, and the largest carveout) are set
 // once per kernel and device and are not stream operations, so launches are safe inside CUDA-graph
-// capture. A launch with fewer CTAs than the SMs hold asks for more shared memory than it uses, to
-// spread its CTAs evenly; on those SMs it leaves less room for kernels of other streams. On sm_90
+// capture. A launch whose last wave would leave SMs short asks for more shared memory than it uses,
+// to spread the CTAs of each wave evenly; it then leaves less room for kernels of other streams on
+// those SMs. On sm_90
 // images it launches with programmatic dependent launch (the kernel waits for earlier grids before
 // its first read) and, for a split head, as a thread-block cluster.
 #pragma once
@@ -128,13 +129,13 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
                                                closed_form, args.bulk_load);
   args.evict_hints = use_evict_hints(int(sizeof(StateT)), closed_form, heads, info.sm_count);
 
-  // A launch with fewer CTAs than the SMs hold asks for the shared memory that spreads its CTAs
-  // evenly (launch_shared_bytes). That arithmetic assumes the largest carveout, and the kernel may
+  // A launch asks for the shared memory that spreads the CTAs of each of its waves evenly over the
+  // SMs (launch_shared_bytes). That arithmetic assumes the largest carveout, and the kernel may
   // ask for up to all of an SM's shared memory.
   const size_t smem = launch_shared_bytes(
       shared_bytes<StateT>(args.S, split, args.buffers, kReplay, closed_form,
                            closed_form ? staged_z_bytes(args.z != nullptr, args.z_dtype) : 4),
-      heads, split, single_token, closed_form, info.sm_count, size_t(info.shared_per_sm),
+      heads, split, single_token, info.sm_count, size_t(info.shared_per_sm),
       size_t(info.reserved_per_cta));
   GDN_RETURN_IF_ERROR(allow_dynamic_shared(kernel, device, info.shared_per_cta, smem_cache[form]));
   return launch_ex(kernel, dim3(unsigned(heads * split)), dim3(unsigned(kThreads)), smem, split,

@@ -167,16 +167,13 @@ inline int choose_split(int64_t heads, int sm_count, bool clusters, int S, bool 
 inline constexpr int kMaxSpreadCluster = 2;
 
 // Dynamic shared memory of a launch of `heads` heads split over `split` CTAs each, whose CTAs need
-// `needed` bytes: padded to the even share when the launch has fewer CTAs than the SMs hold
-// (even_share_shared_bytes), except for clusters of more than kMaxSpreadCluster CTAs. Replay in
-// closed form, bound by latency, is also capped at the fewest CTAs per SM that keep its wave count
-// (balance_waves).
+// `needed` bytes: padded to the even share of the launch's waves (even_share_shared_bytes), except
+// for clusters of more than kMaxSpreadCluster CTAs.
 inline size_t launch_shared_bytes(size_t needed, int64_t heads, int split, bool single_token,
-                                  bool closed_form, int sm_count, size_t shared_per_sm,
-                                  size_t reserved_per_cta) {
+                                  int sm_count, size_t shared_per_sm, size_t reserved_per_cta) {
   if (split > kMaxSpreadCluster) return needed;
   return even_share_shared_bytes(needed, heads * split, sm_count, shared_per_sm, reserved_per_cta,
-                                 single_token ? kSingleTokenCtasPerSm : kMinCtasPerSm, closed_form);
+                                 single_token ? kSingleTokenCtasPerSm : kMinCtasPerSm);
 }
 
 }  // namespace gdn::decode_mtp::cuda_detail
