@@ -32,10 +32,14 @@ if [ -n "${TEST_ARGS:-}" ]; then
   last=${trees[-1]}
   xdist=()  # the CUDA test files take minutes on one process
   python3 -c "import xdist" 2>/dev/null && xdist=(-n 12)
+  # Two CPU threads per worker, as gpu_check.sh (its whole suite: 100 s on an H200 machine). With
+  # torch's default thread count twelve workers oversubscribe the CPUs: test_replay.py alone had run
+  # 36 of its 90 tests after 180 s.
   # shellcheck disable=SC2086
-  (cd "$last" && PYTHONPATH=build/gpu/pkg timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q \
-     -p no:cacheprovider "${xdist[@]}" $TEST_ARGS > "$OUT/test.log" 2>&1
-   echo "test $(basename "$last") exit $?")
+  (cd "$last" && OMP_NUM_THREADS=2 PYTHONPATH=build/gpu/pkg timeout "${TEST_TIMEOUT:-300}" \
+     python3 -m pytest -q -p no:cacheprovider "${xdist[@]}" $TEST_ARGS > "$OUT/test.log" 2>&1
+   rc=$?  # before any command substitution, which would reset $?
+   echo "test ${last##*/} exit $rc")
   tail -n 3 "$OUT/test.log"
 fi
 
