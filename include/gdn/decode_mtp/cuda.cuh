@@ -13,9 +13,8 @@
 // once per kernel and device and are not stream operations, so launches are safe inside CUDA-graph
 // capture. A launch whose last wave would leave SMs short asks for more shared memory than it uses,
 // to spread the CTAs of each wave evenly; it then leaves less room for kernels of other streams on
-// those SMs. On sm_90
-// images it launches with programmatic dependent launch (the kernel waits for earlier grids before
-// its first read) and, for a split head, as a thread-block cluster.
+// those SMs. On sm_90 images it launches with programmatic dependent launch (the kernel waits for
+// earlier grids before its first read) and, for a split head, as a thread-block cluster.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -132,11 +131,11 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
   // A launch asks for the shared memory that spreads the CTAs of each of its waves evenly over the
   // SMs (launch_shared_bytes). That arithmetic assumes the largest carveout, and the kernel may
   // ask for up to all of an SM's shared memory.
-  const size_t smem = launch_shared_bytes(
-      shared_bytes<StateT>(args.S, split, args.buffers, kReplay, closed_form,
-                           closed_form ? staged_z_bytes(args.z != nullptr, args.z_dtype) : 4),
-      heads, split, single_token, info.sm_count, size_t(info.shared_per_sm),
-      size_t(info.reserved_per_cta));
+  const size_t smem =
+      launch_shared_bytes(shared_bytes<StateT>(args.S, split, args.buffers, kReplay, closed_form,
+                                               staged_z_bytes(closed_form, args)),
+                          heads, split, single_token, info.sm_count, size_t(info.shared_per_sm),
+                          size_t(info.reserved_per_cta));
   GDN_RETURN_IF_ERROR(allow_dynamic_shared(kernel, device, info.shared_per_cta, smem_cache[form]));
   return launch_ex(kernel, dim3(unsigned(heads * split)), dim3(unsigned(kThreads)), smem, split,
                    hopper, stream, args, kReplay ? "replay" : "decode_mtp");

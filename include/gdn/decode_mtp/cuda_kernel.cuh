@@ -644,10 +644,12 @@ __host__ __device__ constexpr int gate_floats(bool replay, bool closed_form) {
   return closed_form ? kClosedGateFloats : replay ? 3 : 2;
 }
 
-// Bytes of a staged z value in the closed form (SmemPlan): z's raw bits, 2 for a 16-bit z (and
-// without z, whose array then holds nothing).
-__host__ __device__ constexpr int staged_z_bytes(bool gated, DType z_dtype) {
-  return gated && z_dtype == DType::kFloat32 ? 4 : 2;
+// Bytes of a staged z value (SmemPlan): act(z) as fp32, except in the closed form, which stages
+// z's raw bits, 2 for a 16-bit z (and 2 without z, whose array then holds nothing). The other
+// forms never read `args` here (reading it moved the write-all kernels' register assignment).
+__host__ __device__ constexpr int staged_z_bytes(bool closed_form, const KernelArgs& args) {
+  if (!closed_form) return 4;
+  return args.z != nullptr && args.z_dtype == DType::kFloat32 ? 4 : 2;
 }
 
 // Byte offsets of a CTA's shared arrays. S = state columns (T <= S), R = rows of the CTA; a
@@ -681,10 +683,15 @@ struct SmemPlan {
     z = o + (closed_form ? 0 : S * R * 4);  // [S][R] act(z) (fp32), or z's raw bits (closed form)
     ss = z + S * R * z_bytes;               // float [S][16] group partials of o^2
     rstd = ss + S * kGroupsPerHead * 4;     // float [S]
-    w = rstd + S * 4;  // float [R] norm weight (closed form at R = 128: a register per thread)
-    tile = (w + (closed_form && R == kHeadDim ? 0 : R * 4) + 127) / 128 *
+    w = rstd + S * 4;  // float [R] norm weight (closed form at R = 128: reloaded at the output)
+    tile = (w + (reloads_norm_weight(closed_form, R) ? 0 : R * 4) + 127) / 128 *
            128;  // [buffers][rows_per_chunk][128] state (bulk copies)
     total = tile + buffers * rows_per_chunk * kHeadDim * state_bytes;
+  }
+  // The closed form with a whole head per CTA keeps no w_s: the norm weight is loaded again at
+  // the output (the kernel's w_reloaded).
+  __host__ __device__ static constexpr bool reloads_norm_weight(bool closed_form, int R) {
+    return closed_form && R == kHeadDim;
   }
 };
 static_assert(sizeof(RowMeta) <= 256 - 64, "RowMeta fits between the barriers and the tile");
@@ -719,7 +726,7 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
   constexpr int kGateFloats = gate_floats(kReplay, closed_form);
   constexpr bool kPartialsPerGroup = sizeof(StateT) == 4 && !kReplay;  // see push_partial
   const SmemPlan plan(S, R, int(sizeof(StateT)), args.buffers, kReplay, closed_form,
-                      closed_form ? staged_z_bytes(args.z != nullptr, args.z_dtype) : 4);
+                      staged_z_bytes(closed_form, args));
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + plan.bars);
   RowMeta& meta = *reinterpret_cast<RowMeta*>(smem + plan.meta);
   StateT* tile = reinterpret_cast<StateT*>(smem + plan.tile);
@@ -926,8 +933,8 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
   }
   // The closed form at R = 128 has no w_s (SmemPlan): each thread loads the norm weight of the row
   // it outputs again at the end (a held w_bits would cost the token loop a register).
-  const bool w_in_register = closed_form && R == kHeadDim;
-  if (norm && tid < R && !w_in_register) w_s[tid] = bits_to_f32(w_bits, args.norm_dtype);
+  const bool w_reloaded = SmemPlan::reloads_norm_weight(closed_form, R);
+  if (norm && tid < R && !w_reloaded) w_s[tid] = bits_to_f32(w_bits, args.norm_dtype);
   __syncthreads();  // staged tokens (and a replay row's window_len) visible
 
   if constexpr (kReplay) {  // the replay count against the tokens the window holds
@@ -1162,9 +1169,9 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
   const int r_out = tid & (R - 1);
   const int64_t out_step = int64_t(kThreads >> log2_R) * HV * kHeadDim;
   int64_t out_at = ((c0 + (tid >> log2_R)) * HV + hv) * kHeadDim + row0 + r_out;
-  const float w_out = !norm           ? 1.0f
-                      : w_in_register ? load_value(args.norm_weight, args.norm_dtype, row0 + r_out)
-                                      : w_s[r_out];
+  const float w_out = !norm        ? 1.0f
+                      : w_reloaded ? load_value(args.norm_weight, args.norm_dtype, row0 + r_out)
+                                   : w_s[r_out];
   for (int e = tid; e < (T << log2_R); e += kThreads, out_at += out_step) {
     const int t = e >> log2_R;
     float y = o_s[e];
