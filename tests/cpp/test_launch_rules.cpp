@@ -76,6 +76,8 @@ TEST(LaunchRules, ClosedFormForDeepWindowsFromOneHeadPerSm) {
   EXPECT_TRUE(use_closed_form(9, heads_at(128), kSms));
   EXPECT_FALSE(use_closed_form(kClosedFormMinS - 1, heads_at(128), kSms));
   EXPECT_FALSE(use_closed_form(9, kSms - 1, kSms));
+  EXPECT_TRUE(use_closed_form(6, heads_at(32), kSms));    // T = 6 and 7: faster in closed form
+  EXPECT_FALSE(use_closed_form(5, heads_at(512), kSms));  // T = 5: slower
 }
 
 TEST(LaunchRules, SingleTokenFormWhereItSavesAWave) {

@@ -179,7 +179,7 @@ def test_chain_against_float64_reference(gen, device, H, HV, state_dtype, act):
 
 
 def closed_form_batch(HV):
-    """Requests enough for a head per SM (and fewer than two): with S >= 8 the CUDA kernel then
+    """Requests enough for a head per SM (and fewer than two): with S >= 6 the CUDA kernel then
     replays in closed form, below that token by token with each head split over 2 CTAs
     (use_closed_form, choose_split: gdn/decode_mtp/cuda_launch_rules.hpp)."""
     return torch.cuda.get_device_properties(0).multi_processor_count // HV + 2
@@ -211,12 +211,13 @@ def test_chain_with_strong_decay(gen, device, form):
                          ids=["state_fp32_act_fp32", "state_fp32_act_bf16", "state_bf16",
                               "state_fp16"])
 @pytest.mark.parametrize("H,HV", [(4, 8), (1, 8), (3, 9), (8, 8)], ids=["r2", "r8", "r3", "r1"])
-@pytest.mark.parametrize("S", [8, 4], ids=["closed_form", "token_by_token_split2"])
+@pytest.mark.parametrize("S", [8, 6, 4], ids=["closed_form", "closed_form_S6",
+                                               "token_by_token_split2"])
 def test_chain_at_a_head_per_sm(gen, H, HV, state_dtype, act, S):
     """Between one and two heads per SM, the two launch choices of the CUDA replay kernel that
-    only such batches take: deep windows (S = 8) in closed form, shallower ones (S = 4) token by
-    token with each head split over 2 CTAs; chained with random T and acceptance (n = 0 .. T,
-    padded rows), against the float64 reference."""
+    only such batches take: deep windows (S = 6 and 8) in closed form, shallower ones (S = 4)
+    token by token with each head split over 2 CTAs; chained with random T and acceptance
+    (n = 0 .. T, padded rows), against the float64 reference."""
     check_chain_against_reference(gen, "cuda", H=H, HV=HV, state_dtype=state_dtype, act=act,
                                   params=layer_params(gen, HV), N=closed_form_batch(HV), S=S,
                                   steps=4)

@@ -84,10 +84,12 @@ inline bool use_evict_hints(int state_bytes, bool closed_form, int64_t heads, in
 
 // Replay's form (the kernel's kClosedForm): the closed form once every SM has a head and the window
 // is deep, token by token otherwise. The closed form's per-CTA solve costs latency that small
-// batches cannot hide, and at S < 8 its shorter token loop does not pay for it (H200, one head per
+// batches cannot hide, and at S < 6 its shorter token loop does not pay for it (H200, one head per
 // CTA, against token by token: T = 8, B = 32 to 512 10-13 % faster, B = 8 4 %; T = 4, B = 128
-// fp32 7 % slower, B = 1 25-40 % slower; benchmarks/results/replay_closed_form_h200.json).
-inline constexpr int kClosedFormMinS = 8;
+// fp32 7 % slower, B = 1 25-40 % slower; benchmarks/results/replay_closed_form_h200.json). From
+// S = 6 (TP1, B = 32 to 512, fp32 and bf16): T = 6 2.3-5.9 % and T = 7 2.1-5.0 % faster, while
+// T = 5 was up to 6.6 % slower (benchmarks/results/closed_form_min_s_h200.json).
+inline constexpr int kClosedFormMinS = 6;
 inline bool use_closed_form(int S, int64_t heads, int sm_count) {
   return S >= kClosedFormMinS && heads >= int64_t(sm_count);
 }
