@@ -72,7 +72,9 @@ TEST(LaunchRules, SplitTwoForWriteAllDraftsFromFourToSixteenHeadsPerSm) {
 }
 
 TEST(LaunchRules, ClosedFormForDeepWindowsFromOneHeadPerSm) {
-  EXPECT_TRUE(use_closed_form(kClosedFormMinS, kSms, kSms));
+  EXPECT_TRUE(use_closed_form(kClosedFormSmallBatchMinS, kSms, kSms));
+  EXPECT_FALSE(use_closed_form(kClosedFormMinS, 4 * kSms - 1, kSms));  // S = 6, 7: from 4 per SM
+  EXPECT_TRUE(use_closed_form(kClosedFormMinS, 4 * kSms, kSms));
   EXPECT_TRUE(use_closed_form(9, heads_at(128), kSms));
   EXPECT_FALSE(use_closed_form(kClosedFormMinS - 1, heads_at(128), kSms));
   EXPECT_FALSE(use_closed_form(9, kSms - 1, kSms));

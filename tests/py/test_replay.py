@@ -178,11 +178,12 @@ def test_chain_against_float64_reference(gen, device, H, HV, state_dtype, act):
                                   params=layer_params(gen, HV))
 
 
-def closed_form_batch(HV):
-    """Requests enough for a head per SM (and fewer than two): with S >= 6 the CUDA kernel then
-    replays in closed form, below that token by token with each head split over 2 CTAs
-    (use_closed_form, choose_split: gdn/decode_mtp/cuda_launch_rules.hpp)."""
-    return torch.cuda.get_device_properties(0).multi_processor_count // HV + 2
+def closed_form_batch(HV, heads_per_sm=1):
+    """Requests enough for `heads_per_sm` heads per SM (and fewer than one more): from one, S >= 8
+    replays in closed form on CUDA and S <= 4 token by token with each head split over 2 CTAs;
+    S = 6 and 7 take the closed form from four (use_closed_form, choose_split:
+    gdn/decode_mtp/cuda_launch_rules.hpp)."""
+    return heads_per_sm * torch.cuda.get_device_properties(0).multi_processor_count // HV + 2
 
 
 _NEEDS_CUDA = pytest.mark.skipif(_CUDA is not None, reason=f"CUDA replay: {_CUDA}")
@@ -211,16 +212,16 @@ def test_chain_with_strong_decay(gen, device, form):
                          ids=["state_fp32_act_fp32", "state_fp32_act_bf16", "state_bf16",
                               "state_fp16"])
 @pytest.mark.parametrize("H,HV", [(4, 8), (1, 8), (3, 9), (8, 8)], ids=["r2", "r8", "r3", "r1"])
-@pytest.mark.parametrize("S", [8, 6, 4], ids=["closed_form", "closed_form_S6",
-                                               "token_by_token_split2"])
-def test_chain_at_a_head_per_sm(gen, H, HV, state_dtype, act, S):
-    """Between one and two heads per SM, the two launch choices of the CUDA replay kernel that
-    only such batches take: deep windows (S = 6 and 8) in closed form, shallower ones (S = 4)
-    token by token with each head split over 2 CTAs; chained with random T and acceptance
-    (n = 0 .. T, padded rows), against the float64 reference."""
+@pytest.mark.parametrize("S,heads_per_sm", [(8, 1), (6, 4), (4, 1)],
+                         ids=["closed_form", "closed_form_S6", "token_by_token_split2"])
+def test_chain_at_a_head_per_sm(gen, H, HV, state_dtype, act, S, heads_per_sm):
+    """Launch choices of the CUDA replay kernel that only batches of a few heads per SM take:
+    between one and two, deep windows (S = 8) in closed form and shallower ones (S = 4) token by
+    token with each head split over 2 CTAs; from four, S = 6 in closed form. Chained with random T
+    and acceptance (n = 0 .. T, padded rows), against the float64 reference."""
     check_chain_against_reference(gen, "cuda", H=H, HV=HV, state_dtype=state_dtype, act=act,
-                                  params=layer_params(gen, HV), N=closed_form_batch(HV), S=S,
-                                  steps=4)
+                                  params=layer_params(gen, HV),
+                                  N=closed_form_batch(HV, heads_per_sm), S=S, steps=4)
 
 
 @pytest.mark.parametrize("device", DEVICES)

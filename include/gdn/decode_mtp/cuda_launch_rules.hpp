@@ -82,16 +82,20 @@ inline bool use_evict_hints(int state_bytes, bool closed_form, int64_t heads, in
   return state_bytes != 4 || closed_form || heads < 16 * int64_t(sm_count);
 }
 
-// Replay's form (the kernel's kClosedForm): the closed form once every SM has a head and the window
-// is deep, token by token otherwise. The closed form's per-CTA solve costs latency that small
+// Replay's form (the kernel's kClosedForm): the closed form for deep windows once every SM has a
+// head, token by token otherwise. The closed form's per-CTA solve costs latency that small
 // batches cannot hide, and at S < 6 its shorter token loop does not pay for it (H200, one head per
 // CTA, against token by token: T = 8, B = 32 to 512 10-13 % faster, B = 8 4 %; T = 4, B = 128
-// fp32 7 % slower, B = 1 25-40 % slower; benchmarks/results/replay_closed_form_h200.json). From
-// S = 6 (TP1, B = 32 to 512, fp32 and bf16): T = 6 2.3-5.9 % and T = 7 2.1-5.0 % faster, while
-// T = 5 was up to 6.6 % slower (benchmarks/results/closed_form_min_s_h200.json).
+// fp32 7 % slower, B = 1 25-40 % slower; benchmarks/results/replay_closed_form_h200.json). S = 6
+// and 7 take it from four heads per SM, where it was measured (TP1, B = 32 to 512, fp32 and bf16:
+// T = 6 2.3-5.9 % and T = 7 2.1-5.0 % faster; T = 5 up to 6.6 % slower;
+// benchmarks/results/closed_form_min_s_h200.json); below that they stay token by token.
 inline constexpr int kClosedFormMinS = 6;
+inline constexpr int kClosedFormSmallBatchMinS = 8;  // one to four heads per SM
 inline bool use_closed_form(int S, int64_t heads, int sm_count) {
-  return S >= kClosedFormMinS && heads >= int64_t(sm_count);
+  const int64_t sms = sm_count;
+  if (heads < sms) return false;
+  return S >= kClosedFormSmallBatchMinS || (S >= kClosedFormMinS && heads >= 4 * sms);
 }
 
 // The single-token form (the kernel's kSingleToken): decode without drafts (S = 1) with a 16-bit
