@@ -88,8 +88,9 @@ inline bool use_evict_hints(int state_bytes, bool closed_form, int64_t heads, in
 // CTA, against token by token: T = 8, B = 32 to 512 10-13 % faster, B = 8 4 %; T = 4, B = 128
 // fp32 7 % slower, B = 1 25-40 % slower; benchmarks/results/replay_closed_form_h200.json). S = 6
 // and 7 take it from four heads per SM, where it was measured (TP1, B = 32 to 512, fp32 and bf16:
-// T = 6 2.3-5.9 % and T = 7 2.1-5.0 % faster; T = 5 up to 6.6 % slower;
-// benchmarks/results/closed_form_min_s_h200.json); below that they stay token by token.
+// T = 6 2.3-5.9 % and T = 7 2.1-5.0 % faster; T = 5 up to 6.6 % slower); below that they stay
+// token by token (closed form at 1.2-1.9 heads per SM 5-23 % slower, at 2.9-3.9 -5..+4 %;
+// benchmarks/results/closed_form_min_s_h200.json).
 inline constexpr int kClosedFormMinS = 6;
 inline constexpr int kClosedFormSmallBatchMinS = 8;  // one to four heads per SM
 inline bool use_closed_form(int S, int64_t heads, int sm_count) {
