@@ -6,8 +6,8 @@
 #   STAGES="build test bench demo sanitize profile" benchmarks/gpu_check.sh     (default: all six)
 #   BENCH_ARGS="--quick --sweep-split" STAGES="build bench" benchmarks/gpu_check.sh
 #
-# The whole check takes about 10 minutes on an H200 machine (build 50 s, tests 230 s, sanitizers
-# 150 s, full benchmark matrix with FLA 60-200 s). Where one command may run for at most 10
+# The whole check takes about 10 minutes on an H200 machine (build 50 s, tests 220 s, sanitizers
+# 180 s, full benchmark matrix with FLA 60-200 s). Where one command may run for at most 10
 # minutes, run it as two: STAGES="build test demo sanitize", then STAGES="build bench".
 #
 # Environment: OUT (default ./gpu_out), JOBS (16), GDN_CUDA_ARCHITECTURES (90a), GDN_GIT_SHA (pass it
