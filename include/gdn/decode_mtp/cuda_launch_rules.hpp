@@ -92,11 +92,13 @@ inline bool use_evict_hints(int state_bytes, bool closed_form, int64_t heads, in
 // token by token (closed form at 1.2-1.9 heads per SM 5-23 % slower, at 2.9-3.9 -5..+4 %;
 // benchmarks/results/closed_form_min_s_h200.json).
 inline constexpr int kClosedFormMinS = 6;
+inline constexpr int kClosedFormMinSHeadsPerSm = 4;  // S = 6, 7 take it from this many heads per SM
 inline constexpr int kClosedFormSmallBatchMinS = 8;  // one to four heads per SM
 inline bool use_closed_form(int S, int64_t heads, int sm_count) {
   const int64_t sms = sm_count;
   if (heads < sms) return false;
-  return S >= kClosedFormSmallBatchMinS || (S >= kClosedFormMinS && heads >= 4 * sms);
+  return S >= kClosedFormSmallBatchMinS ||
+         (S >= kClosedFormMinS && heads >= kClosedFormMinSHeadsPerSm * sms);
 }
 
 // The single-token form (the kernel's kSingleToken): decode without drafts (S = 1) with a 16-bit
