@@ -93,6 +93,30 @@ using dev::warp_sum;
 static_assert(kCudaMaxSpecColumns <= 32, "slot ids of a row are read by the first lanes");
 static_assert(2 * kCudaMaxSpecColumns <= 32, "stage_gates: one lane per staged replay token");
 
+// Phase probe (builds with -DGDN_PHASE_PROBE only, read by benchmarks/probe_phases.py): thread 0
+// of every CTA stamps its SM clock at each phase of the kernel (words 0-10 of the CTA's 16) and
+// %globaltimer at the first and last (words 14, 15), as 64-bit words after the error counter (the
+// caller passes a counter with room for 16 words per CTA behind it). Other builds: nothing.
+#ifdef GDN_PHASE_PROBE
+#define GDN_PHASE(args, tid, phase)                                                         \
+  do {                                                                                      \
+    if ((tid) == 0 && (args).error_count) {                                                 \
+      unsigned long long* at_ =                                                             \
+          reinterpret_cast<unsigned long long*>((args).error_count + 2) + blockIdx.x * 16;  \
+      at_[phase] = clock64();                                                               \
+      if ((phase) == 0 || (phase) == 10) {                                                  \
+        unsigned long long now_;                                                            \
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now_));                            \
+        at_[(phase) == 0 ? 14 : 15] = now_;                                                 \
+      }                                                                                     \
+    }                                                                                       \
+  } while (0)
+#else
+#define GDN_PHASE(args, tid, phase) \
+  do {                              \
+  } while (0)
+#endif
+
 // Plain-data copy of Params/Problem for the kernel (TensorView is host-side).
 struct KernelArgs {
   const void* mixed_qkv;
@@ -766,6 +790,7 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
     if (clustered) mbarrier_init(norm_bar, 1);
     mbarrier_init_fence();
   }
+  GDN_PHASE(args, tid, 0);
   // Peers may signal norm_bar once they have waited for this arrival (before their first push).
   if (clustered) cluster_arrive_relaxed();
   // Every exit: a clustered CTA first waits for its peers' arrival (they take the same exit).
@@ -775,6 +800,7 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
 
   wait_for_prior_grids();  // nothing below may read what earlier launches write before this
   allow_dependent_launch();
+  GDN_PHASE(args, tid, 1);
 
   // 1. The request's slot ids (replay: its checkpoint slot), token range and accepted count (one
   //    round trip).
@@ -793,6 +819,7 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
   const uint32_t w_bits =
       norm && tid < R ? load_bits(args.norm_weight, args.norm_dtype, row0 + tid) : 0u;
   __syncthreads();
+  GDN_PHASE(args, tid, 2);
 
   // 2. Validity (every thread decides the same, from shared memory). A replay row's window_len is
   //    read only in step 3 (it depends on the slot); the rest is decided here.
@@ -936,6 +963,7 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
   const bool w_reloaded = SmemPlan::reloads_norm_weight(closed_form, R);
   if (norm && tid < R && !w_reloaded) w_s[tid] = bits_to_f32(w_bits, args.norm_dtype);
   __syncthreads();  // staged tokens (and a replay row's window_len) visible
+  GDN_PHASE(args, tid, 3);
 
   if constexpr (kReplay) {  // the replay count against the tokens the window holds
     if (acc > meta.stored) {
@@ -949,6 +977,7 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
                      v_s + n_replay * R);  // ot (then o) in the new tokens' rows of v (SmemPlan)
   }
   if (clustered) cluster_wait();  // every peer's norm_bar is initialised: partials may be pushed
+  GDN_PHASE(args, tid, 4);
 
   // 5. Chunks of 32 rows (4 groups of 8, one per warp) in order; a buffer is refilled with chunk
   //    c + buffers once every warp holds its rows of chunk c in registers.
@@ -961,6 +990,7 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
     const auto [buf, parity] = chunk_ring(c, buffers);
     if (bulk) {
       mbarrier_wait(&bars[buf], parity);
+      if (c == 0) GDN_PHASE(args, tid, 5);
     } else {  // at least 2 buffers (choose_buffers): the barrier of chunk c - 1 orders this refill
       plain_load_chunk(c, buf);  // after every warp's reads of chunk c - buffers
       __syncthreads();
@@ -1143,7 +1173,9 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
 
   // 6. Gated RMSNorm over all 128 rows (the partials of every CTA of the cluster), in one fixed
   //    order whatever the split, then the outputs.
+  GDN_PHASE(args, tid, 6);
   __syncthreads();  // o (and with kPartialsPerGroup this CTA's partials) visible
+  GDN_PHASE(args, tid, 7);
   if (norm) {
     if constexpr (!kPartialsPerGroup) {
       for (int e = tid; e < T * groups; e += kThreads)
@@ -1165,6 +1197,7 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
     if (clustered) cluster_arrive_relaxed();
     __syncthreads();
   }
+  GDN_PHASE(args, tid, 8);
   // The outputs of this thread: rows r = tid % R of tokens tid / R + i kThreads / R (as z above).
   const int r_out = tid & (R - 1);
   const int64_t out_step = int64_t(kThreads >> log2_R) * HV * kHeadDim;
@@ -1190,7 +1223,9 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
     }
     store_value(args.out, args.out_dtype, out_at, y);
   }
+  GDN_PHASE(args, tid, 9);
   if (clustered) cluster_wait();
+  GDN_PHASE(args, tid, 10);
 }
 
 }  // namespace gdn::decode_mtp::cuda_detail
