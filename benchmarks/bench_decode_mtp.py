@@ -347,8 +347,29 @@ def validate(impl, st, prm, f, H, HV, B, T):
 
 # ---- timing --------------------------------------------------------------------------------------
 
+# --isolated: a 4-byte device-to-device copy (a memcpy node of the graph, not a kernel) before every
+# timed call, so that no call's CTAs start while the previous call runs; the graph of the copies
+# alone is timed too and subtracted.
+ISOLATED = False
+
+
 def time_graph(calls, warm=2, reps=7):
-    """Captures calls() (a list of thunks) in one graph; per-call time (s): median, min, max."""
+    """Captures calls() (a list of thunks) in one graph; per-call time (s): median, min, max.
+    With ISOLATED, each call follows a 4-byte memcpy and the copies' own time is subtracted."""
+    if ISOLATED:
+        src, dst = torch.zeros(1, device="cuda"), torch.zeros(1, device="cuda")
+
+        def spacer():
+            dst.copy_(src)
+
+        spaced = [c for call in calls for c in (spacer, call)]
+        both = _time_graph(spaced, len(calls), warm, reps)
+        alone = _time_graph([spacer] * len(calls), len(calls), warm, reps)
+        return tuple(b - a for b, a in zip(both, alone))
+    return _time_graph(calls, len(calls), warm, reps)
+
+
+def _time_graph(calls, per, warm, reps):
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -369,7 +390,7 @@ def time_graph(calls, warm=2, reps=7):
         graph.replay()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3 / len(calls))
+        times.append(a.elapsed_time(b) * 1e-3 / per)
     del graph
     times.sort()
     return times[len(times) // 2], times[0], times[-1]
@@ -504,6 +525,8 @@ def main():
     ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8],
                     help="the splits --sweep-split times (default: 1 2 4 8)")
     ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--isolated", action="store_true",
+                    help="a 4-byte memcpy before every call: no overlap between calls")
     ap.add_argument("--no-replay", action="store_true", help="skip replay verify (T > 1 rows)")
     ap.add_argument("--tokens", type=int, nargs="+", help="T values (default: 1 2 4 8; --quick: 1 4)")
     ap.add_argument("--batches", type=int, nargs="+", help=f"B values (default: {BATCHES})")
@@ -518,6 +541,8 @@ def main():
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_decode_mtp: no CUDA device")
+    global ISOLATED
+    ISOLATED = args.isolated
     t0 = time.time()
     env = environment()
     env["copy_tbps"] = copy_bandwidth()

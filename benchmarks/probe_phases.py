@@ -9,9 +9,9 @@ gdn/decode_mtp/cuda_kernel.cuh), for example
     PYTHONPATH=build/probe/pkg python3 benchmarks/probe_phases.py [--json PATH]
 
 Method: the buffer sets and calls of bench_decode_mtp.py (rotating sets, one CUDA graph of
-back-to-back calls; with --isolated a one-element add before every call). Every call passes one
-probe buffer as its error counter; thread 0 of each CTA writes its SM clock at each phase there,
-so after the graph the buffer holds the last call's stamps. Phases: wait = entry to the end of
+back-to-back calls; then isolated as its --isolated, a 4-byte memcpy before every call). Every
+call passes one probe buffer as its error counter; thread 0 of each CTA writes its SM clock at
+each phase there, so after the graph the buffer holds the last call's stamps. Phases: wait = entry to the end of
 griddepcontrol.wait (time spent waiting for the previous launch), meta = slot ids and token range
 loaded, stage = tokens, gates and act(z) staged (the first chunks of the state are in flight
 meanwhile), cluster = peers' arrival, chunk0 = first chunk landed, rows = every chunk's rows and
