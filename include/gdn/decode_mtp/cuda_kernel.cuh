@@ -98,18 +98,18 @@ static_assert(2 * kCudaMaxSpecColumns <= 32, "stage_gates: one lane per staged r
 // %globaltimer at the first and last (words 14, 15), as 64-bit words after the error counter (the
 // caller passes a counter with room for 16 words per CTA behind it). Other builds: nothing.
 #ifdef GDN_PHASE_PROBE
-#define GDN_PHASE(args, tid, phase)                                                         \
-  do {                                                                                      \
-    if ((tid) == 0 && (args).error_count) {                                                 \
-      unsigned long long* at_ =                                                             \
-          reinterpret_cast<unsigned long long*>((args).error_count + 2) + blockIdx.x * 16;  \
-      at_[phase] = clock64();                                                               \
-      if ((phase) == 0 || (phase) == 10) {                                                  \
-        unsigned long long now_;                                                            \
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now_));                            \
-        at_[(phase) == 0 ? 14 : 15] = now_;                                                 \
-      }                                                                                     \
-    }                                                                                       \
+#define GDN_PHASE(args, tid, phase)                                                        \
+  do {                                                                                     \
+    if ((tid) == 0 && (args).error_count) {                                                \
+      unsigned long long* at_ =                                                            \
+          reinterpret_cast<unsigned long long*>((args).error_count + 2) + blockIdx.x * 16; \
+      at_[phase] = clock64();                                                              \
+      if ((phase) == 0 || (phase) == 10) {                                                 \
+        unsigned long long now_;                                                           \
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now_));                           \
+        at_[(phase) == 0 ? 14 : 15] = now_;                                                \
+      }                                                                                    \
+    }                                                                                      \
   } while (0)
 #else
 #define GDN_PHASE(args, tid, phase) \
@@ -230,16 +230,17 @@ __device__ __forceinline__ void stage_gates(const KernelArgs& args, const GateBi
   gates[1] = sigmoid(bits_to_f32(bits.b, args.b_dtype));
 }
 
-// Stages token t of a request into shared memory with one warp: q and k L2-normalised (q times
-// scale) as fp32 [128] at q_row (output tokens) and k_row, the R values of the CTA's rows at
-// v_row, and (kWithKq, lane 0) k . q at gates[2], for the token-by-token replay step (the gates
-// themselves: stage_gates). Replay: tokens t < n_replay are the checkpoint slot's window tokens
-// (raw k and v; the same math as their first pass; no q), later ones the call's rows.
-template <bool kReplay, bool kWithKq>
-__device__ __forceinline__ void stage_token(const KernelArgs& args, int t, int n_replay, int64_t c0,
-                                            int64_t source, int h, int hv, int row0, int R,
-                                            int lane, float* q_row, float* k_row, float* v_row,
-                                            float* gates) {
+// The raw bits of staged token t that a lane of the staging warp loads (load_token): q and k, four
+// elements each, and up to four of the CTA's v values. Replay: tokens t < n_replay are the
+// checkpoint slot's window tokens (raw k and v; no q), later ones the call's rows.
+struct TokenBits {
+  uint4 q, k;
+  uint32_t v[kHeadDim / 32];
+};
+template <bool kReplay>
+__device__ __forceinline__ TokenBits load_token(const KernelArgs& args, int t, int n_replay,
+                                                int64_t c0, int64_t source, int h, int hv, int row0,
+                                                int R, int lane) {
   const bool replayed = kReplay && t < n_replay;
   const void *k_src, *v_src;  // this token's k and v: window or call rows
   int64_t k_off, v_off;
@@ -267,13 +268,24 @@ __device__ __forceinline__ void stage_token(const KernelArgs& args, int t, int n
 #pragma unroll
   for (int i = 0; i < kHeadDim / 32; ++i)
     vb[i] = lane + 32 * i < R ? load_bits(v_src, args.qkv_dtype, vbase + lane + 32 * i) : 0u;
-  const float4 k = bits4_to_f32(kb, args.qkv_dtype);
+  return TokenBits{qb, kb, {vb[0], vb[1], vb[2], vb[3]}};
+}
+
+// Stages a token loaded by load_token into shared memory with one warp: q and k L2-normalised (q
+// times scale) as fp32 [128] at q_row (output tokens) and k_row, the R values of the CTA's rows at
+// v_row, and (kWithKq, lane 0) k . q at gates[2], for the token-by-token replay step (the gates
+// themselves: stage_gates). A replayed token produces no output: no q.
+template <bool kWithKq>
+__device__ __forceinline__ void stage_token(const KernelArgs& args, const TokenBits& bits,
+                                            bool replayed, int R, int lane, float* q_row,
+                                            float* k_row, float* v_row, float* gates) {
+  const float4 k = bits4_to_f32(bits.k, args.qkv_dtype);
   const float kk = warp_sum(k.x * k.x + k.y * k.y + k.z * k.z + k.w * k.w);
   const float kinv = 1.0f / sqrtf(kk + args.l2_eps);
   const float4 kn = make_float4(k.x * kinv, k.y * kinv, k.z * kinv, k.w * kinv);
   float kq = 0.0f;
-  if (!replayed) {  // a replayed token produces no output: no q
-    const float4 q = bits4_to_f32(qb, args.qkv_dtype);
+  if (!replayed) {
+    const float4 q = bits4_to_f32(bits.q, args.qkv_dtype);
     const float qq = warp_sum(q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w);
     const float qinv = args.scale / sqrtf(qq + args.l2_eps);
     const float4 qn = make_float4(q.x * qinv, q.y * qinv, q.z * qinv, q.w * qinv);
@@ -283,8 +295,19 @@ __device__ __forceinline__ void stage_token(const KernelArgs& args, int t, int n
   *reinterpret_cast<float4*>(k_row + 4 * lane) = kn;
 #pragma unroll
   for (int i = 0; i < kHeadDim / 32; ++i)
-    if (lane + 32 * i < R) v_row[lane + 32 * i] = bits_to_f32(vb[i], args.qkv_dtype);
+    if (lane + 32 * i < R) v_row[lane + 32 * i] = bits_to_f32(bits.v[i], args.qkv_dtype);
   if (kWithKq && lane == 0) gates[2] = kq;
+}
+
+// load_token then stage_token, for a warp that stages its tokens one at a time.
+template <bool kReplay, bool kWithKq>
+__device__ __forceinline__ void load_and_stage_token(const KernelArgs& args, int t, int n_replay,
+                                                     int64_t c0, int64_t source, int h, int hv,
+                                                     int row0, int R, int lane, float* q_row,
+                                                     float* k_row, float* v_row, float* gates) {
+  stage_token<kWithKq>(args,
+                       load_token<kReplay>(args, t, n_replay, c0, source, h, hv, row0, R, lane),
+                       kReplay && t < n_replay, R, lane, q_row, k_row, v_row, gates);
 }
 
 // The 8 rows of a group in a warp's registers, kRows (8, 4 or 2) rows per lane. The 4 kRows lanes
@@ -879,7 +902,7 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
   const int64_t head_elems = int64_t(kHeadDim) * kHeadDim;
   const int64_t head_offset = int64_t(hv) * head_elems;
 
-  // 3. The first chunks of the source slice in flight. Every row is read before it is written (rows
+  // 3. The source slice, by chunks (issued in step 4). Every row is read before it is written (rows
   //    evolve independently, so a chunk may be refilled while earlier rows are being stored).
   const StateT* src =
       static_cast<const StateT*>(args.state) + source * args.slot_stride + head_offset;
@@ -905,9 +928,22 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
       for (int e = tid; e < chunk_elems; e += kThreads) buf[e] = src[int64_t(r0) * kHeadDim + e];
     }
   };
-  if (bulk && tid == 0)
-    for (int c = 0; c < buffers; ++c) issue_chunk(c, c);
-  if (kReplay && tid == 0) meta.stored = *(args.window_len + source);  // overlaps the copies
+  auto issue_first_chunks = [&]() {
+    if (bulk && tid == 0)
+      for (int c = 0; c < buffers; ++c) issue_chunk(c, c);
+    if (kReplay && tid == 0) meta.stored = *(args.window_len + source);  // overlaps the copies
+  };
+  // Write-all: the slice's first chunks go out once every warp has issued the loads of its first
+  // two tokens (and the first z and gate loads), so that a loaded memory system serves these small
+  // loads before the slice's bytes instead of after them and the CTA starts on chunk 0 as soon as
+  // it lands (H200, against issuing the chunks first, two runs: B = 8 with a 16-bit state 7-10 %
+  // faster, fp32 T = 8 B = 8 4-5 %, B >= 128 0-1.5 %; B = 1 within +-3 %;
+  // benchmarks/results/activations_first_h200.json). Replay and the single-token form issue the
+  // chunks first and stage token by token: with the other order, or with only the staging
+  // restructured, replay was slower (closed form 2-3 % from B = 128; a 16-bit state up to 11 %
+  // at B = 512).
+  constexpr bool kActivationsFirst = !kReplay && !kSingleToken;
+  if constexpr (!kActivationsFirst) issue_first_chunks();
 
   // 4. Activations of every staged token (warp w stages tokens w, w + 4, ...), act(z), norm
   //    weight. Replay: tokens 0..n-1 come from the checkpoint slot's window (raw k, v, a, b; the
@@ -947,11 +983,35 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
   const bool gate_lane = warp == kWarps - 1 && lane < tokens;  // the warp with the fewest tokens
   GateBits gate_bits{};
   if (gate_lane) gate_bits = load_gates<kReplay>(args, lane, n_replay, c0, source, hv);
-  for (int t = warp; t < tokens; t += kWarps)
-    stage_token<kReplay, kReplay && !closed_form>(
-        args, t, n_replay, c0, source, h, hv, row0, R, lane,
+  auto stage = [&](int t, const TokenBits& bits) {
+    stage_token<kReplay && !closed_form>(
+        args, bits, t < n_replay, R, lane,
         t < n_replay ? nullptr : q_s + (closed_form ? t : t - n_replay) * kHeadDim,
         k_s + t * kHeadDim, v_s + t * R, gates_s + kGateFloats * t);
+  };
+  if constexpr (kActivationsFirst) {
+    constexpr int kAhead = 2;  // tokens per warp loaded before the chunks go out
+    TokenBits ahead[kAhead];
+#pragma unroll
+    for (int i = 0; i < kAhead; ++i) {
+      const int t = warp + i * kWarps;
+      if (t < tokens)
+        ahead[i] = load_token<kReplay>(args, t, n_replay, c0, source, h, hv, row0, R, lane);
+    }
+    __syncthreads();  // every warp's loads above are issued
+    issue_first_chunks();
+#pragma unroll
+    for (int i = 0; i < kAhead; ++i)
+      if (warp + i * kWarps < tokens) stage(warp + i * kWarps, ahead[i]);
+    for (int t = warp + kAhead * kWarps; t < tokens; t += kWarps)
+      stage(t, load_token<kReplay>(args, t, n_replay, c0, source, h, hv, row0, R, lane));
+  } else {
+    for (int t = warp; t < tokens; t += kWarps)
+      load_and_stage_token<kReplay, kReplay && !closed_form>(
+          args, t, n_replay, c0, source, h, hv, row0, R, lane,
+          t < n_replay ? nullptr : q_s + (closed_form ? t : t - n_replay) * kHeadDim,
+          k_s + t * kHeadDim, v_s + t * R, gates_s + kGateFloats * t);
+  }
   if (gate_lane) stage_gates(args, gate_bits, gates_s + kGateFloats * lane);
   stage_z(tid, z_bits);
   for (int first = tid + kZBatch * kThreads; first < z_count; first += kZBatch * kThreads) {
