@@ -143,11 +143,12 @@ def make_params(HV, seed):
     }
 
 
-def gdn_call(st, prm, HV, split=None):
+def gdn_call(st, prm, HV, split=None, error_count=None):
     if split is None:
         gdn.decode_mtp(st["mixed_qkv"], st["ba"][:, :HV], st["ba"][:, HV:], prm["A_log"],
                        prm["dt_bias"], st["pool"], st["idx"], st["cu"], st["out"], z=st["z"],
-                       norm_weight=prm["norm_weight"], num_accepted_tokens=st["acc"])
+                       norm_weight=prm["norm_weight"], num_accepted_tokens=st["acc"],
+                       error_count=error_count)
     else:  # the kernel's row split pinned (the binding's benchmark knob)
         gdn._C.decode_mtp(st["mixed_qkv"], st["ba"][:, :HV], st["ba"][:, HV:], prm["A_log"],
                           prm["dt_bias"], st["pool"], st["idx"], st["cu"], st["out"], z=st["z"],
@@ -180,14 +181,15 @@ def make_replay_sets(H, HV, B, T, state_dtype, n_sets, seed):
              "slots": slots, "acc": acc, "cu": cu} for i in range(n_sets)]
 
 
-def replay_call(st, prm, HV, split=None, fn=None):
+def replay_call(st, prm, HV, split=None, fn=None, error_count=None):
     args = (st["mixed_qkv"], st["ba"][:, :HV], st["ba"][:, HV:], prm["A_log"], prm["dt_bias"],
             st["pool"], st["slots"], st["cu"], st["out"], st["wk"], st["wv"], st["wa"], st["wb"],
             st["wlen"], st["acc"])
     if fn is not None:  # another implementation of the same call (validation)
         return fn(*args, z=st["z"], norm_weight=prm["norm_weight"])
     if split is None:
-        gdn.decode_mtp_replay(*args, z=st["z"], norm_weight=prm["norm_weight"])
+        gdn.decode_mtp_replay(*args, z=st["z"], norm_weight=prm["norm_weight"],
+                              error_count=error_count)
     else:
         gdn._C.decode_mtp_replay(*args, z=st["z"], norm_weight=prm["norm_weight"],
                                  stream=torch.cuda.current_stream().cuda_stream, split=split)

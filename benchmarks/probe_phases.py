@@ -34,7 +34,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_decode_mtp as bench  # noqa: E402
 
-import gdn  # noqa: E402
 
 PHASES = ["wait", "meta", "stage", "cluster", "chunk0", "rows", "drain", "norm", "out", "exit"]
 WORDS = 16  # 64-bit words per CTA
@@ -57,20 +56,9 @@ def run(mode, state, T, B, isolated, H=16, HV=32):
     buf = probe_buffer(ctas)
     counter = buf[:1]
 
-    def call(st):
-        if mode == "replay":
-            args = (st["mixed_qkv"], st["ba"][:, :HV], st["ba"][:, HV:], prm["A_log"],
-                    prm["dt_bias"], st["pool"], st["slots"], st["cu"], st["out"], st["wk"],
-                    st["wv"], st["wa"], st["wb"], st["wlen"], st["acc"])
-            gdn.decode_mtp_replay(*args, z=st["z"], norm_weight=prm["norm_weight"],
-                                  error_count=counter)
-        else:
-            gdn.decode_mtp(st["mixed_qkv"], st["ba"][:, :HV], st["ba"][:, HV:], prm["A_log"],
-                           prm["dt_bias"], st["pool"], st["idx"], st["cu"], st["out"],
-                           z=st["z"], norm_weight=prm["norm_weight"],
-                           num_accepted_tokens=st["acc"], error_count=counter)
-
-    calls = [(lambda st=sets[i % n_sets]: call(st)) for i in range(16)]
+    call = bench.replay_call if mode == "replay" else bench.gdn_call
+    calls = [(lambda st=sets[i % n_sets]: call(st, prm, HV, error_count=counter))
+             for i in range(16)]
     bench.ISOLATED = isolated
     med, _, _ = bench.time_graph(calls)
     torch.cuda.synchronize()

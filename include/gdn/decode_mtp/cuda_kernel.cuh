@@ -299,7 +299,10 @@ __device__ __forceinline__ void stage_token(const KernelArgs& args, const TokenB
   if (kWithKq && lane == 0) gates[2] = kq;
 }
 
-// load_token then stage_token, for a warp that stages its tokens one at a time.
+// load_token then stage_token, for a warp that stages its tokens one at a time. Replay and the
+// single-token form stage through this function: it compiles them to the code they were measured
+// with, where the same calls through the kernel's `stage` lambda change their register allocation
+// (benchmarks/compare_ptx.py).
 template <bool kReplay, bool kWithKq>
 __device__ __forceinline__ void load_and_stage_token(const KernelArgs& args, int t, int n_replay,
                                                      int64_t c0, int64_t source, int h, int hv,
