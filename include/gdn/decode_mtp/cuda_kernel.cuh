@@ -299,9 +299,10 @@ __device__ __forceinline__ void stage_token(const KernelArgs& args, const TokenB
   if (kWithKq && lane == 0) gates[2] = kq;
 }
 
-// load_token then stage_token, for a warp that stages its tokens one at a time. Replay and the
-// single-token form stage through this function: it compiles them to the code they were measured
-// with, where the same calls through the kernel's `stage` lambda change their register allocation
+// load_token then stage_token, for a warp that stages its tokens one at a time. The kernels that
+// issue their chunks first (16-bit and closed-form replay, the single-token form) stage through
+// this function: it compiles them to the code they were measured with, where the same calls
+// through the kernel's `stage` lambda change their register allocation
 // (benchmarks/compare_ptx.py).
 template <bool kReplay, bool kWithKq>
 __device__ __forceinline__ void load_and_stage_token(const KernelArgs& args, int t, int n_replay,
@@ -941,11 +942,13 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
   // loads before the slice's bytes instead of after them and the CTA starts on chunk 0 as soon as
   // it lands (H200, against issuing the chunks first, two runs: B = 8 with a 16-bit state 7-10 %
   // faster, fp32 T = 8 B = 8 4-5 %, B >= 128 0-1.5 %; B = 1 within +-3 %;
-  // benchmarks/results/activations_first_h200.json). Replay and the single-token form issue the
-  // chunks first and stage token by token: with the other order, or with only the staging
-  // restructured, replay was slower (closed form 2-3 % from B = 128; a 16-bit state up to 11 %
-  // at B = 512).
-  constexpr bool kActivationsFirst = !kReplay && !kSingleToken;
+  // benchmarks/results/activations_first_h200.json). Token-by-token replay of an fp32 state does
+  // the same (2-9 % faster from B = 8 in those runs). The other replay kernels and the
+  // single-token form issue the chunks first and stage token by token: with the other order, or
+  // with only the staging restructured, they were slower (closed form 2-3 % from B = 128; a 16-bit
+  // state up to 11 % at B = 512).
+  constexpr bool kActivationsFirst =
+      !kSingleToken && (!kReplay || (sizeof(StateT) == 4 && !closed_form));
   if constexpr (!kActivationsFirst) issue_first_chunks();
 
   // 4. Activations of every staged token (warp w stages tokens w, w + 4, ...), act(z), norm
