@@ -943,7 +943,8 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
   // it lands (H200, against issuing the chunks first, two runs: B = 8 with a 16-bit state 7-10 %
   // faster, fp32 T = 8 B = 8 4-5 %, B >= 128 0-1.5 %; B = 1 within +-3 %;
   // benchmarks/results/activations_first_h200.json). Token-by-token replay of an fp32 state does
-  // the same (2-9 % faster from B = 8 in those runs). The other replay kernels and the
+  // the same (T = 2 and 4: B = 8 and 32 2-9 %, B >= 128 2-4 % faster, B = 1 within +-4 %;
+  // benchmarks/results/replay_activations_first_h200.json). The other replay kernels and the
   // single-token form issue the chunks first and stage token by token: with the other order, or
   // with only the staging restructured, they were slower (closed form 2-3 % from B = 128; a 16-bit
   // state up to 11 % at B = 512).
