@@ -102,9 +102,10 @@ std::vector<ChainParam> gpu_chain_params() {
     out.push_back({name_s12, cf, steps});
   };
   closed_form("r8_large_batch_closed_form", "r8_large_batch_closed_form_S12", 201, 20, 6);
-  // Short chains (N x HV = 160 heads, still one per SM of an H200) that racecheck can run in its
-  // time (benchmarks/gpu_check.sh): the per-CTA solve's shared arrays.
-  closed_form("r8_closed_form_3_steps", "r8_closed_form_S12_3_steps", 211, 5, 3);
+  // Short chains (N x HV = 288 heads, two per SM of an H200, from where an fp32 state takes the
+  // closed form) that racecheck can run in its time (benchmarks/gpu_check.sh): the per-CTA
+  // solve's shared arrays.
+  closed_form("r8_closed_form_3_steps", "r8_closed_form_S12_3_steps", 211, 9, 3);
   return out;
 }
 

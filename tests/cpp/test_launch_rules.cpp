@@ -72,14 +72,21 @@ TEST(LaunchRules, SplitTwoForWriteAllDraftsFromFourToSixteenHeadsPerSm) {
 }
 
 TEST(LaunchRules, ClosedFormForDeepWindowsFromOneHeadPerSm) {
-  EXPECT_TRUE(use_closed_form(kClosedFormSmallBatchMinS, kSms, kSms));
-  EXPECT_FALSE(use_closed_form(kClosedFormMinS, 4 * kSms - 1, kSms));  // S = 6, 7: from 4 per SM
-  EXPECT_TRUE(use_closed_form(kClosedFormMinS, 4 * kSms, kSms));
-  EXPECT_TRUE(use_closed_form(9, heads_at(128), kSms));
-  EXPECT_FALSE(use_closed_form(kClosedFormMinS - 1, heads_at(128), kSms));
-  EXPECT_FALSE(use_closed_form(9, kSms - 1, kSms));
-  EXPECT_TRUE(use_closed_form(6, heads_at(32), kSms));    // T = 6 and 7: faster in closed form
-  EXPECT_FALSE(use_closed_form(5, heads_at(512), kSms));  // T = 5: slower
+  for (int bytes : {2, 4}) {  // from four heads per SM every state dtype decides alike
+    EXPECT_FALSE(use_closed_form(kClosedFormMinS, 4 * kSms - 1, kSms, bytes));  // S = 6, 7
+    EXPECT_TRUE(use_closed_form(kClosedFormMinS, 4 * kSms, kSms, bytes));
+    EXPECT_TRUE(use_closed_form(9, heads_at(128), kSms, bytes));
+    EXPECT_FALSE(use_closed_form(kClosedFormMinS - 1, heads_at(128), kSms, bytes));
+    EXPECT_FALSE(use_closed_form(9, kSms - 1, kSms, bytes));
+    EXPECT_TRUE(use_closed_form(6, heads_at(32), kSms, bytes));  // T = 6, 7: faster in closed form
+    EXPECT_FALSE(use_closed_form(5, heads_at(512), kSms, bytes));  // T = 5: slower
+  }
+  // Deep windows below two heads per SM: a 16-bit state in closed form, fp32 token by token.
+  EXPECT_TRUE(use_closed_form(kClosedFormSmallBatchMinS, kSms, kSms, 2));
+  EXPECT_TRUE(use_closed_form(kClosedFormSmallBatchMinS, heads_at(8), kSms, 2));
+  EXPECT_FALSE(use_closed_form(kClosedFormSmallBatchMinS, heads_at(8), kSms, 4));  // 1.9 per SM
+  EXPECT_FALSE(use_closed_form(kClosedFormSmallBatchMinS, 2 * kSms - 1, kSms, 4));
+  EXPECT_TRUE(use_closed_form(kClosedFormSmallBatchMinS, 2 * kSms, kSms, 4));
 }
 
 TEST(LaunchRules, SingleTokenFormWhereItSavesAWave) {

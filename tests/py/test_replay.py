@@ -178,11 +178,11 @@ def test_chain_against_float64_reference(gen, device, H, HV, state_dtype, act):
                                   params=layer_params(gen, HV))
 
 
-def closed_form_batch(HV, heads_per_sm=1):
-    """Requests enough for `heads_per_sm` heads per SM (and fewer than one more): from one, S >= 8
-    replays in closed form on CUDA and S <= 4 token by token with each head split over 2 CTAs;
-    S = 6 and 7 take the closed form from four (use_closed_form, choose_split:
-    gdn/decode_mtp/cuda_launch_rules.hpp)."""
+def heads_per_sm_batch(HV, heads_per_sm=2):
+    """Requests enough for `heads_per_sm` heads per SM (and fewer than one more). On CUDA, S >= 8
+    replays in closed form from two heads per SM (a 16-bit state from one; below two, an fp32 state
+    token by token with each head split over 2 CTAs, as S <= 4); S = 6 and 7 take the closed form
+    from four (use_closed_form, choose_split: gdn/decode_mtp/cuda_launch_rules.hpp)."""
     return heads_per_sm * torch.cuda.get_device_properties(0).multi_processor_count // HV + 2
 
 
@@ -201,7 +201,7 @@ def test_chain_with_strong_decay(gen, device, form):
     HV = 8
     A_log = torch.tensor([4.5, 3.0, 2.0, 1.0, 0.0, -1.0, 4.0, 2.5], dtype=FP32)
     dt_bias = torch.tensor([3.0, 1.0, 0.5, 2.0, 0.0, 0.0, -1.0, 0.0], dtype=FP32)
-    N = closed_form_batch(HV) if form == "closed" else 4
+    N = heads_per_sm_batch(HV) if form == "closed" else 4
     check_chain_against_reference(gen, device, H=2, HV=HV, state_dtype=FP32, act=FP32,
                                   params=(A_log, dt_bias), N=N, S=8, steps=5)
 
@@ -212,16 +212,18 @@ def test_chain_with_strong_decay(gen, device, form):
                          ids=["state_fp32_act_fp32", "state_fp32_act_bf16", "state_bf16",
                               "state_fp16"])
 @pytest.mark.parametrize("H,HV", [(4, 8), (1, 8), (3, 9), (8, 8)], ids=["r2", "r8", "r3", "r1"])
-@pytest.mark.parametrize("S,heads_per_sm", [(8, 1), (6, 4), (4, 1)],
-                         ids=["closed_form", "closed_form_S6", "token_by_token_split2"])
+@pytest.mark.parametrize("S,heads_per_sm", [(8, 2), (8, 1), (6, 4), (4, 1)],
+                         ids=["closed_form", "S8_one_head_per_sm", "closed_form_S6",
+                              "token_by_token_split2"])
 def test_chain_at_a_head_per_sm(gen, H, HV, state_dtype, act, S, heads_per_sm):
     """Launch choices of the CUDA replay kernel that only batches of a few heads per SM take:
-    between one and two, deep windows (S = 8) in closed form and shallower ones (S = 4) token by
-    token with each head split over 2 CTAs; from four, S = 6 in closed form. Chained with random T
-    and acceptance (n = 0 .. T, padded rows), against the float64 reference."""
+    from two, deep windows (S = 8) in closed form; between one and two, S = 8 in closed form with
+    a 16-bit state and token by token with an fp32 one, and shallower windows (S = 4) token by
+    token, each head split over 2 CTAs; from four, S = 6 in closed form. Chained with random T and
+    acceptance (n = 0 .. T, padded rows), against the float64 reference."""
     check_chain_against_reference(gen, "cuda", H=H, HV=HV, state_dtype=state_dtype, act=act,
                                   params=layer_params(gen, HV),
-                                  N=closed_form_batch(HV, heads_per_sm), S=S, steps=4)
+                                  N=heads_per_sm_batch(HV, heads_per_sm), S=S, steps=4)
 
 
 @pytest.mark.parametrize("device", DEVICES)

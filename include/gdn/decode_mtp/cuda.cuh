@@ -92,7 +92,8 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
   DeviceInfo info;
   GDN_RETURN_IF_ERROR(device_info(device, &info));
   const int64_t heads = args.N * args.HV;
-  const bool closed_form = kReplay && use_closed_form(args.S, heads, info.sm_count);
+  const bool closed_form =
+      kReplay && use_closed_form(args.S, heads, info.sm_count, int(sizeof(StateT)));
   // The form's shared memory, and what the runtime reserves per CTA, eight times over.
   const size_t single_token_smem = shared_bytes<StateT>(1, 1, kSingleTokenBuffers, false, false);
   const bool single_token = use_single_token(

@@ -90,13 +90,18 @@ inline bool use_evict_hints(int state_bytes, bool closed_form, int64_t heads, in
 // and 7 take it from four heads per SM, where it was measured (TP1, B = 32 to 512, fp32 and bf16:
 // T = 6 2.3-5.9 % and T = 7 2.1-5.0 % faster; T = 5 up to 6.6 % slower); below that they stay
 // token by token (closed form at 1.2-1.9 heads per SM 5-23 % slower, at 2.9-3.9 -5..+4 %;
-// benchmarks/results/closed_form_min_s_h200.json).
+// benchmarks/results/closed_form_min_s_h200.json). An fp32 state takes it from two heads per SM:
+// its token-by-token kernel stages the activations before the slice's bytes (the kernel's
+// kActivationsFirst) and below two heads per SM, where it splits every head over 2 CTAs, is the
+// faster form at S = 8 as well (T = 8, B = 8: 34.2 -> 31.6 us; at B = 32 the closed form stays
+// 13 % faster; benchmarks/results/replay_closed_form_fp32_h200.json).
 inline constexpr int kClosedFormMinS = 6;
 inline constexpr int kClosedFormMinSHeadsPerSm = 4;  // S = 6, 7 take it from this many heads per SM
-inline constexpr int kClosedFormSmallBatchMinS = 8;  // one to four heads per SM
-inline bool use_closed_form(int S, int64_t heads, int sm_count) {
+inline constexpr int kClosedFormSmallBatchMinS = 8;  // one (fp32: two) to four heads per SM
+inline constexpr int kClosedFormFp32MinHeadsPerSm = 2;
+inline bool use_closed_form(int S, int64_t heads, int sm_count, int state_bytes) {
   const int64_t sms = sm_count;
-  if (heads < sms) return false;
+  if (heads < (state_bytes == 4 ? kClosedFormFp32MinHeadsPerSm : 1) * sms) return false;
   return S >= kClosedFormSmallBatchMinS ||
          (S >= kClosedFormMinS && heads >= kClosedFormMinSHeadsPerSm * sms);
 }
