@@ -34,17 +34,44 @@ TEST(LaunchRules, SplitTwoBetweenOneAndTwoHeadsPerSm) {
     EXPECT_EQ(split_of(heads_at(8), S), 2) << "S = " << S;  // 256 heads on 132 SMs
     EXPECT_EQ(split_of(132, S), 2) << "S = " << S;
     EXPECT_EQ(split_of(263, S), 2) << "S = " << S;
-    EXPECT_EQ(split_of(264, S), 1) << "S = " << S;  // two heads per SM
+    EXPECT_EQ(split_of(264, S, false, 2), 1) << "S = " << S;  // two heads per SM (16-bit)
   }
-  EXPECT_EQ(split_of(heads_at(8), kSplitTwoMaxS + 1), 1);  // deeper windows: not measured
-  EXPECT_EQ(split_of(heads_at(8), 8, true), 2);            // token-by-token replay, any S
+  for (int S : {6, 8}) {  // deeper windows too, either state dtype
+    EXPECT_EQ(split_of(heads_at(8), S), 2) << "S = " << S;
+    EXPECT_EQ(split_of(heads_at(8), S, false, 2), 2) << "S = " << S;
+  }
+  EXPECT_EQ(split_of(heads_at(8), 8, true), 2);  // token-by-token replay, any S
   EXPECT_EQ(choose_split(heads_at(8), kSms, true, 4, true, true, 4), 1);  // closed form: never
+}
+
+TEST(LaunchRules, SplitTwoForFp32DraftsFromTwoToFourHeadsPerSm) {
+  for (int S : {2, 3, 4, 6, 8}) {
+    EXPECT_EQ(split_of(heads_at(12), S), 2) << "S = " << S;  // 2.9 heads per SM
+    EXPECT_EQ(split_of(heads_at(16), S), 2) << "S = " << S;  // 3.9
+    EXPECT_EQ(split_of(2 * kSms, S), 2) << "S = " << S;
+    EXPECT_EQ(split_of(heads_at(12), S, false, 2), 1) << "S = " << S;  // 16-bit: 1
+  }
+  EXPECT_EQ(split_of(heads_at(16), 1), 1);        // no drafts: 1
+  EXPECT_EQ(split_of(heads_at(16), 2, true), 1);  // replay: 1
+  EXPECT_EQ(split_of(heads_at(24), 2), 1);        // S = 2 from four heads per SM: 1
+}
+
+TEST(LaunchRules, SplitTwoForFp32DraftsJustBelowOneHeadPerSm) {
+  for (int S : {2, 4, 8}) {
+    EXPECT_EQ(split_of(heads_at(2), S), 2) << "S = " << S;  // 64 heads: 128 CTAs on 132 SMs
+    EXPECT_EQ(split_of(62, S), 2) << "S = " << S;           // 124 CTAs: 15/16 of the SMs
+    EXPECT_EQ(split_of(61, S), 4) << "S = " << S;
+    EXPECT_EQ(split_of(heads_at(2), S, false, 2), 4) << "S = " << S;  // 16-bit: 4
+    EXPECT_EQ(split_of(heads_at(2), S, true), 4) << "S = " << S;      // replay: 4
+  }
+  EXPECT_EQ(split_of(heads_at(2), 1), 4);  // no drafts: 4
+  EXPECT_EQ(split_of(heads_at(1), 4), 8);  // B = 1: 8
 }
 
 TEST(LaunchRules, SplitTwoForDeepWindowsAtFourHeadsPerSm) {
   EXPECT_EQ(split_of(4 * kSms, 8), 2);
   EXPECT_EQ(split_of(heads_at(128), 9), 2);
-  EXPECT_EQ(split_of(4 * kSms - 1, 8), 1);
+  EXPECT_EQ(split_of(4 * kSms - 1, 8, false, 2), 1);
   EXPECT_EQ(split_of(heads_at(128), 7), 1);
   EXPECT_EQ(split_of(heads_at(128), 7, true), 1);
   EXPECT_EQ(choose_split(heads_at(128), kSms, true, 9, true, true, 4), 1);  // closed form
@@ -55,7 +82,7 @@ TEST(LaunchRules, SplitTwoForWriteAllDraftsFromFourToSixteenHeadsPerSm) {
     EXPECT_EQ(split_of(heads_at(32), S), 2) << "S = " << S;  // 7.75 heads per SM
     EXPECT_EQ(split_of(4 * kSms, S), 2) << "S = " << S;
     EXPECT_EQ(split_of(16 * kSms - 1, S), 2) << "S = " << S;
-    EXPECT_EQ(split_of(4 * kSms - 1, S), 1) << "S = " << S;
+    EXPECT_EQ(split_of(4 * kSms - 1, S, false, 2), 1) << "S = " << S;
     EXPECT_EQ(split_of(16 * kSms, S), 1) << "S = " << S;
     EXPECT_EQ(split_of(heads_at(128), S), 1) << "S = " << S;          // 31 heads per SM
     EXPECT_EQ(split_of(heads_at(32), S, true, 2), 1) << "S = " << S;  // bf16 replay: 1

@@ -423,18 +423,34 @@ def test_single_token_form(gen, state_dtype, layout):
     check_invalid_rows(case, {i for i in range(3, N, 11) if T[i] == 1}, STATE16_BAR)
 
 
+def batch_of(sm_count, HV, launch):
+    """Requests for one of the launcher's split choices (choose_split in
+    gdn/decode_mtp/cuda_launch_rules.hpp), or None when this GPU's SM count has no such batch."""
+    if launch == "one_to_two_per_sm":
+        N = sm_count // HV + 2
+        return N if sm_count <= N * HV < 2 * sm_count else None
+    if launch == "two_to_four_per_sm":
+        N = 3 * sm_count // HV
+        return N if 2 * sm_count <= N * HV < 4 * sm_count else None
+    N = -(-15 * sm_count // (32 * HV))  # just below one per SM: 2 CTAs per head cover 15/16
+    return N if 32 * N * HV >= 15 * sm_count and N * HV < sm_count else None
+
+
 @requires_cuda
 @pytest.mark.parametrize("state_dtype", [FP32, BF16], ids=["state_fp32", "state_bf16"])
-def test_one_to_two_heads_per_sm(gen, state_dtype):
-    """Between one and two heads per SM with S <= 4 the launcher splits each head over 2 CTAs and
-    spreads them evenly over the SMs (gdn/decode_mtp/cuda_launch_rules.hpp): padded rows, invalid
-    rows and every T up to S."""
+@pytest.mark.parametrize("launch,S", [("one_to_two_per_sm", 4), ("one_to_two_per_sm", 8),
+                                      ("two_to_four_per_sm", 4), ("below_one_per_sm", 4)])
+def test_split_launch_choices(gen, state_dtype, launch, S):
+    """Batches for which the launcher splits each head over 2 CTAs: between one and two heads per
+    SM (any S; the CTAs spread evenly over the SMs), and with an fp32 state and drafts from two to
+    four heads per SM and just below one (a 16-bit state takes 1 and 4 CTAs per head there):
+    padded rows, invalid rows and every T up to S."""
     HV = 8
-    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
-    N = sm_count // HV + 2
-    assert sm_count <= N * HV < 2 * sm_count
-    T = [0 if i % 13 == 4 else 1 + i % 4 for i in range(N)]
-    case = case128(gen, H=2, HV=HV, S=4, T=T, act=BF16, state_dtype=state_dtype,
+    N = batch_of(torch.cuda.get_device_properties(0).multi_processor_count, HV, launch)
+    if N is None:
+        pytest.skip(f"no batch of {HV}-head requests takes this launch on this GPU")
+    T = [0 if i % 13 == 4 else 1 + i % S for i in range(N)]
+    case = case128(gen, H=2, HV=HV, S=S, T=T, act=BF16, state_dtype=state_dtype,
                    first_valid_slot=1)
     bar = FP32_BAR if state_dtype == FP32 else STATE16_BAR
     check_invalid_rows(case, {i for i in range(2, N, 7) if T[i] > 0}, bar)

@@ -134,23 +134,28 @@ inline bool use_single_token(int state_bytes, bool replay, int S, int64_t heads,
 // rows, so twice as many CTAs fit an SM's shared memory (H200, T = 8 with an fp32 state: write-all
 // B = 32 5 % faster, token-by-token replay B = 128 and 512 7 %; 16-bit states within 1 % or
 // faster; benchmarks/results/split_sweep_h200.json). Between one and two heads per SM, where the
-// launch is latency-bound, token-by-token replay and write-all up to S = 4 also take 2, spread
-// evenly over the SMs (H200, B = 8: replay T = 4 fp32 31.2 -> 28.6 us, bf16 31.8 -> 26.0,
+// launch is latency-bound, every launch but the closed form takes 2, spread evenly over the SMs
+// (H200, B = 8: replay T = 4 fp32 31.2 -> 28.6 us, bf16 31.8 -> 26.0,
 // benchmarks/results/replay_split_h200.json; write-all bf16 T = 1 10.7 -> 9.9, T = 4 19.0 -> 16.9,
-// fp32 T = 4 27.7 -> 26.0, fp32 T = 1 13.0 -> 13.2, benchmarks/results/split_b8_h200.json; S = 2
-// and 3 taken with the measured 1 and 4; replay from two heads per SM is slower). At B = 1 and 8
-// every other split measured slower or within 2 %
-// (benchmarks/results/split_sweep_small_b_h200.json). Write-all with S >= 3 from four to sixteen
-// heads per SM also takes 2 (H200, B = 32: fp32 T = 4 98.9 -> 92.9 us, T = 3 78.9 -> 75.6, bf16
-// T = 4 53.0 -> 51.9; B = 64 within 1 %: benchmarks/results/split_sweep_s34_h200.json; S = 5..7,
-// not measured, are taken with S = 4 and S >= 8; S = 2 at B = 32 and S = 4 at 31 heads per SM
-// measured slower with 2, split_sweep_h200.json).
-// Two exceptions from four heads per SM (benchmarks/results/split_sweep_mid_b_h200.json): a 16-bit
-// state with deep windows (S >= 8) below sixteen heads per SM keeps 1 (bf16 T = 8: B = 32 93.2 ->
-// 90.9 us, B = 64 179.4 -> 174.6), and token-by-token replay of an fp32 state at S <= 4 below eight
-// heads per SM takes 2 (B = 32: T = 2 50.7 -> 46.0 us, T = 4 63.4 -> 58.0; at B = 64 T = 4 was 4 %
-// slower with 2; bf16 replay as fast or slower).
-inline constexpr int kSplitTwoMaxS = 4;     // write-all, one to two heads per SM
+// fp32 T = 4 27.7 -> 26.0, fp32 T = 1 13.0 -> 13.2, benchmarks/results/split_b8_h200.json;
+// write-all T = 6 and 8: fp32 7.6-7.9 %, bf16 8.4-11.4 % faster than 1,
+// benchmarks/results/split_sweep_af_h200.json, a sweep of every split at B = 1 to 32 after the
+// kernels began loading activations before the slice; replay from two heads per SM is slower).
+// Write-all with S >= 3 from four to sixteen heads per SM also takes 2 (H200, B = 32: fp32 T =
+// 4 98.9 -> 92.9 us, T = 3 78.9 -> 75.6, bf16 T = 4 53.0 -> 51.9; B = 64 within 1 %:
+// benchmarks/results/split_sweep_s34_h200.json; S = 5..7, not measured, are taken with S = 4 and S
+// >= 8; S = 2 at B = 32 and S = 4 at 31 heads per SM measured slower with 2,
+// split_sweep_h200.json). Write-all of an fp32 state with drafts (S >= 2) takes 2 from two to four
+// heads per SM as well (B = 12 and 16: 1.9-5.6 % faster than 1), and just below one head per SM,
+// where 2 CTAs per head leave at most a sixteenth of the SMs without a CTA, 2 rather than 4 (B = 2,
+// 64 heads on 132 SMs: T = 2..8 7-14 % faster; 16-bit states are faster with 4;
+// split_sweep_af_h200.json). Two exceptions from four heads per SM
+// (benchmarks/results/split_sweep_mid_b_h200.json): a 16-bit state with deep windows (S >= 8) below
+// sixteen heads per SM keeps 1 (bf16 T = 8: B = 32 93.2 -> 90.9 us, B = 64 179.4 -> 174.6), and
+// token-by-token replay of an fp32 state at S <= 4 below eight heads per SM takes 2 (B = 32: T =
+// 2 50.7 -> 46.0 us, T = 4 63.4 -> 58.0; at B = 64 T = 4 was 4 % slower with 2; bf16 replay as fast
+// or slower).
+inline constexpr int kSplitTwoMaxS = 4;     // fp32 token-by-token replay, four to eight per SM
 inline constexpr int kSplitTwoMidMinS = 3;  // write-all, four to sixteen heads per SM
 inline constexpr int kSplitTwoMidMaxHeadsPerSm = 16;
 inline constexpr int kReplaySplitTwoMaxHeadsPerSm = 8;  // fp32 replay, S <= kSplitTwoMaxS
@@ -159,14 +164,15 @@ inline int choose_split(int64_t heads, int sm_count, bool clusters, int S, bool 
   if (!clusters) return 1;
   const int64_t sms = sm_count;
   const bool mid = heads >= 4 * sms && heads < kSplitTwoMidMaxHeadsPerSm * sms;
+  const bool fp32_drafts = !replay && state_bytes == 4 && S >= 2;  // write-all
   if (S >= 8 && heads >= 4 * sms && !closed_form && !(mid && state_bytes != 4)) return 2;
   if (!replay && S >= kSplitTwoMidMinS && S < 8 && mid) return 2;
   if (replay && !closed_form && state_bytes == 4 && S <= kSplitTwoMaxS && heads >= 4 * sms &&
       heads < kReplaySplitTwoMaxHeadsPerSm * sms)
     return 2;
-  if ((replay || S <= kSplitTwoMaxS) && !closed_form && heads >= sm_count &&
-      heads < 2 * int64_t(sm_count))
-    return 2;
+  if (!closed_form && heads >= sms && heads < 2 * sms) return 2;
+  if (fp32_drafts && heads >= 2 * sms && heads < 4 * sms) return 2;
+  if (fp32_drafts && heads < sms && 32 * heads >= 15 * sms) return 2;  // 2 heads x CTAs >= 15/16
   int split = 1;
   while (split < kMaxSplit && heads * split < sm_count) split *= 2;
   return split;
