@@ -6,7 +6,9 @@ rows of the same run against write-every-token libgdn, the best anchor, the floo
 fused" byte model and the replay targets (the replay issue's table). With --ceiling, the first
 table also shows the stream ceiling of each row that probe_write_stream.py measured: the fastest
 no-math kernel moving the same state bytes (one read, T in-place writes of random slots; no
-activations), from its own run on the same kind of GPU.
+activations), from its own run on the same kind of GPU. A third table sets every TP-shard shape's
+write-all rows against TP1 at the same number of (request, value head) pairs, per byte (effective
+TB/s): the issue's rule that a shard is no slower per byte than the TP1 shape.
 
 Usage: python benchmarks/compare_anchors.py benchmarks/results/decode_mtp_h200.json \
            [--ceiling benchmarks/results/probe_write_stream_h200.json]
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 COPY_TBPS = 4.26
 DIM = 128
@@ -98,6 +101,50 @@ def replay_table(doc, shape):
               f"{ratio} | {verdict} |")
 
 
+def tp1_tbps_at(tp1, state, T, heads):
+    """TP1's effective TB/s for (state, T) at `heads` (request, value head) pairs: measured when TP1
+    has that many heads, else interpolated linearly in log(heads) between its two nearest head
+    counts (None outside TP1's range). Returns (TB/s, "exact" | "interpolated")."""
+    pts = sorted((h, r["tbps"]) for (st, t, h), r in tp1.items() if st == state and t == T)
+    for (h0, y0), (h1, y1) in zip(pts, pts[1:]):
+        if h0 == heads:
+            return y0, "exact"
+        if h0 < heads < h1:
+            f = math.log(heads / h0) / math.log(h1 / h0)
+            return y0 + f * (y1 - y0), "interpolated"
+    if pts and pts[-1][0] == heads:
+        return pts[-1][1], "exact"
+    return None, None
+
+
+def shard_table(doc):
+    """The issue's per-byte rule: each TP-shard shape's write-all rows against TP1 at the same number
+    of (request, value head) pairs, in effective TB/s (bytes of the byte model per µs)."""
+    res = [r for r in doc["results"] if r.get("split") is None and r.get("impl") == "gdn" and "us" in r]
+    tp1 = {(r["state"], r["T"], r["B"] * r["HV"]): r for r in res if r["shape"] == "TP1"}
+    shards = sorted({r["shape"] for r in res} - {"TP1"})
+    if not shards:
+        return
+    print("\n| shape (H, HV) | state | T | B | heads | TB/s | TP1 TB/s at those heads | shard / TP1 |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    ratios = []
+    for r in sorted((r for r in res if r["shape"] in shards),
+                    key=lambda r: (r["shape"], r["state"] != "fp32", r["T"], r["B"])):
+        heads = r["B"] * r["HV"]
+        ref, how = tp1_tbps_at(tp1, r["state"], r["T"], heads)
+        if ref is None:
+            continue
+        ratios.append((r["tbps"] / ref, how, r))
+        mark = "" if how == "exact" else " (interp.)"
+        print(f"| {r['shape']} ({r['H']}, {r['HV']}) | {r['state']} | {r['T']} | {r['B']} | {heads} | "
+              f"{r['tbps']:.2f} | {ref:.2f}{mark} | {r['tbps'] / ref:.3f} |")
+    for how in ("exact", "interpolated"):
+        sel = [x for x, h, _ in ratios if h == how]
+        if sel:
+            print(f"\n{how}: {len(sel)} rows, shard / TP1 median {sorted(sel)[len(sel) // 2]:.3f}, "
+                  f"min {min(sel):.3f}; below 0.97: {sum(x < 0.97 for x in sel)}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("json", help="a bench_decode_mtp.py result file")
@@ -128,6 +175,7 @@ def main():
     print(f"\ntarget met in {met} of {len(rs)} rows")
     if any(r.get("impl") == "replay" for r in doc["results"]):
         replay_table(doc, args.shape)
+    shard_table(doc)
 
 
 if __name__ == "__main__":
