@@ -106,14 +106,12 @@ def tp1_tbps_at(tp1, state, T, heads):
     has that many heads, else interpolated linearly in log(heads) between its two nearest head
     counts (None outside TP1's range). Returns (TB/s, "exact" | "interpolated")."""
     pts = sorted((h, r["tbps"]) for (st, t, h), r in tp1.items() if st == state and t == T)
+    if heads in dict(pts):
+        return dict(pts)[heads], "exact"
     for (h0, y0), (h1, y1) in zip(pts, pts[1:]):
-        if h0 == heads:
-            return y0, "exact"
         if h0 < heads < h1:
             f = math.log(heads / h0) / math.log(h1 / h0)
             return y0 + f * (y1 - y0), "interpolated"
-    if pts and pts[-1][0] == heads:
-        return pts[-1][1], "exact"
     return None, None
 
 
@@ -134,12 +132,12 @@ def shard_table(doc):
         ref, how = tp1_tbps_at(tp1, r["state"], r["T"], heads)
         if ref is None:
             continue
-        ratios.append((r["tbps"] / ref, how, r))
+        ratios.append((r["tbps"] / ref, how))
         mark = "" if how == "exact" else " (interp.)"
         print(f"| {r['shape']} ({r['H']}, {r['HV']}) | {r['state']} | {r['T']} | {r['B']} | {heads} | "
               f"{r['tbps']:.2f} | {ref:.2f}{mark} | {r['tbps'] / ref:.3f} |")
     for how in ("exact", "interpolated"):
-        sel = [x for x, h, _ in ratios if h == how]
+        sel = [x for x, h in ratios if h == how]
         if sel:
             print(f"\n{how}: {len(sel)} rows, shard / TP1 median {sorted(sel)[len(sel) // 2]:.3f}, "
                   f"min {min(sel):.3f}; below 0.97: {sum(x < 0.97 for x in sel)}")

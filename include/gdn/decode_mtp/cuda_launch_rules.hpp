@@ -172,7 +172,7 @@ inline int choose_split(int64_t heads, int sm_count, bool clusters, int S, bool 
     return 2;
   if (!closed_form && heads >= sms && heads < 2 * sms) return 2;
   if (fp32_drafts && heads >= 2 * sms && heads < 4 * sms) return 2;
-  if (fp32_drafts && heads < sms && 32 * heads >= 15 * sms) return 2;  // 2 heads x CTAs >= 15/16
+  if (fp32_drafts && heads < sms && 32 * heads >= 15 * sms) return 2;  // 2 CTAs a head fill 15/16
   int split = 1;
   while (split < kMaxSplit && heads * split < sm_count) split *= 2;
   return split;
