@@ -8,7 +8,7 @@
 // so that no launch finds its state in L2.
 //
 //   nvcc -std=c++20 -O3 -arch=sm_90a -Iinclude benchmarks/cuda/state_stream_probe.cu -o probe
-//   ./probe [heads=4096]
+//   ./probe [heads=4096]    (PROBE_OUT_OF_PLACE=1: every variant also writes to a second pool)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -271,11 +271,23 @@ void run(const char* dtype, int64_t heads, Vecs vec) {
                    out_of_place ? static_cast<T*>(copy_dst) : static_cast<T*>(p), vec); \
              },                                                                         \
              pools));
-  for (int mode = 0; mode < 1; ++mode) {
+  for (int mode = 0; mode < (std::getenv("PROBE_OUT_OF_PLACE") ? 2 : 1); ++mode) {
     out_of_place = mode == 1;
-    DIRECT(32, 4, false, 6, 1)
     DIRECT(8, 1, false, 32, 0)
+    // Warps per SM against CTA size: one-warp CTAs at 24 and 16 warps per SM, four-warp CTAs at
+    // 32, a warp walking four groups alone or in a CTA of two.
     DIRECT(8, 1, false, 24, 0)
+    DIRECT(8, 1, false, 16, 0)
+    DIRECT(32, 1, false, 32, 0)
+    DIRECT(64, 2, false, 16, 0)
+    DIRECT(32, 4, false, 8, 0)
+    DIRECT(128, 4, false, 8, 0)
+    DIRECT(32, 4, false, 6, 0)
+    // A head per 4-warp CTA, each warp walking 4 groups with the next group's loads in flight.
+    DIRECT(128, 4, true, 4, 0)
+    DIRECT(128, 4, true, 4, 1)
+    DIRECT(128, 4, true, 6, 0)
+    DIRECT(128, 4, false, 6, 0)
 #define BULK(NB, M)                                                                                \
   {                                                                                                \
     const int smem = 128 + NB * 32 * kD * int(sizeof(T));                                          \
@@ -291,6 +303,7 @@ void run(const char* dtype, int64_t heads, Vecs vec) {
                pools));                                                                            \
   }
     BULK(3, 4)
+    BULK(2, 6)
 
 #define CLUSTER(W, M)                                                                     \
   {                                                                                       \
@@ -314,10 +327,6 @@ void run(const char* dtype, int64_t heads, Vecs vec) {
                },                                                                         \
                pools));                                                                   \
   }
-    CLUSTER(1, 32)
-    CLUSTER(1, 24)
-    CLUSTER(2, 12)
-    CLUSTER(4, 6)
     BULK(4, 3)
   }
   for (auto& p : pools) CHECK(cudaFree(p));
