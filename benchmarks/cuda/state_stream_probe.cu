@@ -64,8 +64,10 @@ __device__ __forceinline__ float update8(float4 (&s)[8], float4 kt, float4 qt, i
 }
 
 // Plain loads: a CTA of kWarps warps owns kRows rows of one head; a warp walks groups of 8 rows,
-// (kPrefetch: the next group's loads issued before the current group's math).
-template <class T, int kRows, int kWarps, bool kPrefetch, int kMinBlocks, int kHint = 1>
+// (kPrefetch: the next group's loads issued before the current group's math; kRotate: CTA i starts
+// its walk at step i mod steps, so that CTAs running at once touch every offset in their rows).
+template <class T, int kRows, int kWarps, bool kPrefetch, int kMinBlocks, int kHint = 1,
+          bool kRotate = false>
 __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
     direct_kernel(const T* pool, T* dst_pool, Vecs vec) {
   using Bits = dev::StateBits<T>;
@@ -79,8 +81,14 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
   const float4 kt = reinterpret_cast<const float4*>(vec.k)[lane];
   const float4 qt = reinterpret_cast<const float4*>(vec.q)[lane];
   constexpr int kGroups = kRows / 8;
+  constexpr int kSteps = kGroups / kWarps > 0 ? kGroups / kWarps : 1;
+  const int start = kRotate ? int(blockIdx.x % kSteps) : 0;
+  auto at = [&](int g) {  // the group walked at this warp's step (g - warp) / kWarps
+    return warp + ((g - warp) / kWarps + start) % kSteps * kWarps;
+  };
   Raw next[8];
   auto load = [&](int g, Raw(&r)[8]) {
+    g = at(g);
 #pragma unroll
     for (int i = 0; i < 8; ++i)
       r[i] = kHint ? __ldcs(reinterpret_cast<const Raw*>(base + (row0 + g * 8 + i) * kD))
@@ -100,18 +108,20 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
 #pragma unroll
     for (int i = 0; i < 8; ++i) s[i] = Bits::to_f32(cur[i]);
     const float o = update8(s, kt, qt, lane);
+    const int gw = at(g);
 #pragma unroll
     for (int i = 0; i < 8; ++i)
       if (kHint)
-        Bits::store_streaming(dbase + (row0 + g * 8 + i) * kD, Bits::from_f32(s[i]));
+        Bits::store_streaming(dbase + (row0 + gw * 8 + i) * kD, Bits::from_f32(s[i]));
       else
-        *reinterpret_cast<Raw*>(dbase + (row0 + g * 8 + i) * kD) = Bits::from_f32(s[i]);
-    if ((lane & 3) == 0) vec.out[head * kD + row0 + g * 8 + ((lane >> 2) & 7)] = o;
+        *reinterpret_cast<Raw*>(dbase + (row0 + gw * 8 + i) * kD) = Bits::from_f32(s[i]);
+    if ((lane & 3) == 0) vec.out[head * kD + row0 + gw * 8 + ((lane >> 2) & 7)] = o;
   }
 }
 
-// Bulk copies: one 128-thread CTA per head, 4 chunks of 32 rows through kBuf shared buffers.
-template <class T, int kBuf, int kMinBlocks>
+// Bulk copies: one 128-thread CTA per head, 4 chunks of 32 rows through kBuf shared buffers
+// (kRotate: CTA i takes the chunks from chunk i mod 4 on).
+template <class T, int kBuf, int kMinBlocks, bool kRotate = false>
 __global__ void __launch_bounds__(128, kMinBlocks)
     bulk_kernel(const T* pool, T* dst_pool, Vecs vec) {
   using Bits = dev::StateBits<T>;
@@ -129,8 +139,9 @@ __global__ void __launch_bounds__(128, kMinBlocks)
   }
   __syncthreads();
   const uint64_t policy = tid == 0 ? dev::l2_evict_first_policy() : 0;
+  const int start = kRotate ? int(blockIdx.x % 4) : 0;
   auto issue = [&](int c) {
-    dev::bulk_load(tile + (c % kBuf) * kChunk, src + c * kChunk, kChunk * sizeof(T),
+    dev::bulk_load(tile + (c % kBuf) * kChunk, src + (c + start) % 4 * kChunk, kChunk * sizeof(T),
                    &bars[c % kBuf], policy);
   };
   if (tid == 0)
@@ -151,10 +162,11 @@ __global__ void __launch_bounds__(128, kMinBlocks)
       }
     }
     const float o = update8(s, kt, qt, lane);
-    T* dst = dst_pool + head * kD * kD + c * kChunk + warp * 8 * kD + 4 * lane;
+    const int cw = (c + start) % 4;
+    T* dst = dst_pool + head * kD * kD + cw * kChunk + warp * 8 * kD + 4 * lane;
 #pragma unroll
     for (int i = 0; i < 8; ++i) Bits::store_streaming(dst + i * kD, Bits::from_f32(s[i]));
-    if ((lane & 3) == 0) vec.out[head * kD + c * 32 + warp * 8 + ((lane >> 2) & 7)] = o;
+    if ((lane & 3) == 0) vec.out[head * kD + cw * 32 + warp * 8 + ((lane >> 2) & 7)] = o;
   }
 }
 
@@ -262,15 +274,16 @@ void run(const char* dtype, int64_t heads, Vecs vec) {
     std::printf("  %s %-34s %8.2f us  %5.1f %% copy\n",
                 out_of_place ? "out-of-place" : "in-place   ", name, us, 100.0f * copy / us);
   };
-#define DIRECT(R, W, P, M, H)                                                           \
-  report("direct rows=" #R " warps=" #W " pf=" #P " minb=" #M " hint=" #H,              \
-         median_us(                                                                     \
-             [&](void* p) {                                                             \
-               direct_kernel<T, R, W, P, M, H><<<unsigned(heads * (kD / R)), W * 32>>>( \
-                   static_cast<T*>(p),                                                  \
-                   out_of_place ? static_cast<T*>(copy_dst) : static_cast<T*>(p), vec); \
-             },                                                                         \
+#define DIRECT_R(R, W, P, M, H, ROT)                                                         \
+  report("direct rows=" #R " warps=" #W " pf=" #P " minb=" #M " hint=" #H " rotate=" #ROT,   \
+         median_us(                                                                          \
+             [&](void* p) {                                                                  \
+               direct_kernel<T, R, W, P, M, H, ROT><<<unsigned(heads * (kD / R)), W * 32>>>( \
+                   static_cast<T*>(p),                                                       \
+                   out_of_place ? static_cast<T*>(copy_dst) : static_cast<T*>(p), vec);      \
+             },                                                                              \
              pools));
+#define DIRECT(R, W, P, M, H) DIRECT_R(R, W, P, M, H, false)
   for (int mode = 0; mode < (std::getenv("PROBE_OUT_OF_PLACE") ? 2 : 1); ++mode) {
     out_of_place = mode == 1;
     DIRECT(8, 1, false, 32, 0)
@@ -288,22 +301,29 @@ void run(const char* dtype, int64_t heads, Vecs vec) {
     DIRECT(128, 4, true, 4, 1)
     DIRECT(128, 4, true, 6, 0)
     DIRECT(128, 4, false, 6, 0)
-#define BULK(NB, M)                                                                                \
-  {                                                                                                \
-    const int smem = 128 + NB * 32 * kD * int(sizeof(T));                                          \
-    CHECK(cudaFuncSetAttribute(bulk_kernel<T, NB, M>, cudaFuncAttributeMaxDynamicSharedMemorySize, \
-                               smem));                                                             \
-    report("bulk buffers=" #NB " minb=" #M,                                                        \
-           median_us(                                                                              \
-               [&](void* p) {                                                                      \
-                 bulk_kernel<T, NB, M><<<unsigned(heads), 128, smem>>>(                            \
-                     static_cast<T*>(p),                                                           \
-                     out_of_place ? static_cast<T*>(copy_dst) : static_cast<T*>(p), vec);          \
-               },                                                                                  \
-               pools));                                                                            \
+#define BULK_R(NB, M, ROT)                                                                \
+  {                                                                                       \
+    const int smem = 128 + NB * 32 * kD * int(sizeof(T));                                 \
+    CHECK(cudaFuncSetAttribute(bulk_kernel<T, NB, M, ROT>,                                \
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, smem));       \
+    report("bulk buffers=" #NB " minb=" #M " rotate=" #ROT,                               \
+           median_us(                                                                     \
+               [&](void* p) {                                                             \
+                 bulk_kernel<T, NB, M, ROT><<<unsigned(heads), 128, smem>>>(              \
+                     static_cast<T*>(p),                                                  \
+                     out_of_place ? static_cast<T*>(copy_dst) : static_cast<T*>(p), vec); \
+               },                                                                         \
+               pools));                                                                   \
   }
+#define BULK(NB, M) BULK_R(NB, M, false)
     BULK(3, 4)
     BULK(2, 6)
+    // Walks that start at a different step in every CTA.
+    DIRECT_R(32, 1, false, 32, 0, true)
+    DIRECT_R(128, 4, false, 8, 0, true)
+    DIRECT_R(128, 4, true, 4, 0, true)
+    BULK_R(3, 4, true)
+    BULK_R(4, 3, true)
 
 #define CLUSTER(W, M)                                                                     \
   {                                                                                       \
