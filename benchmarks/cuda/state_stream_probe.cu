@@ -8,7 +8,8 @@
 // so that no launch finds its state in L2.
 //
 //   nvcc -std=c++20 -O3 -arch=sm_90a -Iinclude benchmarks/cuda/state_stream_probe.cu -o probe
-//   ./probe [heads=4096]    (PROBE_OUT_OF_PLACE=1: every variant also writes to a second pool)
+//   ./probe [heads=4096]    (PROBE_OUT_OF_PLACE=1: every variant also writes to a second pool;
+//                            PROBE_TOKENS=1: T = 4 and a cluster-free norm, tokens_kernel)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -119,9 +120,103 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
   }
 }
 
+// T tokens and the gated RMSNorm's reduction (plain loads, no prefetch): a CTA of kWarps warps owns
+// kRows rows of one head and walks its groups; after each of kTokens updates a group's rows go to
+// that token's destination pool (dst + t * pool_elems; T = 1 writes in place). kTicketNorm (one
+// token, kRows < 128): the head's CTAs add sum(o^2) through a workspace without a cluster: each
+// writes its partial and its unnormalised o, takes a ticket, and the head's last CTA scales the
+// head's 128 outputs by the rstd of the sum.
+struct NormWork {
+  float* partial;  // [heads][CTAs per head]
+  int* ticket;     // [heads], zero between launches
+};
+template <class T, int kRows, int kWarps, int kMinBlocks, int kTokens, bool kTicketNorm,
+          bool kGridStride = false>
+__global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
+    tokens_kernel(const T* pool, T* dst, int64_t pool_elems, Vecs vec, NormWork work) {
+  using Bits = dev::StateBits<T>;
+  using Raw = typename Bits::Raw;
+  constexpr int kCtasPerHead = kD / kRows;
+  static_assert(!kTicketNorm || (kTokens == 1 && kCtasPerHead > 1), "one token, a split head");
+  __shared__ float group_sq[kRows / 8];
+  __shared__ float rstd_s;
+  __shared__ bool last_s;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t head = blockIdx.x / kCtasPerHead;
+  const int rank = blockIdx.x % kCtasPerHead, row0 = rank * kRows;
+  const float4 kt = reinterpret_cast<const float4*>(vec.k)[lane];
+  const float4 qt = reinterpret_cast<const float4*>(vec.q)[lane];
+  for (int g = warp; g < kRows / 8; g += kWarps) {
+    // kGridStride: the warp's walk steps through the whole pool by the grid's width, so that the
+    // warps running at once read one dense stretch of it (the rows and outputs it updates are
+    // then not the CTA's head; only the bytes are timed).
+    const int64_t flat = kGridStride ? (int64_t(blockIdx.x) * kWarps + warp) +
+                                           int64_t(g / kWarps) * gridDim.x * kWarps
+                                     : 0;
+    const int64_t at = kGridStride ? flat * 8 * kD + 4 * lane
+                                   : head * kD * kD + int64_t(row0 + g * 8) * kD + 4 * lane;
+    float4 s[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      s[i] = Bits::to_f32(*reinterpret_cast<const Raw*>(pool + at + i * kD));
+    for (int t = 0; t < kTokens; ++t) {
+      const float o = update8(s, kt, qt, lane);
+      T* out_rows = kTokens == 1 ? const_cast<T*>(pool) + at : dst + t * pool_elems + at;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) *reinterpret_cast<Raw*>(out_rows + i * kD) = Bits::from_f32(s[i]);
+      const int row = row0 + g * 8 + ((lane >> 2) & 7);
+      if ((lane & 3) == 0)
+        vec.out[kGridStride ? flat * 8 + ((lane >> 2) & 7) : head * kD + row] = o;
+      if (kTicketNorm) {
+        float sq = (lane & 3) == 0 ? o * o : 0.0f;
+        sq += __shfl_xor_sync(0xffffffffu, sq, 4);
+        sq += __shfl_xor_sync(0xffffffffu, sq, 8);
+        sq += __shfl_xor_sync(0xffffffffu, sq, 16);
+        if (lane == 0) group_sq[g] = sq;
+      }
+    }
+  }
+  if constexpr (kTicketNorm) {
+    __syncthreads();  // every group's partial and o written
+    if (threadIdx.x == 0) {
+      float part = 0.0f;
+      for (int g = 0; g < kRows / 8; ++g) part += group_sq[g];
+      work.partial[head * kCtasPerHead + rank] = part;
+      __threadfence();  // this CTA's o and partial before its ticket
+      last_s = atomicAdd(work.ticket + head, 1) == kCtasPerHead - 1;
+      if (last_s) {
+        __threadfence();
+        float total = 0.0f;
+        for (int c = 0; c < kCtasPerHead; ++c)
+          total += __ldcg(work.partial + head * kCtasPerHead + c);
+        rstd_s = rsqrtf(total / kD + 1e-6f);
+        work.ticket[head] = 0;
+      }
+    }
+    __syncthreads();
+    if (last_s)
+      for (int r = threadIdx.x; r < kD; r += kWarps * 32)
+        vec.out[head * kD + r] = __ldcg(vec.out + head * kD + r) * rstd_s;
+  }
+}
+
+// Bulk stores (sm_90): `bytes` of shared memory at src to global dst, and the wait until the copy
+// has read them (before the CTA may exit or reuse them).
+__device__ __forceinline__ void bulk_store(void* dst, const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst),
+               "r"(dev::shared_address(src)), "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+__device__ __forceinline__ void bulk_store_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+
 // Bulk copies: one 128-thread CTA per head, 4 chunks of 32 rows through kBuf shared buffers
-// (kRotate: CTA i takes the chunks from chunk i mod 4 on).
-template <class T, int kBuf, int kMinBlocks, bool kRotate = false>
+// (kRotate: CTA i takes the chunks from chunk i mod 4 on). kStore (kBuf = 4): the updated rows go
+// back to their buffer and leave by bulk stores instead of each lane's stores: 1 = one per chunk
+// as soon as its 4 warps are done, 2 = the whole head at once after the last chunk.
+template <class T, int kBuf, int kMinBlocks, bool kRotate = false, int kStore = 0>
 __global__ void __launch_bounds__(128, kMinBlocks)
     bulk_kernel(const T* pool, T* dst_pool, Vecs vec) {
   using Bits = dev::StateBits<T>;
@@ -163,10 +258,32 @@ __global__ void __launch_bounds__(128, kMinBlocks)
     }
     const float o = update8(s, kt, qt, lane);
     const int cw = (c + start) % 4;
-    T* dst = dst_pool + head * kD * kD + cw * kChunk + warp * 8 * kD + 4 * lane;
+    if constexpr (kStore == 0) {
+      T* dst = dst_pool + head * kD * kD + cw * kChunk + warp * 8 * kD + 4 * lane;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) Bits::store_streaming(dst + i * kD, Bits::from_f32(s[i]));
+      for (int i = 0; i < 8; ++i) Bits::store_streaming(dst + i * kD, Bits::from_f32(s[i]));
+    } else {
+      static_assert(kStore == 0 || kBuf == 4, "bulk stores keep every chunk in its buffer");
+      T* back = const_cast<T*>(rows);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) *reinterpret_cast<Raw*>(back + i * kD) = Bits::from_f32(s[i]);
+      dev::fence_proxy_async();  // these writes before the bulk store reads them
+      if (kStore == 1) {
+        __syncthreads();
+        if (tid == 0)
+          bulk_store(dst_pool + head * kD * kD + cw * kChunk, tile + c * kChunk,
+                     kChunk * sizeof(T));
+      }
+    }
     if ((lane & 3) == 0) vec.out[head * kD + cw * 32 + warp * 8 + ((lane >> 2) & 7)] = o;
+  }
+  if constexpr (kStore != 0) {
+    static_assert(kStore != 2 || !kRotate, "the whole head leaves in chunk order");
+    if (kStore == 2) {
+      __syncthreads();
+      if (tid == 0) bulk_store(dst_pool + head * kD * kD, tile, 4 * kChunk * sizeof(T));
+    }
+    if (tid == 0) bulk_store_wait_read();
   }
 }
 
@@ -301,20 +418,21 @@ void run(const char* dtype, int64_t heads, Vecs vec) {
     DIRECT(128, 4, true, 4, 1)
     DIRECT(128, 4, true, 6, 0)
     DIRECT(128, 4, false, 6, 0)
-#define BULK_R(NB, M, ROT)                                                                \
+#define BULK_S(NB, M, ROT, ST)                                                            \
   {                                                                                       \
     const int smem = 128 + NB * 32 * kD * int(sizeof(T));                                 \
-    CHECK(cudaFuncSetAttribute(bulk_kernel<T, NB, M, ROT>,                                \
+    CHECK(cudaFuncSetAttribute(bulk_kernel<T, NB, M, ROT, ST>,                            \
                                cudaFuncAttributeMaxDynamicSharedMemorySize, smem));       \
-    report("bulk buffers=" #NB " minb=" #M " rotate=" #ROT,                               \
+    report("bulk buffers=" #NB " minb=" #M " rotate=" #ROT " store=" #ST,                 \
            median_us(                                                                     \
                [&](void* p) {                                                             \
-                 bulk_kernel<T, NB, M, ROT><<<unsigned(heads), 128, smem>>>(              \
+                 bulk_kernel<T, NB, M, ROT, ST><<<unsigned(heads), 128, smem>>>(          \
                      static_cast<T*>(p),                                                  \
                      out_of_place ? static_cast<T*>(copy_dst) : static_cast<T*>(p), vec); \
                },                                                                         \
                pools));                                                                   \
   }
+#define BULK_R(NB, M, ROT) BULK_S(NB, M, ROT, 0)
 #define BULK(NB, M) BULK_R(NB, M, false)
     BULK(3, 4)
     BULK(2, 6)
@@ -324,6 +442,9 @@ void run(const char* dtype, int64_t heads, Vecs vec) {
     DIRECT_R(128, 4, true, 4, 0, true)
     BULK_R(3, 4, true)
     BULK_R(4, 3, true)
+    // The state leaving by bulk stores: chunk by chunk, or the whole head at once.
+    BULK_S(4, 3, false, 1)
+    BULK_S(4, 3, false, 2)
 
 #define CLUSTER(W, M)                                                                     \
   {                                                                                       \
@@ -348,6 +469,45 @@ void run(const char* dtype, int64_t heads, Vecs vec) {
                pools));                                                                   \
   }
     BULK(4, 3)
+  }
+  // Tokens and the ticket norm (PROBE_TOKENS=1): T = 4 writes four destination pools, against a
+  // copy of the same bytes (copy time x (1 + T) / 2).
+  if (std::getenv("PROBE_TOKENS")) {
+    void* dsts;
+    CHECK(cudaMalloc(&dsts, 4 * bytes));
+    NormWork work{};
+    CHECK(cudaMalloc(&work.partial, size_t(heads) * 16 * 4));
+    CHECK(cudaMalloc(&work.ticket, size_t(heads) * 4));
+    CHECK(cudaMemset(work.ticket, 0, size_t(heads) * 4));
+    const int64_t elems = heads * kD * kD;
+#define TOKENS_G(R, W, M, TT, NORM, GS)                                                    \
+  {                                                                                        \
+    const float us = median_us(                                                            \
+        [&](void* p) {                                                                     \
+          tokens_kernel<T, R, W, M, TT, NORM, GS><<<unsigned(heads * (kD / R)), W * 32>>>( \
+              static_cast<const T*>(p), static_cast<T*>(dsts), elems, vec, work);          \
+        },                                                                                 \
+        pools);                                                                            \
+    std::printf(                                                                           \
+        "  T=%d rows=%-3d warps=%d minb=%-2d ticket-norm=%d grid-stride=%d %8.2f us"       \
+        "  %5.1f %% copy\n",                                                               \
+        TT, R, W, M, int(NORM), int(GS), us, 100.0f * copy * (1 + TT) / 2 / us);           \
+  }
+#define TOKENS(R, W, M, TT, NORM) TOKENS_G(R, W, M, TT, NORM, false)
+    TOKENS(8, 1, 32, 1, false)
+    TOKENS(32, 1, 32, 1, false)
+    TOKENS_G(32, 1, 32, 1, false, true)
+    TOKENS_G(128, 4, 6, 1, false, true)
+    TOKENS(32, 4, 8, 1, false)
+    TOKENS(32, 4, 8, 1, true)
+    TOKENS(64, 4, 8, 1, true)
+    TOKENS(128, 4, 6, 1, false)
+    TOKENS(8, 1, 32, 4, false)
+    TOKENS(32, 4, 8, 4, false)
+    TOKENS(128, 4, 6, 4, false)
+    CHECK(cudaFree(dsts));
+    CHECK(cudaFree(work.partial));
+    CHECK(cudaFree(work.ticket));
   }
   for (auto& p : pools) CHECK(cudaFree(p));
   CHECK(cudaFree(copy_dst));
