@@ -4,9 +4,14 @@ labels in order of first use, so that a refactor that only moves code between fu
 "same" and one that changes what the kernel executes reads as "differs".
 
     python benchmarks/compare_ptx.py BASE_REV [NEW_REV] [--units decode_mtp_f32 replay_bf16 ...]
+        [--rename PATTERN REPLACEMENT]
 
-NEW_REV defaults to the working tree. A kernel whose PTX is the same compiles to the same machine
-code, so its measured speed carries over; one that differs needs the GPU check and a benchmark.
+NEW_REV defaults to the working tree. --rename rewrites the new revision's PTX (a Python regular
+expression) before the comparison, for a change of a kernel template's signature that renames every
+kernel: a defaulted template argument added at the end reads as "same" where the code is the same,
+for example --rename '(Li[n0-9]+E(?:Lb[01]E){3})Lb0E(EEv)' '\1\2' for a sixth bool parameter.
+A kernel whose PTX is the same compiles to the same machine code, so its measured speed carries
+over; one that differs needs the GPU check and a benchmark.
 """
 
 from __future__ import annotations
@@ -43,19 +48,23 @@ def ptx(src, unit, out):
     return out
 
 
-def kernels(path):
+def kernels(path, rename=None):
     """Entry name -> PTX body with registers and labels renamed in order of first use."""
     out, name, lines = {}, None, []
-    for line in open(path):
+    text = open(path).read()
+    if rename:
+        text = re.sub(rename[0], rename[1], text)
+    for line in text.splitlines(keepends=True):
         if line.startswith(".visible .entry"):
             if name:
-                out[name] = "".join(lines)
+                out[name] = "".join(lines).rstrip()
             name, lines, names = line.split()[2].split("(")[0], [], {}
-        if name is None or line.lstrip().startswith(".reg"):
+        # .globl comments name the kernel that follows in the file, not this one's code.
+        if name is None or line.lstrip().startswith((".reg", "// .globl")):
             continue
         lines.append(REGISTER.sub(lambda m: names.setdefault(m.group(0), f"v{len(names)}"), line))
     if name:
-        out[name] = "".join(lines)
+        out[name] = "".join(lines).rstrip()
     return out
 
 
@@ -64,6 +73,8 @@ def main():
     ap.add_argument("base")
     ap.add_argument("new", nargs="?")
     ap.add_argument("--units", nargs="+", default=UNITS)
+    ap.add_argument("--rename", nargs=2, metavar=("PATTERN", "REPLACEMENT"),
+                    help="regular expression substitution applied to the new revision's PTX")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         trees = [tree(args.base, os.path.join(tmp, "base")), tree(args.new, os.path.join(tmp, "new"))]
@@ -73,7 +84,8 @@ def main():
             list(pool.map(lambda j: ptx(*j), jobs))
         differs = 0
         for u in args.units:
-            base, new = (kernels(os.path.join(tmp, f"{i}_{u}.ptx")) for i in (0, 1))
+            base, new = (kernels(os.path.join(tmp, f"{i}_{u}.ptx"), args.rename if i else None)
+                         for i in (0, 1))
             for name in sorted(set(base) | set(new)):
                 state = ("same" if base.get(name) == new.get(name)
                          else "only in base" if name not in new

@@ -131,6 +131,19 @@ TEST(LaunchRules, SingleTokenFormWhereItSavesAWave) {
   EXPECT_FALSE(use_single_token(2, false, 1, heads_at(32), kSms, false));  // does not fit
 }
 
+TEST(LaunchRules, SixteenBitReplayStagesFirstFromOneToSixteenHeadsPerSm) {
+  EXPECT_FALSE(use_replay_stage_first(2, false, heads_at(1), kSms));  // 0.24 per SM
+  EXPECT_FALSE(use_replay_stage_first(2, false, kSms - 1, kSms));
+  EXPECT_TRUE(use_replay_stage_first(2, false, kSms, kSms));
+  EXPECT_TRUE(use_replay_stage_first(2, false, heads_at(8), kSms));   // 1.9 per SM
+  EXPECT_TRUE(use_replay_stage_first(2, false, heads_at(32), kSms));  // 7.75 per SM
+  EXPECT_TRUE(use_replay_stage_first(2, false, 16 * kSms - 1, kSms));
+  EXPECT_FALSE(use_replay_stage_first(2, false, 16 * kSms, kSms));
+  EXPECT_FALSE(use_replay_stage_first(2, false, heads_at(128), kSms));  // 31 per SM
+  EXPECT_FALSE(use_replay_stage_first(2, true, heads_at(32), kSms));    // closed form
+  EXPECT_FALSE(use_replay_stage_first(4, false, heads_at(32), kSms));   // fp32: always staged first
+}
+
 TEST(LaunchRules, ChunkBuffers) {
   EXPECT_EQ(choose_buffers(2, heads_at(1), kSms, false, false, true),
             kMaxChunks);  // 16-bit: one per chunk

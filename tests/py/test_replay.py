@@ -211,16 +211,19 @@ def test_chain_with_strong_decay(gen, device, form):
                                              (FP16, FP16)],
                          ids=["state_fp32_act_fp32", "state_fp32_act_bf16", "state_bf16",
                               "state_fp16"])
-@pytest.mark.parametrize("H,HV", [(4, 8), (1, 8), (3, 9), (8, 8)], ids=["r2", "r8", "r3", "r1"])
-@pytest.mark.parametrize("S,heads_per_sm", [(8, 2), (8, 1), (6, 4), (4, 1)],
+@pytest.mark.parametrize("H,HV", [(4, 8), (1, 8), (3, 9), (8, 8), (2, 8)],
+                         ids=["r2", "r8", "r3", "r1", "r4"])
+@pytest.mark.parametrize("S,heads_per_sm", [(8, 2), (8, 1), (6, 4), (4, 1), (4, 4)],
                          ids=["closed_form", "S8_one_head_per_sm", "closed_form_S6",
-                              "token_by_token_split2"])
+                              "token_by_token_split2", "token_by_token_four_per_sm"])
 def test_chain_at_a_head_per_sm(gen, H, HV, state_dtype, act, S, heads_per_sm):
     """Launch choices of the CUDA replay kernel that only batches of a few heads per SM take:
     from two, deep windows (S = 8) in closed form; between one and two, S = 8 in closed form with
     a 16-bit state and token by token with an fp32 one, and shallower windows (S = 4) token by
-    token, each head split over 2 CTAs; from four, S = 6 in closed form. Chained with random T and
-    acceptance (n = 0 .. T, padded rows), against the float64 reference."""
+    token, each head split over 2 CTAs; from four, S = 6 in closed form. From one to sixteen heads
+    per SM, 16-bit token-by-token replay stages its tokens before the slice (its own kernel image:
+    S = 4 at one and at four heads per SM). Chained with random T and acceptance (n = 0 .. T,
+    padded rows), against the float64 reference."""
     check_chain_against_reference(gen, "cuda", H=H, HV=HV, state_dtype=state_dtype, act=act,
                                   params=layer_params(gen, HV),
                                   N=heads_per_sm_batch(HV, heads_per_sm), S=S, steps=4)

@@ -100,15 +100,19 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
       int(sizeof(StateT)), kReplay, args.S, heads, info.sm_count,
       kSingleTokenCtasPerSm * (single_token_smem + size_t(info.reserved_per_cta)) <=
           size_t(info.shared_per_sm));
+  const bool stage_first =
+      kReplay && use_replay_stage_first(int(sizeof(StateT)), closed_form, heads, info.sm_count);
   auto kernel = decode_mtp_kernel<StateT, kRatio, kReplay, false>;
   if constexpr (kReplay)
     if (closed_form) kernel = decode_mtp_kernel<StateT, kRatio, true, true>;
+  if constexpr (kReplay && sizeof(StateT) == 2)
+    if (stage_first) kernel = decode_mtp_kernel<StateT, kRatio, true, false, false, true>;
   if constexpr (!kReplay && sizeof(StateT) == 2)
     if (single_token) kernel = decode_mtp_kernel<StateT, kRatio, false, false, true>;
-  const int form = closed_form ? 1 : single_token ? 2 : 0;
+  const int form = closed_form ? 1 : single_token ? 2 : stage_first ? 3 : 0;
   static std::atomic<int> ptx_cache[kMaxDevices];
-  // Per kernel form: token by token, closed form, single token.
-  static std::atomic<int> smem_cache[3][kMaxDevices];
+  // Per kernel form: token by token, closed form, single token, replay staged first.
+  static std::atomic<int> smem_cache[4][kMaxDevices];
   // sm_90 image: clusters, bulk copies and programmatic dependent launch.
   const bool hopper = info.major >= 9 && kernel_ptx_version(kernel, device, ptx_cache) >= 90;
   const int split = split_request > 0 ? split_request

@@ -756,12 +756,17 @@ struct TokenArgs {
   float v;
 };
 
+// kStageFirst: the token-by-token replay kernel of a 16-bit state with its tokens staged before
+// the slice's first chunks (the launcher's use_replay_stage_first), a kernel image of its own so
+// that the image the other batches take keeps its code.
 template <class StateT, int kRatio, bool kReplay, bool kClosedForm = false,
-          bool kSingleToken = false>
+          bool kSingleToken = false, bool kStageFirst = false>
 __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm : kMinCtasPerSm)
     decode_mtp_kernel(const __grid_constant__ KernelArgs args) {
   static_assert(!kSingleToken || (!kReplay && sizeof(StateT) == 2),
                 "the single-token form is write-all with a 16-bit state");
+  static_assert(!kStageFirst || (kReplay && !kClosedForm && sizeof(StateT) == 2),
+                "staging first is a form of 16-bit token-by-token replay");
   extern __shared__ __align__(128) unsigned char smem[];
   using Bits = StateBits<StateT>;
   using Raw = typename Bits::Raw;
@@ -944,12 +949,13 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
   // faster, fp32 T = 8 B = 8 4-5 %, B >= 128 0-1.5 %; B = 1 within +-3 %;
   // benchmarks/results/activations_first_h200.json). Token-by-token replay of an fp32 state does
   // the same (T = 2 and 4: B = 8 and 32 2-9 %, B >= 128 2-4 % faster, B = 1 within +-4 %;
-  // benchmarks/results/replay_activations_first_h200.json). The other replay kernels and the
-  // single-token form issue the chunks first and stage token by token: with the other order, or
-  // with only the staging restructured, they were slower (closed form 2-3 % from B = 128; a 16-bit
-  // state up to 11 % at B = 512).
+  // benchmarks/results/replay_activations_first_h200.json). So does 16-bit token-by-token replay
+  // in its kStageFirst image, which the launcher takes from one to sixteen heads per SM
+  // (use_replay_stage_first). The other replay kernels and the single-token form issue the chunks
+  // first and stage token by token: with the other order, or with only the staging restructured,
+  // they were slower (closed form 2-3 % from B = 128; a 16-bit state up to 11 % at B = 512).
   constexpr bool kActivationsFirst =
-      !kSingleToken && (!kReplay || (sizeof(StateT) == 4 && !closed_form));
+      !kSingleToken && (!kReplay || (sizeof(StateT) == 4 && !closed_form) || kStageFirst);
   if constexpr (!kActivationsFirst) issue_first_chunks();
 
   // 4. Activations of every staged token (warp w stages tokens w, w + 4, ...), act(z), norm

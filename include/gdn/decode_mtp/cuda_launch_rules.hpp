@@ -128,6 +128,18 @@ inline bool use_single_token(int state_bytes, bool replay, int S, int64_t heads,
   return waves(kSingleTokenCtasPerSm) < waves(kMinCtasPerSm);
 }
 
+// Token-by-token replay of a 16-bit state stages its tokens before the slice's first chunks (the
+// kernel's kStageFirst image; an fp32 state always does) from one to sixteen heads per SM, where
+// its CTAs otherwise wait for their few activation bytes behind the slices' bulk copies (H200,
+// against chunks first: bf16 B = 8 T = 2 and 4 2-6 %, B = 32 3-5 % faster; B = 1 1-4 % and B = 512
+// 1-6 % slower, B = 128 within 2 %; benchmarks/results/activations_first_h200.json, runs af and
+// af2).
+inline constexpr int kReplayStageFirstMaxHeadsPerSm = 16;
+inline bool use_replay_stage_first(int state_bytes, bool closed_form, int64_t heads, int sm_count) {
+  return state_bytes == 2 && !closed_form && heads >= sm_count &&
+         heads < kReplayStageFirstMaxHeadsPerSm * int64_t(sm_count);
+}
+
 // CTAs per head: 1 once every SM has a head, else the smallest split that gives every SM a CTA.
 // Deep windows (S >= 8) at four or more heads per SM take 2 (not replay in closed form, whose
 // per-CTA solve a split would repeat): a CTA stages the same S tokens (2S in replay) for half the
