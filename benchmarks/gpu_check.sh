@@ -120,7 +120,8 @@ if has sanitize; then
       echo "--- compute-sanitizer --tool memcheck (pytest, device-index and strided cases)"
       timeout "${SANITIZE_TIMEOUT:-120}" compute-sanitizer --tool memcheck --error-exitcode 3 \
         python3 -m pytest -q -p no:cacheprovider tests/py/test_decode_mtp_cuda.py \
-        tests/py/test_replay.py -k "hostile or large_batch or strided_views or (replay and cuda)" \
+        tests/py/test_replay.py -k "hostile or large_batch or strided_views or (replay and cuda) \
+        or (head_per_sm and token_by_token and state_bf16 and r2)" \
         2>&1 | tail -8
       echo "pytest-memcheck exit ${PIPESTATUS[0]}"
       # The plain-load path where bulk copies would stream through one chunk buffer (fp32 replay,
@@ -130,6 +131,12 @@ if has sanitize; then
         python3 -m pytest -q -p no:cacheprovider tests/py/test_replay.py -k "kv_layout and cuda" \
         2>&1 | tail -4
       echo "pytest-racecheck exit ${PIPESTATUS[0]}"
+      # 16-bit token-by-token replay in its staged-first image (one and four heads per SM).
+      echo "--- compute-sanitizer --tool racecheck (pytest, 16-bit replay staged first)"
+      timeout "${SANITIZE_TIMEOUT:-120}" compute-sanitizer --tool racecheck --error-exitcode 3 \
+        python3 -m pytest -q -p no:cacheprovider tests/py/test_replay.py \
+        -k "head_per_sm and token_by_token and state_bf16 and r2" 2>&1 | tail -4
+      echo "pytest-racecheck-staged-first exit ${PIPESTATUS[0]}"
     fi
   } > "$OUT/sanitize.log" 2>&1
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY|exit [0-9]|passed|failed" "$OUT/sanitize.log"
