@@ -131,9 +131,10 @@ inline bool use_single_token(int state_bytes, bool replay, int S, int64_t heads,
 // Token-by-token replay of a 16-bit state stages its tokens before the slice's first chunks (the
 // kernel's kStageFirst image; an fp32 state always does) from one to sixteen heads per SM, where
 // its CTAs otherwise wait for their few activation bytes behind the slices' bulk copies (H200,
-// against chunks first: bf16 B = 8 T = 2 and 4 2-6 %, B = 32 3-5 % faster; B = 1 1-4 % and B = 512
-// 1-6 % slower, B = 128 within 2 %; benchmarks/results/activations_first_h200.json, runs af and
-// af2).
+// T = 2 and 4, B = 8 to 64: bf16 1.5-6.1 %, fp16 3.2-6.1 % faster;
+// benchmarks/results/replay_stage_first_h200.json). Elsewhere it keeps the chunks first: staged
+// first, B = 1 was 1-4 % and B = 512 1-6 % slower, B = 128 within 2 %
+// (benchmarks/results/activations_first_h200.json, runs af and af2).
 inline constexpr int kReplayStageFirstMaxHeadsPerSm = 16;
 inline bool use_replay_stage_first(int state_bytes, bool closed_form, int64_t heads, int sm_count) {
   return state_bytes == 2 && !closed_form && heads >= sm_count &&
