@@ -20,8 +20,10 @@
 // is dense (head h at h * 128 * 128); the copy baseline streams the same bytes in place with the
 // same access pattern.
 //
-//   nvcc -std=c++20 -O3 -arch=sm_90a -Iinclude benchmarks/cuda/replay_mma_probe.cu -o probe
-//   ./probe [heads=4096]    (PROBE_ONLY=NAME: that variant at T = 4, n = 2 only)
+//   nvcc -std=c++20 -O3 -arch=sm_90a -Iinclude -DGDN_HAS_CUDA --expt-relaxed-constexpr \
+//       benchmarks/cuda/replay_mma_probe.cu -o probe
+//   ./probe [heads=4096]    (PROBE_ONLY=NAME: that variant at T = 4, n = 2 only;
+//                            PROBE_SOLVE_ONLY=1: the whole closed form's variants only)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -34,10 +36,11 @@
 #include <vector>
 
 #include "gdn/core/cuda/device.cuh"
+#include "gdn/decode_mtp/cuda_kernel.cuh"  // prepare_replay: the closed form's per-CTA solve
 
 namespace dev = gdn::cuda;
-constexpr int kD = 128;       // K = V
-constexpr int kTok = 16;      // staged tokens, padded (m <= 16)
+constexpr int kD = 128;          // K = V
+constexpr int kTok = 16;         // staged tokens, padded (m <= 16)
 constexpr int kInputSets = 256;  // distinct per-head inputs (L2-resident, 6 MB)
 
 #define CHECK(x)                                                                           \
@@ -119,7 +122,8 @@ __device__ __forceinline__ void bulk_store_wait_read() {
 
 // Column permutation. A lane (g = lane / 4, t = lane % 4) holds, of each row it owns, the
 // physical columns 32 b + 8 t .. + 7 (b = 0..3) as 4 bf16 pairs p[b][0..3]:
-//  - GEMM1 k-tile kt = 2 b + h: logical k 2t, 2t+1 -> 32 b + 8 t + 4 h + {0, 1}, 2t+8, 2t+9 -> +{2, 3}
+//  - GEMM1 k-tile kt = 2 b + h: logical k 2t, 2t+1 -> 32 b + 8 t + 4 h + {0, 1}, 2t+8, 2t+9 -> +{2,
+//  3}
 //    (B fragment = p[b][2h], p[b][2h+1]);
 //  - GEMM2 n-tile j = 4 b + q: logical n 2t + e -> 32 b + 8 t + 2 q + e (accumulator = p[b][q]).
 __device__ __forceinline__ int gemm1_col(int kt, int t, int pair) {  // pair 0: k 2t, 1: k 2t+8
@@ -145,7 +149,7 @@ template <int kWarps>
 struct InputRegs {
   static constexpr int kThreads = 32 * kWarps, kA1 = 256 / kThreads, kB2 = 512 / kThreads,
                        kVo = kTok * kD / 4 / kThreads;
-  float2 a1[kA1][4];   // [iteration][fragment register]: a pair of columns
+  float2 a1[kA1][4];    // [iteration][fragment register]: a pair of columns
   float b2[kB2][2][2];  // [iteration][register][token of the pair]
   float4 vo[kVo];
   float coef, decay;
@@ -178,13 +182,15 @@ __device__ __forceinline__ InputRegs<kWarps> load_inputs(const Inputs& in, int s
   }
 #pragma unroll
   for (int it = 0; it < R::kVo; ++it)
-    r.vo[it] = reinterpret_cast<const float4*>(in.vo + int64_t(set) * kTok * kD)[tid + R::kThreads * it];
+    r.vo[it] =
+        reinterpret_cast<const float4*>(in.vo + int64_t(set) * kTok * kD)[tid + R::kThreads * it];
   r.coef = tid < kTok ? in.coef[set * kTok + tid] : 0.0f;
   r.decay = in.decay[set];
   return r;
 }
 template <int kWarps>
-__device__ __forceinline__ void store_inputs(Smem<kWarps>& sm, const InputRegs<kWarps>& r, int tid) {
+__device__ __forceinline__ void store_inputs(Smem<kWarps>& sm, const InputRegs<kWarps>& r,
+                                             int tid) {
   using R = InputRegs<kWarps>;
 #pragma unroll
   for (int it = 0; it < R::kA1; ++it) {
@@ -236,7 +242,7 @@ __device__ __forceinline__ void head_rows(Smem<kWarps>& sm, uint4 (&p)[kTiles][2
                                           int first_row, int warp, int lane, int n, int m,
                                           __nv_bfloat16* staged = nullptr) {
   const int g = lane >> 2, t = lane & 3;
-  float(*w)[kTok + 1] = sm.w[warp];
+  float (*w)[kTok + 1] = sm.w[warp];
   const float decay = sm.decay;
 #pragma unroll
   for (int tile = 0; tile < kTiles; ++tile) {
@@ -321,8 +327,8 @@ __device__ __forceinline__ void head_rows(Smem<kWarps>& sm, uint4 (&p)[kTiles][2
 // loaded straight into registers (plain 16-byte loads, issued before the inputs); at least
 // kMinCtas CTAs per SM (the register budget).
 template <int kWarps, int kMinCtas, bool kHints = false>
-__global__ void __launch_bounds__(32 * kWarps, kMinCtas) replay_mma_kernel(
-    __nv_bfloat16* pool, Inputs in, float* out, int n, int m, int heads) {
+__global__ void __launch_bounds__(32 * kWarps, kMinCtas)
+    replay_mma_kernel(__nv_bfloat16* pool, Inputs in, float* out, int n, int m, int heads) {
   constexpr int kTiles = 8 / kWarps;
   __shared__ __align__(16) Smem<kWarps> sm;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -341,9 +347,8 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas) replay_mma_kernel(
 // whole rows both ways.
 constexpr int kBulkRowsSmem = 128 + 128 * kD * 2;
 template <int kMinCtas>
-__global__ void __launch_bounds__(256, kMinCtas) replay_mma_bulk_kernel(__nv_bfloat16* pool, Inputs in,
-                                                              float* out, int n, int m,
-                                                              int heads) {
+__global__ void __launch_bounds__(256, kMinCtas)
+    replay_mma_bulk_kernel(__nv_bfloat16* pool, Inputs in, float* out, int n, int m, int heads) {
   __shared__ __align__(16) Smem<8> sm;
   extern __shared__ __align__(128) unsigned char dyn[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, first_row = 16 * warp;
@@ -364,13 +369,156 @@ __global__ void __launch_bounds__(256, kMinCtas) replay_mma_bulk_kernel(__nv_bfl
   head_rows(sm, p, state, out, head, first_row, warp, lane, n, m, staged);
 }
 
+// The closed form whole, minus metadata, activation loads and the norm: the CTA stages a head's
+// raw window (k unit, q scaled, v, alpha, beta: RawInputs), solves it with the library's
+// prepare_replay, turns the solved vectors into the fragments, and runs the rows phase of
+// replay_mma_kernel<4, kMinCtas>. Checked against a float64 token-by-token replay.
+struct RawInputs {
+  const float* k;  // [set][16][128]
+  const float* q;
+  const float* v;
+  const float* alpha;  // [set][16]
+  const float* beta;
+};
+struct SolveSmem {  // v lives in the rows phase's vo (the solve leaves vt_j, then ot_j there)
+  float k[kTok][kD], q[kTok][kD], gates[kTok][4], mat[kTok * kTok];
+};
+// The closed form's per-CTA solve with its pair products spread over the CTA: the library's
+// prepare_replay has one thread compute each pair's two 128-long dot products (a dependent chain of
+// shared loads per thread), which the rows phase on tensor cores no longer hides. Here a warp
+// takes four pairs at a time, its lanes 4 columns each, and the sums go through warp shuffles;
+// the decays, the matrix layout and step 2 (solve_in_registers) are the library's.
+__device__ __forceinline__ void prepare_replay_parallel(int n, int m, int tid, float* k_s,
+                                                        float* q_s, float* gates, float* mat_s,
+                                                        float* v_s, float* o_s) {
+  namespace cd = gdn::decode_mtp::cuda_detail;
+  auto gate = [&](int j, int which) -> float& { return gates[cd::kClosedGateFloats * j + which]; };
+  if (tid < m) {
+    const int j = tid;
+    float g = 1.0f, cf = j < n ? 1.0f : 0.0f;
+    for (int l = 0; l <= j; ++l) g *= gate(l, cd::kGateAlpha);
+    for (int l = j + 1; l < n; ++l) cf *= gate(l, cd::kGateAlpha);
+    gate(j, cd::kGateDecay) = g;
+    gate(j, cd::kGateCheckpoint) = cf;
+  }
+  const int lane = tid & 31, warp = tid >> 5, pairs = m * (m + 1) / 2;
+  for (int e0 = 4 * warp; e0 < pairs; e0 += 16) {
+    float kk[4], kq[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int e = e0 + u < pairs ? e0 + u : pairs - 1;
+      int j, i;
+      cd::triangle_pair(e, j, i);
+      const float4 ki = reinterpret_cast<const float4*>(k_s + i * kD)[lane];
+      const float4 kj = reinterpret_cast<const float4*>(k_s + j * kD)[lane];
+      const float4 qj = reinterpret_cast<const float4*>(q_s + j * kD)[lane];
+      kk[u] = ki.x * kj.x + ki.y * kj.y + ki.z * kj.z + ki.w * kj.w;
+      kq[u] = j >= n ? ki.x * qj.x + ki.y * qj.y + ki.z * qj.z + ki.w * qj.w : 0.0f;
+    }
+#pragma unroll
+    for (int w = 16; w >= 1; w >>= 1)
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        kk[u] += __shfl_xor_sync(0xffffffffu, kk[u], w);
+        kq[u] += __shfl_xor_sync(0xffffffffu, kq[u], w);
+      }
+    if (lane < 4 && e0 + lane < pairs) {
+      int j, i;
+      cd::triangle_pair(e0 + lane, j, i);
+      float r = 1.0f;
+      for (int l = i + 1; l <= j; ++l) r *= gate(l, cd::kGateAlpha);
+      const float dkk = lane == 0 ? kk[0] : lane == 1 ? kk[1] : lane == 2 ? kk[2] : kk[3];
+      const float dkq = lane == 0 ? kq[0] : lane == 1 ? kq[1] : lane == 2 ? kq[2] : kq[3];
+      if (i < j) mat_s[j * m + i] = gate(j, cd::kGateBeta) * r * dkk;
+      if (j >= n) mat_s[i * m + j] = r * dkq;
+    }
+  }
+  __syncthreads();
+  cd::solve_in_registers(n, m, kD, tid, k_s, q_s, gates, mat_s, v_s, o_s);
+  __syncthreads();
+}
+
+template <int kMinCtas, bool kParallelPairs = false>
+__global__ void __launch_bounds__(128, kMinCtas)
+    replay_mma_solve_kernel(__nv_bfloat16* pool, RawInputs raw, float* out, int n, int m,
+                            int heads) {
+  namespace cd = gdn::decode_mtp::cuda_detail;
+  __shared__ __align__(16) Smem<4> sm;
+  __shared__ __align__(16) SolveSmem ss;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t head = blockIdx.x;
+  const int set = int(head % kInputSets);
+  __nv_bfloat16* state = pool + head * kD * kD;
+  const int first_row = 32 * warp;
+  uint4 p[2][2][4];
+  load_rows(state + first_row * kD, p, lane);
+  // Staging (thread tid: column / row tid of every token), every load issued before the first
+  // store, as the library's token staging does.
+  const int64_t base = int64_t(set) * kTok * kD;
+  float kv[kTok], vv[kTok], qv[kTok];
+#pragma unroll
+  for (int j = 0; j < kTok; ++j) {
+    kv[j] = j < m ? raw.k[base + j * kD + tid] : 0.0f;
+    vv[j] = j < m ? raw.v[base + j * kD + tid] : 0.0f;
+    qv[j] = j >= n && j < m ? raw.q[base + j * kD + tid] : 0.0f;
+  }
+#pragma unroll
+  for (int j = 0; j < kTok; ++j) {
+    if (j >= m) break;
+    ss.k[j][tid] = kv[j];
+    sm.vo[j][tid] = vv[j];
+    if (j >= n) ss.q[j][tid] = qv[j];
+  }
+  if (tid < m) {
+    ss.gates[tid][cd::kGateAlpha] = raw.alpha[set * kTok + tid];
+    ss.gates[tid][cd::kGateBeta] = raw.beta[set * kTok + tid];
+  }
+  __syncthreads();
+  if constexpr (kParallelPairs)
+    prepare_replay_parallel(n, m, tid, &ss.k[0][0], &ss.q[0][0], &ss.gates[0][0], ss.mat,
+                            &sm.vo[0][0], &sm.vo[n][0]);
+  else
+    cd::prepare_replay(n, m, kD, tid, &ss.k[0][0], &ss.q[0][0], &ss.gates[0][0], ss.mat,
+                       &sm.vo[0][0], &sm.vo[n][0]);
+  // Fragments from the solve: A1 row j = kt_j (j < n, in k) or qt_j (in q), zero from m; K2 row
+  // i = raw k_i (q's rows i < n), zero from n; VO = v's rows (vt_j, then ot_j).
+  auto a1 = [&](int j, int c) { return j >= m ? 0.0f : j < n ? ss.k[j][c] : ss.q[j][c]; };
+  auto k2 = [&](int i, int c) { return i < n ? ss.q[i][c] : 0.0f; };
+  for (int e = tid; e < 8 * 32; e += 128) {
+    const int kt = e >> 5, l = e & 31, lg = l >> 2, lt = l & 3;
+    uint32_t hi[4], lo[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int tok = lg + 8 * (q & 1), c = gemm1_col(kt, lt, q >> 1);
+      split_pair(a1(tok, c), a1(tok, c + 1), hi[q], lo[q]);
+    }
+    *reinterpret_cast<uint4*>(sm.a1[0][kt][l]) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+    *reinterpret_cast<uint4*>(sm.a1[1][kt][l]) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+  }
+  for (int e = tid; e < 16 * 32; e += 128) {
+    const int j = e >> 5, l = e & 31, lg = l >> 2, lt = l & 3;
+    const int c = gemm2_col(j, lg);
+    uint32_t hi[2], lo[2];
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const int tok = 2 * lt + 8 * q;
+      split_pair(k2(tok, c), k2(tok + 1, c), hi[q], lo[q]);
+    }
+    *reinterpret_cast<uint2*>(sm.b2[0][j][l]) = make_uint2(hi[0], hi[1]);
+    *reinterpret_cast<uint2*>(sm.b2[1][j][l]) = make_uint2(lo[0], lo[1]);
+  }
+  if (tid < kTok) sm.coef[tid] = tid < n ? ss.gates[tid][cd::kGateCheckpoint] : 0.0f;
+  if (tid == 0) sm.decay = n > 0 ? ss.gates[n - 1][cd::kGateDecay] : 1.0f;
+  __syncthreads();
+  head_rows(sm, p, state, out, head, first_row, warp, lane, n, m);
+}
+
 // Persistent form with the rows in registers: kWarps = 8 warps walk the heads (h = blockIdx.x +
 // i gridDim.x), each warp loading its 16 rows and the CTA the inputs of head i + 1 before working
 // on head i.
 template <int kMinCtas>
-__global__ void __launch_bounds__(256, kMinCtas) replay_mma_walk(__nv_bfloat16* pool, Inputs in,
-                                                                 float* out, int n, int m,
-                                                                 int heads) {
+__global__ void __launch_bounds__(256, kMinCtas)
+    replay_mma_walk(__nv_bfloat16* pool, Inputs in, float* out, int n, int m, int heads) {
   __shared__ __align__(16) Smem<8> sm;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, first_row = 16 * warp;
   int64_t head = blockIdx.x;
@@ -404,9 +552,8 @@ constexpr int persistent_smem() {
   return 128 + kBufs * 128 * kD * 2;
 }
 template <int kBufs>
-__global__ void __launch_bounds__(128, 1) replay_mma_persistent(__nv_bfloat16* pool, Inputs in,
-                                                                float* out, int n, int m,
-                                                                int heads) {
+__global__ void __launch_bounds__(128, 1)
+    replay_mma_persistent(__nv_bfloat16* pool, Inputs in, float* out, int n, int m, int heads) {
   __shared__ __align__(16) Smem<4> sm;
   extern __shared__ __align__(128) unsigned char dyn[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -531,7 +678,8 @@ int main(int argc, char** argv) {
     std::memcpy(&x, &f, 4);
     v = uint16_t((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
   }
-  for (auto& p : pools) CHECK(cudaMemcpy(p, h_state.data(), state_elems * 2, cudaMemcpyHostToDevice));
+  for (auto& p : pools)
+    CHECK(cudaMemcpy(p, h_state.data(), state_elems * 2, cudaMemcpyHostToDevice));
 
   std::vector<float> a1(size_t(kInputSets) * kTok * kD), vo(a1.size()), k2(a1.size()),
       coef(kInputSets * kTok), decay(kInputSets);
@@ -559,7 +707,8 @@ int main(int argc, char** argv) {
   });
   const double bytes = 2.0 * state_elems * 2;  // read + write
   constexpr int kBulkSmem = 64 + 128 * kD * 2;
-  CHECK(cudaFuncSetAttribute(copy_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkSmem));
+  CHECK(
+      cudaFuncSetAttribute(copy_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkSmem));
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   struct Variant {
@@ -596,70 +745,157 @@ int main(int argc, char** argv) {
       median_us([&](int i) { copy_kernel<2><<<heads, 128, kBulkSmem>>>(pools[i & 1]); });
   const float rl_us = median_us([&](int i) { copy_kernel<3><<<heads, 128>>>(pools[i & 1]); });
   const float lr_us = median_us([&](int i) { copy_kernel<4><<<heads, 128>>>(pools[i & 1]); });
-  std::printf("heads %d, bf16 state: memcpy %.1f us (%.2f TB/s); in-place copy kernels: row "
-              "pattern %.1f us (%.1f %% of memcpy), linear %.1f us (%.1f %%), bulk %.1f us (%.1f %%), "
-              "row loads + linear stores %.1f us (%.1f %%), linear loads + row stores %.1f us "
-              "(%.1f %%)\n",
-              heads, memcpy_us, bytes / memcpy_us * 1e-6, copy_us, 100.0 * memcpy_us / copy_us,
-              linear_us, 100.0 * memcpy_us / linear_us, bulk_us, 100.0 * memcpy_us / bulk_us,
-              rl_us, 100.0 * memcpy_us / rl_us, lr_us, 100.0 * memcpy_us / lr_us);
+  std::printf(
+      "heads %d, bf16 state: memcpy %.1f us (%.2f TB/s); in-place copy kernels: row "
+      "pattern %.1f us (%.1f %% of memcpy), linear %.1f us (%.1f %%), bulk %.1f us (%.1f %%), "
+      "row loads + linear stores %.1f us (%.1f %%), linear loads + row stores %.1f us "
+      "(%.1f %%)\n",
+      heads, memcpy_us, bytes / memcpy_us * 1e-6, copy_us, 100.0 * memcpy_us / copy_us, linear_us,
+      100.0 * memcpy_us / linear_us, bulk_us, 100.0 * memcpy_us / bulk_us, rl_us,
+      100.0 * memcpy_us / rl_us, lr_us, 100.0 * memcpy_us / lr_us);
 
   const int cases[][2] = {{4, 1}, {4, 2}, {4, 4}, {2, 2}, {8, 4}, {8, 8}};  // T, n
   bool all_ok = true;
   const char* only = std::getenv("PROBE_ONLY");  // one variant, T = 4, n = 2 (for a profiler)
+  const bool solve_only = std::getenv("PROBE_SOLVE_ONLY") != nullptr;  // the whole closed form only
   for (const auto& c : cases)
-  for (const auto& v : variants) {
-    const int T = c[0], n = c[1], m = n + T;
-    if (only && (std::strcmp(only, v.name) != 0 || T != 4 || n != 2)) continue;
-    // Correctness on a fresh pool: a float64 evaluation of the same formulas on 16 heads.
-    CHECK(cudaMemcpy(pools[0], h_state.data(), state_elems * 2, cudaMemcpyHostToDevice));
-    CHECK(cudaMemset(d_out, 0xff, size_t(heads) * kTok * kD * 4));  // poisoned
-    launch(v, pools[0], n, m);
-    CHECK(cudaGetLastError());
-    CHECK(cudaDeviceSynchronize());
-    double worst_s = 0, worst_o = 0;
-    for (int hh = 0; hh < 16; ++hh) {
-      const int64_t head = (int64_t(hh) * 2654435761u) % heads;
-      const int set = int(head % kInputSets);
-      std::vector<uint16_t> s_new(kD * kD);
-      std::vector<float> o(kTok * kD);
-      CHECK(cudaMemcpy(s_new.data(), pools[0] + head * kD * kD, kD * kD * 2,
-                       cudaMemcpyDeviceToHost));
-      CHECK(cudaMemcpy(o.data(), d_out + head * kTok * kD, kTok * kD * 4, cudaMemcpyDeviceToHost));
-      const uint16_t* s0 = h_state.data() + head * kD * kD;
-      const float* A = a1.data() + size_t(set) * kTok * kD;
-      const float* V = vo.data() + size_t(set) * kTok * kD;
-      const float* K = k2.data() + size_t(set) * kTok * kD;
-      for (int r = 0; r < kD; ++r) {
-        double wv[kTok] = {};
-        for (int j = 0; j < m; ++j) {
-          double d = 0;
-          for (int col = 0; col < kD; ++col) d += double(bf16_to_f(s0[r * kD + col])) * A[j * kD + col];
-          if (j < n) {
-            wv[j] = coef[set * kTok + j] * (V[j * kD + r] - d);
-          } else {
-            const double ref = d + V[j * kD + r];
-            worst_o = std::max(worst_o, std::fabs(o[j * kD + r] - ref) / (std::fabs(ref) + 1e-3));
+    for (const auto& v : variants) {
+      const int T = c[0], n = c[1], m = n + T;
+      if (solve_only || (only && (std::strcmp(only, v.name) != 0 || T != 4 || n != 2))) continue;
+      // Correctness on a fresh pool: a float64 evaluation of the same formulas on 16 heads.
+      CHECK(cudaMemcpy(pools[0], h_state.data(), state_elems * 2, cudaMemcpyHostToDevice));
+      CHECK(cudaMemset(d_out, 0xff, size_t(heads) * kTok * kD * 4));  // poisoned
+      launch(v, pools[0], n, m);
+      CHECK(cudaGetLastError());
+      CHECK(cudaDeviceSynchronize());
+      double worst_s = 0, worst_o = 0;
+      for (int hh = 0; hh < 16; ++hh) {
+        const int64_t head = (int64_t(hh) * 2654435761u) % heads;
+        const int set = int(head % kInputSets);
+        std::vector<uint16_t> s_new(kD * kD);
+        std::vector<float> o(kTok * kD);
+        CHECK(cudaMemcpy(s_new.data(), pools[0] + head * kD * kD, kD * kD * 2,
+                         cudaMemcpyDeviceToHost));
+        CHECK(
+            cudaMemcpy(o.data(), d_out + head * kTok * kD, kTok * kD * 4, cudaMemcpyDeviceToHost));
+        const uint16_t* s0 = h_state.data() + head * kD * kD;
+        const float* A = a1.data() + size_t(set) * kTok * kD;
+        const float* V = vo.data() + size_t(set) * kTok * kD;
+        const float* K = k2.data() + size_t(set) * kTok * kD;
+        for (int r = 0; r < kD; ++r) {
+          double wv[kTok] = {};
+          for (int j = 0; j < m; ++j) {
+            double d = 0;
+            for (int col = 0; col < kD; ++col)
+              d += double(bf16_to_f(s0[r * kD + col])) * A[j * kD + col];
+            if (j < n) {
+              wv[j] = coef[set * kTok + j] * (V[j * kD + r] - d);
+            } else {
+              const double ref = d + V[j * kD + r];
+              worst_o = std::max(worst_o, std::fabs(o[j * kD + r] - ref) / (std::fabs(ref) + 1e-3));
+            }
+          }
+          if (n == 0) continue;
+          for (int col = 0; col < kD; ++col) {
+            double x = decay[set] * double(bf16_to_f(s0[r * kD + col]));
+            for (int i = 0; i < n; ++i) x += wv[i] * K[i * kD + col];
+            const double got = bf16_to_f(s_new[r * kD + col]);
+            worst_s = std::max(worst_s, std::fabs(got - x) / (std::fabs(x) + 1e-2));
           }
         }
-        if (n == 0) continue;
-        for (int col = 0; col < kD; ++col) {
-          double x = decay[set] * double(bf16_to_f(s0[r * kD + col]));
-          for (int i = 0; i < n; ++i) x += wv[i] * K[i * kD + col];
-          const double got = bf16_to_f(s_new[r * kD + col]);
-          worst_s = std::max(worst_s, std::fabs(got - x) / (std::fabs(x) + 1e-2));
-        }
       }
+      // bf16 checkpoint: one rounding (2^-9 relative) plus the split products' 2^-16.
+      const bool ok = worst_s < 6e-3 && worst_o < 5e-4;
+      all_ok = all_ok && ok;
+      const float us = median_us([&](int i) { launch(v, pools[i & 1], n, m); });
+      CHECK(cudaGetLastError());
+      std::printf(
+          "T %d n %d %-10s: %.1f us = %.1f %% of memcpy, %.1f %% of its copy kernel "
+          "(checkpoint rel err %.2e, o rel err %.2e: %s)\n",
+          T, n, v.name, us, 100.0 * memcpy_us / us, 100.0 * (v.bulk ? bulk_us : copy_us) / us,
+          worst_s, worst_o, ok ? "ok" : "FAIL");
     }
-    // bf16 checkpoint: one rounding (2^-9 relative) plus the split products' 2^-16.
-    const bool ok = worst_s < 6e-3 && worst_o < 5e-4;
-    all_ok = all_ok && ok;
-    const float us = median_us([&](int i) { launch(v, pools[i & 1], n, m); });
-    CHECK(cudaGetLastError());
-    std::printf("T %d n %d %-10s: %.1f us = %.1f %% of memcpy, %.1f %% of its copy kernel "
-                "(checkpoint rel err %.2e, o rel err %.2e: %s)\n",
-                T, n, v.name, us, 100.0 * memcpy_us / us,
-                100.0 * (v.bulk ? bulk_us : copy_us) / us, worst_s, worst_o, ok ? "ok" : "FAIL");
+
+  // The closed form whole (staging, prepare_replay, fragments, rows) against a float64
+  // token-by-token replay of the raw window.
+  std::vector<float> rk(a1.size()), rq(a1.size()), rv(a1.size()), ralpha(coef.size()),
+      rbeta(coef.size());
+  auto unit = [&](float* x, float norm) {
+    double ss = 0;
+    for (int c = 0; c < kD; ++c) ss += double(x[c]) * x[c];
+    for (int c = 0; c < kD; ++c) x[c] = float(x[c] * norm / std::sqrt(ss));
+  };
+  for (size_t r = 0; r < size_t(kInputSets) * kTok; ++r) {
+    for (int c = 0; c < kD; ++c) {
+      rk[r * kD + c] = uni();
+      rq[r * kD + c] = uni();
+      rv[r * kD + c] = uni();
+    }
+    unit(&rk[r * kD], 1.0f);
+    unit(&rq[r * kD], 1.0f / std::sqrt(float(kD)));
+    ralpha[r] = 0.9f + 0.1f * uni();
+    rbeta[r] = 0.55f + 0.35f * uni();
   }
+  const RawInputs raw{upload(rk), upload(rq), upload(rv), upload(ralpha), upload(rbeta)};
+  struct SolveVariant {
+    const char* name;
+    void (*kernel)(__nv_bfloat16*, RawInputs, float*, int, int, int);
+  };
+  const SolveVariant solve_variants[] = {{"solve", replay_mma_solve_kernel<1>},
+                                         {"solve x4", replay_mma_solve_kernel<4>},
+                                         {"solve4 par", replay_mma_solve_kernel<4, true>}};
+  for (const auto& c : cases)
+    for (const auto& v : solve_variants) {
+      const int T = c[0], n = c[1], m = n + T;
+      if (only && (std::strcmp(only, v.name) != 0 || T != 4 || n != 2)) continue;
+      CHECK(cudaMemcpy(pools[0], h_state.data(), state_elems * 2, cudaMemcpyHostToDevice));
+      CHECK(cudaMemset(d_out, 0xff, size_t(heads) * kTok * kD * 4));
+      v.kernel<<<heads, 128>>>(pools[0], raw, d_out, n, m, heads);
+      CHECK(cudaGetLastError());
+      CHECK(cudaDeviceSynchronize());
+      double worst_s = 0, worst_o = 0;
+      for (int hh = 0; hh < 8; ++hh) {
+        const int64_t head = (int64_t(hh) * 2654435761u) % heads;
+        const int set = int(head % kInputSets);
+        std::vector<uint16_t> s_new(kD * kD);
+        std::vector<float> o(kTok * kD);
+        CHECK(cudaMemcpy(s_new.data(), pools[0] + head * kD * kD, kD * kD * 2,
+                         cudaMemcpyDeviceToHost));
+        CHECK(
+            cudaMemcpy(o.data(), d_out + head * kTok * kD, kTok * kD * 4, cudaMemcpyDeviceToHost));
+        std::vector<double> S(kD * kD), ck;
+        for (int e = 0; e < kD * kD; ++e) S[e] = bf16_to_f(h_state[head * kD * kD + e]);
+        const size_t b = size_t(set) * kTok;
+        for (int j = 0; j < m; ++j) {
+          const float* k = &rk[(b + j) * kD];
+          for (int r = 0; r < kD; ++r) {
+            double* row = &S[r * kD];
+            double u = 0;
+            for (int col = 0; col < kD; ++col) u += (row[col] *= ralpha[b + j]) * k[col];
+            const double d = rbeta[b + j] * (rv[(b + j) * kD + r] - u);
+            for (int col = 0; col < kD; ++col) row[col] += d * k[col];
+            if (j >= n) {
+              double ov = 0;
+              for (int col = 0; col < kD; ++col) ov += row[col] * rq[(b + j) * kD + col];
+              worst_o = std::max(worst_o, std::fabs(o[j * kD + r] - ov) / (std::fabs(ov) + 1e-3));
+            }
+          }
+          if (j == n - 1) ck = S;
+        }
+        for (int e = 0; e < kD * kD; ++e)
+          worst_s =
+              std::max(worst_s, std::fabs(bf16_to_f(s_new[e]) - ck[e]) / (std::fabs(ck[e]) + 1e-2));
+      }
+      const bool ok = worst_s < 6e-3 && worst_o < 1e-3;
+      all_ok = all_ok && ok;
+      const float us = median_us(
+          [&](int i) { v.kernel<<<heads, 128>>>(pools[i & 1], raw, d_out, n, m, heads); });
+      CHECK(cudaGetLastError());
+      std::printf(
+          "T %d n %d %-10s: %.1f us = %.1f %% of memcpy, %.1f %% of its copy kernel "
+          "(checkpoint rel err %.2e, o rel err %.2e against float64 token by token: %s)\n",
+          T, n, v.name, us, 100.0 * memcpy_us / us, 100.0 * copy_us / us, worst_s, worst_o,
+          ok ? "ok" : "FAIL");
+    }
   return all_ok ? 0 : 1;
 }
