@@ -37,20 +37,12 @@
 
 #include "gdn/core/cuda/device.cuh"
 #include "gdn/decode_mtp/cuda_kernel.cuh"  // prepare_replay: the closed form's per-CTA solve
+#include "probe_util.cuh"
 
 namespace dev = gdn::cuda;
 constexpr int kD = 128;          // K = V
 constexpr int kTok = 16;         // staged tokens, padded (m <= 16)
 constexpr int kInputSets = 256;  // distinct per-head inputs (L2-resident, 6 MB)
-
-#define CHECK(x)                                                                           \
-  do {                                                                                     \
-    cudaError_t e_ = (x);                                                                  \
-    if (e_ != cudaSuccess) {                                                               \
-      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
-      std::exit(1);                                                                        \
-    }                                                                                      \
-  } while (0)
 
 // Per-head solved inputs, fp32: A1 [16][128] (rows >= m zero), VO [16][128] (vt_j of row r for
 // j < n, ot_j for j >= n), K2 [16][128] (raw k_i for i < n, zero after), coef [16] (c_j, j < n),
@@ -107,17 +99,6 @@ __device__ __forceinline__ void store16(__nv_bfloat16* p, uint4 v) {
                  "r"(v.z), "r"(v.w)
                  : "memory");
   }
-}
-
-// A bulk copy shared -> global (one thread), and the wait until its source may be reused.
-__device__ __forceinline__ void bulk_store(void* dst, const void* src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst),
-               "r"(dev::shared_address(src)), "r"(bytes)
-               : "memory");
-  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-}
-__device__ __forceinline__ void bulk_store_wait_read() {
-  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
 }
 
 // Column permutation. A lane (g = lane / 4, t = lane % 4) holds, of each row it owns, the
@@ -756,54 +737,63 @@ int main(int argc, char** argv) {
 
   const int cases[][2] = {{4, 1}, {4, 2}, {4, 4}, {2, 2}, {8, 4}, {8, 8}};  // T, n
   bool all_ok = true;
+  // One launch on a fresh pool with a poisoned output, then check(head, set, new state, o) on
+  // `sampled` heads spread over the pool.
+  auto launch_and_fetch = [&](auto&& launch_once, int sampled, auto&& check) {
+    CHECK(cudaMemcpy(pools[0], h_state.data(), state_elems * 2, cudaMemcpyHostToDevice));
+    CHECK(cudaMemset(d_out, 0xff, size_t(heads) * kTok * kD * 4));
+    launch_once();
+    CHECK(cudaGetLastError());
+    CHECK(cudaDeviceSynchronize());
+    std::vector<uint16_t> s_new(kD * kD);
+    std::vector<float> o(kTok * kD);
+    for (int hh = 0; hh < sampled; ++hh) {
+      const int64_t head = (int64_t(hh) * 2654435761u) % heads;
+      CHECK(
+          cudaMemcpy(s_new.data(), pools[0] + head * kD * kD, kD * kD * 2, cudaMemcpyDeviceToHost));
+      CHECK(cudaMemcpy(o.data(), d_out + head * kTok * kD, kTok * kD * 4, cudaMemcpyDeviceToHost));
+      check(head, int(head % kInputSets), s_new, o);
+    }
+  };
   const char* only = std::getenv("PROBE_ONLY");  // one variant, T = 4, n = 2 (for a profiler)
   const bool solve_only = std::getenv("PROBE_SOLVE_ONLY") != nullptr;  // the whole closed form only
   for (const auto& c : cases)
     for (const auto& v : variants) {
       const int T = c[0], n = c[1], m = n + T;
       if (solve_only || (only && (std::strcmp(only, v.name) != 0 || T != 4 || n != 2))) continue;
-      // Correctness on a fresh pool: a float64 evaluation of the same formulas on 16 heads.
-      CHECK(cudaMemcpy(pools[0], h_state.data(), state_elems * 2, cudaMemcpyHostToDevice));
-      CHECK(cudaMemset(d_out, 0xff, size_t(heads) * kTok * kD * 4));  // poisoned
-      launch(v, pools[0], n, m);
-      CHECK(cudaGetLastError());
-      CHECK(cudaDeviceSynchronize());
+      // Correctness: a float64 evaluation of the same formulas on 16 heads.
       double worst_s = 0, worst_o = 0;
-      for (int hh = 0; hh < 16; ++hh) {
-        const int64_t head = (int64_t(hh) * 2654435761u) % heads;
-        const int set = int(head % kInputSets);
-        std::vector<uint16_t> s_new(kD * kD);
-        std::vector<float> o(kTok * kD);
-        CHECK(cudaMemcpy(s_new.data(), pools[0] + head * kD * kD, kD * kD * 2,
-                         cudaMemcpyDeviceToHost));
-        CHECK(
-            cudaMemcpy(o.data(), d_out + head * kTok * kD, kTok * kD * 4, cudaMemcpyDeviceToHost));
-        const uint16_t* s0 = h_state.data() + head * kD * kD;
-        const float* A = a1.data() + size_t(set) * kTok * kD;
-        const float* V = vo.data() + size_t(set) * kTok * kD;
-        const float* K = k2.data() + size_t(set) * kTok * kD;
-        for (int r = 0; r < kD; ++r) {
-          double wv[kTok] = {};
-          for (int j = 0; j < m; ++j) {
-            double d = 0;
-            for (int col = 0; col < kD; ++col)
-              d += double(bf16_to_f(s0[r * kD + col])) * A[j * kD + col];
-            if (j < n) {
-              wv[j] = coef[set * kTok + j] * (V[j * kD + r] - d);
-            } else {
-              const double ref = d + V[j * kD + r];
-              worst_o = std::max(worst_o, std::fabs(o[j * kD + r] - ref) / (std::fabs(ref) + 1e-3));
+      launch_and_fetch(
+          [&] { launch(v, pools[0], n, m); }, 16,
+          [&](int64_t head, int set, const std::vector<uint16_t>& s_new,
+              const std::vector<float>& o) {
+            const uint16_t* s0 = h_state.data() + head * kD * kD;
+            const float* A = a1.data() + size_t(set) * kTok * kD;
+            const float* V = vo.data() + size_t(set) * kTok * kD;
+            const float* K = k2.data() + size_t(set) * kTok * kD;
+            for (int r = 0; r < kD; ++r) {
+              double wv[kTok] = {};
+              for (int j = 0; j < m; ++j) {
+                double d = 0;
+                for (int col = 0; col < kD; ++col)
+                  d += double(bf16_to_f(s0[r * kD + col])) * A[j * kD + col];
+                if (j < n) {
+                  wv[j] = coef[set * kTok + j] * (V[j * kD + r] - d);
+                } else {
+                  const double ref = d + V[j * kD + r];
+                  worst_o =
+                      std::max(worst_o, std::fabs(o[j * kD + r] - ref) / (std::fabs(ref) + 1e-3));
+                }
+              }
+              if (n == 0) continue;
+              for (int col = 0; col < kD; ++col) {
+                double x = decay[set] * double(bf16_to_f(s0[r * kD + col]));
+                for (int i = 0; i < n; ++i) x += wv[i] * K[i * kD + col];
+                const double got = bf16_to_f(s_new[r * kD + col]);
+                worst_s = std::max(worst_s, std::fabs(got - x) / (std::fabs(x) + 1e-2));
+              }
             }
-          }
-          if (n == 0) continue;
-          for (int col = 0; col < kD; ++col) {
-            double x = decay[set] * double(bf16_to_f(s0[r * kD + col]));
-            for (int i = 0; i < n; ++i) x += wv[i] * K[i * kD + col];
-            const double got = bf16_to_f(s_new[r * kD + col]);
-            worst_s = std::max(worst_s, std::fabs(got - x) / (std::fabs(x) + 1e-2));
-          }
-        }
-      }
+          });
       // bf16 checkpoint: one rounding (2^-9 relative) plus the split products' 2^-16.
       const bool ok = worst_s < 6e-3 && worst_o < 5e-4;
       all_ok = all_ok && ok;
@@ -848,44 +838,38 @@ int main(int argc, char** argv) {
     for (const auto& v : solve_variants) {
       const int T = c[0], n = c[1], m = n + T;
       if (only && (std::strcmp(only, v.name) != 0 || T != 4 || n != 2)) continue;
-      CHECK(cudaMemcpy(pools[0], h_state.data(), state_elems * 2, cudaMemcpyHostToDevice));
-      CHECK(cudaMemset(d_out, 0xff, size_t(heads) * kTok * kD * 4));
-      v.kernel<<<heads, 128>>>(pools[0], raw, d_out, n, m, heads);
-      CHECK(cudaGetLastError());
-      CHECK(cudaDeviceSynchronize());
       double worst_s = 0, worst_o = 0;
-      for (int hh = 0; hh < 8; ++hh) {
-        const int64_t head = (int64_t(hh) * 2654435761u) % heads;
-        const int set = int(head % kInputSets);
-        std::vector<uint16_t> s_new(kD * kD);
-        std::vector<float> o(kTok * kD);
-        CHECK(cudaMemcpy(s_new.data(), pools[0] + head * kD * kD, kD * kD * 2,
-                         cudaMemcpyDeviceToHost));
-        CHECK(
-            cudaMemcpy(o.data(), d_out + head * kTok * kD, kTok * kD * 4, cudaMemcpyDeviceToHost));
-        std::vector<double> S(kD * kD), ck;
-        for (int e = 0; e < kD * kD; ++e) S[e] = bf16_to_f(h_state[head * kD * kD + e]);
-        const size_t b = size_t(set) * kTok;
-        for (int j = 0; j < m; ++j) {
-          const float* k = &rk[(b + j) * kD];
-          for (int r = 0; r < kD; ++r) {
-            double* row = &S[r * kD];
-            double u = 0;
-            for (int col = 0; col < kD; ++col) u += (row[col] *= ralpha[b + j]) * k[col];
-            const double d = rbeta[b + j] * (rv[(b + j) * kD + r] - u);
-            for (int col = 0; col < kD; ++col) row[col] += d * k[col];
-            if (j >= n) {
-              double ov = 0;
-              for (int col = 0; col < kD; ++col) ov += row[col] * rq[(b + j) * kD + col];
-              worst_o = std::max(worst_o, std::fabs(o[j * kD + r] - ov) / (std::fabs(ov) + 1e-3));
-            }
-          }
-          if (j == n - 1) ck = S;
-        }
-        for (int e = 0; e < kD * kD; ++e)
-          worst_s =
-              std::max(worst_s, std::fabs(bf16_to_f(s_new[e]) - ck[e]) / (std::fabs(ck[e]) + 1e-2));
-      }
+      auto launch_once = [&] { v.kernel<<<heads, 128>>>(pools[0], raw, d_out, n, m, heads); };
+      launch_and_fetch(launch_once, 8,
+                       [&](int64_t head, int set, const std::vector<uint16_t>& s_new,
+                           const std::vector<float>& o) {
+                         std::vector<double> S(kD * kD), ck;
+                         for (int e = 0; e < kD * kD; ++e)
+                           S[e] = bf16_to_f(h_state[head * kD * kD + e]);
+                         const size_t b = size_t(set) * kTok;
+                         for (int j = 0; j < m; ++j) {
+                           const float* k = &rk[(b + j) * kD];
+                           for (int r = 0; r < kD; ++r) {
+                             double* row = &S[r * kD];
+                             double u = 0;
+                             for (int col = 0; col < kD; ++col)
+                               u += (row[col] *= ralpha[b + j]) * k[col];
+                             const double d = rbeta[b + j] * (rv[(b + j) * kD + r] - u);
+                             for (int col = 0; col < kD; ++col) row[col] += d * k[col];
+                             if (j >= n) {
+                               double ov = 0;
+                               for (int col = 0; col < kD; ++col)
+                                 ov += row[col] * rq[(b + j) * kD + col];
+                               worst_o = std::max(
+                                   worst_o, std::fabs(o[j * kD + r] - ov) / (std::fabs(ov) + 1e-3));
+                             }
+                           }
+                           if (j == n - 1) ck = S;
+                         }
+                         for (int e = 0; e < kD * kD; ++e)
+                           worst_s = std::max(worst_s, std::fabs(bf16_to_f(s_new[e]) - ck[e]) /
+                                                           (std::fabs(ck[e]) + 1e-2));
+                       });
       const bool ok = worst_s < 6e-3 && worst_o < 1e-3;
       all_ok = all_ok && ok;
       const float us = median_us(

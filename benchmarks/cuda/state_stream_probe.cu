@@ -19,18 +19,10 @@
 #include <vector>
 
 #include "gdn/core/cuda/device.cuh"
+#include "probe_util.cuh"
 
 namespace dev = gdn::cuda;
 constexpr int kD = 128;
-
-#define CHECK(x)                                                                           \
-  do {                                                                                     \
-    cudaError_t e_ = (x);                                                                  \
-    if (e_ != cudaSuccess) {                                                               \
-      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
-      std::exit(1);                                                                        \
-    }                                                                                      \
-  } while (0)
 
 struct Vecs {
   const float* k;  // [128] unit
@@ -198,18 +190,6 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
       for (int r = threadIdx.x; r < kD; r += kWarps * 32)
         vec.out[head * kD + r] = __ldcg(vec.out + head * kD + r) * rstd_s;
   }
-}
-
-// Bulk stores (sm_90): `bytes` of shared memory at src to global dst, and the wait until the copy
-// has read them (before the CTA may exit or reuse them).
-__device__ __forceinline__ void bulk_store(void* dst, const void* src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst),
-               "r"(dev::shared_address(src)), "r"(bytes)
-               : "memory");
-  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-}
-__device__ __forceinline__ void bulk_store_wait_read() {
-  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
 }
 
 // Bulk copies: one 128-thread CTA per head, 4 chunks of 32 rows through kBuf shared buffers
