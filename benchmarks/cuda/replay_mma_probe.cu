@@ -216,12 +216,14 @@ __device__ __forceinline__ void load_rows(const __nv_bfloat16* rows, uint4 (&p)[
 // The rows phase of one head for a warp's rows first_row .. + 16 kTiles - 1, held in p
 // (fragments in shared memory): o of the new tokens to out, the checkpoint in place.
 // `staged` (the bulk form): the warp's rows come from and go back to its shared buffer (rows
-// first_row.. at staged[0..]), which one bulk copy then stores.
+// first_row.. at staged[0..]), which one bulk copy then stores. `vo_regs` (the tensor-core solve):
+// the lane's values of vo in registers, [tile][half][r] as the epilogue reads them.
 template <int kWarps, int kTiles, bool kHints = false>
 __device__ __forceinline__ void head_rows(Smem<kWarps>& sm, uint4 (&p)[kTiles][2][4],
                                           __nv_bfloat16* state, float* out, int64_t head,
                                           int first_row, int warp, int lane, int n, int m,
-                                          __nv_bfloat16* staged = nullptr) {
+                                          __nv_bfloat16* staged = nullptr,
+                                          const float (*vo_regs)[2][4] = nullptr) {
   const int g = lane >> 2, t = lane & 3;
   float (*w)[kTok + 1] = sm.w[warp];
   const float decay = sm.decay;
@@ -249,7 +251,8 @@ __device__ __forceinline__ void head_rows(Smem<kWarps>& sm, uint4 (&p)[kTiles][2
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const int tok = g + 8 * (r >> 1), row = 8 * half + 2 * t + (r & 1);
-        const float vo = sm.vo[tok][row0 + row], d = d1[half][0][r] + d1[half][1][r];
+        const float vo = vo_regs ? vo_regs[tile][half][r] : sm.vo[tok][row0 + row];
+        const float d = d1[half][0][r] + d1[half][1][r];
         float wv = 0.0f;
         if (tok < n) {
           wv = sm.coef[tok] * (vo - d);
@@ -492,6 +495,213 @@ __global__ void __launch_bounds__(128, kMinCtas)
   if (tid == 0) sm.decay = n > 0 ? ss.gates[n - 1][cd::kGateDecay] : 1.0f;
   __syncthreads();
   head_rows(sm, p, state, out, head, first_row, warp, lane, n, m);
+}
+
+// The closed form with its solve on tensor cores as well (the chunked WY form): the Gram matrices
+// K K^T and Q K^T as mma (hi + lo), the 16 x 16 algebra on CUDA cores (the unit-triangular inverse
+// of I + L' by one warp's forward substitution, lane c holding column c), then GEMM1's A operand
+// (kt_j, qt_j) = [P_k | P_q] [K; Q] and the epilogue's (vt_j, ot_j) = P_v V as mma, straight into
+// the fragments and registers the rows phase reads.
+struct TcSolveSmem {
+  float k[kTok][kD], q[kTok][kD];              // raw k (zero from m), q (zero below n and from m)
+  float g[kTok][kTok + 1], h[kTok][kTok + 1];  // k_j . k_i, q_j . k_i
+  float lp[kTok][kTok + 1], qmt[kTok][kTok + 1], ainv[kTok][kTok + 1];
+  float bk[kTok][kTok + 1], bv[kTok][kTok + 1], pk[kTok][2 * kTok + 1], pv[kTok][kTok + 1];
+  float decay[kTok], alpha[kTok], beta[kTok];
+};
+// A fragment (hi + lo) of the 16 x 16 block at column k0 of a row-major fp32 matrix.
+__device__ __forceinline__ void a_frag(const float* M, int ld, int k0, int lane, uint32_t (&hi)[4],
+                                       uint32_t (&lo)[4]) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float* x = M + (g + 8 * (q & 1)) * ld + k0 + 2 * t + 8 * (q >> 1);
+    split_pair(x[0], x[1], hi[q], lo[q]);
+  }
+}
+// B fragment (hi + lo) with B[k][n] = X[n0 + n][k0 + k] (a Gram matrix's second factor).
+__device__ __forceinline__ void bt_frag(const float* X, int ld, int n0, int k0, int lane,
+                                        uint32_t (&hi)[2], uint32_t (&lo)[2]) {
+  const float* x = X + (n0 + (lane >> 2)) * ld + k0 + 2 * (lane & 3);
+  split_pair(x[0], x[1], hi[0], lo[0]);
+  split_pair(x[8], x[9], hi[1], lo[1]);
+}
+// B fragment (hi + lo) with B[k][n] = Y[k][c], c the lane's column (n = lane / 4).
+__device__ __forceinline__ void b_frag_col(const float* Y, int ld, int c, int lane,
+                                           uint32_t (&hi)[2], uint32_t (&lo)[2]) {
+  const int t = lane & 3;
+  split_pair(Y[2 * t * ld + c], Y[(2 * t + 1) * ld + c], hi[0], lo[0]);
+  split_pair(Y[(2 * t + 8) * ld + c], Y[(2 * t + 9) * ld + c], hi[1], lo[1]);
+}
+// acc += a b to about fp32 accuracy: hi hi + hi lo + lo hi.
+__device__ __forceinline__ void mma3(float (&acc)[4], const uint32_t (&ahi)[4],
+                                     const uint32_t (&alo)[4], const uint32_t (&bhi)[2],
+                                     const uint32_t (&blo)[2]) {
+  mma_bf16(acc, ahi, bhi[0], bhi[1]);
+  mma_bf16(acc, ahi, blo[0], blo[1]);
+  mma_bf16(acc, alo, bhi[0], bhi[1]);
+}
+template <int kMinCtas>
+__global__ void __launch_bounds__(128, kMinCtas)
+    replay_mma_tc_solve_kernel(__nv_bfloat16* pool, RawInputs raw, float* out, int n, int m,
+                               int heads) {
+  __shared__ __align__(16) Smem<4> sm;  // its vo holds the raw v ([token][row])
+  extern __shared__ __align__(128) unsigned char dyn[];
+  TcSolveSmem& ts = *reinterpret_cast<TcSolveSmem*>(dyn);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+  const int64_t head = blockIdx.x;
+  const int set = int(head % kInputSets);
+  __nv_bfloat16* state = pool + head * kD * kD;
+  const int first_row = 32 * warp;
+  uint4 p[2][2][4];
+  load_rows(state + first_row * kD, p, lane);
+  const int64_t base = int64_t(set) * kTok * kD;
+  float kv[kTok], vv[kTok], qv[kTok];
+#pragma unroll
+  for (int j = 0; j < kTok; ++j) {
+    kv[j] = j < m ? raw.k[base + j * kD + tid] : 0.0f;
+    vv[j] = j < m ? raw.v[base + j * kD + tid] : 0.0f;
+    qv[j] = j >= n && j < m ? raw.q[base + j * kD + tid] : 0.0f;
+  }
+#pragma unroll
+  for (int j = 0; j < kTok; ++j) {
+    ts.k[j][tid] = kv[j];
+    sm.vo[j][tid] = vv[j];
+    ts.q[j][tid] = qv[j];
+  }
+  if (tid < kTok) {
+    ts.alpha[tid] = tid < m ? raw.alpha[set * kTok + tid] : 1.0f;
+    ts.beta[tid] = tid < m ? raw.beta[set * kTok + tid] : 0.0f;
+  }
+  __syncthreads();
+  {  // Gram matrices: warps 0, 1 K K^T, warps 2, 3 Q K^T, one 8-column half each
+    const float* X = warp < 2 ? &ts.k[0][0] : &ts.q[0][0];
+    const int n0 = 8 * (warp & 1);
+    float acc[4] = {};
+#pragma unroll
+    for (int kt = 0; kt < 8; ++kt) {
+      uint32_t ahi[4], alo[4], bhi[2], blo[2];
+      a_frag(X, kD, 16 * kt, lane, ahi, alo);
+      bt_frag(&ts.k[0][0], kD, n0, 16 * kt, lane, bhi, blo);
+      mma3(acc, ahi, alo, bhi, blo);
+    }
+    float (*dst)[kTok + 1] = warp < 2 ? ts.g : ts.h;
+    dst[g][n0 + 2 * t] = acc[0];
+    dst[g][n0 + 2 * t + 1] = acc[1];
+    dst[g + 8][n0 + 2 * t] = acc[2];
+    dst[g + 8][n0 + 2 * t + 1] = acc[3];
+  }
+  if (tid < kTok) {
+    float gg = 1.0f;
+    for (int l = 0; l <= tid; ++l) gg *= ts.alpha[l];
+    ts.decay[tid] = gg;
+  }
+  __syncthreads();
+  for (int e = tid; e < kTok * kTok; e += 128) {  // L' and Q^T (rows: the new tokens j)
+    const int j = e >> 4, i = e & 15;
+    float r = 1.0f;
+    for (int l = i + 1; l <= j; ++l) r *= ts.alpha[l];
+    ts.lp[j][i] = i < j && j < m ? ts.beta[j] * r * ts.g[j][i] : 0.0f;
+    ts.qmt[j][i] = j >= n && j < m && i <= j ? r * ts.h[j][i] : 0.0f;
+  }
+  __syncthreads();
+  if (warp == 0) {  // (I + L')^-1, lane c: column c
+    float a[kTok];
+#pragma unroll
+    for (int j = 0; j < kTok; ++j) {
+      float x = j == lane ? 1.0f : 0.0f;
+#pragma unroll
+      for (int i = 0; i < j; ++i) x = fmaf(-ts.lp[j][i], a[i], x);
+      a[j] = x;
+      if (lane < kTok) ts.ainv[j][lane] = x;
+    }
+  }
+  __syncthreads();
+  for (int e = tid; e < kTok * kTok; e += 128) {
+    const int j = e >> 4, i = e & 15;
+    ts.bk[j][i] = ts.ainv[j][i] * ts.beta[i] * ts.decay[i];  // kt = bk K
+    ts.bv[j][i] = ts.ainv[j][i] * ts.beta[i];                // vt = bv V
+  }
+  __syncthreads();
+  for (int e = tid; e < kTok * kTok; e += 128) {
+    const int j = e >> 4, i = e & 15;
+    float pk = 0.0f, pv = 0.0f;
+    if (j < n) {
+      pk = ts.bk[j][i];
+      pv = ts.bv[j][i];
+    } else if (j < m) {  // qt_j = g_j q_j - sum Q_lj kt_l, ot_j = sum Q_lj vt_l
+#pragma unroll
+      for (int l = 0; l < kTok; ++l) {
+        pk = fmaf(-ts.qmt[j][l], ts.bk[l][i], pk);
+        pv = fmaf(ts.qmt[j][l], ts.bv[l][i], pv);
+      }
+    }
+    ts.pk[j][i] = pk;
+    ts.pk[j][kTok + i] = j >= n && j < m && i == j ? ts.decay[j] : 0.0f;
+    ts.pv[j][i] = pv;
+  }
+  __syncthreads();
+  // GEMM1's A fragments, A1 = [P_k | P_q] [K; Q]: warp w, k-tiles 2w and 2w + 1.
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    const int kt1 = 2 * warp + u;
+    float c[2][4] = {};
+#pragma unroll
+    for (int pair = 0; pair < 2; ++pair) {
+      const int col = gemm1_col(kt1, g >> 1, pair) + (g & 1);
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        uint32_t ahi[4], alo[4], bhi[2], blo[2];
+        a_frag(&ts.pk[0][0], 2 * kTok + 1, 16 * kk, lane, ahi, alo);
+        b_frag_col(kk == 0 ? &ts.k[0][0] : &ts.q[0][0], kD, col, lane, bhi, blo);
+        mma3(c[pair], ahi, alo, bhi, blo);
+      }
+    }
+    uint32_t hi[4], lo[4];
+    split_pair(c[0][0], c[0][1], hi[0], lo[0]);
+    split_pair(c[0][2], c[0][3], hi[1], lo[1]);
+    split_pair(c[1][0], c[1][1], hi[2], lo[2]);
+    split_pair(c[1][2], c[1][3], hi[3], lo[3]);
+    *reinterpret_cast<uint4*>(sm.a1[0][kt1][lane]) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+    *reinterpret_cast<uint4*>(sm.a1[1][kt1][lane]) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+  }
+  float vo[2][2][4];  // (vt_j, ot_j) = P_v V of the warp's rows
+  {
+    uint32_t ahi[4], alo[4];
+    a_frag(&ts.pv[0][0], kTok + 1, 0, lane, ahi, alo);
+#pragma unroll
+    for (int tile = 0; tile < 2; ++tile)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        uint32_t bhi[2], blo[2];
+        b_frag_col(&sm.vo[0][0], kD, first_row + 16 * tile + 8 * half + g, lane, bhi, blo);
+        float acc[4] = {};
+        mma3(acc, ahi, alo, bhi, blo);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) vo[tile][half][r] = acc[r];
+      }
+  }
+  for (int e = tid; e < 16 * 32; e += 128) {  // GEMM2's B: the replayed tokens' raw k
+    const int j = e >> 5, l = e & 31, lg = l >> 2, lt = l & 3;
+    const int c = gemm2_col(j, lg);
+    uint32_t hi[2], lo[2];
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const int tok = 2 * lt + 8 * q;
+      split_pair(tok < n ? ts.k[tok][c] : 0.0f, tok + 1 < n ? ts.k[tok + 1][c] : 0.0f, hi[q],
+                 lo[q]);
+    }
+    *reinterpret_cast<uint2*>(sm.b2[0][j][l]) = make_uint2(hi[0], hi[1]);
+    *reinterpret_cast<uint2*>(sm.b2[1][j][l]) = make_uint2(lo[0], lo[1]);
+  }
+  if (tid < kTok) {  // checkpoint coefficients R(n - 1, i)
+    float r = tid < n ? 1.0f : 0.0f;
+    for (int l = tid + 1; l < n; ++l) r *= ts.alpha[l];
+    sm.coef[tid] = r;
+  }
+  if (tid == 0) sm.decay = n > 0 ? ts.decay[n - 1] : 1.0f;
+  __syncthreads();
+  head_rows(sm, p, state, out, head, first_row, warp, lane, n, m, nullptr, vo);
 }
 
 // Persistent form with the rows in registers: kWarps = 8 warps walk the heads (h = blockIdx.x +
@@ -830,16 +1040,25 @@ int main(int argc, char** argv) {
   struct SolveVariant {
     const char* name;
     void (*kernel)(__nv_bfloat16*, RawInputs, float*, int, int, int);
+    int smem;
   };
-  const SolveVariant solve_variants[] = {{"solve", replay_mma_solve_kernel<1>},
-                                         {"solve x4", replay_mma_solve_kernel<4>},
-                                         {"solve4 par", replay_mma_solve_kernel<4, true>}};
+  const SolveVariant solve_variants[] = {
+      {"solve", replay_mma_solve_kernel<1>, 0},
+      {"solve x4", replay_mma_solve_kernel<4>, 0},
+      {"solve4 par", replay_mma_solve_kernel<4, true>, 0},
+      {"tc solve", replay_mma_tc_solve_kernel<1>, int(sizeof(TcSolveSmem))},
+      {"tc solve x3", replay_mma_tc_solve_kernel<3>, int(sizeof(TcSolveSmem))},
+      {"tc solve x4", replay_mma_tc_solve_kernel<4>, int(sizeof(TcSolveSmem))}};
+  for (const auto& v : solve_variants)
+    CHECK(cudaFuncSetAttribute(v.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, v.smem));
   for (const auto& c : cases)
     for (const auto& v : solve_variants) {
       const int T = c[0], n = c[1], m = n + T;
       if (only && (std::strcmp(only, v.name) != 0 || T != 4 || n != 2)) continue;
       double worst_s = 0, worst_o = 0;
-      auto launch_once = [&] { v.kernel<<<heads, 128>>>(pools[0], raw, d_out, n, m, heads); };
+      auto launch_once = [&] {
+        v.kernel<<<heads, 128, v.smem>>>(pools[0], raw, d_out, n, m, heads);
+      };
       launch_and_fetch(launch_once, 8,
                        [&](int64_t head, int set, const std::vector<uint16_t>& s_new,
                            const std::vector<float>& o) {
@@ -873,7 +1092,7 @@ int main(int argc, char** argv) {
       const bool ok = worst_s < 6e-3 && worst_o < 1e-3;
       all_ok = all_ok && ok;
       const float us = median_us(
-          [&](int i) { v.kernel<<<heads, 128>>>(pools[i & 1], raw, d_out, n, m, heads); });
+          [&](int i) { v.kernel<<<heads, 128, v.smem>>>(pools[i & 1], raw, d_out, n, m, heads); });
       CHECK(cudaGetLastError());
       std::printf(
           "T %d n %d %-10s: %.1f us = %.1f %% of memcpy, %.1f %% of its copy kernel "
