@@ -364,6 +364,27 @@ struct RawInputs {
   const float* alpha;  // [set][16]
   const float* beta;
 };
+// Stages a head's raw window for the solve, thread tid holding column (k, q) and row (v) tid of
+// every token: all loads issued before the first store, as the library's token staging does; the
+// rows of tokens from m, and q's rows below n, are zero.
+__device__ __forceinline__ void stage_raw_window(const RawInputs& raw, int set, int n, int m,
+                                                 int tid, float (*k)[kD], float (*q)[kD],
+                                                 float (*v)[kD]) {
+  const int64_t base = int64_t(set) * kTok * kD;
+  float kv[kTok], vv[kTok], qv[kTok];
+#pragma unroll
+  for (int j = 0; j < kTok; ++j) {
+    kv[j] = j < m ? raw.k[base + j * kD + tid] : 0.0f;
+    vv[j] = j < m ? raw.v[base + j * kD + tid] : 0.0f;
+    qv[j] = j >= n && j < m ? raw.q[base + j * kD + tid] : 0.0f;
+  }
+#pragma unroll
+  for (int j = 0; j < kTok; ++j) {
+    k[j][tid] = kv[j];
+    q[j][tid] = qv[j];
+    v[j][tid] = vv[j];
+  }
+}
 struct SolveSmem {  // v lives in the rows phase's vo (the solve leaves vt_j, then ot_j there)
   float k[kTok][kD], q[kTok][kD], gates[kTok][4], mat[kTok * kTok];
 };
@@ -436,23 +457,7 @@ __global__ void __launch_bounds__(128, kMinCtas)
   const int first_row = 32 * warp;
   uint4 p[2][2][4];
   load_rows(state + first_row * kD, p, lane);
-  // Staging (thread tid: column / row tid of every token), every load issued before the first
-  // store, as the library's token staging does.
-  const int64_t base = int64_t(set) * kTok * kD;
-  float kv[kTok], vv[kTok], qv[kTok];
-#pragma unroll
-  for (int j = 0; j < kTok; ++j) {
-    kv[j] = j < m ? raw.k[base + j * kD + tid] : 0.0f;
-    vv[j] = j < m ? raw.v[base + j * kD + tid] : 0.0f;
-    qv[j] = j >= n && j < m ? raw.q[base + j * kD + tid] : 0.0f;
-  }
-#pragma unroll
-  for (int j = 0; j < kTok; ++j) {
-    if (j >= m) break;
-    ss.k[j][tid] = kv[j];
-    sm.vo[j][tid] = vv[j];
-    if (j >= n) ss.q[j][tid] = qv[j];
-  }
+  stage_raw_window(raw, set, n, m, tid, ss.k, ss.q, sm.vo);
   if (tid < m) {
     ss.gates[tid][cd::kGateAlpha] = raw.alpha[set * kTok + tid];
     ss.gates[tid][cd::kGateBeta] = raw.beta[set * kTok + tid];
@@ -555,20 +560,7 @@ __global__ void __launch_bounds__(128, kMinCtas)
   const int first_row = 32 * warp;
   uint4 p[2][2][4];
   load_rows(state + first_row * kD, p, lane);
-  const int64_t base = int64_t(set) * kTok * kD;
-  float kv[kTok], vv[kTok], qv[kTok];
-#pragma unroll
-  for (int j = 0; j < kTok; ++j) {
-    kv[j] = j < m ? raw.k[base + j * kD + tid] : 0.0f;
-    vv[j] = j < m ? raw.v[base + j * kD + tid] : 0.0f;
-    qv[j] = j >= n && j < m ? raw.q[base + j * kD + tid] : 0.0f;
-  }
-#pragma unroll
-  for (int j = 0; j < kTok; ++j) {
-    ts.k[j][tid] = kv[j];
-    sm.vo[j][tid] = vv[j];
-    ts.q[j][tid] = qv[j];
-  }
+  stage_raw_window(raw, set, n, m, tid, ts.k, ts.q, sm.vo);
   if (tid < kTok) {
     ts.alpha[tid] = tid < m ? raw.alpha[set * kTok + tid] : 1.0f;
     ts.beta[tid] = tid < m ? raw.beta[set * kTok + tid] : 0.0f;
