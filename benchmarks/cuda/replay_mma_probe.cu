@@ -1,4 +1,4 @@
-// Tensor-core probe for replay verify's row phase (H200 design aid, not part of the library).
+// Tensor-core probe for replay verify in closed form (H200 design aid, not part of the library).
 //
 // Replay in closed form (gdn/decode_mtp/cuda_kernel.cuh, prepare_replay) reduces a head's work,
 // once the CTA has solved the window's triangular system, to two products with the checkpoint S
@@ -15,10 +15,18 @@
 // registers are at once GEMM1's B fragment, GEMM2's accumulator and a 16-byte global load or
 // store: no shuffles and no shared-memory round trip for the state.
 //
-// Not measured here: the per-CTA solve and token staging (the solved vectors come from a small,
-// L2-resident set of per-head inputs), the gated RMSNorm (o is stored as is), metadata. The pool
-// is dense (head h at h * 128 * 128); the copy baseline streams the same bytes in place with the
-// same access pattern.
+// Three families of kernels:
+//  - the rows phase alone (replay_mma_kernel and its bulk-copy, persistent and 8-warp shapes),
+//    reading the solved vectors from a small, L2-resident set of per-head inputs and checked
+//    against a float64 evaluation of the formulas above;
+//  - the whole closed form (replay_mma_solve_kernel): a raw window (unit k, q, v, alpha, beta)
+//    staged and solved by the library's prepare_replay, or with its pair products spread over
+//    the CTA, then the rows;
+//  - the same with the solve on tensor cores (replay_mma_tc_solve_kernel).
+// The last two are checked against a float64 token-by-token replay of the raw window. Not
+// measured anywhere here: metadata, activation dtype conversion, the gated RMSNorm (o is stored
+// as is) and the window save. The pool is dense (head h at h * 128 * 128); the copy kernels move
+// the same bytes in place with each access pattern and no math.
 //
 //   nvcc -std=c++20 -O3 -arch=sm_90a -Iinclude -DGDN_HAS_CUDA --expt-relaxed-constexpr \
 //       benchmarks/cuda/replay_mma_probe.cu -o probe
