@@ -116,6 +116,21 @@ TEST(LaunchRules, ClosedFormForDeepWindowsFromOneHeadPerSm) {
   EXPECT_TRUE(use_closed_form(kClosedFormSmallBatchMinS, 2 * kSms, kSms, 4));
 }
 
+TEST(LaunchRules, TensorCoreClosedFormForBf16Windows) {
+  EXPECT_TRUE(tensor_core_capable(true, kTensorCoreMaxS));
+  EXPECT_FALSE(tensor_core_capable(true, kTensorCoreMaxS + 1));  // two mma tiles of tokens
+  EXPECT_FALSE(tensor_core_capable(false, 4));                   // fp16 and fp32 states
+  const auto tc = [](int S, int64_t heads) { return use_closed_form(S, heads, kSms, 2, true); };
+  EXPECT_FALSE(tc(kTensorCoreMinS - 1, heads_at(512)));  // S = 2: token by token everywhere
+  EXPECT_FALSE(tc(kTensorCoreMinS, 4 * kSms - 1));
+  EXPECT_TRUE(tc(kTensorCoreMinS, 4 * kSms));
+  EXPECT_FALSE(tc(4, heads_at(8)));  // 1.9 heads per SM: slower
+  EXPECT_TRUE(tc(4, heads_at(32)));
+  EXPECT_FALSE(tc(kTensorCoreAnyBatchMinS, kSms - 1));
+  EXPECT_TRUE(tc(kTensorCoreAnyBatchMinS, kSms));
+  EXPECT_TRUE(tc(kTensorCoreMaxS, heads_at(8)));
+}
+
 TEST(LaunchRules, SingleTokenFormWhereItSavesAWave) {
   const auto single = [](int64_t heads) {
     return use_single_token(2, false, 1, heads, kSms, true);

@@ -18,7 +18,7 @@ import torch
 
 import gdn
 from reference_torch import (BF16, F64, FP16, FP32, FP32_BAR, OUT16_BAR, STATE16_BAR,
-                             cuda_skip_reason, decode_mtp_ref, rel_l2)
+                             cuda_skip_reason, decode_mtp_ref, out_bar, rel_l2, state_bar)
 
 _CUDA = cuda_skip_reason()
 needs_cuda = pytest.mark.skipif(_CUDA is not None, reason=f"CUDA replay: {_CUDA}")
@@ -213,17 +213,21 @@ def test_chain_with_strong_decay(gen, device, form):
                               "state_fp16"])
 @pytest.mark.parametrize("H,HV", [(4, 8), (1, 8), (3, 9), (8, 8), (2, 8)],
                          ids=["r2", "r8", "r3", "r1", "r4"])
-@pytest.mark.parametrize("S,heads_per_sm", [(8, 2), (8, 1), (6, 4), (4, 1), (4, 4)],
+@pytest.mark.parametrize("S,heads_per_sm", [(8, 2), (8, 1), (6, 4), (4, 1), (4, 4), (3, 4),
+                                            (2, 4)],
                          ids=["closed_form", "S8_one_head_per_sm", "closed_form_S6",
-                              "token_by_token_split2", "token_by_token_four_per_sm"])
+                              "token_by_token_split2", "four_per_sm", "S3_four_per_sm",
+                              "token_by_token_S2_four_per_sm"])
 def test_chain_at_a_head_per_sm(gen, H, HV, state_dtype, act, S, heads_per_sm):
     """Launch choices of the CUDA replay kernel that only batches of a few heads per SM take:
     from two, deep windows (S = 8) in closed form; between one and two, S = 8 in closed form with
     a 16-bit state and token by token with an fp32 one, and shallower windows (S = 4) token by
-    token, each head split over 2 CTAs; from four, S = 6 in closed form. From one to sixteen heads
-    per SM, 16-bit token-by-token replay stages its tokens before the slice (its own kernel image:
-    S = 4 at one and at four heads per SM). Chained with random T and acceptance (n = 0 .. T,
-    padded rows), against the float64 reference."""
+    token, each head split over 2 CTAs; from four, S = 6 in closed form. A bf16 state takes the
+    closed form on tensor cores from S = 6 at one head per SM and from S = 3 at four (S = 3, 4, 6
+    and 8 here); S = 2 stays token by token. From one to sixteen heads per SM, 16-bit
+    token-by-token replay stages its tokens before the slice (its own kernel image: S = 4 at one
+    head per SM, S = 2 and, with an fp16 state, S = 3 and 4 at four). Chained with random T and
+    acceptance (n = 0 .. T, padded rows), against the float64 reference."""
     check_chain_against_reference(gen, "cuda", H=H, HV=HV, state_dtype=state_dtype, act=act,
                                   params=layer_params(gen, HV),
                                   N=heads_per_sm_batch(HV, heads_per_sm), S=S, steps=4)
@@ -274,35 +278,39 @@ def test_chain_equals_write_every_token(gen, device, H, HV):
 
 # The "kv" layout takes plain loads into the chunk buffers; on CUDA, 20 requests x 32 heads give
 # every SM 4 or more heads, where an fp32 replay with bulk copies streams through one buffer and
-# plain loads must keep two (benchmarks/gpu_check.sh runs this case under racecheck).
-@pytest.mark.parametrize("device,H,HV,N", [
-    ("cpu", 1, 2, 3), pytest.param("cuda", 1, 2, 3, marks=needs_cuda),
-    pytest.param("cuda", 16, 32, 20, marks=needs_cuda)])
-def test_kv_layout_and_first_pass(gen, device, H, HV, N):
+# plain loads must keep two (benchmarks/gpu_check.sh runs this case under racecheck), and where a
+# bf16 state replays in closed form on tensor cores, which stores "kv" rows element by element.
+@pytest.mark.parametrize("device,H,HV,N,state_dtype", [
+    ("cpu", 1, 2, 3, FP32), pytest.param("cuda", 1, 2, 3, FP32, marks=needs_cuda),
+    pytest.param("cuda", 16, 32, 20, FP32, marks=needs_cuda),
+    pytest.param("cuda", 16, 32, 20, BF16, marks=needs_cuda, id="cuda-tensor-cores")])
+def test_kv_layout_and_first_pass(gen, device, H, HV, N, state_dtype):
     """The "kv" state layout, and a request's first step (n = 0: nothing replayed or stored)."""
     K = V = 128 if device == "cuda" else 16
     S = 3
-    pool = make_pool(gen, device, N=N, H=H, HV=HV, K=K, V=V, S=S, state_dtype=FP32, act=FP32,
-                     first_valid_slot=0)
+    act = state_dtype
+    out_tol, state_tol = out_bar(act), state_bar(state_dtype)
+    pool = make_pool(gen, device, N=N, H=H, HV=HV, K=K, V=V, S=S, state_dtype=state_dtype,
+                     act=act, first_valid_slot=0)
     kv_state = pool.state.transpose(-1, -2).contiguous()
     before = kv_state.clone()
     T = [3, 1, 2] * (N // 3) + [2] * (N % 3)
     params = layer_params(gen, HV)
-    inputs = random_inputs(gen, T, H=H, HV=HV, K=K, V=V, act=FP32, params=params)
+    inputs = random_inputs(gen, T, H=H, HV=HV, K=K, V=V, act=act, params=params)
     ref = reference_step(pool, inputs, T)
     pool.state = kv_state
     out = replay_step(pool, inputs, T, device=device, state_layout="kv")
-    assert rel_l2(out.cpu(), ref.out) <= FP32_BAR
+    assert rel_l2(out.cpu(), ref.out) <= out_tol
     assert torch.equal(kv_state, before)  # n = 0 everywhere: no checkpoint store
     accept(pool, ref, T, gen)
     T2 = [2, 3, 1] * (N // 3) + [3] * (N % 3)
-    inputs2 = random_inputs(gen, T2, H=H, HV=HV, K=K, V=V, act=FP32, params=params)
+    inputs2 = random_inputs(gen, T2, H=H, HV=HV, K=K, V=V, act=act, params=params)
     ref2 = reference_step(pool, inputs2, T2)
     out2 = replay_step(pool, inputs2, T2, device=device, state_layout="kv")
-    assert rel_l2(out2.cpu(), ref2.out) <= FP32_BAR
+    assert rel_l2(out2.cpu(), ref2.out) <= out_tol
     for i in range(N):
         got = kv_state[int(pool.slots[i])].transpose(-1, -2).cpu()
-        assert rel_l2(got, pool.ref[i]) <= FP32_BAR
+        assert rel_l2(got, pool.ref[i]) <= state_tol
 
 
 # ---- invalid rows ------------------------------------------------------------------------------

@@ -23,6 +23,7 @@
 #include <climits>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "gdn/core/cuda/device_info.cuh"
 #include "gdn/core/dispatch.hpp"
@@ -43,10 +44,10 @@ using gdn::cuda::kMaxDevices;
 
 template <class StateT>
 inline size_t shared_bytes(int S, int split, int buffers, bool replay, bool closed_form,
-                           int z_bytes = 4) {
-  return size_t(
-      SmemPlan(S, kHeadDim / split, int(sizeof(StateT)), buffers, replay, closed_form, z_bytes)
-          .total);
+                           int z_bytes = 4, bool tensor_cores = false) {
+  return size_t(SmemPlan(S, kHeadDim / split, int(sizeof(StateT)), buffers, replay, closed_form,
+                         z_bytes, tensor_cores)
+                    .total);
 }
 
 // Launches `kernel` with the config's grid, block and shared memory on `stream`, as a cluster of
@@ -92,8 +93,10 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
   DeviceInfo info;
   GDN_RETURN_IF_ERROR(device_info(device, &info));
   const int64_t heads = args.N * args.HV;
-  const bool closed_form =
-      kReplay && use_closed_form(args.S, heads, info.sm_count, int(sizeof(StateT)));
+  const bool tensor_core_state = tensor_core_capable(std::is_same_v<StateT, __nv_bfloat16>, args.S);
+  const bool closed_form = kReplay && use_closed_form(args.S, heads, info.sm_count,
+                                                      int(sizeof(StateT)), tensor_core_state);
+  const bool tensor_cores = closed_form && tensor_core_state;
   // The form's shared memory, and what the runtime reserves per CTA, eight times over.
   const size_t single_token_smem = shared_bytes<StateT>(1, 1, kSingleTokenBuffers, false, false);
   const bool single_token = use_single_token(
@@ -105,14 +108,17 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
   auto kernel = decode_mtp_kernel<StateT, kRatio, kReplay, false>;
   if constexpr (kReplay)
     if (closed_form) kernel = decode_mtp_kernel<StateT, kRatio, true, true>;
+  if constexpr (kReplay && std::is_same_v<StateT, __nv_bfloat16>)
+    if (tensor_cores) kernel = decode_mtp_kernel<StateT, kRatio, true, true, false, false, true>;
   if constexpr (kReplay && sizeof(StateT) == 2)
     if (stage_first) kernel = decode_mtp_kernel<StateT, kRatio, true, false, false, true>;
   if constexpr (!kReplay && sizeof(StateT) == 2)
     if (single_token) kernel = decode_mtp_kernel<StateT, kRatio, false, false, true>;
-  const int form = closed_form ? 1 : single_token ? 2 : stage_first ? 3 : 0;
+  const int form = tensor_cores ? 4 : closed_form ? 1 : single_token ? 2 : stage_first ? 3 : 0;
   static std::atomic<int> ptx_cache[kMaxDevices];
-  // Per kernel form: token by token, closed form, single token, replay staged first.
-  static std::atomic<int> smem_cache[4][kMaxDevices];
+  // Per kernel form: token by token, closed form, single token, replay staged first, closed form
+  // on tensor cores.
+  static std::atomic<int> smem_cache[5][kMaxDevices];
   // sm_90 image: clusters, bulk copies and programmatic dependent launch.
   const bool hopper = info.major >= 9 && kernel_ptx_version(kernel, device, ptx_cache) >= 90;
   const int split = split_request > 0 ? split_request
@@ -138,7 +144,7 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
   // ask for up to all of an SM's shared memory.
   const size_t smem =
       launch_shared_bytes(shared_bytes<StateT>(args.S, split, args.buffers, kReplay, closed_form,
-                                               staged_z_bytes(closed_form, args)),
+                                               staged_z_bytes(closed_form, args), tensor_cores),
                           heads, split, single_token, info.sm_count, size_t(info.shared_per_sm),
                           size_t(info.reserved_per_cta));
   GDN_RETURN_IF_ERROR(allow_dynamic_shared(kernel, device, info.shared_per_cta, smem_cache[form]));

@@ -40,7 +40,9 @@
 // element and token instead of 3 or 4, one reduction phase per token) and its launches take the
 // chunk buffers that let six CTAs fit an SM (choose_buffers). Deep windows at large batches take
 // the closed form instead (kClosedForm, prepare_replay): the CTA solves the window's triangular
-// system once, and each row then needs n + T independent dot products and n rank-1 updates. This
+// system once, and each row then needs n + T independent dot products and n rank-1 updates. With
+// a bf16 state and S <= 8 those are two small matrix products per warp, which run on tensor cores
+// (kTensorCores, tensor_core_rows), and that form is taken from S = 3 (use_closed_form). This
 // kernel only reads the window; a second launch saves the new tokens into it (gdn/replay/cuda.cuh),
 // so no CTA can overwrite a window row another CTA still replays.
 //
@@ -55,6 +57,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "gdn/core/cuda/device.cuh"
 #include "gdn/core/dispatch.hpp"
@@ -659,6 +662,165 @@ __device__ __forceinline__ void prepare_replay(int n, int m, int R, int tid, flo
   __syncthreads();
 }
 
+// Closed form on tensor cores (kTensorCores: a bf16 state, windows of up to kTensorCoreMaxS
+// columns, so n <= 8 and m <= 16). The rows phase's two products with the checkpoint, P = S A1^T
+// (A1: kt_j for j < n, qt_j after) and S' = g S + W K2 (W: the coefficients, K2: the replayed
+// tokens' raw k), run as mma.sync m16n8k16 on the warp's 8 rows, S exact in bf16 and A1, W and K2
+// split into bf16 hi + lo parts (products to about 2^-16, fp32 accumulators). A lane holds row
+// lane / 4 of its group, physical columns 32 b + 8 t .. + 7 (t = lane % 4, b = 0..3) as four
+// 16-byte words; the K columns are permuted the same way in both products, so that these words are
+// at once GEMM1's B fragments (k-tile 2 b + h: registers 2h, 2h + 1 of word b), GEMM2's
+// accumulators (n-tile pair 2 b + h: the same registers) and whole 16-byte loads and stores of the
+// row. GEMM2 takes M = 16 as the warp's 8 rows twice, A = diag(W, W), so that one mma advances 16
+// columns of them.
+struct TensorCoreFrags {     // in shared memory, built once per CTA after the solve
+  uint32_t a1[2][8][32][4];  // GEMM1 A (tokens x K): hi, lo; [k-tile][lane]
+  uint32_t b2[2][8][32][2];  // GEMM2 B (2 x 8 tokens x 8 columns): hi, lo; [n-tile pair][lane]
+};
+
+// x = hi + lo for a pair of floats (hi = bf16(x), lo = bf16(x - hi)), packed as bf16x2.
+__device__ __forceinline__ void split_bf16_pair(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
+  const float2 hf = __bfloat1622float2(h);
+  const __nv_bfloat162 l = __floats2bfloat162_rn(x0 - hf.x, x1 - hf.y);
+  memcpy(&hi, &h, 4);
+  memcpy(&lo, &l, 4);
+}
+
+// d += a b: mma.sync m16n8k16, bf16 inputs, fp32 accumulators.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+#if GDN_CUDA_SM90
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// Physical column of GEMM1's k-tile kt, lane column set t, pair 0 (logical k 2t, 2t + 1) or 1
+// (2t + 8, 2t + 9): the first of two adjacent columns.
+__device__ __forceinline__ int tc_gemm1_col(int kt, int t, int pair) {
+  return 32 * (kt >> 1) + 8 * t + 4 * (kt & 1) + 2 * pair;
+}
+
+// The fragments from the solved vectors (whole CTA; k_s, q_s and gates as prepare_replay leaves
+// them). They take the place of k_s, q_s and what follows up to v_s (SmemPlan), so every thread
+// reads its values before the first write.
+__device__ __forceinline__ void build_tensor_core_frags(int n, int m, int tid, const float* k_s,
+                                                        const float* q_s, TensorCoreFrags* frags) {
+  float2 a1[2][4];  // [entry][register]
+  float b2[2][2][2];
+#pragma unroll
+  for (int it = 0; it < 2; ++it) {  // 8 k-tiles x 32 lanes = 2 entries per thread
+    const int e = tid + kThreads * it, kt = e >> 5, g = (e >> 2) & 7, t = e & 3;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {  // a0: (g, pair 0), a1: (g + 8, 0), a2: (g, 1), a3: (g + 8, 1)
+      const int tok = g + 8 * (r & 1);
+      const float* vec = (tok < n ? k_s : q_s) + tok * kHeadDim;  // kt_j or qt_j
+      a1[it][r] = tok < m ? *reinterpret_cast<const float2*>(vec + tc_gemm1_col(kt, t, r >> 1))
+                          : make_float2(0.0f, 0.0f);
+    }
+  }
+#pragma unroll
+  for (int it = 0; it < 2; ++it) {  // 8 n-tile pairs x 32 lanes
+    const int e = tid + kThreads * it, j = e >> 5, g = (e >> 2) & 7, t = e & 3;
+    // Output column g of n-tile pair j: block a (B rows 0..7) and block b (rows 8..15).
+    const int col = 32 * (j >> 1) + 8 * (g >> 1) + 4 * (j & 1) + (g & 1);
+#pragma unroll
+    for (int blk = 0; blk < 2; ++blk)
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {  // tokens 2t, 2t + 1: raw k_i (q_s row i < n)
+        const int tok = 2 * t + x;
+        b2[it][blk][x] = tok < n ? q_s[tok * kHeadDim + col + 2 * blk] : 0.0f;
+      }
+  }
+  __syncthreads();  // every read above before the fragments overwrite k_s and q_s
+#pragma unroll
+  for (int it = 0; it < 2; ++it) {
+    const int e = tid + kThreads * it;
+    uint32_t hi[4], lo[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) split_bf16_pair(a1[it][r].x, a1[it][r].y, hi[r], lo[r]);
+    *reinterpret_cast<uint4*>(frags->a1[0][e >> 5][e & 31]) =
+        make_uint4(hi[0], hi[1], hi[2], hi[3]);
+    *reinterpret_cast<uint4*>(frags->a1[1][e >> 5][e & 31]) =
+        make_uint4(lo[0], lo[1], lo[2], lo[3]);
+  }
+#pragma unroll
+  for (int it = 0; it < 2; ++it) {
+    const int e = tid + kThreads * it;
+    uint32_t hi[2], lo[2];
+#pragma unroll
+    for (int blk = 0; blk < 2; ++blk)
+      split_bf16_pair(b2[it][blk][0], b2[it][blk][1], hi[blk], lo[blk]);
+    *reinterpret_cast<uint2*>(frags->b2[0][e >> 5][e & 31]) = make_uint2(hi[0], hi[1]);
+    *reinterpret_cast<uint2*>(frags->b2[1][e >> 5][e & 31]) = make_uint2(lo[0], lo[1]);
+  }
+  __syncthreads();
+}
+
+// The rows phase of a warp's group of 8 rows on tensor cores. p: the lane's words of row lane / 4
+// (bf16); v_g: v_s at the group's first row (row stride 1, token stride R). Leaves in v_s what
+// the FMA form leaves: w_i = c_i (vt_i - P_i) for i < n, o_j = ot_j + P_j (rounded as the output
+// when round_output) for n <= j < m; then p = the advanced checkpoint rows (n > 0).
+__device__ __forceinline__ void tensor_core_rows(uint4 (&p)[4], const TensorCoreFrags* frags,
+                                                 float* v_g, int R, int n, int m, float coef,
+                                                 float decay, const KernelArgs& args, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  // GEMM1: D [token][row] (tokens g, g + 8; rows 2t, 2t + 1 of the group), hi and lo chains.
+  float d[2][4] = {};
+#pragma unroll
+  for (int kt = 0; kt < 8; ++kt) {
+    const uint4 ah = *reinterpret_cast<const uint4*>(frags->a1[0][kt][lane]);
+    const uint4 al = *reinterpret_cast<const uint4*>(frags->a1[1][kt][lane]);
+    const uint32_t afh[4] = {ah.x, ah.y, ah.z, ah.w}, afl[4] = {al.x, al.y, al.z, al.w};
+    const uint4 s = p[kt >> 1];
+    const uint32_t b0 = (kt & 1) ? s.z : s.x, b1 = (kt & 1) ? s.w : s.y;
+    mma_bf16(d[0], afh, b0, b1);
+    mma_bf16(d[1], afl, b0, b1);
+  }
+  // Epilogue: token g's coefficient (g < n; coef = its c_g) or output (g >= n), and token g + 8's
+  // output.
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int tok = g + 8 * (r >> 1), row = 2 * t + (r & 1);
+    if (tok >= m) continue;
+    float& x = v_g[tok * R + row];
+    const float dot = d[0][r] + d[1][r];
+    if (tok < n) {
+      x = coef * (x - dot);
+    } else {
+      float o = x + dot;
+      if (args.round_core_output) o = dev::round_to(args.out_dtype, o);
+      x = o;
+    }
+  }
+  if (n == 0) return;  // nothing replayed: the checkpoint is not stored
+  __syncwarp();        // every lane's coefficients of the group's rows
+  // GEMM2 A = diag(W, W): W [row g][tokens 2t, 2t + 1], hi and lo.
+  const float w0 = 2 * t < n ? v_g[2 * t * R + g] : 0.0f;
+  const float w1 = 2 * t + 1 < n ? v_g[(2 * t + 1) * R + g] : 0.0f;
+  uint32_t wh, wl;
+  split_bf16_pair(w0, w1, wh, wl);
+  const uint32_t awh[4] = {wh, 0u, 0u, wh}, awl[4] = {wl, 0u, 0u, wl};
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {  // n-tile pair j: words 2 (j & 1), + 1 of p[j >> 1]
+    uint32_t* word = reinterpret_cast<uint32_t*>(&p[j >> 1]) + 2 * (j & 1);
+    const float2 x0 = StateBits<__nv_bfloat16>::unpack(word[0]);
+    const float2 x1 = StateBits<__nv_bfloat16>::unpack(word[1]);
+    float acc[4] = {decay * x0.x, decay * x0.y, decay * x1.x, decay * x1.y};
+    const uint2 bh = *reinterpret_cast<const uint2*>(frags->b2[0][j][lane]);
+    const uint2 bl = *reinterpret_cast<const uint2*>(frags->b2[1][j][lane]);
+    mma_bf16(acc, awh, bh.x, bh.y);
+    mma_bf16(acc, awh, bl.x, bl.y);
+    mma_bf16(acc, awl, bh.x, bh.y);
+    word[0] = StateBits<__nv_bfloat16>::pack(acc[0], acc[1]);
+    word[1] = StateBits<__nv_bfloat16>::pack(acc[2], acc[3]);
+  }
+}
+
 // A group's share of sum(o^2): its 8 rows' squares added as a pairwise tree, in one fixed order
 // (every split and kernel adds the same way, so the norm does not depend on the mapping). The
 // intrinsics keep the squares from being fused into the additions.
@@ -715,7 +877,7 @@ struct SmemPlan {
   // z_bytes: the size of a staged z value. The closed form stages z's raw bits (2 bytes for a
   // 16-bit z) and applies act(z) at the output; the other forms stage act(z) as fp32 (4).
   __host__ __device__ SmemPlan(int S, int R, int state_bytes, int max_buffers, bool replay,
-                               bool closed_form, int z_bytes = 4) {
+                               bool closed_form, int z_bytes = 4, bool tensor_cores = false) {
     const int staged = replay ? 2 * S : S;        // token slots of k, v and gates
     const int q_rows = closed_form ? staged : S;  // ... and of q
     rows_per_chunk = R < kChunkRows ? R : kChunkRows;
@@ -728,6 +890,9 @@ struct SmemPlan {
     gates = q + q_rows * kHeadDim * 4;  // float [staged][gate_floats(replay, closed_form)]
     mat = gates + staged * gate_floats(replay, closed_form) * 4;  // float [m][m], m <= staged
     v = mat + (closed_form ? staged * staged * 4 : 0);            // float [staged][R]
+    // On tensor cores the fragments replace k, q, gates and mat once the solve is done.
+    const int frags_end = k + int(sizeof(TensorCoreFrags));
+    if (tensor_cores && v < frags_end) v = frags_end;
     // Core output o [S][R]. The closed form keeps it in v's rows n .. n + T - 1 instead (the new
     // tokens' vt are dead once the solve has turned them into ot): no array of its own.
     o = v + staged * R * 4;
@@ -759,14 +924,18 @@ struct TokenArgs {
 // kStageFirst: the token-by-token replay kernel of a 16-bit state with its tokens staged before
 // the slice's first chunks (the launcher's use_replay_stage_first), a kernel image of its own so
 // that the image the other batches take keeps its code.
+// kTensorCores: the closed form's rows phase on tensor cores (a bf16 state, S <= kTensorCoreMaxS;
+// the launcher's use_tensor_cores).
 template <class StateT, int kRatio, bool kReplay, bool kClosedForm = false,
-          bool kSingleToken = false, bool kStageFirst = false>
+          bool kSingleToken = false, bool kStageFirst = false, bool kTensorCores = false>
 __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm : kMinCtasPerSm)
     decode_mtp_kernel(const __grid_constant__ KernelArgs args) {
   static_assert(!kSingleToken || (!kReplay && sizeof(StateT) == 2),
                 "the single-token form is write-all with a 16-bit state");
   static_assert(!kStageFirst || (kReplay && !kClosedForm && sizeof(StateT) == 2),
                 "staging first is a form of 16-bit token-by-token replay");
+  static_assert(!kTensorCores || (kReplay && kClosedForm && std::is_same_v<StateT, __nv_bfloat16>),
+                "tensor cores run the closed form of a bf16 state");
   extern __shared__ __align__(128) unsigned char smem[];
   using Bits = StateBits<StateT>;
   using Raw = typename Bits::Raw;
@@ -782,7 +951,7 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
   constexpr int kGateFloats = gate_floats(kReplay, closed_form);
   constexpr bool kPartialsPerGroup = sizeof(StateT) == 4 && !kReplay;  // see push_partial
   const SmemPlan plan(S, R, int(sizeof(StateT)), args.buffers, kReplay, closed_form,
-                      staged_z_bytes(closed_form, args));
+                      staged_z_bytes(closed_form, args), kTensorCores);
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + plan.bars);
   RowMeta& meta = *reinterpret_cast<RowMeta*>(smem + plan.meta);
   StateT* tile = reinterpret_cast<StateT*>(smem + plan.tile);
@@ -1049,6 +1218,16 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
       prepare_replay(n_replay, tokens, R, tid, k_s, q_s, gates_s, mat_s, v_s,
                      v_s + n_replay * R);  // ot (then o) in the new tokens' rows of v (SmemPlan)
   }
+  // Tensor cores: the lane's checkpoint coefficient c_g (token lane / 4 < n) and the checkpoint's
+  // decay, read before the fragments overwrite the gates.
+  float tc_coef = 0.0f, tc_decay = 0.0f;
+  if constexpr (kTensorCores) {
+    const int tok = lane >> 2;
+    if (tok < n_replay) tc_coef = gates_s[kClosedGateFloats * tok + kGateCheckpoint];
+    if (n_replay > 0) tc_decay = gates_s[kClosedGateFloats * (n_replay - 1) + kGateDecay];
+    build_tensor_core_frags(n_replay, tokens, tid, k_s, q_s,
+                            reinterpret_cast<TensorCoreFrags*>(k_s));
+  }
   if (clustered) cluster_wait();  // every peer's norm_bar is initialised: partials may be pushed
   GDN_PHASE(args, tid, 4);
 
@@ -1069,15 +1248,24 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
       __syncthreads();
     }
     GroupRows<kRows> s;
+    uint4 tc_words[4];  // kTensorCores: row lane / 4, columns 32 b + 8 (lane % 4) .. + 7
     if (g < groups) {
-      const StateT* rows =
-          tile + buf * chunk_elems + (warp * kRowsPerGroup + Rows::first_row(lane)) * kHeadDim;
+      if constexpr (kTensorCores) {
+        const StateT* row =
+            tile + buf * chunk_elems + (warp * kRowsPerGroup + lane_row(lane)) * kHeadDim;
 #pragma unroll
-      for (int r = 0; r < kRows; ++r)
+        for (int b = 0; b < 4; ++b)
+          tc_words[b] = *reinterpret_cast<const uint4*>(row + 32 * b + 8 * (lane & 3));
+      } else {
+        const StateT* rows =
+            tile + buf * chunk_elems + (warp * kRowsPerGroup + Rows::first_row(lane)) * kHeadDim;
 #pragma unroll
-        for (int j = 0; j < Rows::kChunks; ++j)
-          s.x[r][j] =
-              Bits::to_f32(*reinterpret_cast<const Raw*>(rows + r * kHeadDim + Rows::col(lane, j)));
+        for (int r = 0; r < kRows; ++r)
+#pragma unroll
+          for (int j = 0; j < Rows::kChunks; ++j)
+            s.x[r][j] = Bits::to_f32(
+                *reinterpret_cast<const Raw*>(rows + r * kHeadDim + Rows::col(lane, j)));
+      }
     }
     if (bulk && c + buffers < chunks) {
       __syncthreads();  // every warp's rows of chunk c are in registers: refill its buffer
@@ -1163,6 +1351,50 @@ __global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm
           gates_t += kGateFloats;
           v_t += R;
           o_t += R;
+        }
+      } else if constexpr (kTensorCores) {
+        tensor_core_rows(tc_words, reinterpret_cast<const TensorCoreFrags*>(k_s), v_s + grow, R,
+                         n_replay, tokens, tc_coef, tc_decay, args, lane);
+        if (n_replay > 0 && args.state_vector) {
+          // The group's rows to the checkpoint. Quads g and g ^ 1 swap a word per half row, so
+          // that each warp store covers 128 bytes of each of 4 rows rather than 64 of 8 (H200,
+          // B >= 128: 0.5-3.5 % faster; benchmarks/results/replay_tensor_cores_h200.json).
+          const bool odd = lane & 4;
+          StateT* mine = pool + source * args.slot_stride + head_offset +
+                         (row0 + grow + lane_row(lane)) * row_step + 8 * (lane & 3);
+          StateT* other = mine + (odd ? -kHeadDim : kHeadDim);  // row g ^ 1
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {  // columns 64 h .. + 63: words 2h (even), 2h + 1 (odd)
+            const uint4 send = odd ? tc_words[2 * h] : tc_words[2 * h + 1];
+            uint4 recv;
+            recv.x = __shfl_xor_sync(0xffffffffu, send.x, 4);
+            recv.y = __shfl_xor_sync(0xffffffffu, send.y, 4);
+            recv.z = __shfl_xor_sync(0xffffffffu, send.z, 4);
+            recv.w = __shfl_xor_sync(0xffffffffu, send.w, 4);
+            // First store: the even row's 128 bytes; second: the odd row's.
+            uint4* first = reinterpret_cast<uint4*>(odd ? other + 64 * h + 32 : mine + 64 * h);
+            uint4* second = reinterpret_cast<uint4*>(odd ? mine + 64 * h + 32 : other + 64 * h);
+            const uint4 first_v = odd ? recv : tc_words[2 * h];
+            const uint4 second_v = odd ? tc_words[2 * h + 1] : recv;
+            if (hints) {
+              __stcs(first, first_v);
+              __stcs(second, second_v);
+            } else {
+              *first = first_v;
+              *second = second_v;
+            }
+          }
+        } else if (n_replay > 0) {  // "kv": the slow path
+          StateT* dst = pool + source * args.slot_stride + head_offset +
+                        (row0 + grow + lane_row(lane)) * row_step;
+#pragma unroll
+          for (int b = 0; b < 4; ++b) {
+            const int col = 32 * b + 8 * (lane & 3);
+            Bits::store_scalar(dst + col * col_step, col_step,
+                               make_uint2(tc_words[b].x, tc_words[b].y));
+            Bits::store_scalar(dst + (col + 4) * col_step, col_step,
+                               make_uint2(tc_words[b].z, tc_words[b].w));
+          }
         }
       } else {
         // Closed form: every dot product with the checkpoint rows first (batches of 4: lane holds

@@ -99,11 +99,31 @@ inline constexpr int kClosedFormMinS = 6;
 inline constexpr int kClosedFormMinSHeadsPerSm = 4;  // S = 6, 7 take it from this many heads per SM
 inline constexpr int kClosedFormSmallBatchMinS = 8;  // one (fp32: two) to four heads per SM
 inline constexpr int kClosedFormFp32MinHeadsPerSm = 2;
-inline bool use_closed_form(int S, int64_t heads, int sm_count, int state_bytes) {
+// A bf16 state with windows of up to kTensorCoreMaxS columns (tensor_cores: the kernel's rows
+// phase on tensor cores, tensor_core_capable) takes the closed form from S = 6 at one head per SM
+// and from S = 3 at four, where it was measured faster than token by token (H200, B = 8 to 512,
+// TP1, TP4 and ratio 3 and 8 shapes, against the FMA closed form at S = 8 and token by token
+// below: S = 8 14-20 % faster from two heads per SM, S = 6 12-17 % from four and 1-3 % at two, S =
+// 4 5-10 % from eight, 3-6 % slower at two; S = 2 13-27 % slower everywhere;
+// benchmarks/results/replay_tensor_cores_h200.json).
+inline constexpr int kTensorCoreMaxS = 8;  // n <= 8 replayed, m <= 16 staged: one mma tile
+inline constexpr int kTensorCoreMinS = 3;
+inline constexpr int kTensorCoreAnyBatchMinS = 6;  // from one head per SM; below, from four
+inline bool use_closed_form(int S, int64_t heads, int sm_count, int state_bytes,
+                            bool tensor_cores = false) {
   const int64_t sms = sm_count;
+  if (tensor_cores)
+    return S >= kTensorCoreMinS &&
+           heads >= (S >= kTensorCoreAnyBatchMinS ? 1 : kClosedFormMinSHeadsPerSm) * sms;
   if (heads < (state_bytes == 4 ? kClosedFormFp32MinHeadsPerSm : 1) * sms) return false;
   return S >= kClosedFormSmallBatchMinS ||
          (S >= kClosedFormMinS && heads >= kClosedFormMinSHeadsPerSm * sms);
+}
+
+// The closed form's rows phase on tensor cores (the kernel's kTensorCores): a bf16 state (exact in
+// the mma's inputs) with windows of up to kTensorCoreMaxS columns.
+inline bool tensor_core_capable(bool bf16_state, int S) {
+  return bf16_state && S <= kTensorCoreMaxS;
 }
 
 // The single-token form (the kernel's kSingleToken): decode without drafts (S = 1) with a 16-bit
