@@ -42,7 +42,7 @@
 // the closed form instead (kClosedForm, prepare_replay): the CTA solves the window's triangular
 // system once, and each row then needs n + T independent dot products and n rank-1 updates. With
 // a bf16 state and S <= 8 those are two small matrix products per warp, which run on tensor cores
-// (kTensorCores, tensor_core_rows), and that form is taken from S = 3 (use_closed_form). This
+// (kTensorCores, tensor_core_rows), and that form is taken from S = 4 (use_closed_form). This
 // kernel only reads the window; a second launch saves the new tokens into it (gdn/replay/cuda.cuh),
 // so no CTA can overwrite a window row another CTA still replays.
 //
