@@ -206,7 +206,8 @@ int64_t resident(size_t dynamic) {
 TEST(LaunchRules, SharedMemorySpreadsEachWaveUpToClustersOfTwo) {
   const size_t needed = 30000;  // seven fit an SM; the register budget allows six
   const auto bytes = [&](int64_t heads, int split, bool single_token = false) {
-    return launch_shared_bytes(needed, heads, split, single_token, kSms, kSharedPerSm, kReserved);
+    return launch_shared_bytes(needed, heads, split, form_ctas_per_sm(single_token, false), kSms,
+                               kSharedPerSm, kReserved);
   };
   EXPECT_EQ(resident(bytes(heads_at(16), 1)), 4);  // 512 CTAs: at most 4 per SM
   EXPECT_EQ(resident(bytes(heads_at(8), 2)), 4);   // 512 CTAs in clusters of 2
@@ -217,14 +218,16 @@ TEST(LaunchRules, SharedMemorySpreadsEachWaveUpToClustersOfTwo) {
   EXPECT_EQ(bytes(6 * kSms, 1), needed);           // six per SM: full already
   EXPECT_EQ(bytes(12 * kSms, 1), needed);          // two full waves
   // The single-token form's budget is eight per SM: seven per SM are padded to seven.
-  EXPECT_EQ(resident(launch_shared_bytes(20000, 7 * kSms, 1, true, kSms, kSharedPerSm, kReserved)),
+  EXPECT_EQ(resident(launch_shared_bytes(20000, 7 * kSms, 1, kSingleTokenCtasPerSm, kSms,
+                                         kSharedPerSm, kReserved)),
             7);
 }
 
 TEST(LaunchRules, ClosedFormKeepsItsWavesWithFewerCtasPerSm) {
   const size_t needed = 45184;  // closed form, S = 8, fp32: five fit an SM
   const auto closed = [&](int64_t heads) {
-    return resident(launch_shared_bytes(needed, heads, 1, false, kSms, kSharedPerSm, kReserved));
+    return resident(
+        launch_shared_bytes(needed, heads, 1, kMinCtasPerSm, kSms, kSharedPerSm, kReserved));
   };
   EXPECT_EQ(closed(heads_at(32)), 4);   // 1024 CTAs: two waves of 5 per SM or of 4
   EXPECT_EQ(closed(heads_at(64)), 4);   // 2048: four waves either way

@@ -928,7 +928,7 @@ struct TokenArgs {
 // the launcher's use_tensor_cores).
 template <class StateT, int kRatio, bool kReplay, bool kClosedForm = false,
           bool kSingleToken = false, bool kStageFirst = false, bool kTensorCores = false>
-__global__ void __launch_bounds__(kThreads, kSingleToken ? kSingleTokenCtasPerSm : kMinCtasPerSm)
+__global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kTensorCores))
     decode_mtp_kernel(const __grid_constant__ KernelArgs args) {
   static_assert(!kSingleToken || (!kReplay && sizeof(StateT) == 2),
                 "the single-token form is write-all with a 16-bit state");

@@ -33,6 +33,13 @@ inline constexpr int kMinCtasPerSm = 6;
 // (the launcher's use_single_token says when).
 inline constexpr int kSingleTokenCtasPerSm = 8;
 inline constexpr int kSingleTokenBuffers = 3;
+// Replay's closed form on tensor cores (the kernel's kTensorCores).
+inline constexpr int kTensorCoreCtasPerSm = 6;
+
+// CTAs per SM that a kernel form's register budget allows (its __launch_bounds__).
+GDN_HOST_DEVICE constexpr int form_ctas_per_sm(bool single_token, bool tensor_cores) {
+  return single_token ? kSingleTokenCtasPerSm : tensor_cores ? kTensorCoreCtasPerSm : kMinCtasPerSm;
+}
 
 // Chunk buffers per CTA. Write-all: a 16-bit slice keeps one per chunk. An fp32 slice streams its
 // 4 chunks through 3 (4 CTAs fit an SM instead of 3), except for small batches (fewer than 4 heads
@@ -222,12 +229,13 @@ inline constexpr int kMaxSpreadCluster = 2;
 
 // Dynamic shared memory of a launch of `heads` heads split over `split` CTAs each, whose CTAs need
 // `needed` bytes: padded to the even share of the launch's waves (even_share_shared_bytes), except
-// for clusters of more than kMaxSpreadCluster CTAs.
-inline size_t launch_shared_bytes(size_t needed, int64_t heads, int split, bool single_token,
+// for clusters of more than kMaxSpreadCluster CTAs. ctas_per_sm: the form's register budget
+// (form_ctas_per_sm).
+inline size_t launch_shared_bytes(size_t needed, int64_t heads, int split, int ctas_per_sm,
                                   int sm_count, size_t shared_per_sm, size_t reserved_per_cta) {
   if (split > kMaxSpreadCluster) return needed;
   return even_share_shared_bytes(needed, heads * split, sm_count, shared_per_sm, reserved_per_cta,
-                                 single_token ? kSingleTokenCtasPerSm : kMinCtasPerSm);
+                                 ctas_per_sm);
 }
 
 }  // namespace gdn::decode_mtp::cuda_detail
