@@ -85,6 +85,21 @@ inline Status launch_ex(Kernel kernel, dim3 grid, dim3 block, size_t smem, int c
   return Status::ok();
 }
 
+// Whether replay's closed form on tensor cores can run on `device`: a bf16 state and a kernel image
+// for sm_80 or later (mma.sync with bf16 inputs), which the default fat binary (sm_90a, sm_80)
+// gives every device from sm_80 on.
+template <class StateT, int kRatio, bool kReplay>
+inline bool tensor_core_image(int device, const DeviceInfo& info) {
+  if constexpr (kReplay && std::is_same_v<StateT, __nv_bfloat16>) {
+    static std::atomic<int> ptx_cache[kMaxDevices];
+    return info.major >= 8 &&
+           kernel_ptx_version(decode_mtp_kernel<StateT, kRatio, true, true, false, false, true>,
+                              device, ptx_cache) >= 80;
+  } else {
+    return false;
+  }
+}
+
 template <DType kState, int kRatio, bool kReplay>
 inline Status launch_kernel(const KernelArgs& args_in, int device, int split_request,
                             cudaStream_t stream) {
@@ -93,7 +108,9 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
   DeviceInfo info;
   GDN_RETURN_IF_ERROR(device_info(device, &info));
   const int64_t heads = args.N * args.HV;
-  const bool tensor_core_state = tensor_core_capable(std::is_same_v<StateT, __nv_bfloat16>, args.S);
+  const bool tensor_core_state =
+      tensor_core_capable(std::is_same_v<StateT, __nv_bfloat16>, args.S) &&
+      tensor_core_image<StateT, kRatio, kReplay>(device, info);
   const bool closed_form = kReplay && use_closed_form(args.S, heads, info.sm_count,
                                                       int(sizeof(StateT)), tensor_core_state);
   const bool tensor_cores = closed_form && tensor_core_state;

@@ -687,15 +687,18 @@ __device__ __forceinline__ void split_bf16_pair(float x0, float x1, uint32_t& hi
   memcpy(&lo, &l, 4);
 }
 
-// d += a b: mma.sync m16n8k16, bf16 inputs, fp32 accumulators.
+// d += a b: mma.sync m16n8k16, bf16 inputs, fp32 accumulators (sm_80 or later: the launcher takes
+// the tensor-core form only where the kernel's image is, tensor_core_image).
 __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                          uint32_t b1) {
-#if GDN_CUDA_SM90
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
       "{%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#elif defined(__CUDA_ARCH__)
+  __trap();
 #endif
 }
 
