@@ -90,11 +90,17 @@ def run(mode, state, T, B, isolated, H=16, HV=32):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--configs", nargs="+", metavar="MODE:STATE:T:B",
+                    help="configurations to probe, e.g. replay:bf16:4:128 (default: a fixed set of "
+                         "small-batch ones)")
+    ap.add_argument("--b2b-only", action="store_true", help="back-to-back calls only")
     args = ap.parse_args()
     configs = [("write-all", s, 1, B) for s in ("fp32", "bf16") for B in (1, 8, 32, 128)]
     configs += [("write-all", "fp32", 4, 8), ("replay", "fp32", 4, 8), ("replay", "bf16", 4, 8)]
+    if args.configs:
+        configs = [(m, st, int(t), int(b)) for m, st, t, b in (c.split(":") for c in args.configs)]
     rows = []
-    for isolated in (False, True):
+    for isolated in (False,) if args.b2b_only else (False, True):
         for mode, state, T, B in configs:
             r = run(mode, state, T, B, isolated)
             rows.append(r)
