@@ -63,28 +63,16 @@ struct Inputs {
   const float* decay;
 };
 
+// The library's tensor-core helpers (gdn/decode_mtp/cuda_kernel.cuh): mma.sync m16n8k16 on bf16,
+// x = hi + lo splits of a pair of floats into bf16x2 words, and bf16x2 packing. The probe keeps
+// its own unpacking (a conversion, where the library shifts bits), the code it was measured with.
+using gdn::decode_mtp::cuda_detail::mma_bf16;
+using gdn::decode_mtp::cuda_detail::split_bf16_pair;
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&p);
-}
-// x = hi + lo to about 2^-16 relative: hi = bf16(x), lo = bf16(x - hi).
-__device__ __forceinline__ void split_pair(float x0, float x1, uint32_t& hi, uint32_t& lo) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
-  const float2 hf = __bfloat1622float2(h);
-  hi = *reinterpret_cast<const uint32_t*>(&h);
-  lo = pack_bf16(x0 - hf.x, x1 - hf.y);
+  return dev::StateBits<__nv_bfloat16>::pack(lo, hi);
 }
 __device__ __forceinline__ float2 unpack_bf16(uint32_t v) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
-}
-
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // 16-byte state accesses: plain, or (kHints) loads that bypass L1 and are marked evict-first in
@@ -186,7 +174,7 @@ __device__ __forceinline__ void store_inputs(Smem<kWarps>& sm, const InputRegs<k
     const int e = tid + R::kThreads * it, kt = e >> 5, l = e & 31;
     uint32_t hi[4], lo[4];
 #pragma unroll
-    for (int q = 0; q < 4; ++q) split_pair(r.a1[it][q].x, r.a1[it][q].y, hi[q], lo[q]);
+    for (int q = 0; q < 4; ++q) split_bf16_pair(r.a1[it][q].x, r.a1[it][q].y, hi[q], lo[q]);
     *reinterpret_cast<uint4*>(sm.a1[0][kt][l]) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
     *reinterpret_cast<uint4*>(sm.a1[1][kt][l]) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
   }
@@ -195,7 +183,7 @@ __device__ __forceinline__ void store_inputs(Smem<kWarps>& sm, const InputRegs<k
     const int e = tid + R::kThreads * it, j = e >> 5, l = e & 31;
     uint32_t hi[2], lo[2];
 #pragma unroll
-    for (int q = 0; q < 2; ++q) split_pair(r.b2[it][q][0], r.b2[it][q][1], hi[q], lo[q]);
+    for (int q = 0; q < 2; ++q) split_bf16_pair(r.b2[it][q][0], r.b2[it][q][1], hi[q], lo[q]);
     *reinterpret_cast<uint2*>(sm.b2[0][j][l]) = make_uint2(hi[0], hi[1]);
     *reinterpret_cast<uint2*>(sm.b2[1][j][l]) = make_uint2(lo[0], lo[1]);
   }
@@ -275,7 +263,7 @@ __device__ __forceinline__ void head_rows(Smem<kWarps>& sm, uint4 (&p)[kTiles][2
 #pragma unroll
     for (int r = 0; r < 4; ++r) {  // a0: (g, 2t), a1: (g + 8, 2t), a2: (g, 2t + 8), a3: (g+8, 2t+8)
       const int row = g + 8 * (r & 1), tok = 2 * t + 8 * (r >> 1);
-      split_pair(w[row][tok], w[row][tok + 1], awh[r], awl[r]);
+      split_bf16_pair(w[row][tok], w[row][tok + 1], awh[r], awl[r]);
     }
     __syncwarp();  // w is rewritten by the next tile
     // GEMM2, one n-tile at a time: acc = g S, += W K2 (hi hi + hi lo + lo hi), back into p.
@@ -487,7 +475,7 @@ __global__ void __launch_bounds__(128, kMinCtas)
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const int tok = lg + 8 * (q & 1), c = gemm1_col(kt, lt, q >> 1);
-      split_pair(a1(tok, c), a1(tok, c + 1), hi[q], lo[q]);
+      split_bf16_pair(a1(tok, c), a1(tok, c + 1), hi[q], lo[q]);
     }
     *reinterpret_cast<uint4*>(sm.a1[0][kt][l]) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
     *reinterpret_cast<uint4*>(sm.a1[1][kt][l]) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
@@ -499,7 +487,7 @@ __global__ void __launch_bounds__(128, kMinCtas)
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
       const int tok = 2 * lt + 8 * q;
-      split_pair(k2(tok, c), k2(tok + 1, c), hi[q], lo[q]);
+      split_bf16_pair(k2(tok, c), k2(tok + 1, c), hi[q], lo[q]);
     }
     *reinterpret_cast<uint2*>(sm.b2[0][j][l]) = make_uint2(hi[0], hi[1]);
     *reinterpret_cast<uint2*>(sm.b2[1][j][l]) = make_uint2(lo[0], lo[1]);
@@ -529,22 +517,22 @@ __device__ __forceinline__ void a_frag(const float* M, int ld, int k0, int lane,
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
     const float* x = M + (g + 8 * (q & 1)) * ld + k0 + 2 * t + 8 * (q >> 1);
-    split_pair(x[0], x[1], hi[q], lo[q]);
+    split_bf16_pair(x[0], x[1], hi[q], lo[q]);
   }
 }
 // B fragment (hi + lo) with B[k][n] = X[n0 + n][k0 + k] (a Gram matrix's second factor).
 __device__ __forceinline__ void bt_frag(const float* X, int ld, int n0, int k0, int lane,
                                         uint32_t (&hi)[2], uint32_t (&lo)[2]) {
   const float* x = X + (n0 + (lane >> 2)) * ld + k0 + 2 * (lane & 3);
-  split_pair(x[0], x[1], hi[0], lo[0]);
-  split_pair(x[8], x[9], hi[1], lo[1]);
+  split_bf16_pair(x[0], x[1], hi[0], lo[0]);
+  split_bf16_pair(x[8], x[9], hi[1], lo[1]);
 }
 // B fragment (hi + lo) with B[k][n] = Y[k][c], c the lane's column (n = lane / 4).
 __device__ __forceinline__ void b_frag_col(const float* Y, int ld, int c, int lane,
                                            uint32_t (&hi)[2], uint32_t (&lo)[2]) {
   const int t = lane & 3;
-  split_pair(Y[2 * t * ld + c], Y[(2 * t + 1) * ld + c], hi[0], lo[0]);
-  split_pair(Y[(2 * t + 8) * ld + c], Y[(2 * t + 9) * ld + c], hi[1], lo[1]);
+  split_bf16_pair(Y[2 * t * ld + c], Y[(2 * t + 1) * ld + c], hi[0], lo[0]);
+  split_bf16_pair(Y[(2 * t + 8) * ld + c], Y[(2 * t + 9) * ld + c], hi[1], lo[1]);
 }
 // acc += a b to about fp32 accuracy: hi hi + hi lo + lo hi.
 __device__ __forceinline__ void mma3(float (&acc)[4], const uint32_t (&ahi)[4],
@@ -658,10 +646,10 @@ __global__ void __launch_bounds__(128, kMinCtas)
       }
     }
     uint32_t hi[4], lo[4];
-    split_pair(c[0][0], c[0][1], hi[0], lo[0]);
-    split_pair(c[0][2], c[0][3], hi[1], lo[1]);
-    split_pair(c[1][0], c[1][1], hi[2], lo[2]);
-    split_pair(c[1][2], c[1][3], hi[3], lo[3]);
+    split_bf16_pair(c[0][0], c[0][1], hi[0], lo[0]);
+    split_bf16_pair(c[0][2], c[0][3], hi[1], lo[1]);
+    split_bf16_pair(c[1][0], c[1][1], hi[2], lo[2]);
+    split_bf16_pair(c[1][2], c[1][3], hi[3], lo[3]);
     *reinterpret_cast<uint4*>(sm.a1[0][kt1][lane]) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
     *reinterpret_cast<uint4*>(sm.a1[1][kt1][lane]) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
   }
@@ -688,8 +676,8 @@ __global__ void __launch_bounds__(128, kMinCtas)
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
       const int tok = 2 * lt + 8 * q;
-      split_pair(tok < n ? ts.k[tok][c] : 0.0f, tok + 1 < n ? ts.k[tok + 1][c] : 0.0f, hi[q],
-                 lo[q]);
+      split_bf16_pair(tok < n ? ts.k[tok][c] : 0.0f, tok + 1 < n ? ts.k[tok + 1][c] : 0.0f, hi[q],
+                      lo[q]);
     }
     *reinterpret_cast<uint2*>(sm.b2[0][j][l]) = make_uint2(hi[0], hi[1]);
     *reinterpret_cast<uint2*>(sm.b2[1][j][l]) = make_uint2(lo[0], lo[1]);
