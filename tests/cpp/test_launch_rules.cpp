@@ -206,7 +206,7 @@ int64_t resident(size_t dynamic) {
 TEST(LaunchRules, SharedMemorySpreadsEachWaveUpToClustersOfTwo) {
   const size_t needed = 30000;  // seven fit an SM; the register budget allows six
   const auto bytes = [&](int64_t heads, int split, bool single_token = false) {
-    return launch_shared_bytes(needed, heads, split, form_ctas_per_sm(single_token, false), kSms,
+    return launch_shared_bytes(needed, heads, split, form_ctas_per_sm(single_token), kSms,
                                kSharedPerSm, kReserved);
   };
   EXPECT_EQ(resident(bytes(heads_at(16), 1)), 4);  // 512 CTAs: at most 4 per SM

@@ -162,7 +162,7 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
   const size_t smem =
       launch_shared_bytes(shared_bytes<StateT>(args.S, split, args.buffers, kReplay, closed_form,
                                                staged_z_bytes(closed_form, args), tensor_cores),
-                          heads, split, form_ctas_per_sm(single_token, tensor_cores), info.sm_count,
+                          heads, split, form_ctas_per_sm(single_token), info.sm_count,
                           size_t(info.shared_per_sm), size_t(info.reserved_per_cta));
   GDN_RETURN_IF_ERROR(allow_dynamic_shared(kernel, device, info.shared_per_cta, smem_cache[form]));
   return launch_ex(kernel, dim3(unsigned(heads * split)), dim3(unsigned(kThreads)), smem, split,

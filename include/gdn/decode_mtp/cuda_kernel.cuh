@@ -713,6 +713,7 @@ __device__ __forceinline__ int tc_gemm1_col(int kt, int t, int pair) {
 // reads its values before the first write.
 __device__ __forceinline__ void build_tensor_core_frags(int n, int m, int tid, const float* k_s,
                                                         const float* q_s, TensorCoreFrags* frags) {
+  static_assert(8 * 32 == 2 * kThreads, "two fragment entries per thread");
   float2 a1[2][4];  // [entry][register]
   float b2[2][2][2];
 #pragma unroll
@@ -931,7 +932,7 @@ struct TokenArgs {
 // the launcher's use_tensor_cores).
 template <class StateT, int kRatio, bool kReplay, bool kClosedForm = false,
           bool kSingleToken = false, bool kStageFirst = false, bool kTensorCores = false>
-__global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kTensorCores))
+__global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken))
     decode_mtp_kernel(const __grid_constant__ KernelArgs args) {
   static_assert(!kSingleToken || (!kReplay && sizeof(StateT) == 2),
                 "the single-token form is write-all with a 16-bit state");

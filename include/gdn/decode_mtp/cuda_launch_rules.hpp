@@ -33,12 +33,12 @@ inline constexpr int kMinCtasPerSm = 6;
 // (the launcher's use_single_token says when).
 inline constexpr int kSingleTokenCtasPerSm = 8;
 inline constexpr int kSingleTokenBuffers = 3;
-// Replay's closed form on tensor cores (the kernel's kTensorCores).
-inline constexpr int kTensorCoreCtasPerSm = 6;
 
-// CTAs per SM that a kernel form's register budget allows (its __launch_bounds__).
-GDN_HOST_DEVICE constexpr int form_ctas_per_sm(bool single_token, bool tensor_cores) {
-  return single_token ? kSingleTokenCtasPerSm : tensor_cores ? kTensorCoreCtasPerSm : kMinCtasPerSm;
+// CTAs per SM that a kernel form's register budget allows (its __launch_bounds__). The closed
+// form on tensor cores keeps six: seven gained nothing, eight (spilling) was 2-12 % slower at
+// S >= 6 (benchmarks/results/replay_tensor_cores_h200.json, run 3).
+GDN_HOST_DEVICE constexpr int form_ctas_per_sm(bool single_token) {
+  return single_token ? kSingleTokenCtasPerSm : kMinCtasPerSm;
 }
 
 // Chunk buffers per CTA. Write-all: a 16-bit slice keeps one per chunk. An fp32 slice streams its
