@@ -122,9 +122,11 @@ TEST(LaunchRules, TensorCoreClosedFormForBf16Windows) {
   EXPECT_FALSE(tensor_core_capable(false, 4));                   // fp16 and fp32 states
   const auto tc = [](int S, int64_t heads) { return use_closed_form(S, heads, kSms, 2, true); };
   EXPECT_FALSE(tc(kTensorCoreMinS - 1, heads_at(512)));  // S = 3: token by token everywhere
-  EXPECT_FALSE(tc(kTensorCoreMinS, 4 * kSms - 1));
-  EXPECT_TRUE(tc(kTensorCoreMinS, 4 * kSms));
-  EXPECT_FALSE(tc(4, heads_at(8)));  // 1.9 heads per SM: slower
+  EXPECT_FALSE(tc(kTensorCoreMinS, kTensorCoreMinSHeadsPerSm * kSms - 1));
+  EXPECT_TRUE(tc(kTensorCoreMinS, kTensorCoreMinSHeadsPerSm * kSms));
+  EXPECT_FALSE(tc(4, heads_at(8)));  // 1.9 heads per SM: as fast either way
+  EXPECT_TRUE(tc(4, heads_at(12)));  // 2.9 heads per SM: 6 % faster
+  EXPECT_TRUE(tc(5, heads_at(16)));  // 3.9 heads per SM: 10 % faster
   EXPECT_TRUE(tc(4, heads_at(32)));
   EXPECT_FALSE(tc(kTensorCoreAnyBatchMinS, kSms - 1));
   EXPECT_TRUE(tc(kTensorCoreAnyBatchMinS, kSms));

@@ -108,21 +108,24 @@ inline constexpr int kClosedFormSmallBatchMinS = 8;  // one (fp32: two) to four 
 inline constexpr int kClosedFormFp32MinHeadsPerSm = 2;
 // A bf16 state with windows of up to kTensorCoreMaxS columns (tensor_cores: the kernel's rows
 // phase on tensor cores, tensor_core_capable) takes the closed form from S = 6 at one head per SM
-// and from S = 4 at four, where it was measured faster than token by token (H200, B = 8 to 512,
+// and from S = 4 at two, where it was measured faster than token by token (H200, B = 8 to 512,
 // TP1, TP4 and ratio 3 and 8 shapes, against the FMA closed form at S = 8 and token by token
 // below: S = 7 and 8 14-20 % faster from two heads per SM and 2.5-5 % at two, S = 6 12-17 % from
 // four and 1-3 % at two, S = 5 10-18 % from four, S = 4 5-10 % from eight and 3-6 % slower at
 // two; S = 3 from -2 to +4 % and S = 2 13-27 % slower from four heads per SM;
-// benchmarks/results/replay_tensor_cores_h200.json).
+// benchmarks/results/replay_tensor_cores_h200.json). S = 4 and 5 take it from two heads per SM
+// (TP1 B = 12 and 16, 2.9 and 3.9 heads per SM: S = 4 6.0-6.3 %, S = 5 10.4-11.5 % faster; from
+// four heads per SM as before; run4_min_heads of the same file).
 inline constexpr int kTensorCoreMaxS = 8;  // n <= 8 replayed, m <= 16 staged: one mma tile
 inline constexpr int kTensorCoreMinS = 4;
-inline constexpr int kTensorCoreAnyBatchMinS = 6;  // from one head per SM; below, from four
+inline constexpr int kTensorCoreAnyBatchMinS = 6;    // from one head per SM
+inline constexpr int kTensorCoreMinSHeadsPerSm = 2;  // S = 4, 5 from this many heads per SM
 inline bool use_closed_form(int S, int64_t heads, int sm_count, int state_bytes,
                             bool tensor_cores = false) {
   const int64_t sms = sm_count;
   if (tensor_cores)
     return S >= kTensorCoreMinS &&
-           heads >= (S >= kTensorCoreAnyBatchMinS ? 1 : kClosedFormMinSHeadsPerSm) * sms;
+           heads >= (S >= kTensorCoreAnyBatchMinS ? 1 : kTensorCoreMinSHeadsPerSm) * sms;
   if (heads < (state_bytes == 4 ? kClosedFormFp32MinHeadsPerSm : 1) * sms) return false;
   return S >= kClosedFormSmallBatchMinS ||
          (S >= kClosedFormMinS && heads >= kClosedFormMinSHeadsPerSm * sms);
