@@ -122,7 +122,7 @@ if has sanitize; then
         python3 -m pytest -q -p no:cacheprovider tests/py/test_decode_mtp_cuda.py \
         tests/py/test_replay.py -k "hostile or large_batch or strided_views or (replay and cuda) \
         or (head_per_sm and token_by_token and state_bf16 and r2) \
-        or (head_per_sm and closed_form and state_bf16 and r2)" \
+        or (head_per_sm and (closed_form or tensor_cores) and state_bf16 and r2)" \
         2>&1 | tail -8
       echo "pytest-memcheck exit ${PIPESTATUS[0]}"
       # The plain-load path where bulk copies would stream through one chunk buffer (fp32 replay,
@@ -142,7 +142,7 @@ if has sanitize; then
       echo "--- compute-sanitizer --tool racecheck (pytest, bf16 closed form on tensor cores)"
       timeout "${SANITIZE_TIMEOUT:-120}" compute-sanitizer --tool racecheck --error-exitcode 3 \
         python3 -m pytest -q -p no:cacheprovider tests/py/test_replay.py \
-        -k "head_per_sm and closed_form and state_bf16 and r2" 2>&1 | tail -4
+        -k "head_per_sm and (closed_form or tensor_cores) and state_bf16 and r2" 2>&1 | tail -4
       echo "pytest-racecheck-tensor-cores exit ${PIPESTATUS[0]}"
     fi
   } > "$OUT/sanitize.log" 2>&1

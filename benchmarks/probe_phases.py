@@ -36,6 +36,9 @@ import bench_decode_mtp as bench  # noqa: E402
 
 
 PHASES = ["wait", "meta", "stage", "cluster", "chunk0", "rows", "drain", "norm", "out", "exit"]
+# The closed form's "cluster" phase in parts (words 11 and 12, stamped by prepare_replay): the pair
+# products, the triangular solve, then the tensor-core fragments and the cluster wait.
+SOLVE_PARTS = [("pairs", 3, 11), ("solve", 11, 12), ("frags", 12, 4)]
 WORDS = 16  # 64-bit words per CTA
 
 
@@ -79,6 +82,10 @@ def run(mode, state, T, B, isolated, H=16, HV=32):
         d = [(r[k + 1] - r[k]) / ghz / 1e3 for r in w if r[k + 1] >= r[k] > 0]
         if d:
             row[name] = pct(d)
+    for name, a, b in SOLVE_PARTS:
+        d = [(r[b] - r[a]) / ghz / 1e3 for r in w if r[11] > 0 and r[b] >= r[a] > 0]
+        if d:
+            row[name] = pct(d)
     row["life"] = pct([(r[10] - r[1]) / ghz / 1e3 for r in w])
     t0 = min(r[14] for r in w)
     row["start_spread_us"] = round((sorted(r[14] for r in w)[int(0.9 * (len(w) - 1))] - t0) / 1e3,
@@ -104,14 +111,16 @@ def main():
         for mode, state, T, B in configs:
             r = run(mode, state, T, B, isolated)
             rows.append(r)
-            cells = " ".join(f"{p}={r[p][1]:.2f}" for p in PHASES if p in r)
+            names = PHASES + [name for name, _, _ in SOLVE_PARTS]
+            cells = " ".join(f"{p}={r[p][1]:.2f}" for p in names if p in r)
             print(f"{mode:9} {state} T={T} B={B:3} {'iso' if isolated else 'b2b'} "
                   f"{r['us_graph']:6.2f} us ctas={r['ctas']} life={r['life'][1]:.2f} "
                   f"span={r['span_us']:.2f} | {cells}", flush=True)
     if args.json:
         env = bench.environment()
         with open(args.json, "w") as fh:
-            json.dump({"environment": env, "method": __doc__, "phases": PHASES, "rows": rows}, fh,
+            json.dump({"environment": env, "method": __doc__, "phases": PHASES,
+                       "solve_parts": [name for name, _, _ in SOLVE_PARTS], "rows": rows}, fh,
                       indent=1)
 
 

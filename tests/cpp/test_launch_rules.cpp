@@ -133,6 +133,20 @@ TEST(LaunchRules, TensorCoreClosedFormForBf16Windows) {
   EXPECT_TRUE(tc(kTensorCoreMaxS, heads_at(8)));
 }
 
+TEST(LaunchRules, TensorCoreFormAtEightPerSmWhereItSavesAWave) {
+  const auto eight = [](int S, int64_t heads, bool fits = true) {
+    return use_tensor_core_eight(S, heads, kSms, fits);
+  };
+  EXPECT_EQ(form_ctas_per_sm(false, true), kTensorCoreEightCtasPerSm);
+  EXPECT_TRUE(eight(4, heads_at(32)));    // 7.75 heads per SM: one wave of 8 instead of two of 6
+  EXPECT_TRUE(eight(5, heads_at(64)));    // 15.5 per SM: 2 waves instead of 3
+  EXPECT_TRUE(eight(4, heads_at(128)));   // 31 per SM: 4 waves instead of 6
+  EXPECT_FALSE(eight(4, 6 * kSms));       // 6 per SM: one wave either way
+  EXPECT_FALSE(eight(4, heads_at(512)));  // 124 per SM: beyond kTensorCoreEightMaxHeadsPerSm
+  EXPECT_FALSE(eight(kTensorCoreEightMaxS + 1, heads_at(32)));  // S >= 6: slower
+  EXPECT_FALSE(eight(4, heads_at(32), false));                  // shared memory holds fewer
+}
+
 TEST(LaunchRules, SingleTokenFormWhereItSavesAWave) {
   const auto single = [](int64_t heads) {
     return use_single_token(2, false, 1, heads, kSms, true);

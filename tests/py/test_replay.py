@@ -214,9 +214,10 @@ def test_chain_with_strong_decay(gen, device, form):
 @pytest.mark.parametrize("H,HV", [(4, 8), (1, 8), (3, 9), (8, 8), (2, 8)],
                          ids=["r2", "r8", "r3", "r1", "r4"])
 @pytest.mark.parametrize("S,heads_per_sm", [(8, 2), (8, 1), (6, 4), (4, 1), (4, 4), (5, 2),
-                                            (3, 4), (2, 4)],
+                                            (4, 7), (3, 4), (2, 4)],
                          ids=["closed_form", "S8_one_head_per_sm", "closed_form_S6",
-                              "token_by_token_split2", "four_per_sm", "S5_two_per_sm",
+                              "token_by_token_split2", "tensor_cores_four_per_sm",
+                              "tensor_cores_S5_two_per_sm", "tensor_cores_eight_ctas_per_sm",
                               "token_by_token_S3_four_per_sm", "token_by_token_S2_four_per_sm"])
 def test_chain_at_a_head_per_sm(gen, H, HV, state_dtype, act, S, heads_per_sm):
     """Launch choices of the CUDA replay kernel that only batches of a few heads per SM take:
@@ -224,7 +225,8 @@ def test_chain_at_a_head_per_sm(gen, H, HV, state_dtype, act, S, heads_per_sm):
     a 16-bit state and token by token with an fp32 one, and shallower windows (S = 4) token by
     token, each head split over 2 CTAs; from four, S = 6 in closed form. A bf16 state takes the
     closed form on tensor cores from S = 6 at one head per SM and from S = 4 at two (S = 4, 5, 6
-    and 8 here); S = 2 and 3 stay token by token. From one to sixteen heads per SM, 16-bit
+    and 8 here), at S <= 5 from seven heads per SM with eight CTAs per SM (its own kernel image);
+    S = 2 and 3 stay token by token. From one to sixteen heads per SM, 16-bit
     token-by-token replay stages its tokens before the slice (its own kernel image: S = 4 at one
     head per SM, S = 2 and 3 and, with an fp16 state, S = 4 at four). Chained with random T and
     acceptance (n = 0 .. T, padded rows), against the float64 reference."""

@@ -131,11 +131,10 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
     if (stage_first) kernel = decode_mtp_kernel<StateT, kRatio, true, false, false, true>;
   if constexpr (!kReplay && sizeof(StateT) == 2)
     if (single_token) kernel = decode_mtp_kernel<StateT, kRatio, false, false, true>;
-  const int form = tensor_cores ? 4 : closed_form ? 1 : single_token ? 2 : stage_first ? 3 : 0;
   static std::atomic<int> ptx_cache[kMaxDevices];
   // Per kernel form: token by token, closed form, single token, replay staged first, closed form
-  // on tensor cores.
-  static std::atomic<int> smem_cache[5][kMaxDevices];
+  // on tensor cores at six and at eight CTAs per SM.
+  static std::atomic<int> smem_cache[6][kMaxDevices];
   // sm_90 image: clusters, bulk copies and programmatic dependent launch.
   const bool hopper = info.major >= 9 && kernel_ptx_version(kernel, device, ptx_cache) >= 90;
   const int split = split_request > 0 ? split_request
@@ -156,14 +155,28 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
                                                closed_form, args.bulk_load);
   args.evict_hints = use_evict_hints(int(sizeof(StateT)), closed_form, heads, info.sm_count);
 
+  const size_t needed = shared_bytes<StateT>(args.S, split, args.buffers, kReplay, closed_form,
+                                             staged_z_bytes(closed_form, args), tensor_cores);
+  const bool tensor_core_eight =
+      tensor_cores && split == 1 &&  // (a benchmark may pin another split)
+      use_tensor_core_eight(args.S, heads, info.sm_count,
+                            kTensorCoreEightCtasPerSm * (needed + size_t(info.reserved_per_cta)) <=
+                                size_t(info.shared_per_sm));
+  if constexpr (kReplay && std::is_same_v<StateT, __nv_bfloat16>)
+    if (tensor_core_eight)
+      kernel = decode_mtp_kernel<StateT, kRatio, true, true, false, false, true, true>;
+  const int form = tensor_core_eight ? 5
+                   : tensor_cores    ? 4
+                   : closed_form     ? 1
+                   : single_token    ? 2
+                   : stage_first     ? 3
+                                     : 0;
   // A launch asks for the shared memory that spreads the CTAs of each of its waves evenly over the
   // SMs (launch_shared_bytes). That arithmetic assumes the largest carveout, and the kernel may
   // ask for up to all of an SM's shared memory.
   const size_t smem =
-      launch_shared_bytes(shared_bytes<StateT>(args.S, split, args.buffers, kReplay, closed_form,
-                                               staged_z_bytes(closed_form, args), tensor_cores),
-                          heads, split, form_ctas_per_sm(single_token), info.sm_count,
-                          size_t(info.shared_per_sm), size_t(info.reserved_per_cta));
+      launch_shared_bytes(needed, heads, split, form_ctas_per_sm(single_token, tensor_core_eight),
+                          info.sm_count, size_t(info.shared_per_sm), size_t(info.reserved_per_cta));
   GDN_RETURN_IF_ERROR(allow_dynamic_shared(kernel, device, info.shared_per_cta, smem_cache[form]));
   return launch_ex(kernel, dim3(unsigned(heads * split)), dim3(unsigned(kThreads)), smem, split,
                    hopper, stream, args, kReplay ? "replay" : "decode_mtp");

@@ -42,9 +42,11 @@
 // the closed form instead (kClosedForm, prepare_replay): the CTA solves the window's triangular
 // system once, and each row then needs n + T independent dot products and n rank-1 updates. With
 // a bf16 state and S <= 8 those are two small matrix products per warp, which run on tensor cores
-// (kTensorCores, tensor_core_rows), and that form is taken from S = 4 (use_closed_form). This
-// kernel only reads the window; a second launch saves the new tokens into it (gdn/replay/cuda.cuh),
-// so no CTA can overwrite a window row another CTA still replays.
+// (kTensorCores, tensor_core_rows), and that form is taken from S = 4 (use_closed_form); at
+// S <= 5 it has a second image at 64 registers, eight CTAs per SM, taken where that saves a wave
+// (kEightCtasPerSm, use_tensor_core_eight). This kernel only reads the window; a second launch
+// saves the new tokens into it (gdn/replay/cuda.cuh), so no CTA can overwrite a window row another
+// CTA still replays.
 //
 // Decode without drafts (S = 1) with a 16-bit state has a second form of the kernel
 // (kSingleToken): T and S compile-time 1 and 64 registers, so that eight CTAs fit an SM instead of
@@ -97,9 +99,10 @@ static_assert(kCudaMaxSpecColumns <= 32, "slot ids of a row are read by the firs
 static_assert(2 * kCudaMaxSpecColumns <= 32, "stage_gates: one lane per staged replay token");
 
 // Phase probe (builds with -DGDN_PHASE_PROBE only, read by benchmarks/probe_phases.py): thread 0
-// of every CTA stamps its SM clock at each phase of the kernel (words 0-10 of the CTA's 16) and
-// %globaltimer at the first and last (words 14, 15), as 64-bit words after the error counter (the
-// caller passes a counter with room for 16 words per CTA behind it). Other builds: nothing.
+// of every CTA stamps its SM clock at each phase of the kernel (words 0-10 of the CTA's 16, and 11
+// and 12 inside the closed form's solve) and %globaltimer at the first and last (words 14, 15), as
+// 64-bit words after the error counter (the caller passes a counter with room for 16 words per CTA
+// behind it). Other builds: nothing.
 #ifdef GDN_PHASE_PROBE
 #define GDN_PHASE(args, tid, phase)                                                        \
   do {                                                                                     \
@@ -628,29 +631,64 @@ __device__ __forceinline__ void solve_in_registers(int n, int m, int R, int tid,
   }
 }
 
+// R(j, i) = alpha_(i+1) .. alpha_j (i = -1: g_j), multiplied in token order, from the staged
+// gates: windows of any length.
+__device__ __forceinline__ float window_decay(const float* gates, int j, int i) {
+  float r = 1.0f;
+  for (int l = i + 1; l <= j; ++l) r *= gates[kClosedGateFloats * l + kGateAlpha];
+  return r;
+}
+
+// The same products for windows of up to kSolveInRegisters tokens, from the alphas held in every
+// thread's registers: unrolled multiplications (by 1 outside the range: the same bits) instead of
+// a loop whose shared-memory loads each wait for the last.
+struct WindowAlphas {
+  float a[kSolveInRegisters];
+  __device__ __forceinline__ WindowAlphas(const float* gates, int m) {
+#pragma unroll
+    for (int l = 0; l < kSolveInRegisters; ++l)
+      a[l] = l < m ? gates[kClosedGateFloats * l + kGateAlpha] : 1.0f;
+  }
+  __device__ __forceinline__ float operator()(int j, int i) const {
+    float r = 1.0f;
+#pragma unroll
+    for (int l = 0; l < kSolveInRegisters; ++l)
+      if (l > i && l <= j) r *= a[l];
+    return r;
+  }
+};
+
 // The per-CTA solve of the closed form (whole CTA, between two barriers; see above). Step 2 keeps
-// a thread's column and row in registers for windows of up to kSolveInRegisters tokens.
+// a thread's column and row in registers for windows of up to kSolveInRegisters tokens, and step 1
+// the window's alphas (WindowAlphas; the tensor-core form's windows always fit).
+template <bool kTensorCores>
 __device__ __forceinline__ void prepare_replay(int n, int m, int R, int tid, float* k_s, float* q_s,
-                                               float* gates, float* mat_s, float* v_s, float* o_s) {
+                                               float* gates, float* mat_s, float* v_s, float* o_s,
+                                               const KernelArgs& args) {
   auto gate = [&](int j, int which) -> float& { return gates[kClosedGateFloats * j + which]; };
   // 1. Decays and the token pair products.
-  for (int j = tid; j < m; j += kThreads) {
-    float g = 1.0f, cf = j < n ? 1.0f : 0.0f;
-    for (int l = 0; l <= j; ++l) g *= gate(l, kGateAlpha);
-    for (int l = j + 1; l < n; ++l) cf *= gate(l, kGateAlpha);
-    gate(j, kGateDecay) = g;
-    gate(j, kGateCheckpoint) = cf;
-  }
-  for (int e = tid; e < m * (m + 1) / 2; e += kThreads) {
-    int j, i;
-    triangle_pair(e, j, i);
-    float r = 1.0f;
-    for (int l = i + 1; l <= j; ++l) r *= gate(l, kGateAlpha);
-    const float* ki = k_s + i * kHeadDim;
-    if (i < j) mat_s[j * m + i] = gate(j, kGateBeta) * r * dot_staged(ki, k_s + j * kHeadDim, tid);
-    if (j >= n) mat_s[i * m + j] = r * dot_staged(ki, q_s + j * kHeadDim, tid);
-  }
+  const auto decays_and_pairs = [&](const auto& decay) {
+    for (int j = tid; j < m; j += kThreads) {
+      gate(j, kGateDecay) = decay(j, -1);
+      gate(j, kGateCheckpoint) = j < n ? decay(n - 1, j) : 0.0f;
+    }
+    for (int e = tid; e < m * (m + 1) / 2; e += kThreads) {
+      int j, i;
+      triangle_pair(e, j, i);
+      const float r = decay(j, i);
+      const float* ki = k_s + i * kHeadDim;
+      if (i < j)
+        mat_s[j * m + i] = gate(j, kGateBeta) * r * dot_staged(ki, k_s + j * kHeadDim, tid);
+      if (j >= n) mat_s[i * m + j] = r * dot_staged(ki, q_s + j * kHeadDim, tid);
+    }
+  };
+  static_assert(2 * kTensorCoreMaxS <= kSolveInRegisters, "tensor cores: m <= 2 kTensorCoreMaxS");
+  if (kTensorCores || m <= kSolveInRegisters)
+    decays_and_pairs(WindowAlphas(gates, m));
+  else
+    decays_and_pairs([&](int j, int i) { return window_decay(gates, j, i); });
   __syncthreads();
+  GDN_PHASE(args, tid, 11);
   // 2. kt and qt of column tid, vt and ot of row tid (< R: a split head's CTA has fewer rows),
   //    token by token. Every thread reads and writes only its own column and row. kt_j replaces
   //    k_j in k_s; a replayed token's raw k_j moves to its unused q_s row for the checkpoint.
@@ -660,6 +698,7 @@ __device__ __forceinline__ void prepare_replay(int n, int m, int R, int tid, flo
   else
     solve_in_shared(n, m, R, tid, k_s, q_s, gates, mat_s, v_s, o_s);
   __syncthreads();
+  GDN_PHASE(args, tid, 12);
 }
 
 // Closed form on tensor cores (kTensorCores: a bf16 state, windows of up to kTensorCoreMaxS
@@ -929,11 +968,14 @@ struct TokenArgs {
 // the slice's first chunks (the launcher's use_replay_stage_first), a kernel image of its own so
 // that the image the other batches take keeps its code.
 // kTensorCores: the closed form's rows phase on tensor cores (a bf16 state, S <= kTensorCoreMaxS;
-// the launcher's use_tensor_cores).
+// the launcher's tensor_core_image and use_closed_form). kEightCtasPerSm: its image at eight CTAs
+// per SM (use_tensor_core_eight).
 template <class StateT, int kRatio, bool kReplay, bool kClosedForm = false,
-          bool kSingleToken = false, bool kStageFirst = false, bool kTensorCores = false>
-__global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken))
+          bool kSingleToken = false, bool kStageFirst = false, bool kTensorCores = false,
+          bool kEightCtasPerSm = false>
+__global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEightCtasPerSm))
     decode_mtp_kernel(const __grid_constant__ KernelArgs args) {
+  static_assert(!kEightCtasPerSm || kTensorCores, "eight CTAs per SM: the tensor-core form");
   static_assert(!kSingleToken || (!kReplay && sizeof(StateT) == 2),
                 "the single-token form is write-all with a 16-bit state");
   static_assert(!kStageFirst || (kReplay && !kClosedForm && sizeof(StateT) == 2),
@@ -1219,8 +1261,9 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken))
       return;
     }
     if constexpr (closed_form)
-      prepare_replay(n_replay, tokens, R, tid, k_s, q_s, gates_s, mat_s, v_s,
-                     v_s + n_replay * R);  // ot (then o) in the new tokens' rows of v (SmemPlan)
+      prepare_replay<kTensorCores>(n_replay, tokens, R, tid, k_s, q_s, gates_s, mat_s, v_s,
+                                   v_s + n_replay * R,
+                                   args);  // ot (then o) in the new tokens' rows of v (SmemPlan)
   }
   // Tensor cores: the lane's checkpoint coefficient c_g (token lane / 4 < n) and the checkpoint's
   // decay, read before the fragments overwrite the gates.

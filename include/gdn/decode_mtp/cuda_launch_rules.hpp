@@ -34,11 +34,24 @@ inline constexpr int kMinCtasPerSm = 6;
 inline constexpr int kSingleTokenCtasPerSm = 8;
 inline constexpr int kSingleTokenBuffers = 3;
 
+// The closed form on tensor cores with windows of up to kTensorCoreEightMaxS columns, whose shared
+// memory fits eight CTAs per SM, has an image at a register budget of 64 for eight (the kernel's
+// kEightCtasPerSm; use_tensor_core_eight says when).
+inline constexpr int kTensorCoreEightCtasPerSm = 8;
+
 // CTAs per SM that a kernel form's register budget allows (its __launch_bounds__). The closed
-// form on tensor cores keeps six: seven gained nothing, eight (spilling) was 2-12 % slower at
-// S >= 6 (benchmarks/results/replay_tensor_cores_h200.json, run 3).
-GDN_HOST_DEVICE constexpr int form_ctas_per_sm(bool single_token) {
-  return single_token ? kSingleTokenCtasPerSm : kMinCtasPerSm;
+// form on tensor cores otherwise keeps six: seven gained nothing, eight (spilling) was 2-12 %
+// slower at S >= 6 (benchmarks/results/replay_tensor_cores_h200.json, run 3).
+GDN_HOST_DEVICE constexpr int form_ctas_per_sm(bool single_token, bool tensor_core_eight = false) {
+  return single_token        ? kSingleTokenCtasPerSm
+         : tensor_core_eight ? kTensorCoreEightCtasPerSm
+                             : kMinCtasPerSm;
+}
+
+// Waves of a launch of `ctas` CTAs at `ctas_per_sm` per SM.
+inline int64_t launch_waves(int64_t ctas, int sm_count, int ctas_per_sm) {
+  const int64_t slots = int64_t(ctas_per_sm) * sm_count;
+  return (ctas + slots - 1) / slots;
 }
 
 // Chunk buffers per CTA. Write-all: a 16-bit slice keeps one per chunk. An fp32 slice streams its
@@ -152,11 +165,25 @@ inline bool use_single_token(int state_bytes, bool replay, int S, int64_t heads,
   if (replay || state_bytes != 2 || S != 1 || !fits ||
       heads > kSingleTokenMaxHeadsPerSm * int64_t(sm_count))
     return false;
-  const auto waves = [&](int ctas_per_sm) {
-    const int64_t slots = int64_t(ctas_per_sm) * sm_count;
-    return (heads + slots - 1) / slots;
-  };
-  return waves(kSingleTokenCtasPerSm) < waves(kMinCtasPerSm);
+  return launch_waves(heads, sm_count, kSingleTokenCtasPerSm) <
+         launch_waves(heads, sm_count, kMinCtasPerSm);
+}
+
+// The tensor-core closed form's image at eight CTAs per SM (kTensorCoreEightCtasPerSm; its 64
+// registers spill a few bytes) for windows of up to kTensorCoreEightMaxS columns, where shared
+// memory fits eight (`fits`) and they take fewer waves than six, up to
+// kTensorCoreEightMaxHeadsPerSm heads per SM (H200, bf16, against six per SM: TP1 S = 4 and 5,
+// B = 32 (7.75 heads per SM) 7-8 %, B = 64 3-4 %, B = 128 1.6-2.1 % faster; TP4 B = 128 (7.75)
+// 9-11 %, B = 512 (31) 1.4-4.2 %; at 124 heads per SM -0.4..+1.8 %; S >= 6 2-12 % slower;
+// benchmarks/results/replay_tensor_cores_h200.json, run 3).
+inline constexpr int kTensorCoreEightMaxS = 5;
+inline constexpr int kTensorCoreEightMaxHeadsPerSm = 32;
+inline bool use_tensor_core_eight(int S, int64_t heads, int sm_count, bool fits) {
+  if (S > kTensorCoreEightMaxS || !fits ||
+      heads > kTensorCoreEightMaxHeadsPerSm * int64_t(sm_count))
+    return false;
+  return launch_waves(heads, sm_count, kTensorCoreEightCtasPerSm) <
+         launch_waves(heads, sm_count, kMinCtasPerSm);
 }
 
 // Token-by-token replay of a 16-bit state stages its tokens before the slice's first chunks (the
