@@ -12,6 +12,19 @@ namespace gdn {
 // units; one such unit covers the rounding).
 inline constexpr size_t kSharedAllocationUnit = 128;
 
+// CTAs of `needed` bytes of dynamic shared memory that an SM's `shared_per_sm` bytes hold, the
+// runtime reserving `reserved_per_cta` bytes per CTA.
+inline int64_t shared_memory_resident(size_t needed, size_t shared_per_sm,
+                                      size_t reserved_per_cta) {
+  return int64_t(shared_per_sm / (needed + reserved_per_cta));
+}
+
+// Waves of a launch of `ctas` CTAs at `ctas_per_sm` per SM.
+inline int64_t launch_waves(int64_t ctas, int sm_count, int64_t ctas_per_sm) {
+  const int64_t per_wave = ctas_per_sm * sm_count;
+  return (ctas + per_wave - 1) / per_wave;
+}
+
 // The hardware does not spread a launch's CTAs evenly over the SMs when there are fewer than the
 // SMs hold at once: it fills some SMs to the kernel's occupancy and leaves others nearly empty,
 // and the launch lasts as long as its fullest SMs (H200, 512 CTAs of a kernel that fits six per
@@ -33,11 +46,10 @@ inline size_t even_share_shared_bytes(size_t needed, int64_t ctas, int sm_count,
                                       size_t shared_per_sm, size_t reserved_per_cta,
                                       int max_resident) {
   if (ctas <= 0 || sm_count <= 0 || shared_per_sm == 0) return needed;
-  const int64_t fit = int64_t(shared_per_sm / (needed + reserved_per_cta));
+  const int64_t fit = shared_memory_resident(needed, shared_per_sm, reserved_per_cta);
   const int64_t resident = fit < max_resident ? fit : int64_t(max_resident);
   if (resident <= 0) return needed;
-  const int64_t per_wave = resident * sm_count;
-  const int64_t waves = (ctas + per_wave - 1) / per_wave;
+  const int64_t waves = launch_waves(ctas, sm_count, resident);
   const int64_t share = (ctas + waves * sm_count - 1) / (waves * sm_count);
   if (share >= resident) return needed;
   const size_t slice = shared_per_sm / size_t(share + 1);  // share + 1 CTAs must not fit

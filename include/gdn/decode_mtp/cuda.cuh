@@ -114,12 +114,14 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
   const bool closed_form = kReplay && use_closed_form(args.S, heads, info.sm_count,
                                                       int(sizeof(StateT)), tensor_core_state);
   const bool tensor_cores = closed_form && tensor_core_state;
-  // The form's shared memory, and what the runtime reserves per CTA, eight times over.
-  const size_t single_token_smem = shared_bytes<StateT>(1, 1, kSingleTokenBuffers, false, false);
-  const bool single_token = use_single_token(
-      int(sizeof(StateT)), kReplay, args.S, heads, info.sm_count,
-      kSingleTokenCtasPerSm * (single_token_smem + size_t(info.reserved_per_cta)) <=
-          size_t(info.shared_per_sm));
+  // CTAs of `bytes` of dynamic shared memory that an SM holds.
+  const auto resident = [&](size_t bytes) {
+    return shared_memory_resident(bytes, size_t(info.shared_per_sm), size_t(info.reserved_per_cta));
+  };
+  const bool single_token =
+      use_single_token(int(sizeof(StateT)), kReplay, args.S, heads, info.sm_count,
+                       resident(shared_bytes<StateT>(1, 1, kSingleTokenBuffers, false, false)) >=
+                           kSingleTokenCtasPerSm);
   const bool stage_first =
       kReplay && use_replay_stage_first(int(sizeof(StateT)), closed_form, heads, info.sm_count);
   auto kernel = decode_mtp_kernel<StateT, kRatio, kReplay, false>;
@@ -160,8 +162,7 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
   const bool tensor_core_eight =
       tensor_cores && split == 1 &&  // (a benchmark may pin another split)
       use_tensor_core_eight(args.S, heads, info.sm_count,
-                            kTensorCoreEightCtasPerSm * (needed + size_t(info.reserved_per_cta)) <=
-                                size_t(info.shared_per_sm));
+                            resident(needed) >= kTensorCoreEightCtasPerSm);
   if constexpr (kReplay && std::is_same_v<StateT, __nv_bfloat16>)
     if (tensor_core_eight)
       kernel = decode_mtp_kernel<StateT, kRatio, true, true, false, false, true, true>;

@@ -48,12 +48,6 @@ GDN_HOST_DEVICE constexpr int form_ctas_per_sm(bool single_token, bool tensor_co
                              : kMinCtasPerSm;
 }
 
-// Waves of a launch of `ctas` CTAs at `ctas_per_sm` per SM.
-inline int64_t launch_waves(int64_t ctas, int sm_count, int ctas_per_sm) {
-  const int64_t slots = int64_t(ctas_per_sm) * sm_count;
-  return (ctas + slots - 1) / slots;
-}
-
 // Chunk buffers per CTA. Write-all: a 16-bit slice keeps one per chunk. An fp32 slice streams its
 // 4 chunks through 3 (4 CTAs fit an SM instead of 3), except for small batches (fewer than 4 heads
 // per SM), where 2 buffers measured faster at T > 1 (H200, benchmarks/results/tuning_v2.json:
