@@ -10,7 +10,9 @@
 #     benchmarks/profile_source.sh
 #
 # Environment: OUT (default ./profile_out), JOBS (16), GDN_CUDA_ARCHITECTURES (90a), CONFIGS
-# (';'-separated NAME=profile_decode_mtp.py arguments), SKIP_BUILD (1: use build/gpu as it is).
+# (';'-separated NAME=profile_decode_mtp.py arguments), SKIP_BUILD (1: use build/gpu as it is),
+# EXTRA_SECTIONS (more ncu sections, e.g. "ComputeWorkloadAnalysis MemoryWorkloadAnalysis_Tables"
+# for the pipes' and shared memory's utilisation).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -27,6 +29,8 @@ if [ "${SKIP_BUILD:-0}" != 1 ]; then
 fi
 export PYTHONPATH=$BUILD/pkg${PYTHONPATH:+:$PYTHONPATH}
 IFS=';' read -r -a cfgs <<< "$CONFIGS"
+extra=()
+for sec in ${EXTRA_SECTIONS:-}; do extra+=(--section "$sec"); done
 for entry in "${cfgs[@]}"; do
   name=${entry%%=*}
   args=${entry#*=}
@@ -35,7 +39,7 @@ for entry in "${cfgs[@]}"; do
   # shellcheck disable=SC2086
   timeout 120 ncu --clock-control none -k regex:decode_mtp_kernel --launch-skip 2 --launch-count 1 --import-source yes \
     --section SourceCounters --section SpeedOfLight --section LaunchStats --section Occupancy \
-    --section WarpStateStats --section SchedulerStats -f -o "$rep" \
+    --section WarpStateStats --section SchedulerStats "${extra[@]}" -f -o "$rep" \
     python3 benchmarks/profile_decode_mtp.py $args 2>&1 | grep -vE "^==PROF==|^\s*$" | tail -3
   ncu -i "$rep.ncu-rep" --page source --print-source sass --csv > "$OUT/src_$name.csv" 2>&1
   ncu -i "$rep.ncu-rep" --page source --print-source cuda,sass --csv > "$OUT/srcmix_$name.csv" 2>&1

@@ -536,7 +536,7 @@ __device__ __forceinline__ float dot_staged(const float* x, const float* y, int 
 }
 
 // prepare_replay's step 2 for any window (m <= 2S tokens): kt and vt through shared memory.
-__device__ __forceinline__ void solve_in_shared(int n, int m, int R, int tid, float* k_s,
+__device__ __forceinline__ void solve_in_shared(int n, int m, int R, int vs, int tid, float* k_s,
                                                 float* q_s, const float* gates, const float* mat_s,
                                                 float* v_s, float* o_s) {
   auto gate = [&](int j, int which) { return gates[kClosedGateFloats * j + which]; };
@@ -550,13 +550,13 @@ __device__ __forceinline__ void solve_in_shared(int n, int m, int R, int tid, fl
     for (int j = 0; j < m; ++j) {
       const float* lj = mat_s + j * m;
       const float beta = gate(j, kGateBeta), k = kt_col[j * kHeadDim];
-      float kt = beta * gate(j, kGateDecay) * k, vt = beta * v_col[j * R];
+      float kt = beta * gate(j, kGateDecay) * k, vt = beta * v_col[j * vs];
       for (int i = 0; i < j; ++i) {
         kt = fmaf(-lj[i], kt_col[i * kHeadDim], kt);
-        vt = fmaf(-lj[i], v_col[i * R], vt);
+        vt = fmaf(-lj[i], v_col[i * vs], vt);
       }
       kt_col[j * kHeadDim] = kt;
-      v_col[j * R] = vt;
+      v_col[j * vs] = vt;
       if (j < n) q_col[j * kHeadDim] = k;
     }
   } else {  // columns only
@@ -576,10 +576,10 @@ __device__ __forceinline__ void solve_in_shared(int n, int m, int R, int tid, fl
     for (int i = 0; i <= j; ++i) {
       const float qij = mat_s[i * m + j];
       qt = fmaf(-qij, kt_col[i * kHeadDim], qt);
-      if (row) ot = fmaf(qij, v_col[i * R], ot);
+      if (row) ot = fmaf(qij, v_col[i * vs], ot);
     }
     q_col[j * kHeadDim] = qt;
-    if (row) o_s[(j - n) * R + tid] = ot;
+    if (row) o_s[(j - n) * vs + tid] = ot;
   }
 }
 
@@ -588,7 +588,7 @@ __device__ __forceinline__ void solve_in_shared(int n, int m, int R, int tid, fl
 // unrolled FMAs on registers (one shared load of L' or Q each) instead of a loop of shared-memory
 // round trips. Same operations in the same order as solve_in_shared (the same bits).
 inline constexpr int kSolveInRegisters = 16;
-__device__ __forceinline__ void solve_in_registers(int n, int m, int R, int tid, float* k_s,
+__device__ __forceinline__ void solve_in_registers(int n, int m, int R, int vs, int tid, float* k_s,
                                                    float* q_s, const float* gates,
                                                    const float* mat_s, float* v_s, float* o_s) {
   auto gate = [&](int j, int which) { return gates[kClosedGateFloats * j + which]; };
@@ -602,7 +602,7 @@ __device__ __forceinline__ void solve_in_registers(int n, int m, int R, int tid,
     if (j >= m) break;  // uniform over the CTA
     const float* lj = mat_s + j * m;
     const float beta = gate(j, kGateBeta), k = kt_col[j * kHeadDim];
-    float a = beta * gate(j, kGateDecay) * k, b = row ? beta * v_col[j * R] : 0.0f;
+    float a = beta * gate(j, kGateDecay) * k, b = row ? beta * v_col[j * vs] : 0.0f;
 #pragma unroll
     for (int i = 0; i < j; ++i) {
       const float l = lj[i];
@@ -612,7 +612,7 @@ __device__ __forceinline__ void solve_in_registers(int n, int m, int R, int tid,
     kt[j] = a;
     vt[j] = b;
     kt_col[j * kHeadDim] = a;
-    if (row) v_col[j * R] = b;
+    if (row) v_col[j * vs] = b;
     if (j < n) q_col[j * kHeadDim] = k;
   }
 #pragma unroll
@@ -627,7 +627,7 @@ __device__ __forceinline__ void solve_in_registers(int n, int m, int R, int tid,
       ot = fmaf(qij, vt[i], ot);
     }
     q_col[j * kHeadDim] = qt;
-    if (row) o_s[(j - n) * R + tid] = ot;
+    if (row) o_s[(j - n) * vs + tid] = ot;
   }
 }
 
@@ -662,9 +662,9 @@ struct WindowAlphas {
 // a thread's column and row in registers for windows of up to kSolveInRegisters tokens, and step 1
 // the window's alphas (WindowAlphas; the tensor-core form's windows always fit).
 template <bool kTensorCores>
-__device__ __forceinline__ void prepare_replay(int n, int m, int R, int tid, float* k_s, float* q_s,
-                                               float* gates, float* mat_s, float* v_s, float* o_s,
-                                               const KernelArgs& args) {
+__device__ __forceinline__ void prepare_replay(int n, int m, int R, int vs, int tid, float* k_s,
+                                               float* q_s, float* gates, float* mat_s, float* v_s,
+                                               float* o_s, const KernelArgs& args) {
   auto gate = [&](int j, int which) -> float& { return gates[kClosedGateFloats * j + which]; };
   // 1. Decays and the token pair products.
   const auto decays_and_pairs = [&](const auto& decay) {
@@ -694,9 +694,9 @@ __device__ __forceinline__ void prepare_replay(int n, int m, int R, int tid, flo
   //    k_j in k_s; a replayed token's raw k_j moves to its unused q_s row for the checkpoint.
   static_assert(kThreads == kHeadDim, "one thread per column");
   if (m <= kSolveInRegisters)
-    solve_in_registers(n, m, R, tid, k_s, q_s, gates, mat_s, v_s, o_s);
+    solve_in_registers(n, m, R, vs, tid, k_s, q_s, gates, mat_s, v_s, o_s);
   else
-    solve_in_shared(n, m, R, tid, k_s, q_s, gates, mat_s, v_s, o_s);
+    solve_in_shared(n, m, R, vs, tid, k_s, q_s, gates, mat_s, v_s, o_s);
   __syncthreads();
   GDN_PHASE(args, tid, 12);
 }
@@ -711,9 +711,14 @@ __device__ __forceinline__ void prepare_replay(int n, int m, int R, int tid, flo
 // at once GEMM1's B fragments (k-tile 2 b + h: registers 2h, 2h + 1 of word b), GEMM2's
 // accumulators (n-tile pair 2 b + h: the same registers) and whole 16-byte loads and stores of the
 // row. GEMM2 takes M = 16 as the warp's 8 rows twice, A = diag(W, W), so that one mma advances 16
-// columns of them.
+// columns of them. A window of at most 8 tokens (m <= kTensorCorePackedTokens, every S = 4 launch)
+// packs GEMM1's A as [hi; lo] of its tokens, M = 16 = 8 tokens x 2 parts, so that one mma chain
+// (and one fragment load per k-tile) makes both parts' sums, which otherwise take two chains half
+// of whose rows are padding (tensor_core_packed).
+inline constexpr int kTensorCorePackedTokens = 8;
+__device__ __forceinline__ bool tensor_core_packed(int m) { return m <= kTensorCorePackedTokens; }
 struct TensorCoreFrags {     // in shared memory, built once per CTA after the solve
-  uint32_t a1[2][8][32][4];  // GEMM1 A (tokens x K): hi, lo; [k-tile][lane]
+  uint32_t a1[2][8][32][4];  // GEMM1 A (tokens x K): hi, lo (packed: [hi; lo] in a1[0]); [kt][lane]
   uint32_t b2[2][8][32][2];  // GEMM2 B (2 x 8 tokens x 8 columns): hi, lo; [n-tile pair][lane]
 };
 
@@ -753,6 +758,7 @@ __device__ __forceinline__ int tc_gemm1_col(int kt, int t, int pair) {
 __device__ __forceinline__ void build_tensor_core_frags(int n, int m, int tid, const float* k_s,
                                                         const float* q_s, TensorCoreFrags* frags) {
   static_assert(8 * 32 == 2 * kThreads, "two fragment entries per thread");
+  const bool packed = tensor_core_packed(m);
   float2 a1[2][4];  // [entry][register]
   float b2[2][2][2];
 #pragma unroll
@@ -760,7 +766,7 @@ __device__ __forceinline__ void build_tensor_core_frags(int n, int m, int tid, c
     const int e = tid + kThreads * it, kt = e >> 5, g = (e >> 2) & 7, t = e & 3;
 #pragma unroll
     for (int r = 0; r < 4; ++r) {  // a0: (g, pair 0), a1: (g + 8, 0), a2: (g, 1), a3: (g + 8, 1)
-      const int tok = g + 8 * (r & 1);
+      const int tok = g + 8 * (r & 1);  // packed (m <= 8): a1 and a3 are padding
       const float* vec = (tok < n ? k_s : q_s) + tok * kHeadDim;  // kt_j or qt_j
       a1[it][r] = tok < m ? *reinterpret_cast<const float2*>(vec + tc_gemm1_col(kt, t, r >> 1))
                           : make_float2(0.0f, 0.0f);
@@ -786,10 +792,15 @@ __device__ __forceinline__ void build_tensor_core_frags(int n, int m, int tid, c
     uint32_t hi[4], lo[4];
 #pragma unroll
     for (int r = 0; r < 4; ++r) split_bf16_pair(a1[it][r].x, a1[it][r].y, hi[r], lo[r]);
-    *reinterpret_cast<uint4*>(frags->a1[0][e >> 5][e & 31]) =
-        make_uint4(hi[0], hi[1], hi[2], hi[3]);
-    *reinterpret_cast<uint4*>(frags->a1[1][e >> 5][e & 31]) =
-        make_uint4(lo[0], lo[1], lo[2], lo[3]);
+    if (packed) {  // rows g (hi) and g + 8 (lo) of token g: registers a0, a1 pair 0, a2, a3 pair 1
+      *reinterpret_cast<uint4*>(frags->a1[0][e >> 5][e & 31]) =
+          make_uint4(hi[0], lo[0], hi[2], lo[2]);
+    } else {
+      *reinterpret_cast<uint4*>(frags->a1[0][e >> 5][e & 31]) =
+          make_uint4(hi[0], hi[1], hi[2], hi[3]);
+      *reinterpret_cast<uint4*>(frags->a1[1][e >> 5][e & 31]) =
+          make_uint4(lo[0], lo[1], lo[2], lo[3]);
+    }
   }
 #pragma unroll
   for (int it = 0; it < 2; ++it) {
@@ -805,24 +816,42 @@ __device__ __forceinline__ void build_tensor_core_frags(int n, int m, int tid, c
 }
 
 // The rows phase of a warp's group of 8 rows on tensor cores. p: the lane's words of row lane / 4
-// (bf16); v_g: v_s at the group's first row (row stride 1, token stride R). Leaves in v_s what
+// (bf16); v_g: v_s at the group's first row (row stride 1, token stride vs). Leaves in v_s what
 // the FMA form leaves: w_i = c_i (vt_i - P_i) for i < n, o_j = ot_j + P_j (rounded as the output
 // when round_output) for n <= j < m; then p = the advanced checkpoint rows (n > 0).
 __device__ __forceinline__ void tensor_core_rows(uint4 (&p)[4], const TensorCoreFrags* frags,
-                                                 float* v_g, int R, int n, int m, float coef,
+                                                 float* v_g, int vs, int n, int m, float coef,
                                                  float decay, const KernelArgs& args, int lane) {
   const int g = lane >> 2, t = lane & 3;
-  // GEMM1: D [token][row] (tokens g, g + 8; rows 2t, 2t + 1 of the group), hi and lo chains.
-  float d[2][4] = {};
+  // GEMM1: D [token][row] (tokens g, g + 8; rows 2t, 2t + 1 of the group), hi and lo chains;
+  // packed: one chain, D [part][row] (hi of token g, then its lo), and dot[r] of r < 2 only.
+  float dot[4];
+  if (tensor_core_packed(m)) {
+    float d[4] = {};
 #pragma unroll
-  for (int kt = 0; kt < 8; ++kt) {
-    const uint4 ah = *reinterpret_cast<const uint4*>(frags->a1[0][kt][lane]);
-    const uint4 al = *reinterpret_cast<const uint4*>(frags->a1[1][kt][lane]);
-    const uint32_t afh[4] = {ah.x, ah.y, ah.z, ah.w}, afl[4] = {al.x, al.y, al.z, al.w};
-    const uint4 s = p[kt >> 1];
-    const uint32_t b0 = (kt & 1) ? s.z : s.x, b1 = (kt & 1) ? s.w : s.y;
-    mma_bf16(d[0], afh, b0, b1);
-    mma_bf16(d[1], afl, b0, b1);
+    for (int kt = 0; kt < 8; ++kt) {
+      const uint4 a = *reinterpret_cast<const uint4*>(frags->a1[0][kt][lane]);
+      const uint32_t af[4] = {a.x, a.y, a.z, a.w};
+      const uint4 s = p[kt >> 1];
+      mma_bf16(d, af, (kt & 1) ? s.z : s.x, (kt & 1) ? s.w : s.y);
+    }
+    dot[0] = d[0] + d[2];
+    dot[1] = d[1] + d[3];
+    dot[2] = dot[3] = 0.0f;  // token g + 8 >= m
+  } else {
+    float d[2][4] = {};
+#pragma unroll
+    for (int kt = 0; kt < 8; ++kt) {
+      const uint4 ah = *reinterpret_cast<const uint4*>(frags->a1[0][kt][lane]);
+      const uint4 al = *reinterpret_cast<const uint4*>(frags->a1[1][kt][lane]);
+      const uint32_t afh[4] = {ah.x, ah.y, ah.z, ah.w}, afl[4] = {al.x, al.y, al.z, al.w};
+      const uint4 s = p[kt >> 1];
+      const uint32_t b0 = (kt & 1) ? s.z : s.x, b1 = (kt & 1) ? s.w : s.y;
+      mma_bf16(d[0], afh, b0, b1);
+      mma_bf16(d[1], afl, b0, b1);
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) dot[r] = d[0][r] + d[1][r];
   }
   // Epilogue: token g's coefficient (g < n; coef = its c_g) or output (g >= n), and token g + 8's
   // output.
@@ -830,12 +859,11 @@ __device__ __forceinline__ void tensor_core_rows(uint4 (&p)[4], const TensorCore
   for (int r = 0; r < 4; ++r) {
     const int tok = g + 8 * (r >> 1), row = 2 * t + (r & 1);
     if (tok >= m) continue;
-    float& x = v_g[tok * R + row];
-    const float dot = d[0][r] + d[1][r];
+    float& x = v_g[tok * vs + row];
     if (tok < n) {
-      x = coef * (x - dot);
+      x = coef * (x - dot[r]);
     } else {
-      float o = x + dot;
+      float o = x + dot[r];
       if (args.round_core_output) o = dev::round_to(args.out_dtype, o);
       x = o;
     }
@@ -843,8 +871,8 @@ __device__ __forceinline__ void tensor_core_rows(uint4 (&p)[4], const TensorCore
   if (n == 0) return;  // nothing replayed: the checkpoint is not stored
   __syncwarp();        // every lane's coefficients of the group's rows
   // GEMM2 A = diag(W, W): W [row g][tokens 2t, 2t + 1], hi and lo.
-  const float w0 = 2 * t < n ? v_g[2 * t * R + g] : 0.0f;
-  const float w1 = 2 * t + 1 < n ? v_g[(2 * t + 1) * R + g] : 0.0f;
+  const float w0 = 2 * t < n ? v_g[2 * t * vs + g] : 0.0f;
+  const float w1 = 2 * t + 1 < n ? v_g[(2 * t + 1) * vs + g] : 0.0f;
   uint32_t wh, wl;
   split_bf16_pair(w0, w1, wh, wl);
   const uint32_t awh[4] = {wh, 0u, 0u, wh}, awl[4] = {wl, 0u, 0u, wl};
@@ -914,9 +942,14 @@ __host__ __device__ constexpr int staged_z_bytes(bool closed_form, const KernelA
 // per-token arrays come first, at offsets of S and R alone, and the state tile last: the token
 // loop recomputes these addresses rather than hold them in registers, and then they cost a few
 // integer instructions instead of the tile's size.
+inline constexpr int kClosedFormVPad = 4;  // 2-way at most (v_s's epilogue, W loads: none)
 struct SmemPlan {
   int rows_per_chunk, chunks, buffers;
   int bars, meta, k, q, gates, mat, v, o, z, ss, rstd, w, tile, total;
+  // Token stride of v_s (floats). The closed form pads its rows by kClosedFormVPad: its rows
+  // phase reads and writes v_s by (token, row) across a warp (tokens lane / 4 or lane % 4), which
+  // at a stride of R = 128 all fall in the same banks.
+  int v_stride;
   // z_bytes: the size of a staged z value. The closed form stages z's raw bits (2 bytes for a
   // 16-bit z) and applies act(z) at the output; the other forms stage act(z) as fp32 (4).
   __host__ __device__ SmemPlan(int S, int R, int state_bytes, int max_buffers, bool replay,
@@ -932,13 +965,14 @@ struct SmemPlan {
     q = k + staged * kHeadDim * 4;      // float [q_rows][128]
     gates = q + q_rows * kHeadDim * 4;  // float [staged][gate_floats(replay, closed_form)]
     mat = gates + staged * gate_floats(replay, closed_form) * 4;  // float [m][m], m <= staged
-    v = mat + (closed_form ? staged * staged * 4 : 0);            // float [staged][R]
+    v = mat + (closed_form ? staged * staged * 4 : 0);            // float [staged][v_stride]
     // On tensor cores the fragments replace k, q, gates and mat once the solve is done.
     const int frags_end = k + int(sizeof(TensorCoreFrags));
     if (tensor_cores && v < frags_end) v = frags_end;
     // Core output o [S][R]. The closed form keeps it in v's rows n .. n + T - 1 instead (the new
     // tokens' vt are dead once the solve has turned them into ot): no array of its own.
-    o = v + staged * R * 4;
+    v_stride = closed_form ? R + kClosedFormVPad : R;
+    o = v + staged * v_stride * 4;
     z = o + (closed_form ? 0 : S * R * 4);  // [S][R] act(z) (fp32), or z's raw bits (closed form)
     ss = z + S * R * z_bytes;               // float [S][16] group partials of o^2
     rstd = ss + S * kGroupsPerHead * 4;     // float [S]
@@ -1011,6 +1045,8 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
   float* ss_s = reinterpret_cast<float*>(smem + plan.ss);
   float* rstd_s = reinterpret_cast<float*>(smem + plan.rstd);
   float* w_s = reinterpret_cast<float*>(smem + plan.w);
+  const int v_stride = plan.v_stride;               // token stride of v_s
+  const int o_stride = closed_form ? v_stride : R;  // ... and of o_s (the closed form's is in v_s)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int rank = int(blockIdx.x & unsigned(split - 1));
@@ -1096,7 +1132,7 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
   // the loop lengthens its tail; H200, benchmarks/results/norm_partials_h200.json).
   auto push_partial = [&](int t, int g) {
     float* part = ss_s + t * kGroupsPerHead + rank * groups + g;
-    const float sq = group_sum_sq(o_s + t * R + g * kRowsPerGroup);
+    const float sq = group_sum_sq(o_s + t * o_stride + g * kRowsPerGroup);
     *part = sq;
     if (clustered)
       for (int copy = 1; copy < split; ++copy) {
@@ -1215,7 +1251,7 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
     stage_token<kReplay && !closed_form>(
         args, bits, t < n_replay, R, lane,
         t < n_replay ? nullptr : q_s + (closed_form ? t : t - n_replay) * kHeadDim,
-        k_s + t * kHeadDim, v_s + t * R, gates_s + kGateFloats * t);
+        k_s + t * kHeadDim, v_s + t * v_stride, gates_s + kGateFloats * t);
   };
   if constexpr (kActivationsFirst) {
     constexpr int kAhead = 2;  // tokens per warp loaded before the chunks go out
@@ -1238,7 +1274,7 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
       load_and_stage_token<kReplay, kReplay && !closed_form>(
           args, t, n_replay, c0, source, h, hv, row0, R, lane,
           t < n_replay ? nullptr : q_s + (closed_form ? t : t - n_replay) * kHeadDim,
-          k_s + t * kHeadDim, v_s + t * R, gates_s + kGateFloats * t);
+          k_s + t * kHeadDim, v_s + t * v_stride, gates_s + kGateFloats * t);
   }
   if (gate_lane) stage_gates(args, gate_bits, gates_s + kGateFloats * lane);
   stage_z(tid, z_bits);
@@ -1261,8 +1297,8 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
       return;
     }
     if constexpr (closed_form)
-      prepare_replay<kTensorCores>(n_replay, tokens, R, tid, k_s, q_s, gates_s, mat_s, v_s,
-                                   v_s + n_replay * R,
+      prepare_replay<kTensorCores>(n_replay, tokens, R, v_stride, tid, k_s, q_s, gates_s, mat_s,
+                                   v_s, v_s + n_replay * v_stride,
                                    args);  // ot (then o) in the new tokens' rows of v (SmemPlan)
   }
   // Tensor cores: the lane's checkpoint coefficient c_g (token lane / 4 < n) and the checkpoint's
@@ -1300,9 +1336,17 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
       if constexpr (kTensorCores) {
         const StateT* row =
             tile + buf * chunk_elems + (warp * kRowsPerGroup + lane_row(lane)) * kHeadDim;
+        // The 8 rows of a load are 256 bytes apart (same banks): odd rows read their words in the
+        // order 1, 0, 3, 2, so that each load covers all 32 banks (no 2-way conflict).
+        const bool odd = lane_row(lane) & 1;
 #pragma unroll
-        for (int b = 0; b < 4; ++b)
-          tc_words[b] = *reinterpret_cast<const uint4*>(row + 32 * b + 8 * (lane & 3));
+        for (int h = 0; h < 2; ++h) {  // words 2h and 2h + 1
+          const StateT* at = row + 64 * h + 8 * (lane & 3);
+          const uint4 first = *reinterpret_cast<const uint4*>(at + (odd ? 32 : 0));
+          const uint4 second = *reinterpret_cast<const uint4*>(at + (odd ? 0 : 32));
+          tc_words[2 * h] = odd ? second : first;
+          tc_words[2 * h + 1] = odd ? first : second;
+        }
       } else {
         const StateT* rows =
             tile + buf * chunk_elems + (warp * kRowsPerGroup + Rows::first_row(lane)) * kHeadDim;
@@ -1400,8 +1444,8 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
           o_t += R;
         }
       } else if constexpr (kTensorCores) {
-        tensor_core_rows(tc_words, reinterpret_cast<const TensorCoreFrags*>(k_s), v_s + grow, R,
-                         n_replay, tokens, tc_coef, tc_decay, args, lane);
+        tensor_core_rows(tc_words, reinterpret_cast<const TensorCoreFrags*>(k_s), v_s + grow,
+                         v_stride, n_replay, tokens, tc_coef, tc_decay, args, lane);
         if (n_replay > 0 && args.state_vector) {
           // The group's rows to the checkpoint. Quads g and g ^ 1 swap a word per half row, so
           // that each warp store covers 128 bytes of each of 4 rows rather than 64 of 8 (H200,
@@ -1465,12 +1509,12 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
           const float dot = transpose_sum(p, lane);
           const int d = b + (lane & 3);
           if (d < n_replay) {  // w = vt - s . kt, times R(n-1, d): the checkpoint coefficient
-            float& vt = v_s[d * R + my_row];
+            float& vt = v_s[d * v_stride + my_row];
             vt = gates_s[kClosedGateFloats * d + kGateCheckpoint] * (vt - dot);
           }
           if (d >= n_replay && d < dots) {  // token d: lanes d & 3 + 4p; o_d replaces ot_d in
                                             // v's row d (SmemPlan)
-            float& o_d = v_s[d * R + my_row];
+            float& o_d = v_s[d * v_stride + my_row];
             float o = o_d + dot;
             if (args.round_core_output) o = dev::round_to(args.out_dtype, o);
             o_d = o;
@@ -1493,7 +1537,7 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
           for (int i = 0; i < n_replay; ++i) {
             float coef[kRows];
 #pragma unroll
-            for (int r = 0; r < kRows; ++r) coef[r] = v_s[i * R + first + r];
+            for (int r = 0; r < kRows; ++r) coef[r] = v_s[i * v_stride + first + r];
 #pragma unroll
             for (int j = 0; j < Rows::kChunks; ++j) {
               const float4 kj = *reinterpret_cast<const float4*>(q_s + i * kHeadDim +
@@ -1521,7 +1565,7 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
     }
   }
 
-  if constexpr (closed_form) o_s = v_s + n_replay * R;  // o in the new tokens' rows of v
+  if constexpr (closed_form) o_s = v_s + n_replay * v_stride;  // o in the new tokens' rows of v
 
   // 6. Gated RMSNorm over all 128 rows (the partials of every CTA of the cluster), in one fixed
   //    order whatever the split, then the outputs.
@@ -1559,7 +1603,7 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
                                    : w_s[r_out];
   for (int e = tid; e < (T << log2_R); e += kThreads, out_at += out_step) {
     const int t = e >> log2_R;
-    float y = o_s[e];
+    float y = closed_form ? o_s[t * o_stride + (e & (R - 1))] : o_s[e];
     if (norm) {
       y = y * rstd_s[t] * w_out;
       if (gated) {
