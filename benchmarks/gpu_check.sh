@@ -122,9 +122,16 @@ if has sanitize; then
         python3 -m pytest -q -p no:cacheprovider tests/py/test_decode_mtp_cuda.py \
         tests/py/test_replay.py -k "hostile or large_batch or strided_views or (replay and cuda) \
         or (head_per_sm and token_by_token and state_bf16 and r2) \
-        or (head_per_sm and (closed_form or tensor_cores) and state_bf16 and r2)" \
+        or (head_per_sm and (closed_form or tensor_cores) and (state_bf16 or state_fp16) and r2)" \
         2>&1 | tail -8
       echo "pytest-memcheck exit ${PIPESTATUS[0]}"
+      # The closed form of a 16-bit state on tensor cores (its fragments replace the solve's
+      # arrays), bf16 and fp16, at six and at eight CTAs per SM.
+      echo "--- compute-sanitizer --tool racecheck (pytest, 16-bit closed form on tensor cores)"
+      timeout "${SANITIZE_TIMEOUT:-120}" compute-sanitizer --tool racecheck --error-exitcode 3 \
+        python3 -m pytest -q -p no:cacheprovider tests/py/test_replay.py \
+        -k "head_per_sm and tensor_cores and (state_bf16 or state_fp16) and r2" 2>&1 | tail -4
+      echo "pytest-racecheck-tensor-cores exit ${PIPESTATUS[0]}"
       # The plain-load path where bulk copies would stream through one chunk buffer (fp32 replay,
       # "kv" layout, 4+ heads per SM): the launcher must give it two.
       echo "--- compute-sanitizer --tool racecheck (pytest, kv-layout replay)"
@@ -138,12 +145,6 @@ if has sanitize; then
         python3 -m pytest -q -p no:cacheprovider tests/py/test_replay.py \
         -k "head_per_sm and token_by_token and state_bf16 and r2" 2>&1 | tail -4
       echo "pytest-racecheck-staged-first exit ${PIPESTATUS[0]}"
-      # The closed form of a bf16 state on tensor cores (its fragments replace the solve's arrays).
-      echo "--- compute-sanitizer --tool racecheck (pytest, bf16 closed form on tensor cores)"
-      timeout "${SANITIZE_TIMEOUT:-120}" compute-sanitizer --tool racecheck --error-exitcode 3 \
-        python3 -m pytest -q -p no:cacheprovider tests/py/test_replay.py \
-        -k "head_per_sm and (closed_form or tensor_cores) and state_bf16 and r2" 2>&1 | tail -4
-      echo "pytest-racecheck-tensor-cores exit ${PIPESTATUS[0]}"
     fi
   } > "$OUT/sanitize.log" 2>&1
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY|exit [0-9]|passed|failed" "$OUT/sanitize.log"

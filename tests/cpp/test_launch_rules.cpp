@@ -116,10 +116,10 @@ TEST(LaunchRules, ClosedFormForDeepWindowsFromOneHeadPerSm) {
   EXPECT_TRUE(use_closed_form(kClosedFormSmallBatchMinS, 2 * kSms, kSms, 4));
 }
 
-TEST(LaunchRules, TensorCoreClosedFormForBf16Windows) {
-  EXPECT_TRUE(tensor_core_capable(true, kTensorCoreMaxS));
-  EXPECT_FALSE(tensor_core_capable(true, kTensorCoreMaxS + 1));  // two mma tiles of tokens
-  EXPECT_FALSE(tensor_core_capable(false, 4));                   // fp16 and fp32 states
+TEST(LaunchRules, TensorCoreClosedFormFor16BitWindows) {
+  EXPECT_TRUE(tensor_core_capable(2, kTensorCoreMaxS));       // bf16 and fp16 states
+  EXPECT_FALSE(tensor_core_capable(2, kTensorCoreMaxS + 1));  // two mma tiles of tokens
+  EXPECT_FALSE(tensor_core_capable(4, 4));                    // fp32 states
   const auto tc = [](int S, int64_t heads) { return use_closed_form(S, heads, kSms, 2, true); };
   EXPECT_FALSE(tc(kTensorCoreMinS - 1, heads_at(512)));  // S = 3: token by token everywhere
   EXPECT_FALSE(tc(kTensorCoreMinS, kTensorCoreMinSHeadsPerSm * kSms - 1));

@@ -223,12 +223,12 @@ def test_chain_at_a_head_per_sm(gen, H, HV, state_dtype, act, S, heads_per_sm):
     """Launch choices of the CUDA replay kernel that only batches of a few heads per SM take:
     from two, deep windows (S = 8) in closed form; between one and two, S = 8 in closed form with
     a 16-bit state and token by token with an fp32 one, and shallower windows (S = 4) token by
-    token, each head split over 2 CTAs; from four, S = 6 in closed form. A bf16 state takes the
+    token, each head split over 2 CTAs; from four, S = 6 in closed form. A 16-bit state takes the
     closed form on tensor cores from S = 6 at one head per SM and from S = 4 at two (S = 4, 5, 6
     and 8 here), at S <= 5 from seven heads per SM with eight CTAs per SM (its own kernel image);
     S = 2 and 3 stay token by token. From one to sixteen heads per SM, 16-bit
     token-by-token replay stages its tokens before the slice (its own kernel image: S = 4 at one
-    head per SM, S = 2 and 3 and, with an fp16 state, S = 4 at four). Chained with random T and
+    head per SM, S = 2 and 3 at four). Chained with random T and
     acceptance (n = 0 .. T, padded rows), against the float64 reference."""
     check_chain_against_reference(gen, "cuda", H=H, HV=HV, state_dtype=state_dtype, act=act,
                                   params=layer_params(gen, HV),
@@ -281,15 +281,16 @@ def test_chain_equals_write_every_token(gen, device, H, HV):
 # The "kv" layout takes plain loads into the chunk buffers; on CUDA, 20 requests x 32 heads give
 # every SM 4 or more heads, where an fp32 replay with bulk copies streams through one buffer and
 # plain loads must keep two (benchmarks/gpu_check.sh runs this case under racecheck), and where a
-# bf16 state replays in closed form on tensor cores, which stores "kv" rows element by element.
+# 16-bit state replays in closed form on tensor cores, which stores "kv" rows element by element.
 @pytest.mark.parametrize("device,H,HV,N,state_dtype", [
     ("cpu", 1, 2, 3, FP32), pytest.param("cuda", 1, 2, 3, FP32, marks=needs_cuda),
     pytest.param("cuda", 16, 32, 20, FP32, marks=needs_cuda),
-    pytest.param("cuda", 16, 32, 20, BF16, marks=needs_cuda, id="cuda-tensor-cores")])
+    pytest.param("cuda", 16, 32, 20, BF16, marks=needs_cuda, id="cuda-tensor-cores"),
+    pytest.param("cuda", 16, 32, 20, FP16, marks=needs_cuda, id="cuda-tensor-cores-fp16")])
 def test_kv_layout_and_first_pass(gen, device, H, HV, N, state_dtype):
     """The "kv" state layout, and a request's first step (n = 0: nothing replayed or stored)."""
     K = V = 128 if device == "cuda" else 16
-    S = 4 if state_dtype == BF16 else 3  # bf16: tensor cores from S = 4
+    S = 3 if state_dtype == FP32 else 4  # 16-bit: tensor cores from S = 4
     act = state_dtype
     out_tol, state_tol = out_bar(act), state_bar(state_dtype)
     pool = make_pool(gen, device, N=N, H=H, HV=HV, K=K, V=V, S=S, state_dtype=state_dtype,

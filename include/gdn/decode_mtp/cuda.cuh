@@ -85,12 +85,12 @@ inline Status launch_ex(Kernel kernel, dim3 grid, dim3 block, size_t smem, int c
   return Status::ok();
 }
 
-// Whether replay's closed form on tensor cores can run on `device`: a bf16 state and a kernel image
-// for sm_80 or later (mma.sync with bf16 inputs), which the default fat binary (sm_90a, sm_80)
-// gives every device from sm_80 on.
+// Whether replay's closed form on tensor cores can run on `device`: a 16-bit state and a kernel
+// image for sm_80 or later (mma.sync with bf16 and fp16 inputs), which the default fat binary
+// (sm_90a, sm_80) gives every device from sm_80 on.
 template <class StateT, int kRatio, bool kReplay>
 inline bool tensor_core_image(int device, const DeviceInfo& info) {
-  if constexpr (kReplay && std::is_same_v<StateT, __nv_bfloat16>) {
+  if constexpr (kReplay && sizeof(StateT) == 2) {
     static std::atomic<int> ptx_cache[kMaxDevices];
     return info.major >= 8 &&
            kernel_ptx_version(decode_mtp_kernel<StateT, kRatio, true, true, false, false, true>,
@@ -109,7 +109,7 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
   GDN_RETURN_IF_ERROR(device_info(device, &info));
   const int64_t heads = args.N * args.HV;
   const bool tensor_core_state =
-      tensor_core_capable(std::is_same_v<StateT, __nv_bfloat16>, args.S) &&
+      tensor_core_capable(int(sizeof(StateT)), args.S) &&
       tensor_core_image<StateT, kRatio, kReplay>(device, info);
   const bool closed_form = kReplay && use_closed_form(args.S, heads, info.sm_count,
                                                       int(sizeof(StateT)), tensor_core_state);
@@ -127,7 +127,7 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
   auto kernel = decode_mtp_kernel<StateT, kRatio, kReplay, false>;
   if constexpr (kReplay)
     if (closed_form) kernel = decode_mtp_kernel<StateT, kRatio, true, true>;
-  if constexpr (kReplay && std::is_same_v<StateT, __nv_bfloat16>)
+  if constexpr (kReplay && sizeof(StateT) == 2)
     if (tensor_cores) kernel = decode_mtp_kernel<StateT, kRatio, true, true, false, false, true>;
   if constexpr (kReplay && sizeof(StateT) == 2)
     if (stage_first) kernel = decode_mtp_kernel<StateT, kRatio, true, false, false, true>;
@@ -163,7 +163,7 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
       tensor_cores && split == 1 &&  // (a benchmark may pin another split)
       use_tensor_core_eight(args.S, heads, info.sm_count,
                             resident(needed) >= kTensorCoreEightCtasPerSm);
-  if constexpr (kReplay && std::is_same_v<StateT, __nv_bfloat16>)
+  if constexpr (kReplay && sizeof(StateT) == 2)
     if (tensor_core_eight)
       kernel = decode_mtp_kernel<StateT, kRatio, true, true, false, false, true, true>;
   const int form = tensor_core_eight ? 5

@@ -41,7 +41,7 @@
 // chunk buffers that let six CTAs fit an SM (choose_buffers). Deep windows at large batches take
 // the closed form instead (kClosedForm, prepare_replay): the CTA solves the window's triangular
 // system once, and each row then needs n + T independent dot products and n rank-1 updates. With
-// a bf16 state and S <= 8 those are two small matrix products per warp, which run on tensor cores
+// a 16-bit state and S <= 8 those are two small matrix products per warp, which run on tensor cores
 // (kTensorCores, tensor_core_rows), and that form is taken from S = 4 (use_closed_form); at
 // S <= 5 it has a second image at 64 registers, eight CTAs per SM, taken where that saves a wave
 // (kEightCtasPerSm, use_tensor_core_eight). This kernel only reads the window; a second launch
@@ -701,11 +701,13 @@ __device__ __forceinline__ void prepare_replay(int n, int m, int R, int vs, int 
   GDN_PHASE(args, tid, 12);
 }
 
-// Closed form on tensor cores (kTensorCores: a bf16 state, windows of up to kTensorCoreMaxS
+// Closed form on tensor cores (kTensorCores: a 16-bit state, windows of up to kTensorCoreMaxS
 // columns, so n <= 8 and m <= 16). The rows phase's two products with the checkpoint, P = S A1^T
 // (A1: kt_j for j < n, qt_j after) and S' = g S + W K2 (W: the coefficients, K2: the replayed
-// tokens' raw k), run as mma.sync m16n8k16 on the warp's 8 rows, S exact in bf16 and A1, W and K2
-// split into bf16 hi + lo parts (products to about 2^-16, fp32 accumulators). A lane holds row
+// tokens' raw k), run as mma.sync m16n8k16 on the warp's 8 rows in the state's dtype: S exact, and
+// A1, W and K2 split into hi + lo parts of that dtype (fp32 accumulators; products to about 2^-16
+// with bf16, and with fp16 to 2^-22 relative or 2^-25 absolute, whichever is larger: its lo part
+// may be subnormal, and every part must lie in fp16's range, as the state does). A lane holds row
 // lane / 4 of its group, physical columns 32 b + 8 t .. + 7 (t = lane % 4, b = 0..3) as four
 // 16-byte words; the K columns are permuted the same way in both products, so that these words are
 // at once GEMM1's B fragments (k-tile 2 b + h: registers 2h, 2h + 1 of word b), GEMM2's
@@ -722,25 +724,42 @@ struct TensorCoreFrags {     // in shared memory, built once per CTA after the s
   uint32_t b2[2][8][32][2];  // GEMM2 B (2 x 8 tokens x 8 columns): hi, lo; [n-tile pair][lane]
 };
 
-// x = hi + lo for a pair of floats (hi = bf16(x), lo = bf16(x - hi)), packed as bf16x2.
-__device__ __forceinline__ void split_bf16_pair(float x0, float x1, uint32_t& hi, uint32_t& lo) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
-  const float2 hf = __bfloat1622float2(h);
-  const __nv_bfloat162 l = __floats2bfloat162_rn(x0 - hf.x, x1 - hf.y);
-  memcpy(&hi, &h, 4);
-  memcpy(&lo, &l, 4);
+// x = hi + lo for a pair of floats (hi = Half(x), lo = Half(x - hi)), packed as Half x 2.
+template <class Half>
+__device__ __forceinline__ void split_pair(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  if constexpr (std::is_same_v<Half, __nv_bfloat16>) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
+    const float2 hf = __bfloat1622float2(h);
+    const __nv_bfloat162 l = __floats2bfloat162_rn(x0 - hf.x, x1 - hf.y);
+    memcpy(&hi, &h, 4);
+    memcpy(&lo, &l, 4);
+  } else {
+    const __half2 h = __floats2half2_rn(x0, x1);
+    const float2 hf = __half22float2(h);
+    const __half2 l = __floats2half2_rn(x0 - hf.x, x1 - hf.y);
+    memcpy(&hi, &h, 4);
+    memcpy(&lo, &l, 4);
+  }
 }
 
-// d += a b: mma.sync m16n8k16, bf16 inputs, fp32 accumulators (sm_80 or later: the launcher takes
-// the tensor-core form only where the kernel's image is, tensor_core_image).
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
+// d += a b: mma.sync m16n8k16, Half (bf16 or fp16) inputs, fp32 accumulators (sm_80 or later: the
+// launcher takes the tensor-core form only where the kernel's image is, tensor_core_image).
+template <class Half>
+__device__ __forceinline__ void mma_16bit(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                          uint32_t b1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  if constexpr (std::is_same_v<Half, __nv_bfloat16>)
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #elif defined(__CUDA_ARCH__)
   __trap();
 #endif
@@ -753,8 +772,9 @@ __device__ __forceinline__ int tc_gemm1_col(int kt, int t, int pair) {
 }
 
 // The fragments from the solved vectors (whole CTA; k_s, q_s and gates as prepare_replay leaves
-// them). They take the place of k_s, q_s and what follows up to v_s (SmemPlan), so every thread
-// reads its values before the first write.
+// them), in the state's dtype Half. They take the place of k_s, q_s and what follows up to v_s
+// (SmemPlan), so every thread reads its values before the first write.
+template <class Half>
 __device__ __forceinline__ void build_tensor_core_frags(int n, int m, int tid, const float* k_s,
                                                         const float* q_s, TensorCoreFrags* frags) {
   static_assert(8 * 32 == 2 * kThreads, "two fragment entries per thread");
@@ -791,7 +811,7 @@ __device__ __forceinline__ void build_tensor_core_frags(int n, int m, int tid, c
     const int e = tid + kThreads * it;
     uint32_t hi[4], lo[4];
 #pragma unroll
-    for (int r = 0; r < 4; ++r) split_bf16_pair(a1[it][r].x, a1[it][r].y, hi[r], lo[r]);
+    for (int r = 0; r < 4; ++r) split_pair<Half>(a1[it][r].x, a1[it][r].y, hi[r], lo[r]);
     if (packed) {  // rows g (hi) and g + 8 (lo) of token g: registers a0, a1 pair 0, a2, a3 pair 1
       *reinterpret_cast<uint4*>(frags->a1[0][e >> 5][e & 31]) =
           make_uint4(hi[0], lo[0], hi[2], lo[2]);
@@ -808,7 +828,7 @@ __device__ __forceinline__ void build_tensor_core_frags(int n, int m, int tid, c
     uint32_t hi[2], lo[2];
 #pragma unroll
     for (int blk = 0; blk < 2; ++blk)
-      split_bf16_pair(b2[it][blk][0], b2[it][blk][1], hi[blk], lo[blk]);
+      split_pair<Half>(b2[it][blk][0], b2[it][blk][1], hi[blk], lo[blk]);
     *reinterpret_cast<uint2*>(frags->b2[0][e >> 5][e & 31]) = make_uint2(hi[0], hi[1]);
     *reinterpret_cast<uint2*>(frags->b2[1][e >> 5][e & 31]) = make_uint2(lo[0], lo[1]);
   }
@@ -816,9 +836,10 @@ __device__ __forceinline__ void build_tensor_core_frags(int n, int m, int tid, c
 }
 
 // The rows phase of a warp's group of 8 rows on tensor cores. p: the lane's words of row lane / 4
-// (bf16); v_g: v_s at the group's first row (row stride 1, token stride vs). Leaves in v_s what
+// (Half, the state's dtype); v_g: v_s at the group's first row (row stride 1, token stride vs). Leaves in v_s what
 // the FMA form leaves: w_i = c_i (vt_i - P_i) for i < n, o_j = ot_j + P_j (rounded as the output
 // when round_output) for n <= j < m; then p = the advanced checkpoint rows (n > 0).
+template <class Half>
 __device__ __forceinline__ void tensor_core_rows(uint4 (&p)[4], const TensorCoreFrags* frags,
                                                  float* v_g, int vs, int n, int m, float coef,
                                                  float decay, const KernelArgs& args, int lane) {
@@ -833,7 +854,7 @@ __device__ __forceinline__ void tensor_core_rows(uint4 (&p)[4], const TensorCore
       const uint4 a = *reinterpret_cast<const uint4*>(frags->a1[0][kt][lane]);
       const uint32_t af[4] = {a.x, a.y, a.z, a.w};
       const uint4 s = p[kt >> 1];
-      mma_bf16(d, af, (kt & 1) ? s.z : s.x, (kt & 1) ? s.w : s.y);
+      mma_16bit<Half>(d, af, (kt & 1) ? s.z : s.x, (kt & 1) ? s.w : s.y);
     }
     dot[0] = d[0] + d[2];
     dot[1] = d[1] + d[3];
@@ -847,8 +868,8 @@ __device__ __forceinline__ void tensor_core_rows(uint4 (&p)[4], const TensorCore
       const uint32_t afh[4] = {ah.x, ah.y, ah.z, ah.w}, afl[4] = {al.x, al.y, al.z, al.w};
       const uint4 s = p[kt >> 1];
       const uint32_t b0 = (kt & 1) ? s.z : s.x, b1 = (kt & 1) ? s.w : s.y;
-      mma_bf16(d[0], afh, b0, b1);
-      mma_bf16(d[1], afl, b0, b1);
+      mma_16bit<Half>(d[0], afh, b0, b1);
+      mma_16bit<Half>(d[1], afl, b0, b1);
     }
 #pragma unroll
     for (int r = 0; r < 4; ++r) dot[r] = d[0][r] + d[1][r];
@@ -874,21 +895,21 @@ __device__ __forceinline__ void tensor_core_rows(uint4 (&p)[4], const TensorCore
   const float w0 = 2 * t < n ? v_g[2 * t * vs + g] : 0.0f;
   const float w1 = 2 * t + 1 < n ? v_g[(2 * t + 1) * vs + g] : 0.0f;
   uint32_t wh, wl;
-  split_bf16_pair(w0, w1, wh, wl);
+  split_pair<Half>(w0, w1, wh, wl);
   const uint32_t awh[4] = {wh, 0u, 0u, wh}, awl[4] = {wl, 0u, 0u, wl};
 #pragma unroll
   for (int j = 0; j < 8; ++j) {  // n-tile pair j: words 2 (j & 1), + 1 of p[j >> 1]
     uint32_t* word = reinterpret_cast<uint32_t*>(&p[j >> 1]) + 2 * (j & 1);
-    const float2 x0 = StateBits<__nv_bfloat16>::unpack(word[0]);
-    const float2 x1 = StateBits<__nv_bfloat16>::unpack(word[1]);
+    const float2 x0 = StateBits<Half>::unpack(word[0]);
+    const float2 x1 = StateBits<Half>::unpack(word[1]);
     float acc[4] = {decay * x0.x, decay * x0.y, decay * x1.x, decay * x1.y};
     const uint2 bh = *reinterpret_cast<const uint2*>(frags->b2[0][j][lane]);
     const uint2 bl = *reinterpret_cast<const uint2*>(frags->b2[1][j][lane]);
-    mma_bf16(acc, awh, bh.x, bh.y);
-    mma_bf16(acc, awh, bl.x, bl.y);
-    mma_bf16(acc, awl, bh.x, bh.y);
-    word[0] = StateBits<__nv_bfloat16>::pack(acc[0], acc[1]);
-    word[1] = StateBits<__nv_bfloat16>::pack(acc[2], acc[3]);
+    mma_16bit<Half>(acc, awh, bh.x, bh.y);
+    mma_16bit<Half>(acc, awh, bl.x, bl.y);
+    mma_16bit<Half>(acc, awl, bh.x, bh.y);
+    word[0] = StateBits<Half>::pack(acc[0], acc[1]);
+    word[1] = StateBits<Half>::pack(acc[2], acc[3]);
   }
 }
 
@@ -1001,7 +1022,7 @@ struct TokenArgs {
 // kStageFirst: the token-by-token replay kernel of a 16-bit state with its tokens staged before
 // the slice's first chunks (the launcher's use_replay_stage_first), a kernel image of its own so
 // that the image the other batches take keeps its code.
-// kTensorCores: the closed form's rows phase on tensor cores (a bf16 state, S <= kTensorCoreMaxS;
+// kTensorCores: the closed form's rows phase on tensor cores (a 16-bit state, S <= kTensorCoreMaxS;
 // the launcher's tensor_core_image and use_closed_form). kEightCtasPerSm: its image at eight CTAs
 // per SM (use_tensor_core_eight).
 template <class StateT, int kRatio, bool kReplay, bool kClosedForm = false,
@@ -1014,8 +1035,8 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
                 "the single-token form is write-all with a 16-bit state");
   static_assert(!kStageFirst || (kReplay && !kClosedForm && sizeof(StateT) == 2),
                 "staging first is a form of 16-bit token-by-token replay");
-  static_assert(!kTensorCores || (kReplay && kClosedForm && std::is_same_v<StateT, __nv_bfloat16>),
-                "tensor cores run the closed form of a bf16 state");
+  static_assert(!kTensorCores || (kReplay && kClosedForm && sizeof(StateT) == 2),
+                "tensor cores run the closed form of a 16-bit state");
   extern __shared__ __align__(128) unsigned char smem[];
   using Bits = StateBits<StateT>;
   using Raw = typename Bits::Raw;
@@ -1308,7 +1329,7 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
     const int tok = lane >> 2;
     if (tok < n_replay) tc_coef = gates_s[kClosedGateFloats * tok + kGateCheckpoint];
     if (n_replay > 0) tc_decay = gates_s[kClosedGateFloats * (n_replay - 1) + kGateDecay];
-    build_tensor_core_frags(n_replay, tokens, tid, k_s, q_s,
+    build_tensor_core_frags<StateT>(n_replay, tokens, tid, k_s, q_s,
                             reinterpret_cast<TensorCoreFrags*>(k_s));
   }
   if (clustered) cluster_wait();  // every peer's norm_bar is initialised: partials may be pushed
@@ -1444,7 +1465,7 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
           o_t += R;
         }
       } else if constexpr (kTensorCores) {
-        tensor_core_rows(tc_words, reinterpret_cast<const TensorCoreFrags*>(k_s), v_s + grow,
+        tensor_core_rows<StateT>(tc_words, reinterpret_cast<const TensorCoreFrags*>(k_s), v_s + grow,
                          v_stride, n_replay, tokens, tc_coef, tc_decay, args, lane);
         if (n_replay > 0 && args.state_vector) {
           // The group's rows to the checkpoint. Quads g and g ^ 1 swap a word per half row, so

@@ -113,7 +113,7 @@ inline constexpr int kClosedFormMinS = 6;
 inline constexpr int kClosedFormMinSHeadsPerSm = 4;  // S = 6, 7 take it from this many heads per SM
 inline constexpr int kClosedFormSmallBatchMinS = 8;  // one (fp32: two) to four heads per SM
 inline constexpr int kClosedFormFp32MinHeadsPerSm = 2;
-// A bf16 state with windows of up to kTensorCoreMaxS columns (tensor_cores: the kernel's rows
+// A 16-bit state with windows of up to kTensorCoreMaxS columns (tensor_cores: the kernel's rows
 // phase on tensor cores, tensor_core_capable) takes the closed form from S = 6 at one head per SM
 // and from S = 4 at two, where it was measured faster than token by token (H200, B = 8 to 512,
 // TP1, TP4 and ratio 3 and 8 shapes, against the FMA closed form at S = 8 and token by token
@@ -138,10 +138,10 @@ inline bool use_closed_form(int S, int64_t heads, int sm_count, int state_bytes,
          (S >= kClosedFormMinS && heads >= kClosedFormMinSHeadsPerSm * sms);
 }
 
-// The closed form's rows phase on tensor cores (the kernel's kTensorCores): a bf16 state (exact in
-// the mma's inputs) with windows of up to kTensorCoreMaxS columns.
-inline bool tensor_core_capable(bool bf16_state, int S) {
-  return bf16_state && S <= kTensorCoreMaxS;
+// The closed form's rows phase on tensor cores (the kernel's kTensorCores): a 16-bit state (bf16 or
+// fp16, exact in the mma's inputs of its dtype) with windows of up to kTensorCoreMaxS columns.
+inline bool tensor_core_capable(int state_bytes, int S) {
+  return state_bytes == 2 && S <= kTensorCoreMaxS;
 }
 
 // The single-token form (the kernel's kSingleToken): decode without drafts (S = 1) with a 16-bit
