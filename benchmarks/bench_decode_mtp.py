@@ -19,7 +19,7 @@ bf16, raw gate and beta in fp32; the KDA kernel's gate is per K channel). Bandwi
 against a device-to-device copy measured in the same process (read + write bytes) and the 4.8 TB/s
 datasheet value.
 
-Usage: python benchmarks/bench_decode_mtp.py [--quick] [--sweep-split] [--no-fla] [--no-replay]
+Usage: python benchmarks/bench_decode_mtp.py [--quick] [--sweep-split] [--no-fla] [--no-replay] [--no-write-all]
        [--tokens T ...] [--batches B ...] [--states fp32|bf16|fp16 ...] [--shapes NAME ...]
        [--json PATH] [--png PATH] [--budget SECONDS]
 """
@@ -427,7 +427,8 @@ def bench_replay(shape, B, T, sdt, copy_tbps, split=None):
     return [rec]
 
 
-def bench_config(shape, B, T, sdt, with_fla, copy_tbps, split=None, with_replay=False):
+def bench_config(shape, B, T, sdt, with_fla, copy_tbps, split=None, with_replay=False,
+                 with_write_all=True):
     H, HV = ALL_SHAPES[shape]
     state_dtype = DTYPES[sdt]
     set_bytes = B * T * HV * DIM * DIM * torch.finfo(state_dtype).bits // 8
@@ -436,7 +437,7 @@ def bench_config(shape, B, T, sdt, with_fla, copy_tbps, split=None, with_replay=
     prm = make_params(HV, 7)
     n_calls = max(MIN_CALLS, n_sets)
     results = []
-    impls = ["gdn"] + (["fla"] if with_fla else [])
+    impls = (["gdn"] if with_write_all else []) + (["fla"] if with_fla else [])
     for impl in impls:
         fl = [fla_inputs(st, prm, H, HV, B, T) for st in sets] if impl == "fla" else [None] * n_sets
         rec = dict(impl=impl, shape=shape, H=H, HV=HV, B=B, T=T, state=sdt, sets=n_sets,
@@ -530,6 +531,8 @@ def main():
     ap.add_argument("--isolated", action="store_true",
                     help="a 4-byte memcpy before every call: no overlap between calls")
     ap.add_argument("--no-replay", action="store_true", help="skip replay verify (T > 1 rows)")
+    ap.add_argument("--no-write-all", action="store_true",
+                    help="skip write-every-token decode_mtp (replay and FLA rows only)")
     ap.add_argument("--tokens", type=int, nargs="+", help="T values (default: 1 2 4 8; --quick: 1 4)")
     ap.add_argument("--batches", type=int, nargs="+", help=f"B values (default: {BATCHES})")
     ap.add_argument("--states", nargs="+", choices=list(DTYPES),
@@ -570,7 +573,8 @@ def main():
         shape, B, T, sdt = cfg[:4]
         split = cfg[4] if len(cfg) > 4 else None
         recs = bench_config(shape, B, T, sdt, with_fla and split is None, env["copy_tbps"], split,
-                            with_replay=not args.no_replay and T > 1)
+                            with_replay=not args.no_replay and T > 1,
+                            with_write_all=not args.no_write_all)
         for r in recs:
             results.append(r)
             if "us" in r:
