@@ -108,9 +108,8 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
   DeviceInfo info;
   GDN_RETURN_IF_ERROR(device_info(device, &info));
   const int64_t heads = args.N * args.HV;
-  const bool tensor_core_state =
-      tensor_core_capable(int(sizeof(StateT)), args.S) &&
-      tensor_core_image<StateT, kRatio, kReplay>(device, info);
+  const bool tensor_core_state = tensor_core_capable(int(sizeof(StateT)), args.S) &&
+                                 tensor_core_image<StateT, kRatio, kReplay>(device, info);
   const bool closed_form = kReplay && use_closed_form(args.S, heads, info.sm_count,
                                                       int(sizeof(StateT)), tensor_core_state);
   const bool tensor_cores = closed_form && tensor_core_state;

@@ -836,9 +836,10 @@ __device__ __forceinline__ void build_tensor_core_frags(int n, int m, int tid, c
 }
 
 // The rows phase of a warp's group of 8 rows on tensor cores. p: the lane's words of row lane / 4
-// (Half, the state's dtype); v_g: v_s at the group's first row (row stride 1, token stride vs). Leaves in v_s what
-// the FMA form leaves: w_i = c_i (vt_i - P_i) for i < n, o_j = ot_j + P_j (rounded as the output
-// when round_output) for n <= j < m; then p = the advanced checkpoint rows (n > 0).
+// (Half, the state's dtype); v_g: v_s at the group's first row (row stride 1, token stride vs).
+// Leaves in v_s what the FMA form leaves: w_i = c_i (vt_i - P_i) for i < n, o_j = ot_j + P_j
+// (rounded as the output when round_output) for n <= j < m; then p = the advanced checkpoint rows
+// (n > 0).
 template <class Half>
 __device__ __forceinline__ void tensor_core_rows(uint4 (&p)[4], const TensorCoreFrags* frags,
                                                  float* v_g, int vs, int n, int m, float coef,
@@ -1330,7 +1331,7 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
     if (tok < n_replay) tc_coef = gates_s[kClosedGateFloats * tok + kGateCheckpoint];
     if (n_replay > 0) tc_decay = gates_s[kClosedGateFloats * (n_replay - 1) + kGateDecay];
     build_tensor_core_frags<StateT>(n_replay, tokens, tid, k_s, q_s,
-                            reinterpret_cast<TensorCoreFrags*>(k_s));
+                                    reinterpret_cast<TensorCoreFrags*>(k_s));
   }
   if (clustered) cluster_wait();  // every peer's norm_bar is initialised: partials may be pushed
   GDN_PHASE(args, tid, 4);
@@ -1465,8 +1466,9 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
           o_t += R;
         }
       } else if constexpr (kTensorCores) {
-        tensor_core_rows<StateT>(tc_words, reinterpret_cast<const TensorCoreFrags*>(k_s), v_s + grow,
-                         v_stride, n_replay, tokens, tc_coef, tc_decay, args, lane);
+        tensor_core_rows<StateT>(tc_words, reinterpret_cast<const TensorCoreFrags*>(k_s),
+                                 v_s + grow, v_stride, n_replay, tokens, tc_coef, tc_decay, args,
+                                 lane);
         if (n_replay > 0 && args.state_vector) {
           // The group's rows to the checkpoint. Quads g and g ^ 1 swap a word per half row, so
           // that each warp store covers 128 bytes of each of 4 rows rather than 64 of 8 (H200,
