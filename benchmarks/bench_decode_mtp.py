@@ -19,8 +19,8 @@ bf16, raw gate and beta in fp32; the KDA kernel's gate is per K channel). Bandwi
 against a device-to-device copy measured in the same process (read + write bytes) and the 4.8 TB/s
 datasheet value.
 
-Usage: python benchmarks/bench_decode_mtp.py [--quick] [--sweep-split] [--no-fla] [--no-replay] [--no-write-all]
-       [--tokens T ...] [--batches B ...] [--states fp32|bf16|fp16 ...] [--shapes NAME ...]
+Usage: python benchmarks/bench_decode_mtp.py [--quick] [--sweep-split] [--no-fla] [--no-replay]
+       [--no-write-all] [--tokens T ...] [--batches B ...] [--states fp32|bf16|fp16 ...] [--shapes NAME ...]
        [--json PATH] [--png PATH] [--budget SECONDS]
 """
 

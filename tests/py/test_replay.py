@@ -226,10 +226,10 @@ def test_chain_at_a_head_per_sm(gen, H, HV, state_dtype, act, S, heads_per_sm):
     token, each head split over 2 CTAs; from four, S = 6 in closed form. A 16-bit state takes the
     closed form on tensor cores from S = 6 at one head per SM and from S = 4 at two (S = 4, 5, 6
     and 8 here), at S <= 5 from seven heads per SM with eight CTAs per SM (its own kernel image);
-    S = 2 and 3 stay token by token. From one to sixteen heads per SM, 16-bit
-    token-by-token replay stages its tokens before the slice (its own kernel image: S = 4 at one
-    head per SM, S = 2 and 3 at four). Chained with random T and
-    acceptance (n = 0 .. T, padded rows), against the float64 reference."""
+    S = 2 and 3 stay token by token. From one to sixteen heads per SM, 16-bit token-by-token
+    replay stages its tokens before the slice (its own kernel image: S = 4 at one head per SM,
+    S = 2 and 3 at four). Chained with random T and acceptance (n = 0 .. T, padded rows), against
+    the float64 reference."""
     check_chain_against_reference(gen, "cuda", H=H, HV=HV, state_dtype=state_dtype, act=act,
                                   params=layer_params(gen, HV),
                                   N=heads_per_sm_batch(HV, heads_per_sm), S=S, steps=4)
