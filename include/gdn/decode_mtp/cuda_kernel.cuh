@@ -76,6 +76,7 @@ using dev::bulk_load;
 using dev::cluster_arrive_relaxed;
 using dev::cluster_shared_address;
 using dev::cluster_wait;
+using dev::fast_sigmoid;
 using dev::l2_evict_first_policy;
 using dev::l2_evict_normal_policy;
 using dev::load_bits;
@@ -639,20 +640,22 @@ __device__ __forceinline__ float window_decay(const float* gates, int j, int i) 
   return r;
 }
 
-// The same products for windows of up to kSolveInRegisters tokens, from the alphas held in every
-// thread's registers: unrolled multiplications (by 1 outside the range: the same bits) instead of
-// a loop whose shared-memory loads each wait for the last.
+// The same products for windows of up to kMax <= kSolveInRegisters tokens, from the alphas held in
+// every thread's registers: unrolled multiplications (by 1 outside the range: the same bits)
+// instead of a loop whose shared-memory loads each wait for the last. kMax is the kernel image's
+// longest window, so that a product costs kMax steps, not kSolveInRegisters.
+template <int kMax>
 struct WindowAlphas {
-  float a[kSolveInRegisters];
+  static_assert(kMax <= kSolveInRegisters, "held in registers");
+  float a[kMax];
   __device__ __forceinline__ WindowAlphas(const float* gates, int m) {
 #pragma unroll
-    for (int l = 0; l < kSolveInRegisters; ++l)
-      a[l] = l < m ? gates[kClosedGateFloats * l + kGateAlpha] : 1.0f;
+    for (int l = 0; l < kMax; ++l) a[l] = l < m ? gates[kClosedGateFloats * l + kGateAlpha] : 1.0f;
   }
   __device__ __forceinline__ float operator()(int j, int i) const {
     float r = 1.0f;
 #pragma unroll
-    for (int l = 0; l < kSolveInRegisters; ++l)
+    for (int l = 0; l < kMax; ++l)
       if (l > i && l <= j) r *= a[l];
     return r;
   }
@@ -660,8 +663,9 @@ struct WindowAlphas {
 
 // The per-CTA solve of the closed form (whole CTA, between two barriers; see above). Step 2 keeps
 // a thread's column and row in registers for windows of up to kSolveInRegisters tokens, and step 1
-// the window's alphas (WindowAlphas; the tensor-core form's windows always fit).
-template <bool kTensorCores>
+// the window's alphas (WindowAlphas; the tensor-core form's windows always fit, and kMaxWindow
+// bounds them where the image bounds S).
+template <bool kTensorCores, int kMaxWindow = kSolveInRegisters>
 __device__ __forceinline__ void prepare_replay(int n, int m, int R, int vs, int tid, float* k_s,
                                                float* q_s, float* gates, float* mat_s, float* v_s,
                                                float* o_s, const KernelArgs& args) {
@@ -683,8 +687,9 @@ __device__ __forceinline__ void prepare_replay(int n, int m, int R, int vs, int 
     }
   };
   static_assert(2 * kTensorCoreMaxS <= kSolveInRegisters, "tensor cores: m <= 2 kTensorCoreMaxS");
+  static_assert(kMaxWindow == kSolveInRegisters || kTensorCores, "a bound of the tensor-core form");
   if (kTensorCores || m <= kSolveInRegisters)
-    decays_and_pairs(WindowAlphas(gates, m));
+    decays_and_pairs(WindowAlphas<kMaxWindow>(gates, m));
   else
     decays_and_pairs([&](int j, int i) { return window_decay(gates, j, i); });
   __syncthreads();
@@ -727,19 +732,9 @@ struct TensorCoreFrags {     // in shared memory, built once per CTA after the s
 // x = hi + lo for a pair of floats (hi = Half(x), lo = Half(x - hi)), packed as Half x 2.
 template <class Half>
 __device__ __forceinline__ void split_pair(float x0, float x1, uint32_t& hi, uint32_t& lo) {
-  if constexpr (std::is_same_v<Half, __nv_bfloat16>) {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
-    const float2 hf = __bfloat1622float2(h);
-    const __nv_bfloat162 l = __floats2bfloat162_rn(x0 - hf.x, x1 - hf.y);
-    memcpy(&hi, &h, 4);
-    memcpy(&lo, &l, 4);
-  } else {
-    const __half2 h = __floats2half2_rn(x0, x1);
-    const float2 hf = __half22float2(h);
-    const __half2 l = __floats2half2_rn(x0 - hf.x, x1 - hf.y);
-    memcpy(&hi, &h, 4);
-    memcpy(&lo, &l, 4);
-  }
+  hi = StateBits<Half>::pack(x0, x1);
+  const float2 h = StateBits<Half>::unpack(hi);
+  lo = StateBits<Half>::pack(x0 - h.x, x1 - h.y);
 }
 
 // d += a b: mma.sync m16n8k16, Half (bf16 or fp16) inputs, fp32 accumulators (sm_80 or later: the
@@ -928,9 +923,11 @@ __device__ __forceinline__ float group_sum_sq(const float* o) {
   return sq[0];
 }
 
-// act(z) of the output gate.
+// act(z) of the output gate (fast_sigmoid: act(z) of every output element costs a fifth of the
+// instructions of the exact sigmoid).
 __device__ __forceinline__ float gate_act(const KernelArgs& args, float zv) {
-  return args.gate_sigmoid ? sigmoid(zv) : zv * sigmoid(zv);
+  const float s = fast_sigmoid(zv);
+  return args.gate_sigmoid ? s : zv * s;
 }
 
 // Values of act(z) a thread loads at once (all of them for T <= the batch at R = 128): 4, or 2 in
@@ -1319,9 +1316,9 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
       return;
     }
     if constexpr (closed_form)
-      prepare_replay<kTensorCores>(n_replay, tokens, R, v_stride, tid, k_s, q_s, gates_s, mat_s,
-                                   v_s, v_s + n_replay * v_stride,
-                                   args);  // ot (then o) in the new tokens' rows of v (SmemPlan)
+      prepare_replay<kTensorCores, kEightCtasPerSm ? 2 * kTensorCoreEightMaxS : kSolveInRegisters>(
+          n_replay, tokens, R, v_stride, tid, k_s, q_s, gates_s, mat_s, v_s,
+          v_s + n_replay * v_stride, args);  // ot (then o) in the new tokens' rows of v (SmemPlan)
   }
   // Tensor cores: the lane's checkpoint coefficient c_g (token lane / 4 < n) and the checkpoint's
   // decay, read before the fragments overwrite the gates.
@@ -1473,10 +1470,12 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
           // The group's rows to the checkpoint. Quads g and g ^ 1 swap a word per half row, so
           // that each warp store covers 128 bytes of each of 4 rows rather than 64 of 8 (H200,
           // B >= 128: 0.5-3.5 % faster; benchmarks/results/replay_tensor_cores_h200.json).
+          // The even quad of a pair stores columns 64 h + 8 t of both rows, the odd quad 64 h + 32
+          // + 8 t: one address per lane, the columns' offsets constants.
           const bool odd = lane & 4;
-          StateT* mine = pool + source * args.slot_stride + head_offset +
-                         (row0 + grow + lane_row(lane)) * row_step + 8 * (lane & 3);
-          StateT* other = mine + (odd ? -kHeadDim : kHeadDim);  // row g ^ 1
+          StateT* const first = pool + source * args.slot_stride + head_offset +
+                                (row0 + grow + (lane_row(lane) & ~1)) * row_step + 8 * (lane & 3) +
+                                (odd ? 32 : 0);  // the even row; the odd row follows
 #pragma unroll
           for (int h = 0; h < 2; ++h) {  // columns 64 h .. + 63: words 2h (even), 2h + 1 (odd)
             const uint4 send = odd ? tc_words[2 * h] : tc_words[2 * h + 1];
@@ -1486,16 +1485,16 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
             recv.z = __shfl_xor_sync(0xffffffffu, send.z, 4);
             recv.w = __shfl_xor_sync(0xffffffffu, send.w, 4);
             // First store: the even row's 128 bytes; second: the odd row's.
-            uint4* first = reinterpret_cast<uint4*>(odd ? other + 64 * h + 32 : mine + 64 * h);
-            uint4* second = reinterpret_cast<uint4*>(odd ? mine + 64 * h + 32 : other + 64 * h);
             const uint4 first_v = odd ? recv : tc_words[2 * h];
             const uint4 second_v = odd ? tc_words[2 * h + 1] : recv;
+            uint4* const even_at = reinterpret_cast<uint4*>(first + 64 * h);
+            uint4* const odd_at = reinterpret_cast<uint4*>(first + kHeadDim + 64 * h);
             if (hints) {
-              __stcs(first, first_v);
-              __stcs(second, second_v);
+              __stcs(even_at, first_v);
+              __stcs(odd_at, second_v);
             } else {
-              *first = first_v;
-              *second = second_v;
+              *even_at = first_v;
+              *odd_at = second_v;
             }
           }
         } else if (n_replay > 0) {  // "kv": the slow path

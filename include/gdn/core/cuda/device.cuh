@@ -202,6 +202,11 @@ __device__ __forceinline__ float fast_rcp(float x) {
 }
 
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+// sigmoid from the hardware's approximate exp2 and reciprocal: four instructions instead of about
+// twenty (expf and an IEEE division), within about 1e-6 relative of sigmoid (0 and 1 at the ends,
+// NaN for NaN). For act(z), applied to every output element; beta, which enters the state, keeps
+// sigmoid.
+__device__ __forceinline__ float fast_sigmoid(float x) { return fast_rcp(1.0f + __expf(-x)); }
 __device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
 // ---- warp reductions ----------------------------------------------------------------------------
