@@ -10,7 +10,10 @@ code inlined from a helper counts at the helper. Lines of other files are summed
 
     python benchmarks/profile_by_code.py profile_out/srcmix_NAME.csv \
         --source include/gdn/decode_mtp/cuda_kernel.cuh --source include/gdn/core/cuda/device.cuh \
-        [--top 20] [--json out.json]
+        [--top 20] [--opcodes] [--json out.json]
+
+--opcodes adds the instructions by SASS opcode, overall and for each busiest line (how much of a
+kernel is address arithmetic, selects and branches rather than math).
 
 The sources must be the revision that was profiled (their line numbers are the report's).
 """
@@ -58,8 +61,20 @@ def parts_of(source_lines: list[str]) -> list[str]:
     return out
 
 
-def read_source_page(csv_path: Path) -> list[tuple[str, int, int, int, str]]:
-    """(file name, line, instructions executed, stall samples, source text) per source line."""
+_PREDICATE = re.compile(r"^@!?U?P\w+\s+")
+
+
+def opcode_of(sass: str) -> str:
+    """The base opcode of a SASS instruction ("@P0 IMAD.WIDE.U32 R2, ..." -> "IMAD")."""
+    words = _PREDICATE.sub("", sass.strip()).split()
+    return words[0].split(".")[0] if words else "?"
+
+
+def read_source_page(csv_path: Path, opcodes: dict | None = None
+                     ) -> list[tuple[str, int, int, int, str]]:
+    """(file name, line, instructions executed, stall samples, source text) per source line. With
+    `opcodes` (a dict), also fills opcodes[(file name, line)] with a Counter of the instructions
+    executed by the line's SASS rows, by base opcode."""
     rows, file_name, columns = [], "", None  # columns: where the two counts are
     count = lambda row, i: int(row[i]) if i < len(row) and row[i].isdigit() else 0  # noqa: E731
     with open(csv_path, newline="") as f:
@@ -73,12 +88,16 @@ def read_source_page(csv_path: Path) -> list[tuple[str, int, int, int, str]]:
             elif columns is not None and row[0].isdigit():  # a source line (SASS rows have none)
                 rows.append((file_name, int(row[0]), count(row, columns[0]), count(row, columns[1]),
                              row[1].strip() if len(row) > 1 else ""))
+            elif (opcodes is not None and rows and columns is not None and len(row) > 3
+                  and row[2].startswith("0x")):  # a SASS row of the last source line
+                key = rows[-1][:2]
+                opcodes.setdefault(key, Counter())[opcode_of(row[3])] += count(row, columns[0])
     if columns is None:
         raise SystemExit(f"{csv_path}: no source page (no 'Line No' header)")
     return rows
 
 
-def summarize(rows, sources: list[Path]) -> dict:
+def summarize(rows, sources: list[Path], opcodes: dict | None = None) -> dict:
     parts = {src.name: parts_of(src.read_text().splitlines()) for src in sources}
     by_part_i, by_part_s = Counter(), Counter()
     total_i = sum(r[2] for r in rows)
@@ -93,14 +112,19 @@ def summarize(rows, sources: list[Path]) -> dict:
         by_part_i[key] += instr
         by_part_s[key] += samples
     pct = lambda x, t: round(100.0 * x / t, 1) if t else 0.0  # noqa: E731
+    mix = sum(opcodes.values(), Counter()) if opcodes else Counter()
+    top_ops = lambda c: {op: pct(n, total_i) for op, n in c.most_common(4)}  # noqa: E731
     return {
         "instructions": total_i,
+        # % of the instructions by base opcode (--opcodes): integer and control against math.
+        "opcodes_pct": {op: pct(n, total_i) for op, n in mix.most_common(25)},
         "stall_samples": total_s,
         "parts": [{"part": k, "instructions_pct": pct(v, total_i),
                    "stall_samples_pct": pct(by_part_s[k], total_s)}
                   for k, v in sorted(by_part_i.items(), key=lambda kv: -kv[1])],
         "lines": [{"file": f, "line": ln, "instructions_pct": pct(i, total_i),
-                   "stall_samples_pct": pct(s, total_s), "source": text[:100]}
+                   "stall_samples_pct": pct(s, total_s), "source": text[:100],
+                   **({"opcodes_pct": top_ops(opcodes.get((f, ln), Counter()))} if opcodes else {})}
                   for f, ln, i, s, text in sorted(rows, key=lambda r: -r[2])],
     }
 
@@ -112,9 +136,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="a source file whose lines are grouped (repeat for several)")
     ap.add_argument("--top", type=int, default=15, help="also list the N busiest lines")
     ap.add_argument("--json", type=Path, help="write the summary here")
+    ap.add_argument("--opcodes", action="store_true",
+                    help="also the instructions by SASS opcode, overall and per busiest line")
     args = ap.parse_args(argv)
-    summary = summarize(read_source_page(args.csv), args.source)
+    opcodes = {} if args.opcodes else None
+    summary = summarize(read_source_page(args.csv, opcodes), args.source, opcodes)
     print(f"{summary['instructions']} instructions executed, {summary['stall_samples']} samples")
+    if opcodes:
+        print("by opcode (%): " + ", ".join(f"{op} {v}" for op, v in summary["opcodes_pct"].items()))
     print(f"{'instr %':>8} {'stall %':>8}  part")
     for p in summary["parts"]:
         if p["instructions_pct"] >= 0.3 or p["stall_samples_pct"] >= 0.5:
@@ -122,8 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.top:
         print(f"\nbusiest {args.top} lines:")
         for r in summary["lines"][:args.top]:
+            ops = "  [" + ", ".join(f"{op} {v}" for op, v in r["opcodes_pct"].items()) + "]" \
+                if "opcodes_pct" in r else ""
             print(f"{r['instructions_pct']:8.1f} {r['stall_samples_pct']:8.1f}  "
-                  f"{r['file']}:{r['line']}  {r['source']}")
+                  f"{r['file']}:{r['line']}  {r['source']}{ops}")
     if args.json:
         summary["lines"] = summary["lines"][:max(args.top, 50)]
         args.json.write_text(json.dumps(summary, indent=1) + "\n")

@@ -95,3 +95,26 @@ def test_a_page_without_source_lines_is_an_error(tmp_path):
     page.write_text('"File Path","/src/kernel.cuh"\n')
     with pytest.raises(SystemExit, match="no source page"):
         profile_by_code.read_source_page(page)
+
+
+def test_opcodes_are_counted_per_line_from_its_sass_rows(tmp_path):
+    source = tmp_path / "kernel.cuh"
+    source.write_text(KERNEL)
+    page = tmp_path / "page.csv"
+    sass = {4: [("FFMA R1, R2, R3, R4", 30), ("@!P0 IMAD.WIDE.U32 R2, R3, 4, R4", 10)],
+            13: [("@P1 BRA 0x100", 60)]}
+    with open(page, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["File Path", "/src/kernel.cuh"])
+        w.writerow(HEADER)
+        for line, rows in sass.items():
+            w.writerow([str(line), "src", "-", "-", "0", "0", "0", str(sum(n for _, n in rows))])
+            for text, n in rows:
+                w.writerow(["", "", "0x1", text, "0", "0", "0", str(n)])
+    opcodes = {}
+    rows = profile_by_code.read_source_page(page, opcodes)
+    assert opcodes[("kernel.cuh", 4)] == {"FFMA": 30, "IMAD": 10}  # predicate and suffixes dropped
+    summary = profile_by_code.summarize(rows, [source], opcodes)
+    assert summary["opcodes_pct"] == {"BRA": 60.0, "FFMA": 30.0, "IMAD": 10.0}
+    assert summary["lines"][0]["opcodes_pct"] == {"BRA": 60.0}
+    assert "opcodes_pct" not in profile_by_code.summarize(rows, [source])["lines"][0]
