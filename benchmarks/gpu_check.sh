@@ -7,13 +7,15 @@
 #   BENCH_ARGS="--quick --sweep-split" STAGES="build bench" benchmarks/gpu_check.sh
 #
 # The whole check takes about 10 minutes on an H200 machine (build 50 s, tests 220 s, sanitizers
-# 180 s, full benchmark matrix with FLA 60-200 s). Where one command may run for at most 10
+# 310 s when run one after another, now SANITIZE_JOBS at a time; full benchmark matrix with FLA
+# 60-200 s). Where one command may run for at most 10
 # minutes, run it as two: STAGES="build test demo sanitize", then STAGES="build bench".
 #
 # Environment: OUT (default ./gpu_out), JOBS (16), GDN_CUDA_ARCHITECTURES (90a), GDN_GIT_SHA (pass it
 # when the copy of the tree on the GPU machine has no .git)
 # (recorded in the results), BENCH_ARGS, PYTEST_ARGS (default tests/py), PYTEST_TIMEOUT (400 s),
-# SANITIZE_TIMEOUT (120 s per tool), SANITIZE_PYTEST (1: also memcheck a pytest selection),
+# SANITIZE_TIMEOUT (120 s per run), SANITIZE_JOBS (4 runs at once), SANITIZE_PYTEST (1: also the
+# pytest selections),
 # PROFILE_CONFIGS (';'-separated profile_decode_mtp.py arguments). GoogleTest comes from .deps/gtest (scripts/stage_gtest.sh)
 # when the system has none; Python wheels in .whl (e.g. fla-core, einops) are installed into a
 # private directory for the benchmark's baseline.
@@ -104,51 +106,60 @@ fi
 
 if has sanitize; then
   stage sanitize
-  {
-    # memcheck on every device test (one of the long replay chains); racecheck where shared
-    # memory is used (the decode_mtp kernel, also in replay mode and replay's closed form).
-    for run in "memcheck:*:-*ReplayCudaChain*" "memcheck:*ReplayCudaChain*r8*" \
-               "racecheck:*DecodeMtp*:*ReplayCuda.*" "racecheck:*ReplayCudaChain*closed_form*3_steps*"; do
-      tool=${run%%:*}
-      filter=${run#*:}
-      echo "--- compute-sanitizer --tool $tool (gdn_gpu_tests, $filter)"
+  # Each run in the background, SANITIZE_JOBS at a time (the tools are bound by the CPU: run one
+  # after another they took 310 s), each with its own log; sanitize.log gets them in this order.
+  # SANITIZE_JOBS=1 runs them one after another, as before.
+  san_jobs=${SANITIZE_JOBS:-4}
+  export OMP_NUM_THREADS=$((JOBS / san_jobs > 0 ? JOBS / san_jobs : 1))  # the CPUs, shared
+  runs_dir=$OUT/sanitize_runs
+  rm -rf "$runs_dir" && mkdir -p "$runs_dir"
+  runs=0
+  # sanitize_run LABEL TOOL TAIL COMMAND...: one compute-sanitizer run, "LABEL exit N" at its end.
+  sanitize_run() {
+    local label=$1 tool=$2 lines=$3
+    shift 3
+    runs=$((runs + 1))
+    while [ "$(jobs -rp | wc -l)" -ge "$san_jobs" ]; do sleep 1; done
+    {
+      echo "--- compute-sanitizer --tool $tool ($label: ${*: -1})"
       timeout "${SANITIZE_TIMEOUT:-120}" compute-sanitizer --tool "$tool" --error-exitcode 3 \
-        "$BUILD/tests/cpp/gdn_gpu_tests" --gtest_filter="$filter" --gtest_brief=1 2>&1 | tail -25
-      echo "$tool exit ${PIPESTATUS[0]}"
-    done
-    if [ "${SANITIZE_PYTEST:-1}" = 1 ]; then
-      echo "--- compute-sanitizer --tool memcheck (pytest, device-index and strided cases)"
-      timeout "${SANITIZE_TIMEOUT:-120}" compute-sanitizer --tool memcheck --error-exitcode 3 \
-        python3 -m pytest -q -p no:cacheprovider tests/py/test_decode_mtp_cuda.py \
-        tests/py/test_replay.py -k "hostile or large_batch or strided_views or (replay and cuda) \
-        or (head_per_sm and token_by_token and state_bf16 and r2) \
-        or (head_per_sm and (closed_form or tensor_cores) and (state_bf16 or state_fp16) and r2)" \
-        2>&1 | tail -8
-      echo "pytest-memcheck exit ${PIPESTATUS[0]}"
-      # The closed form of a 16-bit state on tensor cores (its fragments replace the solve's
-      # arrays), bf16 and fp16, at six and at eight CTAs per SM.
-      echo "--- compute-sanitizer --tool racecheck (pytest, 16-bit closed form on tensor cores)"
-      timeout "${SANITIZE_TIMEOUT:-120}" compute-sanitizer --tool racecheck --error-exitcode 3 \
-        python3 -m pytest -q -p no:cacheprovider tests/py/test_replay.py \
-        -k "head_per_sm and tensor_cores and (state_bf16 or state_fp16) and r2" 2>&1 | tail -4
-      echo "pytest-racecheck-tensor-cores exit ${PIPESTATUS[0]}"
-      # The plain-load path where bulk copies would stream through one chunk buffer (fp32 replay,
-      # "kv" layout, 4+ heads per SM): the launcher must give it two.
-      echo "--- compute-sanitizer --tool racecheck (pytest, kv-layout replay)"
-      timeout "${SANITIZE_TIMEOUT:-120}" compute-sanitizer --tool racecheck --error-exitcode 3 \
-        python3 -m pytest -q -p no:cacheprovider tests/py/test_replay.py -k "kv_layout and cuda" \
-        2>&1 | tail -4
-      echo "pytest-racecheck exit ${PIPESTATUS[0]}"
-      # 16-bit token-by-token replay in its staged-first image (one and four heads per SM).
-      echo "--- compute-sanitizer --tool racecheck (pytest, 16-bit replay staged first)"
-      timeout "${SANITIZE_TIMEOUT:-120}" compute-sanitizer --tool racecheck --error-exitcode 3 \
-        python3 -m pytest -q -p no:cacheprovider tests/py/test_replay.py \
-        -k "head_per_sm and token_by_token and state_bf16 and r2" 2>&1 | tail -4
-      echo "pytest-racecheck-staged-first exit ${PIPESTATUS[0]}"
-    fi
-  } > "$OUT/sanitize.log" 2>&1
+        "$@" 2>&1 | tail -"$lines"
+      echo "$label exit ${PIPESTATUS[0]}"
+    } > "$runs_dir/$(printf %02d $runs).log" 2>&1 &
+  }
+  # memcheck on every device test (one of the long replay chains); racecheck where shared memory
+  # is used (the decode_mtp kernel, also in replay mode and replay's closed form).
+  for run in "memcheck:*:-*ReplayCudaChain*" "memcheck:*ReplayCudaChain*r8*" \
+             "racecheck:*DecodeMtp*:*ReplayCuda.*" "racecheck:*ReplayCudaChain*closed_form*3_steps*"; do
+    tool=${run%%:*}
+    sanitize_run "$tool" "$tool" 25 "$BUILD/tests/cpp/gdn_gpu_tests" --gtest_brief=1 \
+      --gtest_filter="${run#*:}"
+  done
+  if [ "${SANITIZE_PYTEST:-1}" = 1 ]; then
+    pytest_q=(python3 -m pytest -q -p no:cacheprovider)
+    # Device-index, strided and large-batch cases, replay, and the 16-bit closed form (FMA and
+    # tensor cores).
+    sanitize_run pytest-memcheck memcheck 8 "${pytest_q[@]}" tests/py/test_decode_mtp_cuda.py \
+      tests/py/test_replay.py -k "hostile or large_batch or strided_views or (replay and cuda) \
+      or (head_per_sm and token_by_token and state_bf16 and r2) \
+      or (head_per_sm and (closed_form or tensor_cores) and (state_bf16 or state_fp16) and r2)"
+    # The closed form of a 16-bit state on tensor cores (its fragments replace the solve's arrays),
+    # bf16 and fp16, at six and at eight CTAs per SM.
+    sanitize_run pytest-racecheck-tensor-cores racecheck 4 "${pytest_q[@]}" tests/py/test_replay.py \
+      -k "head_per_sm and tensor_cores and (state_bf16 or state_fp16) and r2"
+    # The plain-load path where bulk copies would stream through one chunk buffer (fp32 replay,
+    # "kv" layout, 4+ heads per SM): the launcher must give it two.
+    sanitize_run pytest-racecheck racecheck 4 "${pytest_q[@]}" tests/py/test_replay.py \
+      -k "kv_layout and cuda"
+    # 16-bit token-by-token replay in its staged-first image (one and four heads per SM).
+    sanitize_run pytest-racecheck-staged-first racecheck 4 "${pytest_q[@]}" tests/py/test_replay.py \
+      -k "head_per_sm and token_by_token and state_bf16 and r2"
+  fi
+  wait
+  cat "$runs_dir"/*.log > "$OUT/sanitize.log"
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY|exit [0-9]|passed|failed" "$OUT/sanitize.log"
   grep -qE "exit [1-9]" "$OUT/sanitize.log" && status=1
+  [ "$(grep -cE "exit [0-9]" "$OUT/sanitize.log")" = "$runs" ] || status=1  # every run reported
 fi
 
 if has profile; then
