@@ -8,8 +8,8 @@
 #
 # The whole check takes about 10 minutes on an H200 machine (build 50 s, tests 220 s, sanitizers
 # 310 s when run one after another, now SANITIZE_JOBS at a time; full benchmark matrix with FLA
-# 60-200 s). Where one command may run for at most 10
-# minutes, run it as two: STAGES="build test demo sanitize", then STAGES="build bench".
+# 60-200 s). Where one command may run for at most 10 minutes, run it as two:
+# STAGES="build test demo sanitize", then STAGES="build bench".
 #
 # Environment: OUT (default ./gpu_out), JOBS (16), GDN_CUDA_ARCHITECTURES (90a), GDN_GIT_SHA (pass it
 # when the copy of the tree on the GPU machine has no .git)
@@ -110,7 +110,7 @@ if has sanitize; then
   # after another they took 310 s), each with its own log; sanitize.log gets them in this order.
   # SANITIZE_JOBS=1 runs them one after another, as before.
   san_jobs=${SANITIZE_JOBS:-4}
-  export OMP_NUM_THREADS=$((JOBS / san_jobs > 0 ? JOBS / san_jobs : 1))  # the CPUs, shared
+  san_threads=$((JOBS / san_jobs > 0 ? JOBS / san_jobs : 1))  # each run's share of the CPUs
   runs_dir=$OUT/sanitize_runs
   rm -rf "$runs_dir" && mkdir -p "$runs_dir"
   runs=0
@@ -122,8 +122,8 @@ if has sanitize; then
     while [ "$(jobs -rp | wc -l)" -ge "$san_jobs" ]; do sleep 1; done
     {
       echo "--- compute-sanitizer --tool $tool ($label: ${*: -1})"
-      timeout "${SANITIZE_TIMEOUT:-120}" compute-sanitizer --tool "$tool" --error-exitcode 3 \
-        "$@" 2>&1 | tail -"$lines"
+      OMP_NUM_THREADS=$san_threads timeout "${SANITIZE_TIMEOUT:-120}" compute-sanitizer \
+        --tool "$tool" --error-exitcode 3 "$@" 2>&1 | tail -"$lines"
       echo "$label exit ${PIPESTATUS[0]}"
     } > "$runs_dir/$(printf %02d $runs).log" 2>&1 &
   }
