@@ -136,9 +136,10 @@ def random_T(gen, N, S):
 
 
 def check_chain_against_reference(gen, device, *, H, HV, state_dtype, act, params, N=5, S=4,
-                                  steps=6):
+                                  steps=6, z_dtype=None):
     """A replay chain of `steps` steps with random T and acceptance: every step's outputs and
-    checkpoints against the float64 reference, and the saved windows."""
+    checkpoints against the float64 reference, and the saved windows. z_dtype: z in that dtype
+    instead of the activations' (the same values)."""
     K = V = 128 if device == "cuda" else 32
     pool = make_pool(gen, device, N=N, H=H, HV=HV, K=K, V=V, S=S, state_dtype=state_dtype,
                      act=act, first_valid_slot=1)
@@ -148,6 +149,8 @@ def check_chain_against_reference(gen, device, *, H, HV, state_dtype, act, param
     for step in range(steps):
         T = random_T(gen, N, S)
         inputs = random_inputs(gen, T, H=H, HV=HV, K=K, V=V, act=act, params=params)
+        if z_dtype is not None:
+            inputs["z"] = inputs["z"].to(z_dtype)
         # pool.ref holds each request's state after its pending tokens: the checkpoint the call
         # stores, and where the step's tokens start.
         want = pool.ref.clone()
@@ -233,6 +236,21 @@ def test_chain_at_a_head_per_sm(gen, H, HV, state_dtype, act, S, heads_per_sm):
     check_chain_against_reference(gen, "cuda", H=H, HV=HV, state_dtype=state_dtype, act=act,
                                   params=layer_params(gen, HV),
                                   N=heads_per_sm_batch(HV, heads_per_sm), S=S, steps=4)
+
+
+@_NEEDS_CUDA
+@pytest.mark.parametrize("state_dtype", [FP32, BF16, FP16], ids=["state_fp32", "state_bf16",
+                                                                 "state_fp16"])
+@pytest.mark.parametrize("S,heads_per_sm", [(4, 7), (4, 4), (3, 4)],
+                         ids=["tensor_cores_eight_ctas_per_sm", "tensor_cores", "token_by_token"])
+def test_bf16_activations_but_z_fp32(gen, state_dtype, S, heads_per_sm):
+    """Replay with every activation array bf16 takes kernel images that know those dtypes at
+    compile time; a z of another dtype among them (fp32 here) must take the images that read the
+    dtypes at run time, in every kernel form, and match the reference as well."""
+    check_chain_against_reference(gen, "cuda", H=16, HV=32, state_dtype=state_dtype, act=BF16,
+                                  params=layer_params(gen, 32),
+                                  N=heads_per_sm_batch(32, heads_per_sm), S=S, steps=3,
+                                  z_dtype=FP32)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -100,6 +100,55 @@ inline bool tensor_core_image(int device, const DeviceInfo& info) {
   }
 }
 
+// The kernel forms of a launch (the kernel's template flags), numbered for the per-form caches.
+enum KernelForm : int {
+  kTokenByToken = 0,
+  kClosedFormRows = 1,
+  kSingleTokenForm = 2,
+  kStageFirstForm = 3,
+  kTensorCoreForm = 4,
+  kTensorCoreEightForm = 5,
+  kKernelForms = 6
+};
+
+// The kernel image of a form; kBf16Activations: its image for bf16 activations
+// (bf16_activations).
+template <class StateT, int kRatio, bool kReplay, bool kBf16Activations>
+inline auto form_kernel(int form) {
+  auto kernel = decode_mtp_kernel<StateT, kRatio, kReplay, false, false, false, false, false,
+                                  kBf16Activations>;
+  if constexpr (kReplay)
+    if (form == kClosedFormRows)
+      kernel = decode_mtp_kernel<StateT, kRatio, true, true, false, false, false, false,
+                                 kBf16Activations>;
+  if constexpr (kReplay && sizeof(StateT) == 2) {
+    if (form == kStageFirstForm)
+      kernel = decode_mtp_kernel<StateT, kRatio, true, false, false, true, false, false,
+                                 kBf16Activations>;
+    if (form == kTensorCoreForm)
+      kernel = decode_mtp_kernel<StateT, kRatio, true, true, false, false, true, false,
+                                 kBf16Activations>;
+    if (form == kTensorCoreEightForm)
+      kernel =
+          decode_mtp_kernel<StateT, kRatio, true, true, false, false, true, true, kBf16Activations>;
+  }
+  if constexpr (!kReplay && sizeof(StateT) == 2)
+    if (form == kSingleTokenForm) kernel = decode_mtp_kernel<StateT, kRatio, false, false, true>;
+  return kernel;
+}
+
+// Replay with bf16 activations (mixed_qkv and so the window's k and v, a, b, out, and z if given:
+// the serving case) takes the kernel images that know those dtypes at compile time
+// (kBf16Activations), for every head ratio of HeadRatios. Other dtypes, and the run-time ratio,
+// take the images that read them from KernelArgs.
+template <int kRatio, bool kReplay>
+inline bool use_bf16_activations(const KernelArgs& args) {
+  constexpr DType bf16 = DType::kBFloat16;
+  return kReplay && kRatio != kRuntimeValue && args.qkv_dtype == bf16 && args.a_dtype == bf16 &&
+         args.b_dtype == bf16 && args.out_dtype == bf16 &&
+         (args.z == nullptr || args.z_dtype == bf16);
+}
+
 template <DType kState, int kRatio, bool kReplay>
 inline Status launch_kernel(const KernelArgs& args_in, int device, int split_request,
                             cudaStream_t stream) {
@@ -123,19 +172,21 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
                            kSingleTokenCtasPerSm);
   const bool stage_first =
       kReplay && use_replay_stage_first(int(sizeof(StateT)), closed_form, heads, info.sm_count);
-  auto kernel = decode_mtp_kernel<StateT, kRatio, kReplay, false>;
-  if constexpr (kReplay)
-    if (closed_form) kernel = decode_mtp_kernel<StateT, kRatio, true, true>;
-  if constexpr (kReplay && sizeof(StateT) == 2)
-    if (tensor_cores) kernel = decode_mtp_kernel<StateT, kRatio, true, true, false, false, true>;
-  if constexpr (kReplay && sizeof(StateT) == 2)
-    if (stage_first) kernel = decode_mtp_kernel<StateT, kRatio, true, false, false, true>;
-  if constexpr (!kReplay && sizeof(StateT) == 2)
-    if (single_token) kernel = decode_mtp_kernel<StateT, kRatio, false, false, true>;
+  const bool bf16_activations = use_bf16_activations<kRatio, kReplay>(args);
+  int form = tensor_cores   ? kTensorCoreForm
+             : closed_form  ? kClosedFormRows
+             : single_token ? kSingleTokenForm
+             : stage_first  ? kStageFirstForm
+                            : kTokenByToken;
+  const auto image = [&](int f) {
+    if constexpr (kReplay && kRatio != kRuntimeValue)
+      if (bf16_activations) return form_kernel<StateT, kRatio, kReplay, true>(f);
+    return form_kernel<StateT, kRatio, kReplay, false>(f);
+  };
+  auto kernel = image(form);
   static std::atomic<int> ptx_cache[kMaxDevices];
-  // Per kernel form: token by token, closed form, single token, replay staged first, closed form
-  // on tensor cores at six and at eight CTAs per SM.
-  static std::atomic<int> smem_cache[6][kMaxDevices];
+  // Per kernel form and activation image.
+  static std::atomic<int> smem_cache[2][kKernelForms][kMaxDevices];
   // sm_90 image: clusters, bulk copies and programmatic dependent launch.
   const bool hopper = info.major >= 9 && kernel_ptx_version(kernel, device, ptx_cache) >= 90;
   const int split = split_request > 0 ? split_request
@@ -162,22 +213,15 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
       tensor_cores && split == 1 &&  // (a benchmark may pin another split)
       use_tensor_core_eight(args.S, heads, info.sm_count,
                             resident(needed) >= kTensorCoreEightCtasPerSm);
-  if constexpr (kReplay && sizeof(StateT) == 2)
-    if (tensor_core_eight)
-      kernel = decode_mtp_kernel<StateT, kRatio, true, true, false, false, true, true>;
-  const int form = tensor_core_eight ? 5
-                   : tensor_cores    ? 4
-                   : closed_form     ? 1
-                   : single_token    ? 2
-                   : stage_first     ? 3
-                                     : 0;
+  if (tensor_core_eight) kernel = image(form = kTensorCoreEightForm);
   // A launch asks for the shared memory that spreads the CTAs of each of its waves evenly over the
   // SMs (launch_shared_bytes). That arithmetic assumes the largest carveout, and the kernel may
   // ask for up to all of an SM's shared memory.
   const size_t smem =
       launch_shared_bytes(needed, heads, split, form_ctas_per_sm(single_token, tensor_core_eight),
                           info.sm_count, size_t(info.shared_per_sm), size_t(info.reserved_per_cta));
-  GDN_RETURN_IF_ERROR(allow_dynamic_shared(kernel, device, info.shared_per_cta, smem_cache[form]));
+  GDN_RETURN_IF_ERROR(allow_dynamic_shared(kernel, device, info.shared_per_cta,
+                                           smem_cache[bf16_activations][form]));
   return launch_ex(kernel, dim3(unsigned(heads * split)), dim3(unsigned(kThreads)), smem, split,
                    hopper, stream, args, kReplay ? "replay" : "decode_mtp");
 }

@@ -99,6 +99,17 @@ using dev::warp_sum;
 static_assert(kCudaMaxSpecColumns <= 32, "slot ids of a row are read by the first lanes");
 static_assert(2 * kCudaMaxSpecColumns <= 32, "stage_gates: one lane per staged replay token");
 
+// The dtype of an activation array (mixed_qkv and the window's k and v, a, b, z, out) as a kernel
+// image reads it: `t` from KernelArgs, or bf16 in the images for bf16 activations
+// (kBf16Activations, the launcher's bf16_activations). Those know it at compile time, so their
+// loads, conversions and stores carry no dtype branches: replay is bound by its instructions,
+// and the branches of a run-time dtype were about 7 % of them (benchmarks/results/
+// profile_lines_fb2f183_h200.json).
+template <bool kBf16Activations>
+__device__ __forceinline__ DType activation_dtype(DType t) {
+  return kBf16Activations ? DType::kBFloat16 : t;
+}
+
 // Phase probe (builds with -DGDN_PHASE_PROBE only, read by benchmarks/probe_phases.py): thread 0
 // of every CTA stamps its SM clock at each phase of the kernel (words 0-10 of the CTA's 16, and 11
 // and 12 inside the closed form's solve) and %globaltimer at the first and last (words 14, 15), as
@@ -213,7 +224,7 @@ __device__ __forceinline__ DecodeRow classify_decode_row(int64_t c0, int64_t c1,
 struct GateBits {
   uint32_t a, b, A_log, dt_bias;
 };
-template <bool kReplay>
+template <bool kReplay, bool kBf16Activations>
 __device__ __forceinline__ GateBits load_gates(const KernelArgs& args, int t, int n_replay,
                                                int64_t c0, int64_t source, int hv) {
   const bool replayed = kReplay && t < n_replay;
@@ -224,17 +235,20 @@ __device__ __forceinline__ GateBits load_gates(const KernelArgs& args, int t, in
                                  : l * args.a_row_stride + hv;
   const int64_t b_off = replayed ? source * args.wb_slot_stride + t * args.wb_token_stride + hv
                                  : l * args.b_row_stride + hv;
-  return {load_bits(a_src, args.a_dtype, a_off), load_bits(b_src, args.b_dtype, b_off),
+  return {load_bits(a_src, activation_dtype<kBf16Activations>(args.a_dtype), a_off),
+          load_bits(b_src, activation_dtype<kBf16Activations>(args.b_dtype), b_off),
           load_bits(args.A_log, args.A_log_dtype, hv),
           load_bits(args.dt_bias, args.dt_bias_dtype, hv)};
 }
+template <bool kBf16Activations>
 __device__ __forceinline__ void stage_gates(const KernelArgs& args, const GateBits& bits,
                                             float* gates) {
   const float A = -expf(bits_to_f32(bits.A_log, args.A_log_dtype));
-  const float g = A * softplus(bits_to_f32(bits.a, args.a_dtype) +
-                               bits_to_f32(bits.dt_bias, args.dt_bias_dtype));
+  const float g =
+      A * softplus(bits_to_f32(bits.a, activation_dtype<kBf16Activations>(args.a_dtype)) +
+                   bits_to_f32(bits.dt_bias, args.dt_bias_dtype));
   gates[0] = expf(g);
-  gates[1] = sigmoid(bits_to_f32(bits.b, args.b_dtype));
+  gates[1] = sigmoid(bits_to_f32(bits.b, activation_dtype<kBf16Activations>(args.b_dtype)));
 }
 
 // The raw bits of staged token t that a lane of the staging warp loads (load_token): q and k, four
@@ -244,7 +258,7 @@ struct TokenBits {
   uint4 q, k;
   uint32_t v[kHeadDim / 32];
 };
-template <bool kReplay>
+template <bool kReplay, bool kBf16Activations>
 __device__ __forceinline__ TokenBits load_token(const KernelArgs& args, int t, int n_replay,
                                                 int64_t c0, int64_t source, int h, int hv, int row0,
                                                 int R, int lane) {
@@ -262,19 +276,22 @@ __device__ __forceinline__ TokenBits load_token(const KernelArgs& args, int t, i
   } else {
     const int64_t l = c0 + (t - n_replay);
     const int64_t base = l * args.qkv_row_stride;
-    qb = load_bits4(args.mixed_qkv, args.qkv_dtype, base + int64_t(h) * kHeadDim + 4 * lane,
-                    args.qkv_vector);
+    qb = load_bits4(args.mixed_qkv, activation_dtype<kBf16Activations>(args.qkv_dtype),
+                    base + int64_t(h) * kHeadDim + 4 * lane, args.qkv_vector);
     k_src = v_src = args.mixed_qkv;
     k_off = base + int64_t(args.H + h) * kHeadDim;
     v_off = base + int64_t(2 * args.H + hv) * kHeadDim;
     k_vector = args.qkv_vector;
   }
-  const uint4 kb = load_bits4(k_src, args.qkv_dtype, k_off + 4 * lane, k_vector);
+  const uint4 kb = load_bits4(k_src, activation_dtype<kBf16Activations>(args.qkv_dtype),
+                              k_off + 4 * lane, k_vector);
   const int64_t vbase = v_off + row0;
   uint32_t vb[kHeadDim / 32];
 #pragma unroll
   for (int i = 0; i < kHeadDim / 32; ++i)
-    vb[i] = lane + 32 * i < R ? load_bits(v_src, args.qkv_dtype, vbase + lane + 32 * i) : 0u;
+    vb[i] = lane + 32 * i < R ? load_bits(v_src, activation_dtype<kBf16Activations>(args.qkv_dtype),
+                                          vbase + lane + 32 * i)
+                              : 0u;
   return TokenBits{qb, kb, {vb[0], vb[1], vb[2], vb[3]}};
 }
 
@@ -282,17 +299,17 @@ __device__ __forceinline__ TokenBits load_token(const KernelArgs& args, int t, i
 // times scale) as fp32 [128] at q_row (output tokens) and k_row, the R values of the CTA's rows at
 // v_row, and (kWithKq, lane 0) k . q at gates[2], for the token-by-token replay step (the gates
 // themselves: stage_gates). A replayed token produces no output: no q.
-template <bool kWithKq>
+template <bool kWithKq, bool kBf16Activations>
 __device__ __forceinline__ void stage_token(const KernelArgs& args, const TokenBits& bits,
                                             bool replayed, int R, int lane, float* q_row,
                                             float* k_row, float* v_row, float* gates) {
-  const float4 k = bits4_to_f32(bits.k, args.qkv_dtype);
+  const float4 k = bits4_to_f32(bits.k, activation_dtype<kBf16Activations>(args.qkv_dtype));
   const float kk = warp_sum(k.x * k.x + k.y * k.y + k.z * k.z + k.w * k.w);
   const float kinv = 1.0f / sqrtf(kk + args.l2_eps);
   const float4 kn = make_float4(k.x * kinv, k.y * kinv, k.z * kinv, k.w * kinv);
   float kq = 0.0f;
   if (!replayed) {
-    const float4 q = bits4_to_f32(bits.q, args.qkv_dtype);
+    const float4 q = bits4_to_f32(bits.q, activation_dtype<kBf16Activations>(args.qkv_dtype));
     const float qq = warp_sum(q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w);
     const float qinv = args.scale / sqrtf(qq + args.l2_eps);
     const float4 qn = make_float4(q.x * qinv, q.y * qinv, q.z * qinv, q.w * qinv);
@@ -302,7 +319,9 @@ __device__ __forceinline__ void stage_token(const KernelArgs& args, const TokenB
   *reinterpret_cast<float4*>(k_row + 4 * lane) = kn;
 #pragma unroll
   for (int i = 0; i < kHeadDim / 32; ++i)
-    if (lane + 32 * i < R) v_row[lane + 32 * i] = bits_to_f32(bits.v[i], args.qkv_dtype);
+    if (lane + 32 * i < R)
+      v_row[lane + 32 * i] =
+          bits_to_f32(bits.v[i], activation_dtype<kBf16Activations>(args.qkv_dtype));
   if (kWithKq && lane == 0) gates[2] = kq;
 }
 
@@ -311,14 +330,15 @@ __device__ __forceinline__ void stage_token(const KernelArgs& args, const TokenB
 // this function: it compiles them to the code they were measured with, where the same calls
 // through the kernel's `stage` lambda change their register allocation
 // (benchmarks/compare_ptx.py).
-template <bool kReplay, bool kWithKq>
+template <bool kReplay, bool kWithKq, bool kBf16Activations>
 __device__ __forceinline__ void load_and_stage_token(const KernelArgs& args, int t, int n_replay,
                                                      int64_t c0, int64_t source, int h, int hv,
                                                      int row0, int R, int lane, float* q_row,
                                                      float* k_row, float* v_row, float* gates) {
-  stage_token<kWithKq>(args,
-                       load_token<kReplay>(args, t, n_replay, c0, source, h, hv, row0, R, lane),
-                       kReplay && t < n_replay, R, lane, q_row, k_row, v_row, gates);
+  stage_token<kWithKq, kBf16Activations>(
+      args,
+      load_token<kReplay, kBf16Activations>(args, t, n_replay, c0, source, h, hv, row0, R, lane),
+      kReplay && t < n_replay, R, lane, q_row, k_row, v_row, gates);
 }
 
 // The 8 rows of a group in a warp's registers, kRows (8, 4 or 2) rows per lane. The 4 kRows lanes
@@ -835,7 +855,7 @@ __device__ __forceinline__ void build_tensor_core_frags(int n, int m, int tid, c
 // Leaves in v_s what the FMA form leaves: w_i = c_i (vt_i - P_i) for i < n, o_j = ot_j + P_j
 // (rounded as the output when round_output) for n <= j < m; then p = the advanced checkpoint rows
 // (n > 0).
-template <class Half>
+template <class Half, bool kBf16Activations>
 __device__ __forceinline__ void tensor_core_rows(uint4 (&p)[4], const TensorCoreFrags* frags,
                                                  float* v_g, int vs, int n, int m, float coef,
                                                  float decay, const KernelArgs& args, int lane) {
@@ -881,7 +901,8 @@ __device__ __forceinline__ void tensor_core_rows(uint4 (&p)[4], const TensorCore
       x = coef * (x - dot[r]);
     } else {
       float o = x + dot[r];
-      if (args.round_core_output) o = dev::round_to(args.out_dtype, o);
+      if (args.round_core_output)
+        o = dev::round_to(activation_dtype<kBf16Activations>(args.out_dtype), o);
       x = o;
     }
   }
@@ -1022,10 +1043,11 @@ struct TokenArgs {
 // that the image the other batches take keeps its code.
 // kTensorCores: the closed form's rows phase on tensor cores (a 16-bit state, S <= kTensorCoreMaxS;
 // the launcher's tensor_core_image and use_closed_form). kEightCtasPerSm: its image at eight CTAs
-// per SM (use_tensor_core_eight).
+// per SM (use_tensor_core_eight). kBf16Activations: the image of a replay form for bf16 activations
+// (activation_dtype; the launcher's use_bf16_activations).
 template <class StateT, int kRatio, bool kReplay, bool kClosedForm = false,
           bool kSingleToken = false, bool kStageFirst = false, bool kTensorCores = false,
-          bool kEightCtasPerSm = false>
+          bool kEightCtasPerSm = false, bool kBf16Activations = false>
 __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEightCtasPerSm))
     decode_mtp_kernel(const __grid_constant__ KernelArgs args) {
   static_assert(!kEightCtasPerSm || kTensorCores, "eight CTAs per SM: the tensor-core form");
@@ -1166,7 +1188,8 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
     const int64_t count = hi > lo ? (hi - lo) * R : 0;
     for (int64_t e = tid; e < count; e += kThreads) {
       const int64_t l = lo + (e >> log2_R);
-      store_value(args.out, args.out_dtype, (l * HV + hv) * kHeadDim + row0 + (e & (R - 1)), 0.0f);
+      store_value(args.out, activation_dtype<kBf16Activations>(args.out_dtype),
+                  (l * HV + hv) * kHeadDim + row0 + (e & (R - 1)), 0.0f);
     }
     if (args.error_count && hv == 0 && rank == 0 && tid == 0) atomicAdd(args.error_count, 1);
     leave();
@@ -1244,7 +1267,9 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
     int64_t at = z_base + int64_t(first >> log2_R) * args.z_row_stride + (first & (R - 1));
 #pragma unroll
     for (int i = 0; i < kZBatch; ++i, at += z_step)
-      bits[i] = first + i * kThreads < z_count ? load_bits(args.z, args.z_dtype, at) : 0u;
+      bits[i] = first + i * kThreads < z_count
+                    ? load_bits(args.z, activation_dtype<kBf16Activations>(args.z_dtype), at)
+                    : 0u;
   };
   auto stage_z = [&](int first, const uint32_t (&bits)[kZBatch]) {
 #pragma unroll
@@ -1252,12 +1277,13 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
       const int e = first + i * kThreads;
       if (e >= z_count) continue;
       if constexpr (closed_form) {  // raw bits; act(z) at the output
-        if (args.z_dtype != DType::kFloat32)
+        if (activation_dtype<kBf16Activations>(args.z_dtype) != DType::kFloat32)
           reinterpret_cast<uint16_t*>(z_s)[e] = uint16_t(bits[i]);
         else
           reinterpret_cast<uint32_t*>(z_s)[e] = bits[i];
       } else {
-        z_s[e] = gate_act(args, bits_to_f32(bits[i], args.z_dtype));
+        z_s[e] =
+            gate_act(args, bits_to_f32(bits[i], activation_dtype<kBf16Activations>(args.z_dtype)));
       }
     }
   };
@@ -1265,9 +1291,10 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
   load_z(tid, z_bits);
   const bool gate_lane = warp == kWarps - 1 && lane < tokens;  // the warp with the fewest tokens
   GateBits gate_bits{};
-  if (gate_lane) gate_bits = load_gates<kReplay>(args, lane, n_replay, c0, source, hv);
+  if (gate_lane)
+    gate_bits = load_gates<kReplay, kBf16Activations>(args, lane, n_replay, c0, source, hv);
   auto stage = [&](int t, const TokenBits& bits) {
-    stage_token<kReplay && !closed_form>(
+    stage_token<kReplay && !closed_form, kBf16Activations>(
         args, bits, t < n_replay, R, lane,
         t < n_replay ? nullptr : q_s + (closed_form ? t : t - n_replay) * kHeadDim,
         k_s + t * kHeadDim, v_s + t * v_stride, gates_s + kGateFloats * t);
@@ -1279,7 +1306,8 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
     for (int i = 0; i < kAhead; ++i) {
       const int t = warp + i * kWarps;
       if (t < tokens)
-        ahead[i] = load_token<kReplay>(args, t, n_replay, c0, source, h, hv, row0, R, lane);
+        ahead[i] = load_token<kReplay, kBf16Activations>(args, t, n_replay, c0, source, h, hv, row0,
+                                                         R, lane);
     }
     __syncthreads();  // every warp's loads above are issued
     issue_first_chunks();
@@ -1287,15 +1315,16 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
     for (int i = 0; i < kAhead; ++i)
       if (warp + i * kWarps < tokens) stage(warp + i * kWarps, ahead[i]);
     for (int t = warp + kAhead * kWarps; t < tokens; t += kWarps)
-      stage(t, load_token<kReplay>(args, t, n_replay, c0, source, h, hv, row0, R, lane));
+      stage(t, load_token<kReplay, kBf16Activations>(args, t, n_replay, c0, source, h, hv, row0, R,
+                                                     lane));
   } else {
     for (int t = warp; t < tokens; t += kWarps)
-      load_and_stage_token<kReplay, kReplay && !closed_form>(
+      load_and_stage_token<kReplay, kReplay && !closed_form, kBf16Activations>(
           args, t, n_replay, c0, source, h, hv, row0, R, lane,
           t < n_replay ? nullptr : q_s + (closed_form ? t : t - n_replay) * kHeadDim,
           k_s + t * kHeadDim, v_s + t * v_stride, gates_s + kGateFloats * t);
   }
-  if (gate_lane) stage_gates(args, gate_bits, gates_s + kGateFloats * lane);
+  if (gate_lane) stage_gates<kBf16Activations>(args, gate_bits, gates_s + kGateFloats * lane);
   stage_z(tid, z_bits);
   for (int first = tid + kZBatch * kThreads; first < z_count; first += kZBatch * kThreads) {
     load_z(first, z_bits);
@@ -1418,7 +1447,8 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
     // The core output o of output token `to` (row my_row) to shared memory, by the lane that
     // owns it.
     auto emit_output = [&](int to, float o, bool owner) {
-      if (args.round_core_output) o = dev::round_to(args.out_dtype, o);
+      if (args.round_core_output)
+        o = dev::round_to(activation_dtype<kBf16Activations>(args.out_dtype), o);
       if (owner) o_s[to * R + my_row] = o;
     };
     // Staged token t as the token steps read it; q_row: its q (output tokens; replayed ones have
@@ -1454,7 +1484,8 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
         for (int t = n_replay; t < tokens; ++t) {
           float o = advance_rows_scaled<true>(s, scale_c, k_t, q_t, gates_t[2], gates_t[0],
                                               gates_t[1], *v_t, t + 1 < tokens, lane);
-          if (round_output) o = dev::round_to(args.out_dtype, o);
+          if (round_output)
+            o = dev::round_to(activation_dtype<kBf16Activations>(args.out_dtype), o);
           if ((lane & 3) == 0) *o_t = o;
           k_t += kHeadDim;
           q_t += kHeadDim;
@@ -1463,9 +1494,9 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
           o_t += R;
         }
       } else if constexpr (kTensorCores) {
-        tensor_core_rows<StateT>(tc_words, reinterpret_cast<const TensorCoreFrags*>(k_s),
-                                 v_s + grow, v_stride, n_replay, tokens, tc_coef, tc_decay, args,
-                                 lane);
+        tensor_core_rows<StateT, kBf16Activations>(
+            tc_words, reinterpret_cast<const TensorCoreFrags*>(k_s), v_s + grow, v_stride, n_replay,
+            tokens, tc_coef, tc_decay, args, lane);
         if (n_replay > 0 && args.state_vector) {
           // The group's rows to the checkpoint. Quads g and g ^ 1 swap a word per half row, so
           // that each warp store covers 128 bytes of each of 4 rows rather than 64 of 8 (H200,
@@ -1538,7 +1569,8 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
                                             // v's row d (SmemPlan)
             float& o_d = v_s[d * v_stride + my_row];
             float o = o_d + dot;
-            if (args.round_core_output) o = dev::round_to(args.out_dtype, o);
+            if (args.round_core_output)
+              o = dev::round_to(activation_dtype<kBf16Activations>(args.out_dtype), o);
             o_d = o;
           }
         }
@@ -1630,16 +1662,16 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
       y = y * rstd_s[t] * w_out;
       if (gated) {
         if constexpr (closed_form) {
-          const uint32_t bits = args.z_dtype != DType::kFloat32
+          const uint32_t bits = activation_dtype<kBf16Activations>(args.z_dtype) != DType::kFloat32
                                     ? uint32_t(reinterpret_cast<const uint16_t*>(z_s)[e])
                                     : reinterpret_cast<const uint32_t*>(z_s)[e];
-          y *= gate_act(args, bits_to_f32(bits, args.z_dtype));
+          y *= gate_act(args, bits_to_f32(bits, activation_dtype<kBf16Activations>(args.z_dtype)));
         } else {
           y *= z_s[e];
         }
       }
     }
-    store_value(args.out, args.out_dtype, out_at, y);
+    store_value(args.out, activation_dtype<kBf16Activations>(args.out_dtype), out_at, y);
   }
   GDN_PHASE(args, tid, 9);
   if (clustered) cluster_wait();
