@@ -7,14 +7,15 @@
 #   BENCH_ARGS="--quick --sweep-split" STAGES="build bench" benchmarks/gpu_check.sh
 #
 # The whole check takes about 10 minutes on an H200 machine (build 50 s, tests 220 s, sanitizers
-# 310 s when run one after another, now SANITIZE_JOBS at a time; full benchmark matrix with FLA
+# 310 s one after another, 132 s four at a time; full benchmark matrix with FLA
 # 60-200 s). Where one command may run for at most 10 minutes, run it as two:
 # STAGES="build test demo sanitize", then STAGES="build bench".
 #
 # Environment: OUT (default ./gpu_out), JOBS (16), GDN_CUDA_ARCHITECTURES (90a), GDN_GIT_SHA (pass it
 # when the copy of the tree on the GPU machine has no .git)
 # (recorded in the results), BENCH_ARGS, PYTEST_ARGS (default tests/py), PYTEST_TIMEOUT (400 s),
-# SANITIZE_TIMEOUT (120 s per run), SANITIZE_JOBS (4 runs at once), SANITIZE_PYTEST (1: also the
+# SANITIZE_TIMEOUT (300 s per run: four at once, the longest (memcheck of the ratio-8 replay chains)
+# ran past 120 s; alone it takes 70 s), SANITIZE_JOBS (4 runs at once), SANITIZE_PYTEST (1: also the
 # pytest selections),
 # PROFILE_CONFIGS (';'-separated profile_decode_mtp.py arguments). GoogleTest comes from .deps/gtest (scripts/stage_gtest.sh)
 # when the system has none; Python wheels in .whl (e.g. fla-core, einops) are installed into a
@@ -122,7 +123,7 @@ if has sanitize; then
     while [ "$(jobs -rp | wc -l)" -ge "$san_jobs" ]; do sleep 1; done
     {
       echo "--- compute-sanitizer --tool $tool ($label: ${*: -1})"
-      OMP_NUM_THREADS=$san_threads timeout "${SANITIZE_TIMEOUT:-120}" compute-sanitizer \
+      OMP_NUM_THREADS=$san_threads timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer \
         --tool "$tool" --error-exitcode 3 "$@" 2>&1 | tail -"$lines"
       echo "$label exit ${PIPESTATUS[0]}"
     } > "$runs_dir/$(printf %02d $runs).log" 2>&1 &
