@@ -112,7 +112,7 @@ enum KernelForm : int {
 };
 
 // The kernel image of a form; kBf16Activations: its image for bf16 activations
-// (bf16_activations).
+// (use_bf16_activations).
 template <class StateT, int kRatio, bool kReplay, bool kBf16Activations>
 inline auto form_kernel(int form) {
   auto kernel = decode_mtp_kernel<StateT, kRatio, kReplay, false, false, false, false, false,
@@ -151,9 +151,12 @@ inline constexpr bool kBf16ActivationImages = false;
 inline constexpr bool kBf16ActivationImages = true;
 #endif
 template <int kRatio, bool kReplay>
+inline constexpr bool kHasBf16ActivationImages =
+    kBf16ActivationImages && kReplay && kRatio != kRuntimeValue;
+template <int kRatio, bool kReplay>
 inline bool use_bf16_activations(const KernelArgs& args) {
   constexpr DType bf16 = DType::kBFloat16;
-  return kBf16ActivationImages && kReplay && kRatio != kRuntimeValue && args.qkv_dtype == bf16 &&
+  return kHasBf16ActivationImages<kRatio, kReplay> && args.qkv_dtype == bf16 &&
          args.a_dtype == bf16 && args.b_dtype == bf16 && args.out_dtype == bf16 &&
          (args.z == nullptr || args.z_dtype == bf16);
 }
@@ -188,7 +191,7 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
              : stage_first  ? kStageFirstForm
                             : kTokenByToken;
   const auto image = [&](int f) {
-    if constexpr (kBf16ActivationImages && kReplay && kRatio != kRuntimeValue)
+    if constexpr (kHasBf16ActivationImages<kRatio, kReplay>)
       if (bf16_activations) return form_kernel<StateT, kRatio, kReplay, true>(f);
     return form_kernel<StateT, kRatio, kReplay, false>(f);
   };
@@ -222,7 +225,10 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
       tensor_cores && split == 1 &&  // (a benchmark may pin another split)
       use_tensor_core_eight(args.S, heads, info.sm_count,
                             resident(needed) >= kTensorCoreEightCtasPerSm);
-  if (tensor_core_eight) kernel = image(form = kTensorCoreEightForm);
+  if (tensor_core_eight) {
+    form = kTensorCoreEightForm;
+    kernel = image(form);
+  }
   // A launch asks for the shared memory that spreads the CTAs of each of its waves evenly over the
   // SMs (launch_shared_bytes). That arithmetic assumes the largest carveout, and the kernel may
   // ask for up to all of an SM's shared memory.

@@ -101,7 +101,7 @@ static_assert(2 * kCudaMaxSpecColumns <= 32, "stage_gates: one lane per staged r
 
 // The dtype of an activation array (mixed_qkv and the window's k and v, a, b, z, out) as a kernel
 // image reads it: `t` from KernelArgs, or bf16 in the images for bf16 activations
-// (kBf16Activations, the launcher's bf16_activations). Those know it at compile time, so their
+// (kBf16Activations, the launcher's use_bf16_activations). Those know it at compile time, so their
 // loads, conversions and stores carry no dtype branches: replay is bound by its instructions,
 // and the branches of a run-time dtype were about 7 % of them (benchmarks/results/
 // profile_lines_fb2f183_h200.json).
