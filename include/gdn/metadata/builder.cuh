@@ -10,54 +10,23 @@
 #include <cstring>
 #include <string>
 
+#include "gdn/core/cuda/device_info.cuh"
 #include "gdn/metadata/builder.hpp"
 #include "gdn/metadata/state_rows.cuh"
 
 namespace gdn::metadata {
 namespace cuda_builder_detail {
 
+inline constexpr const char* kOp = "metadata builder";
+
 inline Status error(const char* what, cudaError_t err) {
   return Status(StatusCode::kCudaError,
-                std::string("metadata builder: ") + what + ": " + cudaGetErrorString(err));
+                std::string(kOp) + ": " + what + ": " + cudaGetErrorString(err));
 }
-
-// Makes `device` current until destroyed (no call when it already is).
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    err_ = cudaGetDevice(&previous_);
-    if (err_ != cudaSuccess) {
-      (void)cudaGetLastError();
-      what_ = "no usable CUDA device";
-      return;
-    }
-    if (previous_ != device) {
-      err_ = cudaSetDevice(device);
-      if (err_ != cudaSuccess) {
-        (void)cudaGetLastError();
-        what_ = "cannot select the builder's CUDA device";
-        return;
-      }
-      restore_ = true;
-    }
-  }
-  ~DeviceGuard() {
-    if (restore_) (void)cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-  Status status() const { return err_ == cudaSuccess ? Status::ok() : error(what_, err_); }
-
- private:
-  int previous_ = -1;
-  bool restore_ = false;
-  cudaError_t err_ = cudaSuccess;
-  const char* what_ = "";
-};
 
 inline Status submit(const void* host_plan, void* device_plan, size_t bytes, void* event,
                      const StateRowsArgs* args, int device, void* stream) {
-  DeviceGuard guard(device);
+  const cuda::DeviceGuard guard(kOp, device);
   GDN_RETURN_IF_ERROR(guard.status());
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (host_plan) {
@@ -74,7 +43,7 @@ inline Status submit(const void* host_plan, void* device_plan, size_t bytes, voi
 }
 
 inline Status copy_to_host(void* dst, const void* src, size_t bytes, int device, void* stream) {
-  DeviceGuard guard(device);
+  const cuda::DeviceGuard guard(kOp, device);
   GDN_RETURN_IF_ERROR(guard.status());
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   cudaError_t err = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, s);
@@ -84,7 +53,7 @@ inline Status copy_to_host(void* dst, const void* src, size_t bytes, int device,
 }
 
 inline Status event_create(int device, void** event) {
-  DeviceGuard guard(device);
+  const cuda::DeviceGuard guard(kOp, device);
   GDN_RETURN_IF_ERROR(guard.status());
   cudaEvent_t e = nullptr;
   const cudaError_t err = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
@@ -102,7 +71,7 @@ inline Status event_synchronize(void* event) {
 }
 
 inline Status allocate(size_t bytes, bool pinned_host, int device, void** out) {
-  DeviceGuard guard(device);
+  const cuda::DeviceGuard guard(kOp, device);
   GDN_RETURN_IF_ERROR(guard.status());
   void* p = nullptr;
   if (bytes == 0) bytes = 16;
@@ -125,7 +94,7 @@ inline Status allocate(size_t bytes, bool pinned_host, int device, void** out) {
 }
 
 inline void release(void* ptr, bool pinned_host, int device) {
-  DeviceGuard guard(device);
+  const cuda::DeviceGuard guard(kOp, device);  // nothing to report: frees what it can
   if (pinned_host)
     (void)cudaFreeHost(ptr);
   else

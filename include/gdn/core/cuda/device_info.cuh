@@ -1,5 +1,6 @@
 // Host side: per-device facts looked up once per device and cached (lock-free; racing first calls
-// store equal values), and kernel attributes set once per (kernel, device).
+// store equal values), kernel attributes set once per (kernel, device), and the device guard and
+// error boundary of every CUDA entry point.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -106,29 +107,56 @@ inline Status allow_dynamic_shared(Kernel kernel, int device, int bytes,
   return Status::ok();
 }
 
+// Makes `device` current for the guard's lifetime (no runtime call where it already is) and makes
+// the caller's device current again when it ends. status(): a failure to select the device, naming
+// `op`. Every CUDA entry point (on_device) and every runtime operation of the CUDA metadata builder
+// runs under one.
+class DeviceGuard {
+ public:
+  DeviceGuard(const char* op, int device) : status_(select(op, device)) {}
+  ~DeviceGuard() {
+    if (restore_) (void)cudaSetDevice(previous_);  // was current a moment ago
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+  const Status& status() const { return status_; }
+
+ private:
+  Status select(const char* op, int device) {
+    if (cudaGetDevice(&previous_) != cudaSuccess) {
+      const cudaError_t err = cudaGetLastError();
+      return Status(StatusCode::kCudaError,
+                    std::string(op) + ": no usable CUDA device: " + cudaGetErrorString(err));
+    }
+    if (previous_ == device) return Status::ok();
+    if (cudaSetDevice(device) != cudaSuccess) {
+      const cudaError_t err = cudaGetLastError();
+      return Status(StatusCode::kCudaError, std::string(op) + ": cannot select CUDA device " +
+                                                std::to_string(device) + ": " +
+                                                cudaGetErrorString(err));
+    }
+    restore_ = true;
+    return Status::ok();
+  }
+
+  int previous_ = -1;
+  bool restore_ = false;
+  Status status_;  // after previous_ and restore_, which select() sets
+};
+
 // The error boundary of every CUDA entry point: runs `launch` with `device` (the arrays' device; a
 // caller's stream belongs to it) current, restores the caller's device, and reports a failure to
 // select the device or an error raised by the launch as a Status naming `op`.
 template <class F>
-inline Status on_device(const std::string& op, int device, F&& launch) {
-  int previous = -1;
-  if (cudaGetDevice(&previous) != cudaSuccess) {
-    const cudaError_t err = cudaGetLastError();
-    return Status(StatusCode::kCudaError,
-                  op + ": no usable CUDA device: " + cudaGetErrorString(err));
-  }
-  if (previous != device && cudaSetDevice(device) != cudaSuccess) {
-    const cudaError_t err = cudaGetLastError();
-    return Status(StatusCode::kCudaError, op + ": cannot select CUDA device " +
-                                              std::to_string(device) + ": " +
-                                              cudaGetErrorString(err));
-  }
+inline Status on_device(const char* op, int device, F&& launch) {
+  const DeviceGuard guard(op, device);
+  if (!guard.status().is_ok()) return guard.status();
   Status status = launch();
-  const cudaError_t err = status.is_ok() ? cudaGetLastError() : cudaSuccess;
-  if (previous != device) (void)cudaSetDevice(previous);  // was current a moment ago
+  if (!status.is_ok()) return status;
+  const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)
     return Status(StatusCode::kCudaError,
-                  op + ": CUDA error after launch: " + cudaGetErrorString(err));
+                  std::string(op) + ": CUDA error after launch: " + cudaGetErrorString(err));
   return status;
 }
 
