@@ -9,7 +9,8 @@
 # The whole check takes about 10 minutes on an H200 machine (build 50 s, tests 220 s, sanitizers
 # 310 s one after another, 132 s four at a time; full benchmark matrix with FLA
 # 60-200 s). Where one command may run for at most 10 minutes, run it as two:
-# STAGES="build test demo sanitize", then STAGES="build bench".
+# STAGES="build test demo sanitize", then STAGES="build bench"; or as one with the quick matrix,
+# BENCH_ARGS="--quick --budget 60" (every stage but profile: 578 s on an H200 machine).
 #
 # Environment: OUT (default ./gpu_out), JOBS (16), GDN_CUDA_ARCHITECTURES (90a), GDN_GIT_SHA (pass it
 # when the copy of the tree on the GPU machine has no .git)
