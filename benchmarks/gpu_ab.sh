@@ -2,10 +2,12 @@
 # A/B of decode_mtp builds on one GPU machine, in one run: every source tree named in VARIANTS
 # (for example `git archive REV | tar -x -C build/ab/NAME` for each revision) has its extension
 # built, all in parallel; then optional tests run on the last tree, and each tree runs the same
-# benchmark in turn. Prints every row's median time per tree and its change against the first
-# tree; JSON and logs go to $OUT.
+# benchmark in turn, PASSES times (default 1; the trees alternate within each pass, so that a
+# drift of the machine shows as a disagreement between passes rather than as a change). Prints
+# every row's median time per tree (the mean over the passes) and its change against the first
+# tree in each pass; JSON and logs go to $OUT.
 #
-#   VARIANTS="build/ab/base build/ab/new" \
+#   VARIANTS="build/ab/base build/ab/new" PASSES=2 \
 #   BENCH_ARGS="--quick --no-fla --tokens 2 4 8 --batches 1 8 32 128" \
 #   TEST_ARGS="tests/py/test_replay.py" OUT=/tmp/ab benchmarks/gpu_ab.sh
 #
@@ -43,35 +45,52 @@ if [ -n "${TEST_ARGS:-}" ]; then
   tail -n 3 "$OUT/test.log"
 fi
 
+PASSES=${PASSES:-1}
 names=()
-for tree in "${trees[@]}"; do
-  name=$(basename "$tree")
-  names+=("$name")
-  # shellcheck disable=SC2086
-  (cd "$tree" && PYTHONPATH=build/gpu/pkg python3 benchmarks/bench_decode_mtp.py ${BENCH_ARGS:-} \
-     --json "$OUT/bench_$name.json" --png /dev/null > "$OUT/bench_$name.log" 2>&1
-   echo "bench $name exit $?")
+for tree in "${trees[@]}"; do names+=("$(basename "$tree")"); done
+for pass in $(seq 1 "$PASSES"); do
+  # Pass 1 keeps the names of a single-pass run; later passes add their number.
+  suffix=$([ "$pass" = 1 ] && echo "" || echo "_p$pass")
+  for tree in "${trees[@]}"; do
+    name=$(basename "$tree")
+    # shellcheck disable=SC2086
+    (cd "$tree" && PYTHONPATH=build/gpu/pkg python3 benchmarks/bench_decode_mtp.py ${BENCH_ARGS:-} \
+       --json "$OUT/bench_$name$suffix.json" --png /dev/null > "$OUT/bench_$name$suffix.log" 2>&1
+     echo "bench $name pass $pass exit $?")
+  done
 done
 
-python3 - "$OUT" "${names[@]}" <<'PY'
+python3 - "$OUT" "$PASSES" "${names[@]}" <<'PY'
 import json
 import sys
 
-out, names = sys.argv[1], sys.argv[2:]
-runs = {}
-for name in names:
+out, passes, names = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+
+
+def load(name, p):
+    suffix = "" if p == 1 else f"_p{p}"
     try:
-        results = json.load(open(f"{out}/bench_{name}.json"))["results"]
+        results = json.load(open(f"{out}/bench_{name}{suffix}.json"))["results"]
     except (OSError, ValueError, KeyError):
         results = []
-    runs[name] = {(r["impl"], r.get("shape", "TP1"), r["state"], r["T"], r["B"], r.get("split")):
-                  r["us"] for r in results if "us" in r}
+    return {(r["impl"], r.get("shape", "TP1"), r["state"], r["T"], r["B"], r.get("split")):
+            r["us"] for r in results if "us" in r}
+
+
+runs = {name: [load(name, p) for p in range(1, passes + 1)] for name in names}
 base = runs[names[0]]
 print("impl shape state T B split | " + " ".join(f"{n:>10}" for n in names)
-      + f" | change against {names[0]}")
-for key in sorted(base, key=lambda k: (*k[:5], k[5] or 0)):
-    times = [runs[n].get(key) for n in names]
-    cells = " ".join(f"{t:10.2f}" if t else f"{'-':>10}" for t in times)
-    change = " ".join(f"{(t / base[key] - 1) * 100:+6.1f}%" if t else "     -" for t in times[1:])
-    print(*key, "|", cells, "|", change)
+      + f" | change against {names[0]}" + (" (pass 1 / pass 2 / ...)" if passes > 1 else ""))
+for key in sorted(base[0], key=lambda k: (*k[:5], k[5] or 0)):
+    def mean(name):
+        times = [run[key] for run in runs[name] if key in run]
+        return sum(times) / len(times) if times else None
+
+    def changes(name):
+        per_pass = [f"{(run[key] / ref[key] - 1) * 100:+.1f}" if key in run and key in ref
+                    else "-" for run, ref in zip(runs[name], base)]
+        return "-" if set(per_pass) == {"-"} else "/".join(per_pass) + "%"
+
+    cells = " ".join(f"{t:10.2f}" if t else f"{'-':>10}" for t in map(mean, names))
+    print(*key, "|", cells, "|", " ".join(changes(n) for n in names[1:]))
 PY
