@@ -79,18 +79,22 @@ def load(name, p):
 
 runs = {name: [load(name, p) for p in range(1, passes + 1)] for name in names}
 base = runs[names[0]]
+
+
+def mean(name, key):
+    times = [run[key] for run in runs[name] if key in run]
+    return sum(times) / len(times) if times else None
+
+
+def changes(name, key):
+    per_pass = [f"{(run[key] / ref[key] - 1) * 100:+.1f}" if key in run and key in ref else "-"
+                for run, ref in zip(runs[name], base)]
+    return "-" if set(per_pass) == {"-"} else "/".join(per_pass) + "%"
+
+
 print("impl shape state T B split | " + " ".join(f"{n:>10}" for n in names)
       + f" | change against {names[0]}" + (" (pass 1 / pass 2 / ...)" if passes > 1 else ""))
 for key in sorted(base[0], key=lambda k: (*k[:5], k[5] or 0)):
-    def mean(name):
-        times = [run[key] for run in runs[name] if key in run]
-        return sum(times) / len(times) if times else None
-
-    def changes(name):
-        per_pass = [f"{(run[key] / ref[key] - 1) * 100:+.1f}" if key in run and key in ref
-                    else "-" for run, ref in zip(runs[name], base)]
-        return "-" if set(per_pass) == {"-"} else "/".join(per_pass) + "%"
-
-    cells = " ".join(f"{t:10.2f}" if t else f"{'-':>10}" for t in map(mean, names))
-    print(*key, "|", cells, "|", " ".join(changes(n) for n in names[1:]))
+    cells = " ".join(f"{t:10.2f}" if t else f"{'-':>10}" for t in (mean(n, key) for n in names))
+    print(*key, "|", cells, "|", " ".join(changes(n, key) for n in names[1:]))
 PY
