@@ -108,7 +108,8 @@ enum KernelForm : int {
   kStageFirstForm = 3,
   kTensorCoreForm = 4,
   kTensorCoreEightForm = 5,
-  kKernelForms = 6
+  kFourRowsForm = 6,
+  kKernelForms = 7
 };
 
 // The kernel image of a form; kBf16Activations: its image for bf16 activations
@@ -132,6 +133,10 @@ inline auto form_kernel(int form) {
       kernel =
           decode_mtp_kernel<StateT, kRatio, true, true, false, false, true, true, kBf16Activations>;
   }
+  if constexpr (kReplay && sizeof(StateT) == 4)
+    if (form == kFourRowsForm)
+      kernel = decode_mtp_kernel<StateT, kRatio, true, false, false, false, false, false,
+                                 kBf16Activations, true>;
   if constexpr (!kReplay && sizeof(StateT) == 2)
     if (form == kSingleTokenForm) kernel = decode_mtp_kernel<StateT, kRatio, false, false, true>;
   return kernel;
@@ -184,11 +189,14 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
                            kSingleTokenCtasPerSm);
   const bool stage_first =
       kReplay && use_replay_stage_first(int(sizeof(StateT)), closed_form, heads, info.sm_count);
+  const bool four_rows =
+      kReplay && use_replay_four_rows(int(sizeof(StateT)), closed_form, heads, info.sm_count);
   const bool bf16_activations = use_bf16_activations<kRatio, kReplay>(args);
   int form = tensor_cores   ? kTensorCoreForm
              : closed_form  ? kClosedFormRows
              : single_token ? kSingleTokenForm
              : stage_first  ? kStageFirstForm
+             : four_rows    ? kFourRowsForm
                             : kTokenByToken;
   const auto image = [&](int f) {
     if constexpr (kHasBf16ActivationImages<kRatio, kReplay>)

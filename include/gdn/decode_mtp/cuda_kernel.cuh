@@ -19,8 +19,9 @@
 // chunks of K columns per row in registers, fp32 whatever the storage dtype). Dot products over K
 // are lane-local products and a transposing reduction over the lanes sharing the rows. Write-all
 // keeps 4 (fp32) or 8 (16-bit) rows per lane, which streams fastest; replay, bound by the
-// instructions of its up to 2S tokens, keeps 2 (7 shuffles per output token instead of 26). The
-// two modes therefore add their dot products in different orders (each deterministic). After
+// instructions of its up to 2S tokens, keeps 2 (7 shuffles per output token instead of 26), except
+// token-by-token replay of an fp32 state at large batches (kFourRows: 4). The modes and forms
+// therefore add their dot products in different orders (each deterministic). After
 // every token the group's 8 rows are stored to that token's slot from registers (coalesced row
 // segments, one 16-byte (fp32) or 8-byte chunk per lane).
 //
@@ -1044,10 +1045,12 @@ struct TokenArgs {
 // kTensorCores: the closed form's rows phase on tensor cores (a 16-bit state, S <= kTensorCoreMaxS;
 // the launcher's tensor_core_image and use_closed_form). kEightCtasPerSm: its image at eight CTAs
 // per SM (use_tensor_core_eight). kBf16Activations: the image of a replay form for bf16 activations
-// (activation_dtype; the launcher's use_bf16_activations).
+// (activation_dtype; the launcher's use_bf16_activations). kFourRows: the token-by-token replay
+// image of an fp32 state with 4 rows per lane (half the shared-memory loads of k and q per token,
+// twice the shuffles; the launcher's use_replay_four_rows).
 template <class StateT, int kRatio, bool kReplay, bool kClosedForm = false,
           bool kSingleToken = false, bool kStageFirst = false, bool kTensorCores = false,
-          bool kEightCtasPerSm = false, bool kBf16Activations = false>
+          bool kEightCtasPerSm = false, bool kBf16Activations = false, bool kFourRows = false>
 __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEightCtasPerSm))
     decode_mtp_kernel(const __grid_constant__ KernelArgs args) {
   static_assert(!kEightCtasPerSm || kTensorCores, "eight CTAs per SM: the tensor-core form");
@@ -1057,10 +1060,12 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
                 "staging first is a form of 16-bit token-by-token replay");
   static_assert(!kTensorCores || (kReplay && kClosedForm && sizeof(StateT) == 2),
                 "tensor cores run the closed form of a 16-bit state");
+  static_assert(!kFourRows || (kReplay && !kClosedForm && sizeof(StateT) == 4),
+                "four rows per lane is a form of fp32 token-by-token replay");
   extern __shared__ __align__(128) unsigned char smem[];
   using Bits = StateBits<StateT>;
   using Raw = typename Bits::Raw;
-  constexpr int kRows = kRowsPerLane<StateT, kReplay>;
+  constexpr int kRows = kFourRows ? 4 : kRowsPerLane<StateT, kReplay>;
   using Rows = GroupRows<kRows>;
   const int split = args.split;
   const int log2_R = 7 - (split == 1 ? 0 : split == 2 ? 1 : split == 4 ? 2 : 3);

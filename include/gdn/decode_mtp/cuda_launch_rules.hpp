@@ -193,6 +193,19 @@ inline bool use_replay_stage_first(int state_bytes, bool closed_form, int64_t he
          heads < kReplayStageFirstMaxHeadsPerSm * int64_t(sm_count);
 }
 
+// Token-by-token replay of an fp32 state keeps 4 rows per lane instead of 2 (the kernel's
+// kFourRows image) from kReplayFourRowsMinHeadsPerSm heads per SM: each token's k and q then take
+// half the shared-memory loads (their 16-byte loads carried 55 % of the kernel's shared-memory
+// wavefronts, benchmarks/results/profile_b629ae4_h200.json) for twice the shuffles (H200, TP1,
+// against 2 rows, two passes: B = 128 and 512, T = 2 1.3-1.9 % and T = 4 0.9-1.6 % faster; B = 32
+// (7.75 heads per SM) T = 2 1.7 % faster, T = 4 0.1-0.7 % slower; B = 8 1.0-2.8 % slower;
+// benchmarks/results/replay_rows4_fp32_h200.json).
+inline constexpr int kReplayFourRowsMinHeadsPerSm = 16;
+inline bool use_replay_four_rows(int state_bytes, bool closed_form, int64_t heads, int sm_count) {
+  return state_bytes == 4 && !closed_form &&
+         heads >= kReplayFourRowsMinHeadsPerSm * int64_t(sm_count);
+}
+
 // CTAs per head: 1 once every SM has a head, else the smallest split that gives every SM a CTA.
 // Deep windows (S >= 8) at four or more heads per SM take 2 (not replay in closed form, whose
 // per-CTA solve a split would repeat): a CTA stages the same S tokens (2S in replay) for half the
