@@ -175,15 +175,15 @@ TEST(LaunchRules, SixteenBitReplayStagesFirstFromOneToSixteenHeadsPerSm) {
   EXPECT_FALSE(use_replay_stage_first(4, false, heads_at(32), kSms));   // fp32: always staged first
 }
 
-TEST(LaunchRules, Fp32TokenByTokenReplayHoldsFourRowsFromSixteenHeadsPerSm) {
+TEST(LaunchRules, TokenByTokenReplayHoldsFourRowsFromSixteenHeadsPerSm) {
   EXPECT_FALSE(use_replay_four_rows(4, false, heads_at(8), kSms));   // 1.9 per SM
   EXPECT_FALSE(use_replay_four_rows(4, false, heads_at(32), kSms));  // 7.75 per SM
   EXPECT_FALSE(use_replay_four_rows(4, false, 16 * kSms - 1, kSms));
   EXPECT_TRUE(use_replay_four_rows(4, false, 16 * kSms, kSms));
-  EXPECT_TRUE(use_replay_four_rows(4, false, heads_at(128), kSms));   // 31 per SM
-  EXPECT_TRUE(use_replay_four_rows(4, false, heads_at(512), kSms));   // 124 per SM
-  EXPECT_FALSE(use_replay_four_rows(4, true, heads_at(128), kSms));   // closed form
-  EXPECT_FALSE(use_replay_four_rows(2, false, heads_at(128), kSms));  // 16-bit state
+  EXPECT_TRUE(use_replay_four_rows(4, false, heads_at(128), kSms));  // 31 per SM
+  EXPECT_TRUE(use_replay_four_rows(4, false, heads_at(512), kSms));  // 124 per SM
+  EXPECT_FALSE(use_replay_four_rows(4, true, heads_at(128), kSms));  // closed form
+  EXPECT_TRUE(use_replay_four_rows(2, false, heads_at(128), kSms));  // 16-bit state
 }
 
 TEST(LaunchRules, ChunkBuffers) {

@@ -133,7 +133,7 @@ inline auto form_kernel(int form) {
       kernel =
           decode_mtp_kernel<StateT, kRatio, true, true, false, false, true, true, kBf16Activations>;
   }
-  if constexpr (kReplay && sizeof(StateT) == 4)
+  if constexpr (kReplay)
     if (form == kFourRowsForm)
       kernel = decode_mtp_kernel<StateT, kRatio, true, false, false, false, false, false,
                                  kBf16Activations, true>;

@@ -20,7 +20,7 @@
 // are lane-local products and a transposing reduction over the lanes sharing the rows. Write-all
 // keeps 4 (fp32) or 8 (16-bit) rows per lane, which streams fastest; replay, bound by the
 // instructions of its up to 2S tokens, keeps 2 (7 shuffles per output token instead of 26), except
-// token-by-token replay of an fp32 state at large batches (kFourRows: 4). The modes and forms
+// token-by-token replay at large batches (kFourRows: 4). The modes and forms
 // therefore add their dot products in different orders (each deterministic). After
 // every token the group's 8 rows are stored to that token's slot from registers (coalesced row
 // segments, one 16-byte (fp32) or 8-byte chunk per lane).
@@ -1046,8 +1046,8 @@ struct TokenArgs {
 // the launcher's tensor_core_image and use_closed_form). kEightCtasPerSm: its image at eight CTAs
 // per SM (use_tensor_core_eight). kBf16Activations: the image of a replay form for bf16 activations
 // (activation_dtype; the launcher's use_bf16_activations). kFourRows: the token-by-token replay
-// image of an fp32 state with 4 rows per lane (half the shared-memory loads of k and q per token,
-// twice the shuffles; the launcher's use_replay_four_rows).
+// image with 4 rows per lane (half the shared-memory loads of k and q per token, twice the
+// shuffles; the launcher's use_replay_four_rows).
 template <class StateT, int kRatio, bool kReplay, bool kClosedForm = false,
           bool kSingleToken = false, bool kStageFirst = false, bool kTensorCores = false,
           bool kEightCtasPerSm = false, bool kBf16Activations = false, bool kFourRows = false>
@@ -1060,8 +1060,8 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
                 "staging first is a form of 16-bit token-by-token replay");
   static_assert(!kTensorCores || (kReplay && kClosedForm && sizeof(StateT) == 2),
                 "tensor cores run the closed form of a 16-bit state");
-  static_assert(!kFourRows || (kReplay && !kClosedForm && sizeof(StateT) == 4),
-                "four rows per lane is a form of fp32 token-by-token replay");
+  static_assert(!kFourRows || (kReplay && !kClosedForm && !kStageFirst),
+                "four rows per lane is a form of token-by-token replay");
   extern __shared__ __align__(128) unsigned char smem[];
   using Bits = StateBits<StateT>;
   using Raw = typename Bits::Raw;

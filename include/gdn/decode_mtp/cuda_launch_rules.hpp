@@ -193,17 +193,17 @@ inline bool use_replay_stage_first(int state_bytes, bool closed_form, int64_t he
          heads < kReplayStageFirstMaxHeadsPerSm * int64_t(sm_count);
 }
 
-// Token-by-token replay of an fp32 state keeps 4 rows per lane instead of 2 (the kernel's
-// kFourRows image) from kReplayFourRowsMinHeadsPerSm heads per SM: each token's k and q then take
-// half the shared-memory loads (their 16-byte loads carried 55 % of the kernel's shared-memory
-// wavefronts, benchmarks/results/profile_b629ae4_h200.json) for twice the shuffles (H200, TP1,
-// against 2 rows, two passes: B = 128 and 512, T = 2 1.3-1.9 % and T = 4 0.9-1.6 % faster; B = 32
-// (7.75 heads per SM) T = 2 1.7 % faster, T = 4 0.1-0.7 % slower; B = 8 1.0-2.8 % slower;
-// benchmarks/results/replay_rows4_fp32_h200.json).
+// Token-by-token replay keeps 4 rows per lane instead of 2 (the kernel's kFourRows image) from
+// kReplayFourRowsMinHeadsPerSm heads per SM: each token's k and q then take half the shared-memory
+// loads (their 16-byte loads carried 55 % of the fp32 kernel's shared-memory wavefronts,
+// benchmarks/results/profile_b629ae4_h200.json) for twice the shuffles. H200, TP1, against 2 rows,
+// two passes each: fp32 B = 128 and 512, T = 2 1.3-2.4 % and T = 4 0.9-1.9 % faster; bf16 T = 2
+// B = 128 3.3-4.1 % and B = 512 2.7 % faster (T >= 4 there runs the closed form); below sixteen
+// heads per SM mixed (B = 32 -1.8..+0.7 %) or slower (B = 8 fp32 up to 2.8 %);
+// benchmarks/results/replay_rows4_fp32_h200.json, replay_rows4_h200.json.
 inline constexpr int kReplayFourRowsMinHeadsPerSm = 16;
 inline bool use_replay_four_rows(int state_bytes, bool closed_form, int64_t heads, int sm_count) {
-  return state_bytes == 4 && !closed_form &&
-         heads >= kReplayFourRowsMinHeadsPerSm * int64_t(sm_count);
+  return !closed_form && heads >= kReplayFourRowsMinHeadsPerSm * int64_t(sm_count);
 }
 
 // CTAs per head: 1 once every SM has a head, else the smallest split that gives every SM a CTA.
