@@ -176,14 +176,13 @@ TEST(LaunchRules, SixteenBitReplayStagesFirstFromOneToSixteenHeadsPerSm) {
 }
 
 TEST(LaunchRules, TokenByTokenReplayHoldsFourRowsFromSixteenHeadsPerSm) {
-  EXPECT_FALSE(use_replay_four_rows(4, false, heads_at(8), kSms));   // 1.9 per SM
-  EXPECT_FALSE(use_replay_four_rows(4, false, heads_at(32), kSms));  // 7.75 per SM
-  EXPECT_FALSE(use_replay_four_rows(4, false, 16 * kSms - 1, kSms));
-  EXPECT_TRUE(use_replay_four_rows(4, false, 16 * kSms, kSms));
-  EXPECT_TRUE(use_replay_four_rows(4, false, heads_at(128), kSms));  // 31 per SM
-  EXPECT_TRUE(use_replay_four_rows(4, false, heads_at(512), kSms));  // 124 per SM
-  EXPECT_FALSE(use_replay_four_rows(4, true, heads_at(128), kSms));  // closed form
-  EXPECT_TRUE(use_replay_four_rows(2, false, heads_at(128), kSms));  // 16-bit state
+  EXPECT_FALSE(use_replay_four_rows(false, heads_at(8), kSms));   // 1.9 per SM
+  EXPECT_FALSE(use_replay_four_rows(false, heads_at(32), kSms));  // 7.75 per SM
+  EXPECT_FALSE(use_replay_four_rows(false, 16 * kSms - 1, kSms));
+  EXPECT_TRUE(use_replay_four_rows(false, 16 * kSms, kSms));
+  EXPECT_TRUE(use_replay_four_rows(false, heads_at(128), kSms));  // 31 per SM
+  EXPECT_TRUE(use_replay_four_rows(false, heads_at(512), kSms));  // 124 per SM
+  EXPECT_FALSE(use_replay_four_rows(true, heads_at(128), kSms));  // closed form
 }
 
 TEST(LaunchRules, ChunkBuffers) {

@@ -189,8 +189,7 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
                            kSingleTokenCtasPerSm);
   const bool stage_first =
       kReplay && use_replay_stage_first(int(sizeof(StateT)), closed_form, heads, info.sm_count);
-  const bool four_rows =
-      kReplay && use_replay_four_rows(int(sizeof(StateT)), closed_form, heads, info.sm_count);
+  const bool four_rows = kReplay && use_replay_four_rows(closed_form, heads, info.sm_count);
   const bool bf16_activations = use_bf16_activations<kRatio, kReplay>(args);
   int form = tensor_cores   ? kTensorCoreForm
              : closed_form  ? kClosedFormRows

@@ -202,7 +202,7 @@ inline bool use_replay_stage_first(int state_bytes, bool closed_form, int64_t he
 // heads per SM mixed (B = 32 -1.8..+0.7 %) or slower (B = 8 fp32 up to 2.8 %);
 // benchmarks/results/replay_rows4_fp32_h200.json, replay_rows4_h200.json.
 inline constexpr int kReplayFourRowsMinHeadsPerSm = 16;
-inline bool use_replay_four_rows(int state_bytes, bool closed_form, int64_t heads, int sm_count) {
+inline bool use_replay_four_rows(bool closed_form, int64_t heads, int sm_count) {
   return !closed_form && heads >= kReplayFourRowsMinHeadsPerSm * int64_t(sm_count);
 }
 
