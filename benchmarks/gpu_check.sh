@@ -10,7 +10,8 @@
 # 310 s one after another, 132 s four at a time; full benchmark matrix with FLA
 # 60-200 s). Where one command may run for at most 10 minutes, run it as two:
 # STAGES="build test demo sanitize", then STAGES="build bench"; or as one with the quick matrix,
-# BENCH_ARGS="--quick --budget 60" (every stage but profile: 578 s on an H200 machine).
+# BENCH_ARGS="--quick --budget 60" (every stage but profile: 514-578 s on an H200 machine, and
+# past 600 s once, when the build took 137 s: the host-overhead runs at the end were cut off).
 #
 # Environment: OUT (default ./gpu_out), JOBS (16), GDN_CUDA_ARCHITECTURES (90a), GDN_GIT_SHA (pass it
 # when the copy of the tree on the GPU machine has no .git)
@@ -139,11 +140,11 @@ if has sanitize; then
   done
   if [ "${SANITIZE_PYTEST:-1}" = 1 ]; then
     pytest_q=(python3 -m pytest -q -p no:cacheprovider)
-    # Device-index, strided and large-batch cases, replay, and the 16-bit closed form (FMA and
-    # tensor cores).
+    # Device-index, strided and large-batch cases, replay, the 16-bit closed form (FMA and
+    # tensor cores) and token-by-token replay with 4 rows per lane (r2 of each state dtype).
     sanitize_run pytest-memcheck memcheck 8 "${pytest_q[@]}" tests/py/test_decode_mtp_cuda.py \
       tests/py/test_replay.py -k "hostile or large_batch or strided_views or (replay and cuda) \
-      or (head_per_sm and token_by_token and state_bf16 and r2) \
+      or (head_per_sm and token_by_token and state_bf16 and r2) or (four_rows and r2 and act_bf16) \
       or (head_per_sm and (closed_form or tensor_cores) and (state_bf16 or state_fp16) and r2)"
     # The closed form of a 16-bit state on tensor cores (its fragments replace the solve's arrays),
     # bf16 and fp16, at six and at eight CTAs per SM.
