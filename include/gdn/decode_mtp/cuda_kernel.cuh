@@ -20,8 +20,8 @@
 // are lane-local products and a transposing reduction over the lanes sharing the rows. Write-all
 // keeps 4 (fp32) or 8 (16-bit) rows per lane, which streams fastest; replay, bound by the
 // instructions of its up to 2S tokens, keeps 2 (7 shuffles per output token instead of 26), except
-// token-by-token replay at large batches (kFourRows: 4). The modes and forms
-// therefore add their dot products in different orders (each deterministic). After
+// token-by-token replay at large batches (kFourRows: 4). The modes and forms therefore add their
+// dot products in different orders (each deterministic). After
 // every token the group's 8 rows are stored to that token's slot from registers (coalesced row
 // segments, one 16-byte (fp32) or 8-byte chunk per lane).
 //
@@ -360,13 +360,14 @@ struct GroupRows {
   }
 };
 
-// Rows per lane by mode and state dtype (H200, benchmarks/results/layout_h200.json). Replay runs
-// up to 2S tokens per slice and is bound by their instructions: 2 rows (with the registers below,
-// B = 128 runs 10 % (fp32, T = 4) to 18 % (bf16, T = 8) faster than with 8 rows at 80 registers).
-// Write-all: 4 for fp32 (as fast as 8, up to 4 % faster at T = 8 and small batches), 8 for 16-bit
-// states (2 was 1-2 % slower at B >= 128 and T <= 4).
-template <class StateT, bool kReplay>
-inline constexpr int kRowsPerLane = kReplay               ? 2
+// Rows per lane by mode, state dtype and form (H200, benchmarks/results/layout_h200.json). Replay
+// runs up to 2S tokens per slice and is bound by their instructions: 2 rows (with the registers
+// below, B = 128 runs 10 % (fp32, T = 4) to 18 % (bf16, T = 8) faster than with 8 rows at 80
+// registers), and 4 in the kFourRows image of token-by-token replay from sixteen heads per SM
+// (use_replay_four_rows). Write-all: 4 for fp32 (as fast as 8, up to 4 % faster at T = 8 and small
+// batches), 8 for 16-bit states (2 was 1-2 % slower at B >= 128 and T <= 4).
+template <class StateT, bool kReplay, bool kFourRows = false>
+inline constexpr int kRowsPerLane = kReplay               ? (kFourRows ? 4 : 2)
                                     : sizeof(StateT) == 4 ? 4
                                                           : 8;
 
@@ -1065,7 +1066,7 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
   extern __shared__ __align__(128) unsigned char smem[];
   using Bits = StateBits<StateT>;
   using Raw = typename Bits::Raw;
-  constexpr int kRows = kFourRows ? 4 : kRowsPerLane<StateT, kReplay>;
+  constexpr int kRows = kRowsPerLane<StateT, kReplay, kFourRows>;
   using Rows = GroupRows<kRows>;
   const int split = args.split;
   const int log2_R = 7 - (split == 1 ? 0 : split == 2 ? 1 : split == 4 ? 2 : 3);
