@@ -11,6 +11,7 @@ Invalid rows: raised before anything is written on the CPU, isolated on the GPU.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import List
 
 import pytest
@@ -62,10 +63,16 @@ def layer_params(gen, HV):
             torch.randn(HV, generator=g, dtype=F64).to(FP32))
 
 
-def random_inputs(gen, T: List[int], *, H, HV, K, V, act, norm=True, params=None):
+def random_inputs(gen, T: List[int], *, H, HV, K, V, act, norm=True, params=None,
+                  aligned=False):
+    """aligned: mixed_qkv contiguous (16-byte rows on CUDA) instead of a strided view at an odd
+    element offset."""
     L = sum(T)
     width = 2 * H * K + HV * V
-    qkv = torch.randn(L, width + 5, generator=gen, dtype=F64)[:, 3:3 + width].to(act)  # strided
+    first = 0 if aligned else 3
+    qkv = torch.randn(L, width + 5, generator=gen, dtype=F64)[:, first:first + width].to(act)
+    if aligned:
+        qkv = qkv.contiguous()
     ba = torch.randn(L, 2 * HV, generator=gen, dtype=F64).to(act)
     z = torch.randn(L, HV, V, generator=gen, dtype=F64).to(act) if norm else None
     w = (torch.rand(V, generator=gen, dtype=F64) + 0.5).to(act) if norm else None
@@ -136,10 +143,11 @@ def random_T(gen, N, S):
 
 
 def check_chain_against_reference(gen, device, *, H, HV, state_dtype, act, params, N=5, S=4,
-                                  steps=6, z_dtype=None):
+                                  steps=6, z_dtype=None, fn=None, aligned=False):
     """A replay chain of `steps` steps with random T and acceptance: every step's outputs and
     checkpoints against the float64 reference, and the saved windows. z_dtype: z in that dtype
-    instead of the activations' (the same values)."""
+    instead of the activations' (the same values). fn: the replay function (default
+    gdn.decode_mtp_replay). aligned: as random_inputs."""
     K = V = 128 if device == "cuda" else 32
     pool = make_pool(gen, device, N=N, H=H, HV=HV, K=K, V=V, S=S, state_dtype=state_dtype,
                      act=act, first_valid_slot=1)
@@ -148,14 +156,15 @@ def check_chain_against_reference(gen, device, *, H, HV, state_dtype, act, param
         out_tol = STATE16_BAR
     for step in range(steps):
         T = random_T(gen, N, S)
-        inputs = random_inputs(gen, T, H=H, HV=HV, K=K, V=V, act=act, params=params)
+        inputs = random_inputs(gen, T, H=H, HV=HV, K=K, V=V, act=act, params=params,
+                               aligned=aligned)
         if z_dtype is not None:
             inputs["z"] = inputs["z"].to(z_dtype)
         # pool.ref holds each request's state after its pending tokens: the checkpoint the call
         # stores, and where the step's tokens start.
         want = pool.ref.clone()
         ref = reference_step(pool, inputs, T)
-        out = replay_step(pool, inputs, T, device=device, first_valid_slot=1).cpu()
+        out = replay_step(pool, inputs, T, device=device, first_valid_slot=1, fn=fn).cpu()
         for i, t in enumerate(T):
             if t == 0:
                 continue
@@ -252,6 +261,26 @@ def test_token_by_token_with_four_rows_per_lane(gen, H, HV, act, state_dtype):
                                   params=layer_params(gen, HV),
                                   N=heads_per_sm_batch(HV, 16),
                                   S=4 if state_dtype == FP32 else 3, steps=3)
+
+
+@_NEEDS_CUDA
+@pytest.mark.parametrize("state_dtype,act", [(FP32, BF16), (BF16, BF16), (FP32, FP32)],
+                         ids=["state_fp32", "state_bf16", "state_fp32_act_fp32"])
+@pytest.mark.parametrize("split", [1, 2, 8], ids=["split1", "split2", "split8"])
+@pytest.mark.parametrize("aligned", [False, True], ids=["strided_qkv", "aligned_qkv"])
+def test_window_save_with_many_ctas_per_request(gen, state_dtype, act, split, aligned):
+    """The window save after many CTAs per request have replayed the old window: 64 value heads
+    over 8 key heads (each stored k read by 8 value heads) with the split pinned, up to 512 CTAs
+    per request. mixed_qkv strided (the save copies elements) and 16-byte aligned (it copies
+    16-byte units; the other window checks all use strided rows). Chained with random T and
+    acceptance against the float64 reference, the windows compared exactly."""
+    if split > 1 and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("pinning a head split needs thread-block clusters (sm_90+)")
+    fn = functools.partial(gdn._C.decode_mtp_replay, split=split,
+                           stream=torch.cuda.current_stream().cuda_stream)
+    check_chain_against_reference(gen, "cuda", H=8, HV=64, state_dtype=state_dtype, act=act,
+                                  params=layer_params(gen, 64), N=6, S=4, steps=4, fn=fn,
+                                  aligned=aligned)
 
 
 @_NEEDS_CUDA
