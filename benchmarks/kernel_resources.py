@@ -64,10 +64,6 @@ def compile_unit(src, unit, work):
     return found, cubin
 
 
-def operands(text):
-    return re.findall(r"\bR\d+\b", text)
-
-
 def sass_counts(cubin, nvdisasm):
     """Entry (mangled) -> (LDL count, STL count, waiting spills) from the machine code."""
     sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True,
@@ -83,7 +79,7 @@ def sass_counts(cubin, nvdisasm):
         if not m or not name:
             continue
         op, args = m.group(1), m.group(2)
-        regs = operands(args)
+        regs = re.findall(r"\bR\d+\b", args)  # the destination first, except for stores
         if op.startswith("LDL"):
             counts[0] += 1
         if op.startswith("STL"):
@@ -95,7 +91,8 @@ def sass_counts(cubin, nvdisasm):
             for prev_op, prev_regs in recent:
                 if GLOBAL_RESULT.match(prev_op) and prev_regs:
                     tainted.add(prev_regs[0])
-                elif prev_regs and tainted.intersection(prev_regs[1:]):
+                elif (prev_regs and not prev_op.startswith(("ST", "RED"))
+                      and tainted.intersection(prev_regs[1:])):
                     tainted.add(prev_regs[0])
             if tainted.intersection(stored):
                 counts[2] += 1
