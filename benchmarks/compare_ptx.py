@@ -27,8 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UNITS = ["decode_mtp_f32", "decode_mtp_bf16", "decode_mtp_f16", "replay_f32", "replay_bf16",
          "replay_f16"]
-NVCC_FLAGS = ["-std=c++20", "-arch=sm_90a", "-DGDN_HAS_CUDA", "--expt-relaxed-constexpr", "-O3",
-              "-ptx"]
+# How the kernels are compiled here (kernel_resources.py adds its own output flags).
+NVCC_BASE = ["-std=c++20", "-arch=sm_90a", "-DGDN_HAS_CUDA", "--expt-relaxed-constexpr", "-O3"]
+NVCC_FLAGS = [*NVCC_BASE, "-ptx"]
 REGISTER = re.compile(r"%(?:rd|rs|fd|hh|r|f|p|h)\d+|\$L__BB\d+_\d+")
 
 

@@ -26,10 +26,9 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
-from compare_ptx import UNITS, tree
+from compare_ptx import NVCC_BASE, UNITS, tree
 
-NVCC_FLAGS = ["-std=c++20", "-arch=sm_90a", "-DGDN_HAS_CUDA", "--expt-relaxed-constexpr", "-O3",
-              "-cubin", "-Xptxas", "-v"]
+NVCC_FLAGS = [*NVCC_BASE, "-cubin", "-Xptxas", "-v"]
 ENTRY = re.compile(r"Compiling entry function '(\S+)'")
 FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 USED = re.compile(r"Used (\d+) registers")
@@ -86,7 +85,7 @@ def sass_counts(cubin, nvdisasm):
             counts[1] += 1
             # A spill of a register written by a global load or atomic in the last few
             # instructions, directly or through one instruction computed from it.
-            stored = regs[-1:] if regs else []
+            stored = regs[-1:]
             tainted = set()
             for prev_op, prev_regs in recent:
                 if GLOBAL_RESULT.match(prev_op) and prev_regs:
