@@ -140,10 +140,12 @@ if has sanitize; then
   done
   if [ "${SANITIZE_PYTEST:-1}" = 1 ]; then
     pytest_q=(python3 -m pytest -q -p no:cacheprovider)
-    # Device-index, strided and large-batch cases, replay, the 16-bit closed form (FMA and
-    # tensor cores) and token-by-token replay with 4 rows per lane (r2 of each state dtype).
+    # Device-index, strided and large-batch cases, the split launches, replay, the 16-bit closed
+    # form (FMA and tensor cores) and token-by-token replay with 4 rows per lane (r2 of each state
+    # dtype).
     sanitize_run pytest-memcheck memcheck 8 "${pytest_q[@]}" tests/py/test_decode_mtp_cuda.py \
-      tests/py/test_replay.py -k "hostile or large_batch or strided_views or (replay and cuda) \
+      tests/py/test_replay.py -k "hostile or large_batch or strided_views or split_launch \
+      or (replay and cuda) \
       or (head_per_sm and token_by_token and state_bf16 and r2) or (four_rows and r2 and act_bf16) \
       or (head_per_sm and (closed_form or tensor_cores) and (state_bf16 or state_fp16) and r2)"
     # The closed form of a 16-bit state on tensor cores (its fragments replace the solve's arrays),
@@ -157,6 +159,9 @@ if has sanitize; then
     # 16-bit token-by-token replay in its staged-first image (one and four heads per SM).
     sanitize_run pytest-racecheck-staged-first racecheck 4 "${pytest_q[@]}" tests/py/test_replay.py \
       -k "head_per_sm and token_by_token and state_bf16 and r2"
+    # Write-all heads split over clustered CTAs (2 and 4 per head, the norm's partials exchanged).
+    sanitize_run pytest-racecheck-split racecheck 4 "${pytest_q[@]}" \
+      tests/py/test_decode_mtp_cuda.py -k "split_launch and state_fp32"
   fi
   wait
   cat "$runs_dir"/*.log > "$OUT/sanitize.log"

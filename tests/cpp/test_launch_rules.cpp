@@ -72,7 +72,7 @@ TEST(LaunchRules, SplitTwoForDeepWindowsAtFourHeadsPerSm) {
   EXPECT_EQ(split_of(4 * kSms, 8), 2);
   EXPECT_EQ(split_of(heads_at(128), 9), 2);
   EXPECT_EQ(split_of(4 * kSms - 1, 8, false, 2), 1);
-  EXPECT_EQ(split_of(heads_at(128), 7), 1);
+  EXPECT_EQ(split_of(heads_at(128), 7, false, 2), 1);
   EXPECT_EQ(split_of(heads_at(128), 7, true), 1);
   EXPECT_EQ(choose_split(heads_at(128), kSms, true, 9, true, true, 4), 1);  // closed form
 }
@@ -83,8 +83,8 @@ TEST(LaunchRules, SplitTwoForWriteAllDraftsFromFourToSixteenHeadsPerSm) {
     EXPECT_EQ(split_of(4 * kSms, S), 2) << "S = " << S;
     EXPECT_EQ(split_of(16 * kSms - 1, S), 2) << "S = " << S;
     EXPECT_EQ(split_of(4 * kSms - 1, S, false, 2), 1) << "S = " << S;
-    EXPECT_EQ(split_of(16 * kSms, S), 1) << "S = " << S;
-    EXPECT_EQ(split_of(heads_at(128), S), 1) << "S = " << S;          // 31 heads per SM
+    EXPECT_EQ(split_of(16 * kSms, S, false, 2), 1) << "S = " << S;    // 16-bit from 16 per SM
+    EXPECT_EQ(split_of(heads_at(128), S, false, 2), 1) << "S = " << S;  // 31 heads per SM
     EXPECT_EQ(split_of(heads_at(32), S, true, 2), 1) << "S = " << S;  // bf16 replay: 1
   }
   EXPECT_EQ(split_of(heads_at(32), 8, false, 2), 1);   // 16-bit deep windows below 16 per SM
@@ -96,6 +96,21 @@ TEST(LaunchRules, SplitTwoForWriteAllDraftsFromFourToSixteenHeadsPerSm) {
   }
   EXPECT_EQ(split_of(heads_at(32), kSplitTwoMaxS + 1, true), 1);
   EXPECT_EQ(split_of(heads_at(32), kSplitTwoMidMinS - 1), 1);  // S = 2: slower with 2
+}
+
+TEST(LaunchRules, Fp32WriteAllDraftsSplitFromSixteenHeadsPerSm) {
+  for (int64_t heads : {int64_t(16) * kSms, heads_at(128), heads_at(512)}) {
+    for (int S = kSplitFourMinS; S <= kSplitFourMaxS; ++S)
+      EXPECT_EQ(split_of(heads, S), 4) << "heads = " << heads << ", S = " << S;
+    for (int S : {2, 6, 7, 8, 16})
+      EXPECT_EQ(split_of(heads, S), 2) << "heads = " << heads << ", S = " << S;
+    EXPECT_EQ(split_of(heads, 1), 1) << "heads = " << heads;  // no drafts
+    for (int S : {2, 4, 6})
+      EXPECT_EQ(split_of(heads, S, false, 2), 1) << "heads = " << heads << ", S = " << S;
+    EXPECT_EQ(split_of(heads, 4, true), 1) << "heads = " << heads;  // token-by-token replay
+  }
+  EXPECT_EQ(split_of(16 * kSms - 1, 4), 2);  // below: four to sixteen heads per SM
+  EXPECT_EQ(split_of(16 * kSms - 1, 2), 1);
 }
 
 TEST(LaunchRules, ClosedFormForDeepWindowsFromOneHeadPerSm) {

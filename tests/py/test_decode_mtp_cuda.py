@@ -432,6 +432,8 @@ def batch_of(sm_count, HV, launch):
     if launch == "two_to_four_per_sm":
         N = 3 * sm_count // HV
         return N if 2 * sm_count <= N * HV < 4 * sm_count else None
+    if launch == "sixteen_per_sm":  # fp32 write-all with drafts: 4 CTAs per head at S = 3..5
+        return -(-16 * sm_count // HV)
     N = -(-15 * sm_count // (32 * HV))  # just below one per SM: 2 CTAs per head cover 15/16
     return N if 32 * N * HV >= 15 * sm_count and N * HV < sm_count else None
 
@@ -439,12 +441,14 @@ def batch_of(sm_count, HV, launch):
 @requires_cuda
 @pytest.mark.parametrize("state_dtype", [FP32, BF16], ids=["state_fp32", "state_bf16"])
 @pytest.mark.parametrize("launch,S", [("one_to_two_per_sm", 4), ("one_to_two_per_sm", 8),
-                                      ("two_to_four_per_sm", 4), ("below_one_per_sm", 4)])
+                                      ("two_to_four_per_sm", 4), ("below_one_per_sm", 4),
+                                      ("sixteen_per_sm", 2), ("sixteen_per_sm", 4)])
 def test_split_launch_choices(gen, state_dtype, launch, S):
     """Batches for which the launcher splits each head over 2 CTAs: between one and two heads per
     SM (any S; the CTAs spread evenly over the SMs), and with an fp32 state and drafts from two to
-    four heads per SM and just below one (a 16-bit state takes 1 and 4 CTAs per head there):
-    padded rows, invalid rows and every T up to S."""
+    four heads per SM and just below one (a 16-bit state takes 1 and 4 CTAs per head there); and
+    with an fp32 state and drafts from sixteen heads per SM, over 2 (S = 2) or 4 (S = 4) CTAs (a
+    16-bit state takes 1): padded rows, invalid rows and every T up to S."""
     HV = 8
     N = batch_of(torch.cuda.get_device_properties(0).multi_processor_count, HV, launch)
     if N is None:

@@ -233,6 +233,15 @@ inline bool use_replay_four_rows(bool closed_form, int64_t heads, int sm_count) 
 // token-by-token replay of an fp32 state at S <= 4 below eight heads per SM takes 2 (B = 32: T =
 // 2 50.7 -> 46.0 us, T = 4 63.4 -> 58.0; at B = 64 T = 4 was 4 % slower with 2; bf16 replay as fast
 // or slower).
+// From sixteen heads per SM, write-all of an fp32 state with drafts splits too, where the kernels
+// since 8f018a2 (tokens staged before the slice's bytes) measured faster split than whole (H200,
+// TP1, B = 128 and 512 in one run, against 1: S = 3..5 take 4, 1.5-2.2 % faster (T = 4, B = 128
+// 366.9 -> 361.5 us, B = 512 1459 -> 1430); S = 2 and 6 take 2, 0.8-1.8 % faster; S >= 8 takes 2
+// by the deep-window rule; benchmarks/results/split_fp32_drafts_h200.json). Each CTA of a
+// four-way split holds one 8-row group per warp, the shape that streams densest
+// (state_stream_shapes_h200.json); a 16-bit state gains less than 1 % and keeps 1.
+inline constexpr int kSplitFourMinS = 3;  // fp32 write-all from sixteen heads per SM
+inline constexpr int kSplitFourMaxS = 5;
 inline constexpr int kSplitTwoMaxS = 4;     // fp32 token-by-token replay, four to eight per SM
 inline constexpr int kSplitTwoMidMinS = 3;  // write-all, four to sixteen heads per SM
 inline constexpr int kSplitTwoMidMaxHeadsPerSm = 16;
@@ -244,6 +253,8 @@ inline int choose_split(int64_t heads, int sm_count, bool clusters, int S, bool 
   const bool mid = heads >= 4 * sms && heads < kSplitTwoMidMaxHeadsPerSm * sms;
   const bool fp32_drafts = !replay && state_bytes == 4 && S >= 2;  // write-all
   if (S >= 8 && heads >= 4 * sms && !closed_form && !(mid && state_bytes != 4)) return 2;
+  if (fp32_drafts && heads >= kSplitTwoMidMaxHeadsPerSm * sms)
+    return S >= kSplitFourMinS && S <= kSplitFourMaxS ? 4 : 2;
   if (!replay && S >= kSplitTwoMidMinS && S < 8 && mid) return 2;
   if (replay && !closed_form && state_bytes == 4 && S <= kSplitTwoMaxS && heads >= 4 * sms &&
       heads < kReplaySplitTwoMaxHeadsPerSm * sms)
