@@ -83,9 +83,9 @@ TEST(LaunchRules, SplitTwoForWriteAllDraftsFromFourToSixteenHeadsPerSm) {
     EXPECT_EQ(split_of(4 * kSms, S), 2) << "S = " << S;
     EXPECT_EQ(split_of(16 * kSms - 1, S), 2) << "S = " << S;
     EXPECT_EQ(split_of(4 * kSms - 1, S, false, 2), 1) << "S = " << S;
-    EXPECT_EQ(split_of(16 * kSms, S, false, 2), 1) << "S = " << S;    // 16-bit from 16 per SM
+    EXPECT_EQ(split_of(16 * kSms, S, false, 2), 1) << "S = " << S;      // 16-bit from 16 per SM
     EXPECT_EQ(split_of(heads_at(128), S, false, 2), 1) << "S = " << S;  // 31 heads per SM
-    EXPECT_EQ(split_of(heads_at(32), S, true, 2), 1) << "S = " << S;  // bf16 replay: 1
+    EXPECT_EQ(split_of(heads_at(32), S, true, 2), 1) << "S = " << S;    // bf16 replay: 1
   }
   EXPECT_EQ(split_of(heads_at(32), 8, false, 2), 1);   // 16-bit deep windows below 16 per SM
   EXPECT_EQ(split_of(heads_at(128), 8, false, 2), 2);  // ... and from 16 heads per SM

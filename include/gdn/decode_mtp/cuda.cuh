@@ -4,9 +4,9 @@
 // The grid is one CTA per (request, value head, row block). The row split (CTAs per head) is a
 // pure function of the shapes and the device: 1 once there are at least as many heads as SMs,
 // else the smallest of 2, 4, 8 that gives every SM a CTA (small batches are latency-bound: more,
-// smaller CTAs pull their bytes in parallel); 2 or 4 in the measured cases of choose_split. Callers may
-// pin it (benchmarks do). This and every other choice of a launch (kernel form, chunk buffers, L2
-// hints, shared memory) are the rules of gdn/decode_mtp/cuda_launch_rules.hpp.
+// smaller CTAs pull their bytes in parallel); 2 or 4 in the measured cases of choose_split. Callers
+// may pin it (benchmarks do). This and every other choice of a launch (kernel form, chunk buffers,
+// L2 hints, shared memory) are the rules of gdn/decode_mtp/cuda_launch_rules.hpp.
 //
 // The launcher allocates nothing and never synchronises. The attributes it sets (the kernel's
 // dynamic shared memory ceiling, the device's opt-in maximum, and the largest carveout) are set
