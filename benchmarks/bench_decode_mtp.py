@@ -112,6 +112,12 @@ def copy_bandwidth():
 
 # ---- buffers -------------------------------------------------------------------------------------
 
+def rotating_sets(set_bytes):
+    """Buffer sets to rotate through so that one replay of the graph touches at least ROTATE_BYTES
+    (one set when a set alone is that large), at most MAX_SETS."""
+    return max(1, min(MAX_SETS, math.ceil(ROTATE_BYTES / set_bytes)))
+
+
 def make_sets(H, HV, B, T, state_dtype, n_sets, seed):
     """n_sets buffer sets of a configuration (CUDA), each a view into one allocation per array: a
     set is one layer's pool and activations; the slot ids, token offsets and accepted counts are
@@ -402,7 +408,7 @@ def bench_replay(shape, B, T, sdt, copy_tbps, split=None):
     H, HV = ALL_SHAPES[shape]
     state_dtype = DTYPES[sdt]
     set_bytes = B * HV * DIM * DIM * torch.finfo(state_dtype).bits // 8
-    n_sets = max(1, min(MAX_SETS, math.ceil(ROTATE_BYTES / set_bytes)))
+    n_sets = rotating_sets(set_bytes)
     sets = make_replay_sets(H, HV, B, T, state_dtype, n_sets, 2000 + B + 10 * T)
     prm = make_params(HV, 7)
     n_calls = max(MIN_CALLS, n_sets)
@@ -432,7 +438,7 @@ def bench_config(shape, B, T, sdt, with_fla, copy_tbps, split=None, with_replay=
     H, HV = ALL_SHAPES[shape]
     state_dtype = DTYPES[sdt]
     set_bytes = B * T * HV * DIM * DIM * torch.finfo(state_dtype).bits // 8
-    n_sets = max(1, min(MAX_SETS, math.ceil(ROTATE_BYTES / set_bytes)))
+    n_sets = rotating_sets(set_bytes)
     sets = make_sets(H, HV, B, T, state_dtype, n_sets, 1000 + B + 10 * T)
     prm = make_params(HV, 7)
     n_calls = max(MIN_CALLS, n_sets)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 
@@ -75,7 +74,7 @@ def main():
     for H, HV, B in CASES:
         prm = prm_cache.setdefault(HV, bench.make_params(HV, 7))
         set_bytes = B * HV * DIM * DIM * 4
-        n_sets = max(1, min(bench.MAX_SETS, math.ceil(bench.ROTATE_BYTES / set_bytes)))
+        n_sets = bench.rotating_sets(set_bytes)
         n_calls = max(bench.MIN_CALLS, n_sets)
         nbytes = bench.gdn_bytes(H, HV, B, 1, torch.float32)
         for name, pad in (("contiguous", 0), ("padded", 1)):

@@ -2,9 +2,11 @@
 
 A split head (CTAs of 128 / split rows) is launched as a thread-block cluster so that its CTAs can
 exchange their norm partials. This probe times write-all at a pinned split with the norm on (the
-library's launch) and off (norm_weight=None: out = o, no exchange), so that a build that launches
-split heads without a cluster when there is no norm shows what the one-group-per-warp mapping
-(split 4: each of a CTA's 4 warps holds one 8-row group) gains before any cross-CTA norm is paid.
+library's launch) and off (norm_weight and z absent: out = o, no exchange). The library's launcher
+clusters a split head either way; run against a build whose launcher drops the cluster when there
+is no norm (as for benchmarks/results/split_fp32_drafts_h200.json, run1), the norm-off rows show
+what the one-group-per-warp mapping (split 4: each of a CTA's 4 warps holds one 8-row group) gains
+before any cross-CTA norm is paid.
 
     PYTHONPATH=build/gpu/pkg python3 benchmarks/probe_split_norm.py --json out.json
 """
@@ -20,7 +22,7 @@ def time_variant(shape, B, T, sdt, split, norm):
     H, HV = bd.ALL_SHAPES[shape]
     state_dtype = bd.DTYPES[sdt]
     set_bytes = B * T * HV * bd.DIM * bd.DIM * torch.finfo(state_dtype).bits // 8
-    n_sets = max(1, min(bd.MAX_SETS, -(-int(bd.ROTATE_BYTES) // set_bytes)))
+    n_sets = bd.rotating_sets(set_bytes)
     sets = bd.make_sets(H, HV, B, T, state_dtype, n_sets, 1000 + B + 10 * T)
     prm = bd.make_params(HV, 7)
     if not norm:  # no norm, no gate (z needs norm_weight)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 
@@ -58,7 +57,7 @@ def main():
     for B in args.batches:
         g = torch.Generator(device="cuda").manual_seed(3000 + B)
         set_bytes = B * HV * D * D * 4
-        n_sets = max(1, min(bench.MAX_SETS, math.ceil(bench.ROTATE_BYTES / set_bytes)))
+        n_sets = bench.rotating_sets(set_bytes)
         # The benchmark's own buffer sets (T = 1) give the activations and, in their pools, the
         # states the requests start from; each mode moves those states to its own slots.
         base = bench.make_sets(H, HV, B, 1, torch.float32, n_sets, 3000 + B)

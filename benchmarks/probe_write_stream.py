@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 
@@ -75,7 +74,7 @@ def main():
                 g = torch.Generator(device="cuda").manual_seed(1000 * T + B)
                 slice_bytes = HV * D * D * esize
                 set_bytes = B * T * slice_bytes
-                n_sets = max(1, min(bench.MAX_SETS, math.ceil(bench.ROTATE_BYTES / set_bytes)))
+                n_sets = bench.rotating_sets(set_bytes)
                 sets = [make_set(B, T, dtype, g) for _ in range(n_sets)]
                 state_bytes = B * (1 + T) * slice_bytes  # one read, T writes per request
                 pool, idx, acc = sets[0]

@@ -234,7 +234,7 @@ inline bool use_replay_four_rows(bool closed_form, int64_t heads, int sm_count) 
 // 2 50.7 -> 46.0 us, T = 4 63.4 -> 58.0; at B = 64 T = 4 was 4 % slower with 2; bf16 replay as fast
 // or slower).
 // From sixteen heads per SM, write-all of an fp32 state with drafts splits too, where the kernels
-// since 8f018a2 (tokens staged before the slice's bytes) measured faster split than whole (H200,
+// that stage their tokens before the slice's bytes measured faster split than whole (H200,
 // TP1, B = 128 and 512 in one run, against 1: S = 3..5 take 4, 1.5-2.2 % faster (T = 4, B = 128
 // 366.9 -> 361.5 us, B = 512 1459 -> 1430); S = 2 and 6 take 2, 0.8-1.8 % faster; S >= 8 takes 2
 // by the deep-window rule; benchmarks/results/split_fp32_drafts_h200.json). Each CTA of a
