@@ -41,8 +41,9 @@ import gdn
 
 SPEC_TBPS = 4.8
 SHAPES = {"TP1": (16, 32), "TP4": (4, 8), "ratio3": (16, 48), "ratio8": (2, 16)}
-# Shapes outside the default matrix, for --shapes: (H, HV) with HV = 64 (ratio 4) and HV = H.
-EXTRA_SHAPES = {"ratio4": (16, 64), "ratio1": (16, 16)}
+# Shapes outside the default matrix, for --shapes: (H, HV) with HV = 64 (ratio 4), HV = H, and
+# Qwen3-Next's TP2 shard (8, 16).
+EXTRA_SHAPES = {"ratio4": (16, 64), "ratio1": (16, 16), "TP2": (8, 16)}
 ALL_SHAPES = {**SHAPES, **EXTRA_SHAPES}
 BATCHES = [1, 8, 32, 128, 512]
 TOKENS = [1, 2, 4, 8]
