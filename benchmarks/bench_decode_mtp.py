@@ -150,16 +150,22 @@ def make_params(HV, seed):
     }
 
 
+# --state-layout: how libgdn reads the pools ("vk" [slots, HV, V, K] or "kv" [slots, HV, K, V]).
+# With K = V the pool tensors are the same; only the layout argument changes.
+STATE_LAYOUT = "vk"
+
+
 def gdn_call(st, prm, HV, split=None, error_count=None):
     if split is None:
         gdn.decode_mtp(st["mixed_qkv"], st["ba"][:, :HV], st["ba"][:, HV:], prm["A_log"],
                        prm["dt_bias"], st["pool"], st["idx"], st["cu"], st["out"], z=st["z"],
                        norm_weight=prm["norm_weight"], num_accepted_tokens=st["acc"],
-                       error_count=error_count)
+                       error_count=error_count, state_layout=STATE_LAYOUT)
     else:  # the kernel's row split pinned (the binding's benchmark knob)
         gdn._C.decode_mtp(st["mixed_qkv"], st["ba"][:, :HV], st["ba"][:, HV:], prm["A_log"],
                           prm["dt_bias"], st["pool"], st["idx"], st["cu"], st["out"], z=st["z"],
                           norm_weight=prm["norm_weight"], num_accepted_tokens=st["acc"],
+                          state_layout=STATE_LAYOUT,
                           stream=torch.cuda.current_stream().cuda_stream, split=split)
 
 
@@ -193,12 +199,13 @@ def replay_call(st, prm, HV, split=None, fn=None, error_count=None):
             st["pool"], st["slots"], st["cu"], st["out"], st["wk"], st["wv"], st["wa"], st["wb"],
             st["wlen"], st["acc"])
     if fn is not None:  # another implementation of the same call (validation)
-        return fn(*args, z=st["z"], norm_weight=prm["norm_weight"])
+        return fn(*args, z=st["z"], norm_weight=prm["norm_weight"], state_layout=STATE_LAYOUT)
     if split is None:
         gdn.decode_mtp_replay(*args, z=st["z"], norm_weight=prm["norm_weight"],
-                              error_count=error_count)
+                              error_count=error_count, state_layout=STATE_LAYOUT)
     else:
         gdn._C.decode_mtp_replay(*args, z=st["z"], norm_weight=prm["norm_weight"],
+                                 state_layout=STATE_LAYOUT,
                                  stream=torch.cuda.current_stream().cuda_stream, split=split)
 
 
@@ -344,7 +351,8 @@ def validate(impl, st, prm, f, H, HV, B, T):
                    torch.arange(0, n * T + 1, T, dtype=torch.int32), cpu_out,
                    z=z if impl == "gdn" else None,
                    norm_weight=p["norm_weight"] if impl == "gdn" else None,
-                   num_accepted_tokens=torch.tensor([int(acc[i]) for i in reqs], dtype=torch.int32))
+                   num_accepted_tokens=torch.tensor([int(acc[i]) for i in reqs], dtype=torch.int32),
+                   state_layout=STATE_LAYOUT if impl == "gdn" else "vk")
     worst = _rel(out[rows.cuda()].cpu(), cpu_out)
     if impl == "gdn" or not f["dense"]:
         for j, i in enumerate(reqs):
@@ -414,7 +422,7 @@ def bench_replay(shape, B, T, sdt, copy_tbps, split=None):
     prm = make_params(HV, 7)
     n_calls = max(MIN_CALLS, n_sets)
     rec = dict(impl="replay", shape=shape, H=H, HV=HV, B=B, T=T, state=sdt, sets=n_sets,
-               calls=n_calls, split=split)
+               calls=n_calls, split=split, state_layout=STATE_LAYOUT)
     try:
         rec["rel_err"] = validate_replay(sets[0], prm, H, HV, B, T)
         rec["valid"] = rec["rel_err"] <= 1e-2
@@ -449,6 +457,8 @@ def bench_config(shape, B, T, sdt, with_fla, copy_tbps, split=None, with_replay=
         fl = [fla_inputs(st, prm, H, HV, B, T) for st in sets] if impl == "fla" else [None] * n_sets
         rec = dict(impl=impl, shape=shape, H=H, HV=HV, B=B, T=T, state=sdt, sets=n_sets,
                    calls=n_calls, split=split)
+        if impl == "gdn":
+            rec["state_layout"] = STATE_LAYOUT
         try:
             rec["rel_err"] = validate(impl, sets[0], prm, fl[0], H, HV, B, T)
             bar = 1e-2 if impl == "gdn" or sdt != "fp32" else 2e-2
@@ -547,14 +557,18 @@ def main():
     ap.add_argument("--shapes", nargs="+", choices=list(ALL_SHAPES),
                     help=f"(H, HV) shapes by name (default: {' '.join(SHAPES)}; --quick: TP1); "
                          f"also {', '.join(f'{k} {v}' for k, v in EXTRA_SHAPES.items())}"),
+    ap.add_argument("--state-layout", choices=["vk", "kv"], default="vk",
+                    help="libgdn's state layout argument (default vk; kv is the CUDA kernel's slow "
+                         "path; FLA rows keep their own [V, K] pools)")
     ap.add_argument("--json", default="benchmarks/results/decode_mtp_h200.json")
     ap.add_argument("--png", default="benchmarks/results/decode_mtp_h200.png")
     ap.add_argument("--budget", type=float, default=220.0, help="stop starting configs after this")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_decode_mtp: no CUDA device")
-    global ISOLATED
+    global ISOLATED, STATE_LAYOUT
     ISOLATED = args.isolated
+    STATE_LAYOUT = args.state_layout
     t0 = time.time()
     env = environment()
     env["copy_tbps"] = copy_bandwidth()
