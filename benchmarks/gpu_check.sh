@@ -140,11 +140,12 @@ if has sanitize; then
   done
   if [ "${SANITIZE_PYTEST:-1}" = 1 ]; then
     pytest_q=(python3 -m pytest -q -p no:cacheprovider)
-    # Device-index, strided and large-batch cases, the split launches, replay, the 16-bit closed
+    # Device-index, strided, paged and large-batch cases, the split launches, replay, the 16-bit closed
     # form (FMA and tensor cores) and token-by-token replay with 4 rows per lane (r2 of each state
     # dtype).
     sanitize_run pytest-memcheck memcheck 8 "${pytest_q[@]}" tests/py/test_decode_mtp_cuda.py \
       tests/py/test_replay.py -k "hostile or large_batch or strided_views or split_launch \
+      or padded_but_aligned \
       or (replay and cuda) \
       or (head_per_sm and token_by_token and state_bf16 and r2) or (four_rows and r2 and act_bf16) \
       or (head_per_sm and (closed_form or tensor_cores) and (state_bf16 or state_fp16) and r2)"
@@ -155,7 +156,7 @@ if has sanitize; then
     # The plain-load path where bulk copies would stream through one chunk buffer (fp32 replay,
     # "kv" layout, 4+ heads per SM): the launcher must give it two.
     sanitize_run pytest-racecheck racecheck 4 "${pytest_q[@]}" tests/py/test_replay.py \
-      -k "kv_layout and cuda"
+      -k "kv_layout and cuda and not four_rows"
     # 16-bit token-by-token replay in its staged-first image (one and four heads per SM).
     sanitize_run pytest-racecheck-staged-first racecheck 4 "${pytest_q[@]}" tests/py/test_replay.py \
       -k "head_per_sm and token_by_token and state_bf16 and r2"

@@ -344,16 +344,19 @@ def test_chain_equals_write_every_token(gen, device, H, HV):
 # The "kv" layout takes plain loads into the chunk buffers; on CUDA, 20 requests x 32 heads give
 # every SM 4 or more heads, where an fp32 replay with bulk copies streams through one buffer and
 # plain loads must keep two (benchmarks/gpu_check.sh runs this case under racecheck), and where a
-# 16-bit state replays in closed form on tensor cores, which stores "kv" rows element by element.
-@pytest.mark.parametrize("device,H,HV,N,state_dtype", [
-    ("cpu", 1, 2, 3, FP32), pytest.param("cuda", 1, 2, 3, FP32, marks=needs_cuda),
-    pytest.param("cuda", 16, 32, 20, FP32, marks=needs_cuda),
-    pytest.param("cuda", 16, 32, 20, BF16, marks=needs_cuda, id="cuda-tensor-cores"),
-    pytest.param("cuda", 16, 32, 20, FP16, marks=needs_cuda, id="cuda-tensor-cores-fp16")])
-def test_kv_layout_and_first_pass(gen, device, H, HV, N, state_dtype):
+# 16-bit state replays in closed form on tensor cores (S = 4), which stores "kv" rows element by
+# element; token by token (S = 3) it stores each column of a lane's 2 rows (4 with an fp32 state
+# from 16 heads per SM: 68 requests) as one vector.
+@pytest.mark.parametrize("device,H,HV,N,state_dtype,S", [
+    ("cpu", 1, 2, 3, FP32, 3), pytest.param("cuda", 1, 2, 3, FP32, 3, marks=needs_cuda),
+    pytest.param("cuda", 16, 32, 20, FP32, 3, marks=needs_cuda),
+    pytest.param("cuda", 16, 32, 68, FP32, 3, marks=needs_cuda, id="cuda-four-rows"),
+    pytest.param("cuda", 16, 32, 20, BF16, 3, marks=needs_cuda, id="cuda-bf16-token-by-token"),
+    pytest.param("cuda", 16, 32, 20, BF16, 4, marks=needs_cuda, id="cuda-tensor-cores"),
+    pytest.param("cuda", 16, 32, 20, FP16, 4, marks=needs_cuda, id="cuda-tensor-cores-fp16")])
+def test_kv_layout_and_first_pass(gen, device, H, HV, N, state_dtype, S):
     """The "kv" state layout, and a request's first step (n = 0: nothing replayed or stored)."""
     K = V = 128 if device == "cuda" else 16
-    S = 3 if state_dtype == FP32 else 4  # 16-bit: tensor cores from S = 4
     act = state_dtype
     out_tol, state_tol = out_bar(act), state_bar(state_dtype)
     pool = make_pool(gen, device, N=N, H=H, HV=HV, K=K, V=V, S=S, state_dtype=state_dtype,

@@ -113,32 +113,34 @@ enum KernelForm : int {
 };
 
 // The kernel image of a form; kBf16Activations: its image for bf16 activations
-// (use_bf16_activations).
-template <class StateT, int kRatio, bool kReplay, bool kBf16Activations>
+// (use_bf16_activations); kKv: its image for a 16-byte aligned "kv" pool (KernelArgs::kv_vector).
+template <class StateT, int kRatio, bool kReplay, bool kBf16Activations, bool kKv = false>
 inline auto form_kernel(int form) {
   auto kernel = decode_mtp_kernel<StateT, kRatio, kReplay, false, false, false, false, false,
-                                  kBf16Activations>;
+                                  kBf16Activations, false, kKv>;
   if constexpr (kReplay)
     if (form == kClosedFormRows)
       kernel = decode_mtp_kernel<StateT, kRatio, true, true, false, false, false, false,
-                                 kBf16Activations>;
+                                 kBf16Activations, false, kKv>;
   if constexpr (kReplay && sizeof(StateT) == 2) {
     if (form == kStageFirstForm)
       kernel = decode_mtp_kernel<StateT, kRatio, true, false, false, true, false, false,
-                                 kBf16Activations>;
+                                 kBf16Activations, false, kKv>;
     if (form == kTensorCoreForm)
       kernel = decode_mtp_kernel<StateT, kRatio, true, true, false, false, true, false,
-                                 kBf16Activations>;
+                                 kBf16Activations, false, kKv>;
     if (form == kTensorCoreEightForm)
-      kernel =
-          decode_mtp_kernel<StateT, kRatio, true, true, false, false, true, true, kBf16Activations>;
+      kernel = decode_mtp_kernel<StateT, kRatio, true, true, false, false, true, true,
+                                 kBf16Activations, false, kKv>;
   }
   if constexpr (kReplay)
     if (form == kFourRowsForm)
       kernel = decode_mtp_kernel<StateT, kRatio, true, false, false, false, false, false,
-                                 kBf16Activations, true>;
+                                 kBf16Activations, true, kKv>;
   if constexpr (!kReplay && sizeof(StateT) == 2)
-    if (form == kSingleTokenForm) kernel = decode_mtp_kernel<StateT, kRatio, false, false, true>;
+    if (form == kSingleTokenForm)
+      kernel = decode_mtp_kernel<StateT, kRatio, false, false, true, false, false, false, false,
+                                 false, kKv>;
   return kernel;
 }
 
@@ -197,15 +199,19 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
              : stage_first  ? kStageFirstForm
              : four_rows    ? kFourRowsForm
                             : kTokenByToken;
+  // An aligned "kv" pool comes with the run-time ratio (launch_state_dtype).
+  const bool kv_image = kRatio == kRuntimeValue && args.kv_vector;
   const auto image = [&](int f) {
     if constexpr (kHasBf16ActivationImages<kRatio, kReplay>)
       if (bf16_activations) return form_kernel<StateT, kRatio, kReplay, true>(f);
+    if constexpr (kRatio == kRuntimeValue)
+      if (kv_image) return form_kernel<StateT, kRatio, kReplay, false, true>(f);
     return form_kernel<StateT, kRatio, kReplay, false>(f);
   };
   auto kernel = image(form);
   static std::atomic<int> ptx_cache[kMaxDevices];
-  // Per kernel form and activation image.
-  static std::atomic<int> smem_cache[2][kKernelForms][kMaxDevices];
+  // Per kernel form and image (activations: run-time dtypes, bf16; an aligned "kv" pool).
+  static std::atomic<int> smem_cache[3][kKernelForms][kMaxDevices];
   // sm_90 image: clusters, bulk copies and programmatic dependent launch.
   const bool hopper = info.major >= 9 && kernel_ptx_version(kernel, device, ptx_cache) >= 90;
   const int split = split_request > 0 ? split_request
@@ -243,7 +249,7 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
       launch_shared_bytes(needed, heads, split, form_ctas_per_sm(single_token, tensor_core_eight),
                           info.sm_count, size_t(info.shared_per_sm), size_t(info.reserved_per_cta));
   GDN_RETURN_IF_ERROR(allow_dynamic_shared(kernel, device, info.shared_per_cta,
-                                           smem_cache[bf16_activations][form]));
+                                           smem_cache[kv_image ? 2 : bf16_activations][form]));
   return launch_ex(kernel, dim3(unsigned(heads * split)), dim3(unsigned(kThreads)), smem, split,
                    hopper, stream, args, kReplay ? "replay" : "decode_mtp");
 }
@@ -254,7 +260,8 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
 template <DType kState, bool kReplay>
 Status launch_state_dtype(const KernelArgs& args, int device, int split, cudaStream_t stream) {
   Status status;
-  const int ratio = args.ratio <= 8 ? args.ratio : kRuntimeValue;
+  // The images for an aligned "kv" pool exist for the run-time ratio only (a slower path already).
+  const int ratio = args.ratio <= 8 && !args.kv_vector ? args.ratio : kRuntimeValue;
   dispatch_or_runtime<HeadRatios>(ratio, [&]<int kRatio>() {
     (void)(status = launch_kernel<kState, kRatio, kReplay>(args, device, split, stream));
   });
@@ -349,8 +356,10 @@ inline KernelArgs step_kernel_args(const StepArgs& p, const Problem& pr) {
   args.state_kv = p.layout == StateLayout::kKV;
   const size_t state_bytes = size_t(dtype_size(p.state.dtype));
   const size_t state_chunk = 16;  // bulk copies and vector row accesses
-  args.state_vector = !args.state_kv && aligned(p.state.data, state_chunk) &&
-                      (size_t(p.state.strides[0]) * state_bytes) % state_chunk == 0;
+  const bool slots_aligned = aligned(p.state.data, state_chunk) &&
+                             (size_t(p.state.strides[0]) * state_bytes) % state_chunk == 0;
+  args.state_vector = !args.state_kv && slots_aligned;
+  args.kv_vector = args.state_kv && slots_aligned;
   const size_t qkv_chunk = 4 * size_t(dtype_size(p.mixed_qkv.dtype));
   args.qkv_vector =
       aligned(p.mixed_qkv.data, qkv_chunk) &&

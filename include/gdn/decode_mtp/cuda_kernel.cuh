@@ -160,6 +160,7 @@ struct KernelArgs {
   DType index_dtype, cu_dtype, acc_dtype;
   bool state_kv;      // "kv" layout: [K, V] per head
   bool state_vector;  // "vk" and 16-byte aligned rows: vector stores; bulk loads on sm_90
+  bool kv_vector;     // "kv" and 16-byte aligned slots: 16-byte loads, one vector store a column
   bool bulk_load;     // the slice arrives by bulk copies (sm_90 image and state_vector)
   int buffers;        // chunk buffers in shared memory (1..kMaxChunks)
   bool evict_hints;  // evict-first bulk loads and streaming stores of the state (launcher's choice)
@@ -359,6 +360,69 @@ struct GroupRows {
     return 4 * (lane % kSetLanes + kSetLanes * j);
   }
 };
+
+// The "kv" layout keeps a head as [K, V]: element (row v, column k) at k * 128 + v, so the rows of
+// a column are adjacent. These two helpers move a "kv" slice as vectors along v where KernelArgs::
+// kv_vector holds (elsewhere the kernel moves it element by element): H200 before them, TP1 B = 128
+// against "vk", write-all fp32 T = 1 4.2x and T = 8 6.7x slower, bf16 13-23x, replay 2.7-7x
+// (benchmarks/results/kv_layout_h200.json).
+//
+// Rows r0 .. r0 + rows - 1 of a "kv" slice into a chunk buffer in the layout the bulk copies leave
+// ([row][128]), by the whole CTA: 16-byte loads, each of adjacent rows at one column (a warp reads
+// whole 128-byte row segments of several columns).
+template <class StateT>
+__device__ __forceinline__ void load_chunk_kv(StateT* buf, const StateT* src, int r0, int rows,
+                                              int tid) {
+  constexpr int kPerVector = 16 / int(sizeof(StateT));
+  const int per_column = rows / kPerVector;  // a power of 2
+  const int log2_per_column = __ffs(per_column) - 1;
+  for (int e = tid; e < per_column * kHeadDim; e += kThreads) {
+    const int k = e >> log2_per_column, r = (e & (per_column - 1)) * kPerVector;
+    const uint4 bits = *reinterpret_cast<const uint4*>(src + int64_t(k) * kHeadDim + r0 + r);
+    StateT v[kPerVector];
+    memcpy(v, &bits, 16);
+#pragma unroll
+    for (int q = 0; q < kPerVector; ++q) buf[(r + q) * kHeadDim + k] = v[q];
+  }
+}
+
+// A lane's rows of a group to a "kv" slot: its kRows rows are adjacent in v, so each of its
+// columns is one vector of kRows elements. `first`: the lane's first row at column 0.
+template <class StateT, int kRows>
+__device__ __forceinline__ void store_rows_kv(StateT* first, const float4 (&x)[kRows][8 / kRows],
+                                              int col0, int set_lanes) {
+#pragma unroll
+  for (int j = 0; j < 8 / kRows; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float v[kRows];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r)
+        v[r] = e == 0 ? x[r][j].x : e == 1 ? x[r][j].y : e == 2 ? x[r][j].z : x[r][j].w;
+      StateT* at = first + int64_t(col0 + 4 * set_lanes * j + e) * kHeadDim;
+      if constexpr (sizeof(StateT) == 4) {
+        if constexpr (kRows == 2) {
+          *reinterpret_cast<float2*>(at) = make_float2(v[0], v[1]);
+        } else {
+#pragma unroll
+          for (int h = 0; h < kRows / 4; ++h)
+            reinterpret_cast<float4*>(at)[h] =
+                make_float4(v[4 * h], v[4 * h + 1], v[4 * h + 2], v[4 * h + 3]);
+        }
+      } else {
+        uint32_t w[kRows / 2];
+#pragma unroll
+        for (int h = 0; h < kRows / 2; ++h) w[h] = StateBits<StateT>::pack(v[2 * h], v[2 * h + 1]);
+        if constexpr (kRows == 2) {
+          *reinterpret_cast<uint32_t*>(at) = w[0];
+        } else if constexpr (kRows == 4) {
+          *reinterpret_cast<uint2*>(at) = make_uint2(w[0], w[1]);
+        } else {
+          *reinterpret_cast<uint4*>(at) = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+      }
+    }
+}
 
 // Rows per lane by mode, state dtype and form (H200, benchmarks/results/layout_h200.json). Replay
 // runs up to 2S tokens per slice and is bound by their instructions: 2 rows (with the registers
@@ -1048,10 +1112,13 @@ struct TokenArgs {
 // per SM (use_tensor_core_eight). kBf16Activations: the image of a replay form for bf16 activations
 // (activation_dtype; the launcher's use_bf16_activations). kFourRows: the token-by-token replay
 // image with 4 rows per lane (half the shared-memory loads of k and q per token, twice the
-// shuffles; the launcher's use_replay_four_rows).
+// shuffles; the launcher's use_replay_four_rows). kKvLayout: the image of a form for a "kv" pool
+// whose slots are 16-byte aligned (load_chunk_kv, store_rows_kv), with the run-time head ratio;
+// the other images keep the element-by-element "kv" path, which then costs them no registers.
 template <class StateT, int kRatio, bool kReplay, bool kClosedForm = false,
           bool kSingleToken = false, bool kStageFirst = false, bool kTensorCores = false,
-          bool kEightCtasPerSm = false, bool kBf16Activations = false, bool kFourRows = false>
+          bool kEightCtasPerSm = false, bool kBf16Activations = false, bool kFourRows = false,
+          bool kKvLayout = false>
 __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEightCtasPerSm))
     decode_mtp_kernel(const __grid_constant__ KernelArgs args) {
   static_assert(!kEightCtasPerSm || kTensorCores, "eight CTAs per SM: the tensor-core form");
@@ -1227,6 +1294,9 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
   auto plain_load_chunk = [&](int c, int b) {  // the whole CTA
     StateT* buf = tile + b * chunk_elems;
     const int r0 = row0 + c * rows_per_chunk;
+    if constexpr (kKvLayout) {
+      if (args.kv_vector) return load_chunk_kv(buf, src, r0, rows_per_chunk, tid);
+    }
     if (args.state_kv) {  // element (row v, column k) at k * 128 + v: rows fastest
       for (int e = tid; e < chunk_elems; e += kThreads) {
         const int r = e % rows_per_chunk, k = e / rows_per_chunk;
@@ -1428,6 +1498,10 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
     // The group's rows to slot `dest` of the pool, from registers.
     auto store_rows = [&](int64_t dest) {
       StateT* dst = pool + dest * args.slot_stride + row_offset;
+      if constexpr (kKvLayout) {
+        if (args.kv_vector)
+          return store_rows_kv<StateT, kRows>(dst, s.x, Rows::col(lane, 0), Rows::kSetLanes);
+      }
       if (args.state_vector) {  // chunk (r, j) at a constant offset from the lane's first one
         dst += Rows::col(lane, 0);
 #pragma unroll

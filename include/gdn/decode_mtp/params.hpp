@@ -337,11 +337,12 @@ inline Support can_use(DeviceType device, int64_t H, int64_t HV, int64_t K, int6
   if (S > kCudaMaxSpecColumns)
     return {Path::kUnsupported, "CUDA kernel supports S <= " + std::to_string(kCudaMaxSpecColumns) +
                                     " state columns, got " + std::to_string(S)};
-  // The "kv" pool cannot be bulk-copied row by row: plain loads and strided 4-byte stores.
+  // The "kv" pool cannot be bulk-copied row by row: 16-byte plain loads, one vector store per
+  // column of a lane's rows (element by element where its slots are not 16-byte aligned).
   if (layout == StateLayout::kKV)
     return {Path::kGeneric,
-            "state layout \"kv\" runs the CUDA kernel's slow path (plain loads, "
-            "strided stores); use \"vk\" for full speed"};
+            "state layout \"kv\" runs the CUDA kernel's slow path (plain loads instead of bulk "
+            "copies, column stores, the run-time head ratio); use \"vk\" for full speed"};
   if (listed)
     return {Path::kFast, "CUDA kernel specialised for head ratio " + std::to_string(ratio)};
   return {Path::kGeneric, "head ratio " + std::to_string(ratio) +
