@@ -363,8 +363,9 @@ struct GroupRows {
 
 // The "kv" layout keeps a head as [K, V]: element (row v, column k) at k * 128 + v, so the rows of
 // a column are adjacent. These two helpers move a "kv" slice as vectors along v where KernelArgs::
-// kv_vector holds (elsewhere the kernel moves it element by element): H200 before them, TP1 B = 128
-// against "vk", write-all fp32 T = 1 4.2x and T = 8 6.7x slower, bf16 13-23x, replay 2.7-7x
+// kv_vector holds (elsewhere the kernel moves it element by element). H200, TP1, T = 1-8, B =
+// 1-512, time against "vk": write-all fp32 2.4-7.2x before them and 1.5-1.7x with them,
+// bf16 3.5-23x and 1.4-5.5x; replay fp32 1.2-4.5x and 1.2-2.0x, bf16 1.3-7.0x and 1.2-2.6x
 // (benchmarks/results/kv_layout_h200.json).
 //
 // Rows r0 .. r0 + rows - 1 of a "kv" slice into a chunk buffer in the layout the bulk copies leave
