@@ -115,11 +115,20 @@ def tp1_tbps_at(tp1, state, T, heads):
     return None, None
 
 
-def shard_table(doc):
+def tp1_rows(doc):
+    """TP1's write-all rows of a result file by (state, T, heads)."""
+    return {(r["state"], r["T"], r["B"] * r["HV"]): r for r in doc["results"]
+            if r.get("split") is None and r.get("impl") == "gdn" and "us" in r
+            and r["shape"] == "TP1"}
+
+
+def shard_table(doc, other=None):
     """The issue's per-byte rule: each TP-shard shape's write-all rows against TP1 at the same number
-    of (request, value head) pairs, in effective TB/s (bytes of the byte model per µs)."""
+    of (request, value head) pairs, in effective TB/s (bytes of the byte model per µs). `other`: a
+    second result file whose TP1 rows stand in at head counts this run's TP1 lacks."""
     res = [r for r in doc["results"] if r.get("split") is None and r.get("impl") == "gdn" and "us" in r]
-    tp1 = {(r["state"], r["T"], r["B"] * r["HV"]): r for r in res if r["shape"] == "TP1"}
+    tp1 = tp1_rows(doc)
+    other_tp1 = tp1_rows(other) if other else {}
     shards = sorted({r["shape"] for r in res} - {"TP1"})
     if not shards:
         return
@@ -129,14 +138,18 @@ def shard_table(doc):
     for r in sorted((r for r in res if r["shape"] in shards),
                     key=lambda r: (r["shape"], r["state"] != "fp32", r["T"], r["B"])):
         heads = r["B"] * r["HV"]
-        ref, how = tp1_tbps_at(tp1, r["state"], r["T"], heads)
+        key = (r["state"], r["T"], heads)
+        if key not in tp1 and key in other_tp1:
+            ref, how = other_tp1[key]["tbps"], "other run"
+        else:
+            ref, how = tp1_tbps_at(tp1, r["state"], r["T"], heads)
         if ref is None:
             continue
         ratios.append((r["tbps"] / ref, how))
-        mark = "" if how == "exact" else " (interp.)"
+        mark = {"exact": "", "other run": " (other run)", "interpolated": " (interp.)"}[how]
         print(f"| {r['shape']} ({r['H']}, {r['HV']}) | {r['state']} | {r['T']} | {r['B']} | {heads} | "
               f"{r['tbps']:.2f} | {ref:.2f}{mark} | {r['tbps'] / ref:.3f} |")
-    for how in ("exact", "interpolated"):
+    for how in ("exact", "other run", "interpolated"):
         sel = [x for x, h in ratios if h == how]
         if sel:
             print(f"\n{how}: {len(sel)} rows, shard / TP1 median {sorted(sel)[len(sel) // 2]:.3f}, "
@@ -148,6 +161,8 @@ def main():
     ap.add_argument("json", help="a bench_decode_mtp.py result file")
     ap.add_argument("--shape", default="TP1")
     ap.add_argument("--ceiling", help="a probe_write_stream.py result file (adds its stream ceilings)")
+    ap.add_argument("--tp1-other", help="a bench_decode_mtp.py result file whose TP1 write-all rows "
+                                        "stand in at head counts the main file's TP1 lacks")
     args = ap.parse_args()
     doc = json.load(open(args.json))
     env = doc["environment"]
@@ -173,7 +188,7 @@ def main():
     print(f"\ntarget met in {met} of {len(rs)} rows")
     if any(r.get("impl") == "replay" for r in doc["results"]):
         replay_table(doc, args.shape)
-    shard_table(doc)
+    shard_table(doc, json.load(open(args.tp1_other)) if args.tp1_other else None)
 
 
 if __name__ == "__main__":
