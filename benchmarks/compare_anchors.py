@@ -115,20 +115,23 @@ def tp1_tbps_at(tp1, state, T, heads):
     return None, None
 
 
-def tp1_rows(doc):
-    """TP1's write-all rows of a result file by (state, T, heads)."""
-    return {(r["state"], r["T"], r["B"] * r["HV"]): r for r in doc["results"]
-            if r.get("split") is None and r.get("impl") == "gdn" and "us" in r
-            and r["shape"] == "TP1"}
+def write_all_rows(doc):
+    """The timed write-all rows of a result file at the launcher's own split."""
+    return [r for r in doc["results"] if r.get("split") is None and r.get("impl") == "gdn" and "us" in r]
+
+
+def tp1_by_heads(rows):
+    """TP1's rows among `rows` by (state, T, heads)."""
+    return {(r["state"], r["T"], r["B"] * r["HV"]): r for r in rows if r["shape"] == "TP1"}
 
 
 def shard_table(doc, other=None):
     """The issue's per-byte rule: each TP-shard shape's write-all rows against TP1 at the same number
     of (request, value head) pairs, in effective TB/s (bytes of the byte model per µs). `other`: a
     second result file whose TP1 rows stand in at head counts this run's TP1 lacks."""
-    res = [r for r in doc["results"] if r.get("split") is None and r.get("impl") == "gdn" and "us" in r]
-    tp1 = tp1_rows(doc)
-    other_tp1 = tp1_rows(other) if other else {}
+    res = write_all_rows(doc)
+    tp1 = tp1_by_heads(res)
+    other_tp1 = tp1_by_heads(write_all_rows(other)) if other else {}
     shards = sorted({r["shape"] for r in res} - {"TP1"})
     if not shards:
         return

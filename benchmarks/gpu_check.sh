@@ -140,9 +140,9 @@ if has sanitize; then
   done
   if [ "${SANITIZE_PYTEST:-1}" = 1 ]; then
     pytest_q=(python3 -m pytest -q -p no:cacheprovider)
-    # Device-index, strided, paged and large-batch cases, the split launches, replay, the 16-bit closed
-    # form (FMA and tensor cores) and token-by-token replay with 4 rows per lane (r2 of each state
-    # dtype).
+    # Device-index, strided, paged and large-batch cases, the split launches, replay, the 16-bit
+    # closed form (FMA and tensor cores) and token-by-token replay with 4 rows per lane (r2 of each
+    # state dtype).
     sanitize_run pytest-memcheck memcheck 8 "${pytest_q[@]}" tests/py/test_decode_mtp_cuda.py \
       tests/py/test_replay.py -k "hostile or large_batch or strided_views or split_launch \
       or padded_but_aligned \
