@@ -6,7 +6,8 @@ rows of the same run against write-every-token libgdn, the best anchor, the floo
 fused" byte model and the replay targets (the replay issue's table). With --ceiling, the first
 table also shows the stream ceiling of each row that probe_write_stream.py measured: the fastest
 no-math kernel moving the same state bytes (one read, T in-place writes of random slots; no
-activations), from its own run on the same kind of GPU. A third table sets every TP-shard shape's
+activations), from its own run on the same kind of GPU. Where the run timed FLA's whole layer call
+(--fla-job), a table sets libgdn against it. A further table sets every TP-shard shape's
 write-all rows against TP1 at the same number of (request, value head) pairs, per byte (effective
 TB/s): the issue's rule that a shard is no slower per byte than the TP1 shape.
 
@@ -101,6 +102,26 @@ def replay_table(doc, shape):
               f"{ratio} | {verdict} |")
 
 
+def fla_job_table(doc, shape):
+    """libgdn against FLA's whole layer call of the same job (bench_decode_mtp.py --fla-job: the
+    slot-gathered in-place kernel, fp32 T = 1 included, then FLA's gated RMSNorm), next to the
+    issue's FLA anchor (which at fp32 T = 1 is the dense kernel without slot indirection)."""
+    res = [r for r in doc["results"] if r.get("shape") == shape and r.get("split") is None]
+    by = {(r["impl"], r["state"], r["T"], r["B"]): r for r in res if "us" in r}
+    keys = sorted((k[1:] for k in by if k[0] == "fla_job" and ("gdn",) + k[1:] in by),
+                  key=lambda k: (k[0] != "fp32", k[1], k[2]))
+    if not keys:
+        return
+    print("\n| state | T | B | libgdn µs | FLA anchor µs | FLA slot pool + gated RMSNorm µs "
+          "| that / libgdn |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for state, T, B in keys:
+        gdn, job = by[("gdn", state, T, B)]["us"], by[("fla_job", state, T, B)]["us"]
+        fla = by.get(("fla", state, T, B))
+        fla_s = "—" if fla is None else f"{fla['us']:.2f}"
+        print(f"| {state} | {T} | {B} | {gdn:.2f} | {fla_s} | {job:.2f} | {job / gdn:.2f}x |")
+
+
 def tp1_tbps_at(tp1, state, T, heads):
     """TP1's effective TB/s for (state, T) at `heads` (request, value head) pairs: measured when TP1
     has that many heads, else interpolated linearly in log(heads) between its two nearest head
@@ -189,6 +210,7 @@ def main():
         print(f"| {r['state']} | {r['T']} | {r['B']} | {r['floor']:.1f} | {r['gdn']:.2f} ({r['pct']:.0f} %) | "
               f"{fmt(r['fla'])} | {fmt(r['vllm'])} | {ratio} | {r['verdict']} |" + extra)
     print(f"\ntarget met in {met} of {len(rs)} rows")
+    fla_job_table(doc, args.shape)
     if any(r.get("impl") == "replay" for r in doc["results"]):
         replay_table(doc, args.shape)
     shard_table(doc, json.load(open(args.tp1_other)) if args.tp1_other else None)
