@@ -53,9 +53,14 @@ def stream_ceilings(path):
     return best
 
 
+def timed_rows(doc, shape):
+    """The timed rows of `shape` at the launcher's own split, by (impl, state, T, B)."""
+    return {(r["impl"], r["state"], r["T"], r["B"]): r for r in doc["results"]
+            if r.get("shape") == shape and r.get("split") is None and "us" in r}
+
+
 def rows(doc, shape="TP1"):
-    res = [r for r in doc["results"] if r.get("shape") == shape and r.get("split") is None]
-    by = {(r["impl"], r["state"], r["T"], r["B"]): r for r in res if "us" in r}
+    by = timed_rows(doc, shape)
     out = []
     for (impl, state, T, B), r in sorted(by.items(), key=lambda kv: (kv[0][1] != "fp32", kv[0][2], kv[0][3])):
         if impl != "gdn":
@@ -80,8 +85,7 @@ REPLAY_TARGETS = {("fp32", 4, 128): 150.0, ("fp32", 8, 128): 160.0, ("bf16", 4, 
 
 
 def replay_table(doc, shape):
-    res = [r for r in doc["results"] if r.get("shape") == shape and r.get("split") is None]
-    by = {(r["impl"], r["state"], r["T"], r["B"]): r for r in res if "us" in r}
+    by = timed_rows(doc, shape)
     print("\n| state | T | B | replay µs | floor µs (fold, fused) | write-all libgdn µs | best anchor µs "
           "| anchor / replay | target |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
@@ -106,8 +110,7 @@ def fla_job_table(doc, shape):
     """libgdn against FLA's whole layer call of the same job (bench_decode_mtp.py --fla-job: the
     slot-gathered in-place kernel, fp32 T = 1 included, then FLA's gated RMSNorm), next to the
     issue's FLA anchor (which at fp32 T = 1 is the dense kernel without slot indirection)."""
-    res = [r for r in doc["results"] if r.get("shape") == shape and r.get("split") is None]
-    by = {(r["impl"], r["state"], r["T"], r["B"]): r for r in res if "us" in r}
+    by = timed_rows(doc, shape)
     keys = sorted((k[1:] for k in by if k[0] == "fla_job" and ("gdn",) + k[1:] in by),
                   key=lambda k: (k[0] != "fp32", k[1], k[2]))
     if not keys:
