@@ -11,10 +11,15 @@ A step is built in two parts:
 
 Semantics are vLLM's GDN builder's (docs metadata.md §2.1, §2.2):
 
+- spec rows: every row with ``num_draft_tokens >= 0``, zero drafts included;
+- a *fresh* row (tokens and no computed prefix: ``num_computed_tokens == 0``) is never a decode:
+  its slot may still hold a finished request's state, so it gets ``has_initial_state = False``
+  and ``non_spec_source_indices = pad_id`` (no slot to read);
 - decodes and prefills: without spec rows the decodes are the *leading run* of rows with at most
-  one token (zero-length rows in it included) and every row from the first longer one on is a
-  prefill; with spec rows the 1-token rows are decodes reclassified as prefills and zero-length
-  rows are in neither count;
+  one token that are not fresh (zero-length rows in it included), and the prefills run from
+  there to the last row with a token (trailing zero-length rows are in neither count); with spec
+  rows the 1-token rows are decodes reclassified as prefills and zero-length rows are in neither
+  count;
 - every row reads its state where the previous step left it: spec rows keep their S-column rows
   (``decode_mtp`` reads column acc - 1), non-spec rows get ``non_spec_state_indices`` (the
   destination, column ``start``) and ``non_spec_source_indices`` (column ``start + acc - 1``),
@@ -146,9 +151,10 @@ def plan(
       ``non_spec_replay_counts``; padded rows 0) and accepts max(n, 1). Refused with mode
       ``"align"``.
 
-    Classification as vLLM's builder (module docstring): spec rows; without them decodes are the
-    leading run of rows with <= 1 token, the rest prefills; with them 1-token rows are prefills
-    and zero-length rows in neither count. :func:`step_reference` builds the same fields with
+    Classification as vLLM's builder (module docstring): spec rows (drafts >= 0); without them
+    decodes are the leading run of rows with <= 1 token and a computed prefix, prefills the rest
+    up to the last row with a token; with them 1-token rows are prefills and zero-length rows in
+    neither count. :func:`step_reference` builds the same fields with
     NumPy.
     Invalid input raises ``ValueError`` naming the argument and row, a value the binding cannot
     take raises ``TypeError`` naming the argument; in both cases nothing is written.
@@ -316,24 +322,23 @@ def step_reference(
     S = int(num_spec) + 1
     N = len(qsl) - 1
     qlen = np.diff(qsl)
-    if drafts is None or drafts[drafts >= 0].sum() == 0:
-        mask = np.zeros(N, bool)
-    else:
-        mask = drafts >= 0
+    mask = np.zeros(N, bool) if drafts is None else drafts >= 0
     ns_len = qlen[~mask]
     zero = int((ns_len == 0).sum())
     n_ns_tok = int(ns_len.sum())
+    context = (lens - qlen if num_computed_tokens is None
+               else np.asarray(num_computed_tokens, np.int64))
     if mask.any():  # 1-token rows run as prefills, zero-length rows in neither count
         decodes = decode_tokens = 0
         prefills = int((~mask).sum()) - zero
-    else:  # vLLM's split_decodes_and_prefills: the leading run of rows with <= 1 token
-        longer = np.flatnonzero(qlen > 1)
-        decodes = int(longer[0]) if len(longer) else N
+    else:  # vLLM's split_decodes_and_prefills, short extends (fresh rows) as prefills
+        prefill = (qlen > 1) | ((qlen > 0) & (context <= 0))
+        first = np.flatnonzero(prefill)
+        decodes = int(first[0]) if len(first) else N
         decode_tokens = int(qsl[decodes])
-        prefills = N - decodes
+        live = np.flatnonzero(qlen > 0)
+        prefills = int(live[-1]) + 1 - decodes if len(first) else 0
     order = np.argsort(np.repeat(mask, qlen), kind="stable")
-    context = (lens - qlen if num_computed_tokens is None
-               else np.asarray(num_computed_tokens, np.int64))
     if mode == "align":
         start = np.maximum((lens - 1) // block_size, 0)
     else:
@@ -360,13 +365,15 @@ def step_reference(
              else np.full(N, 0 if replay else 1, np.int64))
     acc = np.maximum(given, 1)
     # Non-spec rows: destination column start, source column start + acc - 1 (both or neither);
-    # replay mode: both the checkpoint, column start.
-    ns_src_col = start[ns_idx] + (0 if replay else acc[ns_idx] - 1)
+    # replay mode: both the checkpoint, column start. Without an initial state: no source.
+    initial = context[ns_idx] > 0
+    ns_src_col = start[ns_idx] + np.where(initial, 0 if replay else acc[ns_idx] - 1, 0)
     ns_ok = (ns_idx < rows) & (ns_src_col < cols)
     ns_state = np.full(len(ns_idx), pad_id, i32)
     ns_state[ns_ok] = table[ns_idx[ns_ok], start[ns_idx][ns_ok]]
     ns_source = np.full(len(ns_idx), pad_id, i32)
-    ns_source[ns_ok] = table[ns_idx[ns_ok], ns_src_col[ns_ok]]
+    reads = ns_ok & initial
+    ns_source[reads] = table[ns_idx[reads], ns_src_col[reads]]
     spec_acc = acc[mask].astype(i32)
     return dict(
         counts=dict(

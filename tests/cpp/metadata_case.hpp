@@ -187,7 +187,7 @@ inline Step random_step(std::mt19937_64& rng, int G, int64_t S, CacheMode mode, 
   s.pad_id = uni(0, 1) ? 0 : -1;
   const int64_t N = uni(0, 24);
   const bool spec_allowed = uni(0, 3) != 0;
-  const bool zero_drafts = uni(0, 5) == 0;  // verify rows without drafts: a step with no spec rows
+  const bool zero_drafts = uni(0, 5) == 0;  // verify rows that all drafted nothing (spec rows)
   s.query_start_loc = {0};
   for (int64_t i = 0; i < N; ++i) {
     int32_t T, d;
@@ -250,9 +250,10 @@ inline Step random_step_on(std::mt19937_64& rng, const Step& base, bool padded) 
 }
 
 // ---- the tests' own per-group reference of vLLM's semantics ----------------------------------
-// Written from vLLM's GDN builder (split_decodes_and_prefills with threshold 1, the spec-row
-// reclassification, spec_decode_src_indices) and metadata.md §2.1-2.2; shares no code with the
-// library or its shadow check. Expects a step the plan accepts.
+// Written from vLLM's GDN builder (split_decodes_and_prefills with threshold 1 and short extends
+// as prefills, the trailing padding excluded, the spec-row reclassification,
+// spec_decode_src_indices) and metadata.md §2.1-2.2; shares no code with the library or its shadow
+// check. Expects a step the plan accepts.
 
 struct VllmExpected {
   int64_t num_decodes = 0, num_decode_tokens = 0, num_prefills = 0, num_prefill_tokens = 0;
@@ -274,20 +275,24 @@ inline VllmExpected vllm_expected(const Step& s) {
   std::vector<int64_t> len(static_cast<size_t>(N));
   for (int64_t i = 0; i < N; ++i)
     len[size_t(i)] = s.query_start_loc[size_t(i + 1)] - s.query_start_loc[size_t(i)];
-  int64_t drafted = 0;
-  for (int64_t i = 0; s.with_drafts && i < N; ++i)
-    drafted += std::max(0, s.num_draft_tokens[size_t(i)]);
-  auto is_spec = [&](int64_t i) { return drafted > 0 && s.num_draft_tokens[size_t(i)] >= 0; };
+  // A spec row has a draft count >= 0, zero included; a row without context is prefilling.
+  auto is_spec = [&](int64_t i) { return s.with_drafts && s.num_draft_tokens[size_t(i)] >= 0; };
+  auto context = [&](int64_t i) -> int64_t {
+    return s.with_computed ? s.num_computed_tokens[size_t(i)]
+                           : int64_t(s.seq_lens[size_t(i)]) - len[size_t(i)];
+  };
   std::vector<int64_t> spec_rows, non_spec_rows;
   for (int64_t i = 0; i < N; ++i) (is_spec(i) ? spec_rows : non_spec_rows).push_back(i);
   const int64_t total = N ? s.query_start_loc[size_t(N)] : 0;
   if (spec_rows.empty()) {
-    // max_query_len <= 1: all decodes; first row longer: all prefills; else split at the first.
+    // No prefilling row: all decodes; else split at the first one (more than 1 token, or tokens
+    // without context), and the zero-length rows after the last token leave the prefills.
     int64_t first_prefill = N;
     for (int64_t i = 0; i < N && first_prefill == N; ++i)
-      if (len[size_t(i)] > 1) first_prefill = i;
+      if (len[size_t(i)] > 1 || (len[size_t(i)] > 0 && context(i) == 0)) first_prefill = i;
     e.num_decodes = first_prefill;
     e.num_prefills = N - first_prefill;
+    for (int64_t i = N - 1; e.num_prefills > 0 && len[size_t(i)] == 0; --i) --e.num_prefills;
     e.num_decode_tokens = s.query_start_loc[size_t(first_prefill)];
     e.num_prefill_tokens = total - e.num_decode_tokens;
   } else {
@@ -331,11 +336,14 @@ inline VllmExpected vllm_expected(const Step& s) {
     for (size_t j = 0; j < non_spec_rows.size(); ++j) {
       const int64_t i = non_spec_rows[j];
       // Replay mode: one slot per request, read and written (the checkpoint at column start).
-      const int64_t acc = s.replay ? 1 : (s.with_accepted ? s.num_accepted_tokens[size_t(i)] : 1);
+      // A row without context reads nothing (source: pad id); only its destination must exist.
+      const bool fresh = context(i) <= 0;
+      const int64_t acc =
+          s.replay || fresh ? 1 : (s.with_accepted ? s.num_accepted_tokens[size_t(i)] : 1);
       const int64_t c0 = start_of(i), c1 = c0 + acc - 1;
       if (i < rows && c1 < cols) {
         dst[j] = t[size_t(i * stride + c0)];
-        src[j] = t[size_t(i * stride + c1)];
+        src[j] = fresh ? s.pad_id : t[size_t(i * stride + c1)];
       } else {
         ++e.unreadable;
       }

@@ -143,21 +143,23 @@ TEST(MetadataClassification, ZeroLengthRowsWithSpecRowsAreInNeitherCount) {
   EXPECT_TRUE(shadow(s).ok());
 }
 
-// Without spec rows, vLLM's split_decodes_and_prefills(threshold 1): the decodes are the leading
-// run of rows with <= 1 token; everything from the first longer row on is a prefill.
+// Without spec rows, vLLM's split_decodes_and_prefills(threshold 1, short extends as prefills):
+// the decodes are the leading run of rows with <= 1 token and a computed prefix; the prefills run
+// from the first other row to the last row with a token (trailing zero-length rows: neither).
 TEST(MetadataClassification, WithoutSpecRowsDecodesAreTheLeadingRun) {
   // The example: a 1-token row after a 2-token row is a prefill.
   Step s = make_step({{2, -1}, {1, -1}}, 2);
   build(s);
   expect_counts(s, {2, 3, 0, 0, 0, 0, 0});
-  // Zero-length rows inside the run count as decodes, after it as prefills.
+  // Zero-length rows inside the run count as decodes, between prefills as prefills, after the
+  // last row with a token in neither count.
   s = make_step({{0, -1}, {1, -1}, {0, -1}, {4, -1}, {1, -1}, {0, -1}}, 2);
   build(s);
-  expect_counts(s, {3, 5, 3, 1, 0, 0, 3});
+  expect_counts(s, {2, 5, 3, 1, 0, 0, 3});
   EXPECT_TRUE(shadow(s).ok());
   s = make_step({{1, -1}, {4, -1}, {0, -1}, {1, -1}, {0, -1}}, 2);
   build(s);
-  expect_counts(s, {4, 5, 1, 1, 0, 0, 2});
+  expect_counts(s, {3, 5, 1, 1, 0, 0, 2});
   // Only rows of <= 1 token: all decodes, zero-length ones included.
   s = make_step({{1, -1}, {0, -1}, {1, -1}}, 2);
   build(s);
@@ -167,18 +169,73 @@ TEST(MetadataClassification, WithoutSpecRowsDecodesAreTheLeadingRun) {
   s.with_drafts = false;
   build(s);
   expect_counts(s, {3, 7, 0, 0, 0, 0, 0});
-  // Drafts summing to 0 leave a step without spec rows: the same rule.
+  // Zero-draft rows are spec rows: the other rows are prefills.
   s = make_step({{1, 0}, {3, -1}, {1, 0}}, 2);
   build(s);
-  expect_counts(s, {2, 4, 1, 1, 0, 0, 0});
+  expect_counts(s, {1, 3, 0, 0, 2, 2, 0});
   EXPECT_TRUE(shadow(s).ok());
 }
 
-TEST(MetadataClassification, AllZeroDraftsIsNotASpecStep) {
-  Step s = make_step({{1, 0}, {1, 0}, {1, -1}}, 2);
+// vLLM 0.33.0: seq_lens [100, 1], query lengths [1, 1], request 1 new. A row without a computed
+// prefix is a prefill (the leading run stops there), has no initial state and reads no slot: its
+// source is the pad id, whatever a finished request left in its block.
+TEST(MetadataClassification, AFreshOneTokenPromptIsAPrefillAndReadsNoSlot) {
+  for (const int padding : {0, 2}) {
+    std::vector<std::pair<int32_t, int32_t>> rows = {{1, -1}, {1, -1}};
+    for (int k = 0; k < padding; ++k) rows.push_back({0, -1});
+    Step s = make_step(rows, 2, /*G=*/2);
+    s.num_computed_tokens = std::vector<int32_t>(rows.size(), 0);
+    s.num_computed_tokens[0] = 99;
+    for (size_t i = 0; i < rows.size(); ++i)
+      s.seq_lens[i] = s.num_computed_tokens[i] + rows[i].first;
+    s.num_accepted_tokens = std::vector<int32_t>(rows.size(), 1);
+    s.num_accepted_tokens[0] = 2;
+    s.num_accepted_tokens[1] = 3;  // what a previous occupant of the row accepted
+    s.pad_id = -1;
+    s.allocate();
+    EXPECT_EQ(build(s), 0);
+    expect_counts(s, {1, 1, 1, 1, 0, 0, padding});
+    EXPECT_EQ(bytes(s, &Layout::has_initial_state, 2), (std::vector<int>{1, 0}));
+    const int64_t R = s.max_rows;
+    for (int g = 0; g < 2; ++g) {
+      const int32_t base = 100000 * (g + 1);
+      EXPECT_EQ(s.non_spec_src_out[size_t(g * R)], base + 1);    // request 0, column 1
+      EXPECT_EQ(s.non_spec_out[size_t(g * R + 1)], base + 100);  // request 1 writes column 0
+      EXPECT_EQ(s.non_spec_src_out[size_t(g * R + 1)], -1);      // and reads no slot
+    }
+    EXPECT_TRUE(shadow(s).ok());
+  }
+}
+
+// vLLM 0.33.0: seq_lens [10, 20, 0, 16], query lengths [1, 5, 0, 0]: the trailing zero-length
+// rows are padding, in neither count; the token counts are unchanged.
+TEST(MetadataClassification, TrailingPaddingRowsAreInNeitherCount) {
+  Step s = make_step({{1, -1}, {5, -1}, {0, -1}, {0, -1}}, 2);
+  s.with_computed = false;
+  s.seq_lens = {10, 20, 0, 16};
+  s.allocate();
   build(s);
-  expect_counts(s, {0, 0, 3, 3, 0, 0, 0});
-  EXPECT_EQ(bytes(s, &Layout::spec_sequence_masks, 3), (std::vector<int>{0, 0, 0}));
+  expect_counts(s, {1, 5, 1, 1, 0, 0, 2});
+  EXPECT_EQ(s.header(kNumNonSpecRows), 4);
+  EXPECT_TRUE(shadow(s).ok());
+}
+
+// vLLM 0.33.0: drafts [0, 0], accepted [3, 1], num_spec 3: both rows stay spec rows (the only
+// path that reads column acc - 1).
+TEST(MetadataClassification, AllZeroDraftsKeepTheirSpecRows) {
+  Step s = make_step({{1, 0}, {1, 0}}, 3);
+  s.num_accepted_tokens = {3, 1};
+  s.allocate();
+  build(s);
+  expect_counts(s, {0, 0, 0, 0, 2, 2, 0});
+  EXPECT_EQ(s.header(kNumNonSpecRows), 0);
+  EXPECT_EQ(bytes(s, &Layout::spec_sequence_masks, 2), (std::vector<int>{1, 1}));
+  EXPECT_EQ(words(s, &Layout::spec_num_accepted, 2), (std::vector<int32_t>{3, 1}));
+  EXPECT_TRUE(shadow(s).ok());
+  s = make_step({{1, 0}, {1, 0}, {1, -1}}, 2);
+  build(s);
+  expect_counts(s, {1, 1, 0, 0, 2, 2, 0});
+  EXPECT_EQ(bytes(s, &Layout::spec_sequence_masks, 3), (std::vector<int>{1, 1, 0}));
   // A zero-draft row in a step where another row has drafts is a spec row.
   s = make_step({{1, 0}, {3, 2}}, 2);
   build(s);
@@ -205,9 +262,9 @@ TEST(MetadataFields, AcceptedSourceColumnAndInitialState) {
 }
 
 // metadata.md §2.1: a non-spec row reads its state from column start + acc - 1 and writes column
-// start. The example: table [[11, 12, 13]], num_spec 2, drafts [0], accepted [3].
+// start. Table [[11, 12, 13]], num_spec 2, no drafts, accepted [3].
 TEST(MetadataFields, NonSpecRowReadsWhereThePreviousStepLeftTheState) {
-  Step s = make_step({{1, 0}}, 2);
+  Step s = make_step({{1, -1}}, 2);
   s.num_accepted_tokens = {3};
   s.tables = {{11, 12, 13}};
   s.table_rows = {1};
@@ -215,9 +272,9 @@ TEST(MetadataFields, NonSpecRowReadsWhereThePreviousStepLeftTheState) {
   s.table_stride = {3};
   s.allocate();
   EXPECT_EQ(build(s), 0);
-  EXPECT_EQ(s.header(kNumSpecDecodes), 0);  // drafts summing to 0: no spec rows
-  EXPECT_EQ(s.non_spec_out[0], 11);         // destination
-  EXPECT_EQ(s.non_spec_src_out[0], 13);     // source
+  EXPECT_EQ(s.header(kNumSpecDecodes), 0);
+  EXPECT_EQ(s.non_spec_out[0], 11);      // destination
+  EXPECT_EQ(s.non_spec_src_out[0], 13);  // source
   EXPECT_EQ(words(s, &Layout::non_spec_source_column, 1), (std::vector<int32_t>{2}));
   EXPECT_TRUE(shadow(s).ok());
 }
@@ -663,7 +720,7 @@ TEST(MetadataShadow, RandomStepsMatchPerGroupBuilds) {
 // nothing written past the rows of the step.
 TEST(MetadataVllm, RandomStepsMatchTheVllmReference) {
   std::mt19937_64 rng(4321);
-  int with_spec = 0, without_spec = 0, sources_differ = 0;
+  int with_spec = 0, without_spec = 0, sources_differ = 0, fresh = 0;
   for (int rep = 0; rep < 600; ++rep) {
     const int G = 1 + rep % 4;
     const int64_t S = 1 + (rep / 4) % 6;
@@ -696,11 +753,14 @@ TEST(MetadataVllm, RandomStepsMatchTheVllmReference) {
             << rep << " group " << g << " element " << k;
     }
     (e.num_spec_decodes ? with_spec : without_spec) += 1;
+    for (int v : bytes(s, &Layout::has_initial_state, s.header(kNumNonSpecRows))) fresh += v == 0;
   }
-  // The random steps cover both count rules and rows whose source is not their destination.
+  // The random steps cover both count rules, rows whose source is not their destination and
+  // fresh rows (no initial state, no source).
   EXPECT_GT(with_spec, 100);
   EXPECT_GT(without_spec, 100);
   EXPECT_GT(sources_differ, 100);
+  EXPECT_GT(fresh, 100);
 }
 
 // Poisons every word the step does not write (per the per-group build's ranges).

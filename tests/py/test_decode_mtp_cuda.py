@@ -681,6 +681,47 @@ def test_vllm_compat_cuda(gen):
     _compare(case, ref, before, out_tol=OUT16_BAR, state_tol=FP32_BAR)
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("extra_inputs", [0, 3])
+def test_vllm_compat_zeroes_padded_output_rows(gen, device, extra_inputs):
+    """CUDA-graph padding as vLLM's kernel test passes it: `out` has more rows than tokens (and
+    the inputs `extra_inputs` more rows than cu_seqlens covers). The live rows equal the unpadded
+    call, every padded row is zero (poisoned before), and the state is the same."""
+    if device == "cuda" and _REASON is not None:
+        pytest.skip(f"CUDA decode_mtp: {_REASON}")
+    from gdn.compat.vllm import fused_gdn_decode_post_conv_mtp
+
+    case = map_case(_vllm_case(gen, 128 if device == "cuda" else 32), device)
+    L = case.mixed_qkv.shape[0]
+    pool = case.pool_buffer.clone()
+    case.poison_out()
+    _run_vllm(case)
+    want_out, want_pool = case.out.clone(), case.pool_buffer.clone()
+    case.pool_buffer.copy_(pool)
+
+    def pad(x, rows):
+        return torch.cat([x, torch.randn((rows,) + x.shape[1:], device=x.device).to(x.dtype)])
+
+    Li = L + extra_inputs
+    out = torch.full((Li + 5,) + case.out.shape[1:], float("nan"), dtype=case.out.dtype,
+                     device=device)
+    got = fused_gdn_decode_post_conv_mtp(
+        pad(case.mixed_qkv, extra_inputs), pad(case.a, extra_inputs), pad(case.b, extra_inputs),
+        case.A_log, case.dt_bias, case.state_indices, case.cu_seqlens, case.num_accepted_tokens,
+        case.state, pad(case.z, extra_inputs), case.norm_weight, out,
+        case.state.shape[-1] ** -0.5, 1e-5, "silu")
+    assert got.data_ptr() == out.data_ptr()
+    live = int(case.cu_seqlens[-1])
+    assert torch.equal(out[:live].cpu(), want_out[:live].cpu())
+    assert torch.count_nonzero(out[live:]) == 0  # zeros, not NaN poison
+    assert torch.equal(case.pool_buffer.cpu(), want_pool.cpu())
+    with pytest.raises(ValueError, match="out must be"):
+        fused_gdn_decode_post_conv_mtp(
+            case.mixed_qkv, case.a, case.b, case.A_log, case.dt_bias, case.state_indices,
+            case.cu_seqlens, case.num_accepted_tokens, case.state, case.z, case.norm_weight,
+            out[: L - 1], case.state.shape[-1] ** -0.5)
+
+
 @requires_cuda
 def test_guard_on_cuda():
     path, reason = gdn.can_use_decode_mtp("cuda", 16, 32, 128, 128, 4, "float32")

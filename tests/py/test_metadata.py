@@ -38,29 +38,34 @@ def per_group_reference(step: Dict[str, Any], table: np.ndarray) -> Dict[str, An
     pad, padded = step["pad_id"], step["padded_rows"]
     N = len(qsl) - 1
     qlen = np.diff(qsl)
-    if drafts is None or drafts[drafts >= 0].sum() == 0:
-        mask = np.zeros(N, bool)
-    else:
-        mask = drafts >= 0
+    # Spec rows: every row with drafts >= 0, zero drafts included (vLLM keeps them on the spec
+    # path, the only one that reads column acc - 1).
+    mask = np.zeros(N, bool) if drafts is None else drafts >= 0
     ns_len = qlen[~mask]
     zero = int((ns_len == 0).sum())
     n_ns_tok = int(ns_len.sum())
+    context = computed if computed is not None else seq_lens - qlen
     if not mask.any():
-        # vLLM's split_decodes_and_prefills(threshold=1), as it is written there.
-        if N == 0 or qlen.max() <= 1:
+        # vLLM's split_decodes_and_prefills(threshold=1, treat_short_extends_as_decodes=False),
+        # as it is written there, with is_prefilling = a row with tokens and no context; then
+        # the trailing zero-length (padding) rows leave the prefill count.
+        is_prefill = (qlen > 1) | ((qlen > 0) & (context == 0))
+        if N == 0 or not is_prefill.any():
             decodes, prefills, decode_tokens = N, 0, int(qsl[-1])
-        elif qlen[0] > 1:
+        elif is_prefill[0]:
             decodes, prefills, decode_tokens = 0, N, 0
         else:
-            first_prefill = int(np.argmax(qlen > 1))
+            first_prefill = int(np.argmax(is_prefill))
             decodes, prefills, decode_tokens = first_prefill, N - first_prefill, int(
                 qsl[first_prefill])
+        if prefills:
+            trailing = N - 1 - int(np.flatnonzero(qlen > 0)[-1])
+            prefills -= trailing
     else:
         # With spec rows: 1-token rows are decodes reclassified as prefills, zero-length neither.
         decodes, decode_tokens = 0, 0
         prefills = int((ns_len >= 1).sum())
     order = np.argsort(np.repeat(mask, qlen), kind="stable")
-    context = computed if computed is not None else seq_lens - qlen
     if step["mode"] == "align":
         start = np.maximum((seq_lens.astype(np.int64) - 1) // step["block_size"], 0)
     else:
@@ -98,6 +103,10 @@ def per_group_reference(step: Dict[str, Any], table: np.ndarray) -> Dict[str, An
         # Non-spec rows: write column start, read column start + acc - 1 (vLLM's
         # spec_decode_src_indices); a row with either outside its table is padded.
         src_col = start[ns_idx] + acc_all[ns_idx].astype(np.int64) - 1
+    # A row without context (a fresh request) reads no slot: only its destination must exist,
+    # and its source is the pad id.
+    initial = context[ns_idx] > 0
+    src_col = np.where(initial, src_col, start[ns_idx])
     ns_state = np.full(len(ns_idx), pad, I32)
     ns_source = np.full(len(ns_idx), pad, I32)
     ns_ok = np.zeros(len(ns_idx), bool)
@@ -105,7 +114,7 @@ def per_group_reference(step: Dict[str, Any], table: np.ndarray) -> Dict[str, An
         if i < rows and src_col[j] < cols:
             ns_ok[j] = True
             ns_state[j] = table[i, start[i]]
-            ns_source[j] = table[i, src_col[j]]
+            ns_source[j] = table[i, src_col[j]] if initial[j] else pad
     spec_acc = acc_all[mask]
     extra = {}
     if replay:
@@ -178,17 +187,17 @@ def expect_matches_reference(md: M.StepMetadata, step: Dict[str, Any], tables) -
                                       err_msg=f"group {g} checkpoint_indices")
 
 
-def make_step(rows: List[Tuple[int, int]], num_spec: int, *, context: int = 5,
+def make_step(rows: List[Tuple[int, int]], num_spec: int, *, context: Any = 5,
               acc: Optional[List[int]] = None, mode: str = "none", block_size: int = 16,
               padded_rows: Optional[int] = None, pad_id: int = 0,
               replay: bool = False) -> Dict[str, Any]:
     T = np.array([t for t, _ in rows], I32)
     return dict(
         qsl=np.concatenate([[0], np.cumsum(T)]).astype(I32),
-        seq_lens=(T + context).astype(I32),
+        seq_lens=(T + np.asarray(context)).astype(I32),
         drafts=np.array([d for _, d in rows], I32),
         acc=np.array(acc if acc is not None else [1] * len(rows), I32),
-        computed=np.full(len(rows), context, I32),
+        computed=np.broadcast_to(np.asarray(context, I32), (len(rows),)).copy(),
         num_spec=num_spec, mode=mode, block_size=block_size, padded_rows=padded_rows,
         pad_id=pad_id, replay=replay,
     )
@@ -245,27 +254,114 @@ CASES = {
         [(3, 2), (0, -1), (3, 2), (0, -1)], 2,
         dict(num_prefills=0, num_decodes=0, num_spec_decodes=2, num_zero_length_rows=2,
              num_non_spec_rows=2)),
-    # Without spec rows vLLM's decodes are the leading run of rows with <= 1 token.
+    # Without spec rows vLLM's decodes are the leading run of rows with <= 1 token; the prefills
+    # end at the last row with a token (trailing zero-length rows are padding, in neither count).
     "no spec: decodes are the leading run": (
         [(1, -1), (4, -1), (0, -1), (1, -1), (0, -1)], 2,
-        dict(num_prefills=4, num_prefill_tokens=5, num_decodes=1, num_decode_tokens=1,
+        dict(num_prefills=3, num_prefill_tokens=5, num_decodes=1, num_decode_tokens=1,
              num_zero_length_rows=2)),
     "no spec: a 1-token row after a 2-token row is a prefill": (
         [(2, -1), (1, -1)], 2,
         dict(num_prefills=2, num_prefill_tokens=3, num_decodes=0, num_decode_tokens=0)),
     "no spec: zero-length rows in the leading run are decodes": (
         [(0, -1), (1, -1), (0, -1), (3, -1), (0, -1)], 2,
-        dict(num_prefills=2, num_prefill_tokens=3, num_decodes=3, num_decode_tokens=1)),
+        dict(num_prefills=1, num_prefill_tokens=3, num_decodes=3, num_decode_tokens=1)),
     "no spec: only rows of <= 1 token": (
         [(1, -1), (0, -1), (1, -1)], 1,
         dict(num_prefills=0, num_decodes=3, num_decode_tokens=2, num_zero_length_rows=1)),
-    "all-zero drafts is not a spec step": (
+    "all-zero drafts keep their spec rows": (
         [(1, 0), (1, 0), (1, -1)], 2,
-        dict(num_prefills=0, num_decodes=3, num_spec_decodes=0)),
-    "all-zero drafts with a prefill: leading run": (
+        dict(num_prefills=1, num_prefill_tokens=1, num_decodes=0, num_spec_decodes=2,
+             num_spec_decode_tokens=2)),
+    "all-zero drafts with a prefill": (
         [(1, 0), (5, -1), (1, 0)], 2,
-        dict(num_prefills=2, num_prefill_tokens=6, num_decodes=1, num_spec_decodes=0)),
+        dict(num_prefills=1, num_prefill_tokens=5, num_decodes=0, num_spec_decodes=2)),
 }
+
+
+# ---- vLLM 0.33.0's rules: fresh rows, trailing padding, zero-draft steps ---------------------------
+
+
+def issue_builder(step, tables, device):
+    """A builder over `tables` on `device` ("cpu" or "cuda"), its step and a host copy of md."""
+    if device == "cuda":
+        tables = [torch.from_numpy(t).cuda() for t in tables]
+    b, md = run_builder(step, tables)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return b, md
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("padding", [0, 2])
+def test_a_fresh_one_token_prompt_is_a_prefill_and_reads_no_slot(device, padding):
+    """seq_lens [100, 1], query lengths [1, 1], request 1 new (no computed tokens): 1 decode and
+    1 prefill, has_initial_state [True, False], and request 1's source is the pad id, never the
+    slot a finished request may have left full. The same with trailing padding rows."""
+    rows = [(1, -1), (1, -1)] + [(0, -1)] * padding
+    step = make_step(rows, 2, context=[99, 0] + [0] * padding, acc=[2, 3] + [1] * padding,
+                     pad_id=-1)
+    tables = make_tables(2, len(rows), 4, rng=np.random.default_rng(3))
+    _, md = issue_builder(step, tables, device)
+    assert (md.num_decodes, md.num_decode_tokens) == (1, 1)
+    assert (md.num_prefills, md.num_prefill_tokens) == (1, 1)
+    assert as_np(md.has_initial_state)[:2].tolist() == [True, False]
+    for g in range(2):
+        src, dst = as_np(md.non_spec_source_indices[g]), as_np(md.non_spec_state_indices[g])
+        assert src[0] == tables[g][0, 1] and dst[0] == tables[g][0, 0]
+        assert src[1] == -1 and dst[1] == tables[g][1, 0]  # writes its slot, reads none
+    expect_matches_reference(md, step, tables)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("replay", [False, True])
+def test_a_fresh_row_among_spec_rows_reads_no_slot(device, replay):
+    """With spec rows every non-spec row is a prefill; a fresh one still gets a null source, in
+    both state modes (replay: its checkpoint is its destination, never its source)."""
+    step = make_step([(3, 2), (1, -1), (2, -1)], 2, context=[9, 0, 4],
+                     acc=[2, 0, 1] if replay else [2, 1, 1], replay=replay)
+    tables = make_tables(2, 3, 3, rng=np.random.default_rng(4))
+    _, md = issue_builder(step, tables, device)
+    assert md.num_spec_decodes == 1 and md.num_prefills == 2 and md.num_decodes == 0
+    assert as_np(md.has_initial_state)[:2].tolist() == [False, True]
+    for g in range(2):
+        src = as_np(md.non_spec_source_indices[g])
+        assert src[0] == 0 and as_np(md.non_spec_state_indices[g])[0] == tables[g][1, 0]
+        assert src[1] == tables[g][2, 0]
+    expect_matches_reference(md, step, tables)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_trailing_padding_rows_are_in_neither_count(device):
+    """seq_lens [10, 20, 0, 16], query lengths [1, 5, 0, 0], no spec rows: 1 decode, 1 prefill
+    (the two trailing zero-length rows are padding); token counts unchanged."""
+    step = dict(make_step([(1, -1), (5, -1), (0, -1), (0, -1)], 2), computed=None,
+                seq_lens=np.array([10, 20, 0, 16], I32))
+    tables = make_tables(1, 4, 3)
+    _, md = issue_builder(step, tables, device)
+    assert (md.num_decodes, md.num_decode_tokens) == (1, 1)
+    assert (md.num_prefills, md.num_prefill_tokens) == (1, 5)
+    assert md.num_zero_length_rows == 2 and md.num_non_spec_rows == 4
+    expect_matches_reference(md, step, tables)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_step_whose_rows_all_drafted_nothing_keeps_its_spec_rows(device):
+    """Drafts [0, 0], accepted [3, 1], num_spec 3: two spec rows of one token each, which read
+    their state at column acc - 1 of their own S-column rows; no non-spec rows."""
+    step = make_step([(1, 0), (1, 0)], 3, acc=[3, 1])
+    tables = make_tables(2, 2, 4, rng=np.random.default_rng(5))
+    _, md = issue_builder(step, tables, device)
+    assert md.num_spec_decodes == 2 and md.num_spec_decode_tokens == 2
+    assert md.num_decodes == 0 and md.num_prefills == 0 and md.num_non_spec_rows == 0
+    assert as_np(md.spec_sequence_masks).tolist() == [True, True]
+    assert as_np(md.spec_num_accepted).tolist() == [3, 1]
+    for g in range(2):
+        np.testing.assert_array_equal(as_np(md.spec_state_indices[g])[:2], tables[g])
+    expect_matches_reference(md, step, tables)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -303,10 +399,10 @@ def test_plan_free_function_and_views_on_numpy():
 
 @pytest.mark.parametrize("lib", ["numpy", "torch"])
 def test_non_spec_row_reads_the_previous_steps_slot(lib):
-    """The issue's example: table [[11, 12, 13]], num_spec 2, drafts [0] (a step whose drafts sum
-    to 0: no spec rows), accepted [3]: the row writes slot 11 and reads slot 13."""
+    """Table [[11, 12, 13]], num_spec 2, a row without drafts (-1) whose previous step accepted 3:
+    it writes slot 11 and reads slot 13."""
     table = np.array([[11, 12, 13]], I32)
-    step = make_step([(1, 0)], 2, acc=[3])
+    step = make_step([(1, -1)], 2, acc=[3])
     tables = [table] if lib == "numpy" else [torch.from_numpy(table)]
     _, md = run_builder(step, tables)
     assert md.num_spec_decodes == 0 and md.num_decodes == 1
@@ -325,7 +421,7 @@ def test_requests_go_from_spec_to_non_spec_and_back():
     steps = [
         make_step([(3, 2), (3, 2), (2, 1), (3, 2)], 2, acc=[1, 1, 1, 1], padded_rows=4),
         make_step([(3, 2), (1, -1), (1, 0), (3, 2)], 2, acc=[3, 2, 1, 3]),  # mixed
-        make_step([(1, 0), (1, -1), (1, 0), (1, -1)], 2, acc=[2, 1, 3, 3]),  # drafts sum to 0
+        make_step([(1, 0), (1, -1), (1, 0), (1, -1)], 2, acc=[2, 1, 3, 3]),  # zero drafts
         make_step([(1, -1), (4, -1), (1, -1), (1, 0)], 2, acc=[1, 2, 1, 2]),  # prefill continues
         make_step([(3, 2), (3, 2), (3, 2), (3, 2)], 2, acc=[3, 2, 1, 2], padded_rows=5),
     ]
@@ -411,7 +507,7 @@ def random_steps(draw, replay: Optional[bool] = False):
     mode = "none" if replay else draw(st.sampled_from(["none", "align"]))
     N = draw(st.integers(0, 20))
     spec_allowed = draw(st.booleans()) or draw(st.booleans())
-    zero_drafts = draw(st.booleans()) and draw(st.booleans())  # drafts summing to 0: no spec rows
+    zero_drafts = draw(st.booleans()) and draw(st.booleans())  # every spec row drafts 0
     rows = []
     for _ in range(N):
         kind = draw(st.sampled_from(["spec", "spec", "decode", "prefill", "zero"])
@@ -422,7 +518,8 @@ def random_steps(draw, replay: Optional[bool] = False):
         else:
             rows.append(({"decode": 1, "prefill": draw(st.integers(2, 12)), "zero": 0}[kind], -1))
     T = np.array([t for t, _ in rows], I32)
-    context = np.array(draw(st.lists(st.integers(0, 60), min_size=N, max_size=N)), I32)
+    context = np.array(draw(st.lists(st.one_of(st.just(0), st.integers(1, 60)), min_size=N,
+                                     max_size=N)), I32)  # 0: a fresh request
     padded = draw(st.one_of(st.none(), st.integers(N, N + 6)))
     step = dict(
         qsl=np.concatenate([[0], np.cumsum(T)]).astype(I32),

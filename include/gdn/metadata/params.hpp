@@ -39,9 +39,9 @@ inline const char* to_string(CacheMode m) noexcept {
 enum HeaderField : int {
   kNumRequests,  // N
   // Decodes and prefills are vLLM's counts (metadata.md §2.2). Without spec rows: the decodes are
-  // the leading run of rows with <= 1 token (zero-length rows in it included), every row from the
-  // first longer one on is a prefill. With spec rows: non-spec 1-token rows, reclassified as
-  // prefills; zero-length rows are in neither count.
+  // the leading run of rows with <= 1 token and a computed prefix (zero-length rows in it
+  // included); the prefills run from the first other row to the last row with a token. With spec
+  // rows: non-spec 1-token rows, reclassified as prefills; zero-length rows are in neither count.
   kNumPrefills,
   kNumPrefillTokens,
   kNumDecodes,
@@ -50,7 +50,8 @@ enum HeaderField : int {
   kNumSpecDecodeTokens,
   kNumActualTokens,     // query_start_loc[N] (live tokens, not padded)
   kNumNonSpecRows,      // every live row that is not a spec row, in request order
-  kNumZeroLengthRows,   // non-spec rows with no token (also inside the counts above without spec)
+  kNumZeroLengthRows,   // non-spec rows with no token (without spec rows, those before the last
+                        // row with a token are also inside the counts above)
   kSpecRowsWritten,     // spec rows the step writes: padded_rows when padded, else live spec rows
   kNonSpecRowsWritten,  // non-spec rows the step writes: padded_rows when padded, else live
   kMaskRowsWritten,     // entries of spec_sequence_masks written: padded_rows or N

@@ -1,14 +1,18 @@
 // metadata: the shared plan of one step, computed once for all KV-cache groups on the host from
 // host arrays (no device access, no synchronisation). Classification follows vLLM's GDN builder:
-//   - spec (verify) rows: num_draft_tokens >= 0, unless the non-negative draft counts sum to 0
-//     (then the step has no spec rows);
-//   - without spec rows, split_decodes_and_prefills(threshold 1): the decodes are the leading run
-//     of rows with <= 1 token, every row from the first longer one on is a prefill;
+//   - spec (verify) rows: num_draft_tokens >= 0, a row with zero drafts included (it still reads
+//     its state at column acc - 1);
+//   - a fresh row (T > 0 tokens and no computed prefix: num_computed_tokens = 0, or seq_lens = T
+//     when num_computed_tokens is absent) is never a decode: it has no state to read;
+//   - without spec rows, split_decodes_and_prefills(threshold 1, short extends as prefills): the
+//     decodes are the leading run of rows with <= 1 token that are not fresh; the prefills run from
+//     there to the last row with a token (trailing zero-length rows are in neither count);
 //   - with spec rows, the other rows are decodes (1 token), prefills (> 1 token) and zero-length
 //     rows (neither), and the decodes are reclassified as prefills.
 // Every row carries its accepted count: non-spec rows read their state from column
-// start + acc - 1 (metadata.md §2.1). In replay mode the counts given are the replay counts n
-// (0..S), kept per row next to the accepted counts max(n, 1).
+// start + acc - 1 (metadata.md §2.1), unless has_initial_state is false (then from no slot). In
+// replay mode the counts given are the replay counts n (0..S), kept per row next to the accepted
+// counts max(n, 1).
 // Every input is validated before the first write; a bad input names the argument and the row.
 // Host-only (compiles with g++ alone).
 #pragma once
@@ -79,12 +83,11 @@ inline Status plan(const Params& p) {
   // ---- pass 1: validate and count (nothing is written) ----
   if (qsl[0] != 0)
     return Status::invalid("query_start_loc[0] must be 0, got " + std::to_string(qsl[0]));
-  // One loop: validation, plus the tallies of both classifications (spec rows are known only
-  // once every draft count has been read).
-  bool spec_step = false;
+  // One loop: validation, plus the tallies of both classifications.
   int64_t cand_rows = 0, cand_tokens = 0, cand_too_long = -1;  // rows with drafts >= 0
-  int64_t zero_other = 0, zero_all = 0;
-  int64_t leading_run = N;  // rows before the first one with more than 1 token
+  int64_t zero_other = 0;
+  int64_t leading_run = N;  // rows before the first one with more than 1 token, or fresh
+  int64_t last_live = -1;   // the last row with a token
   for (int64_t i = 0; i < N; ++i) {
     const int64_t T = int64_t(qsl[i + 1]) - qsl[i];
     if (accepted && (accepted[i] < min_accepted || accepted[i] > S))
@@ -103,14 +106,14 @@ inline Status plan(const Params& p) {
       return Status::invalid("seq_lens[" + std::to_string(i) + "] = " +
                              std::to_string(seq_lens[i]) + " is smaller than the request's " +
                              std::to_string(T) + " query tokens (context would be negative)");
-    zero_all += (T == 0);
-    if (T > 1 && leading_run == N) leading_run = i;
+    const int64_t context = computed ? int64_t(computed[i]) : int64_t(seq_lens[i]) - T;
+    if ((T > 1 || (T > 0 && context <= 0)) && leading_run == N) leading_run = i;
+    if (T > 0) last_live = i;
     if (drafts) {
       if (drafts[i] < -1 || drafts[i] > p.num_spec)
         return Status::invalid("num_draft_tokens[" + std::to_string(i) +
                                "] = " + std::to_string(drafts[i]) +
                                " is outside [-1, num_spec = " + std::to_string(p.num_spec) + "]");
-      spec_step = spec_step || drafts[i] > 0;
       if (drafts[i] >= 0) {
         ++cand_rows;
         cand_tokens += T;
@@ -124,22 +127,24 @@ inline Status plan(const Params& p) {
   if (total_tokens > p.max_tokens)
     return Status::invalid("query_start_loc[N] = " + std::to_string(total_tokens) +
                            " tokens exceed max_tokens = " + std::to_string(p.max_tokens));
-  if (spec_step && cand_too_long >= 0) {
+  const bool spec_step = cand_rows > 0;
+  if (cand_too_long >= 0) {
     const int64_t i = cand_too_long;
     return Status::invalid("spec row of request " + std::to_string(i) + " has " +
                            std::to_string(qsl[i + 1] - qsl[i]) +
                            " tokens but S = num_spec + 1 = " + std::to_string(S));
   }
-  const int64_t num_spec_rows = spec_step ? cand_rows : 0;
-  const int64_t num_spec_tokens = spec_step ? cand_tokens : 0;
-  const int64_t num_zero = spec_step ? zero_other : zero_all;
+  const int64_t num_spec_rows = cand_rows;
+  const int64_t num_spec_tokens = cand_tokens;
+  const int64_t num_zero = zero_other;
   const int64_t num_non_spec_rows = N - num_spec_rows;
   const int64_t num_non_spec_tokens = total_tokens - num_spec_tokens;
   int64_t num_decodes, num_decode_tokens, num_prefills;
   if (num_spec_rows == 0) {  // vLLM's split_decodes_and_prefills(threshold 1)
     num_decodes = leading_run;
     num_decode_tokens = qsl[leading_run];
-    num_prefills = N - leading_run;
+    // Prefills end at the last row with a token: trailing zero-length rows are padding.
+    num_prefills = leading_run == N ? 0 : last_live + 1 - leading_run;
   } else {  // the prefill kernel takes the 1-token rows
     num_decodes = 0;
     num_decode_tokens = 0;

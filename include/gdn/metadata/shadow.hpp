@@ -78,12 +78,15 @@ inline Status build_group_reference(const Params& p, int g, GroupMetadata* out) 
   std::vector<int64_t> len(static_cast<size_t>(N));
   for (int64_t i = 0; i < N; ++i)
     len[size_t(i)] = at(p.query_start_loc, i + 1) - at(p.query_start_loc, i);
-  int64_t draft_sum = 0;
-  if (p.num_draft_tokens.present())
-    for (int64_t i = 0; i < N; ++i) draft_sum += std::max(0, at(p.num_draft_tokens, i));
+  // Verify rows: every row with a draft count >= 0 (zero drafts included).
   std::vector<bool> spec(static_cast<size_t>(N), false);
-  if (draft_sum > 0)
+  if (p.num_draft_tokens.present())
     for (int64_t i = 0; i < N; ++i) spec[size_t(i)] = at(p.num_draft_tokens, i) >= 0;
+  // Context before the step; a row with tokens and no context is a fresh request.
+  std::vector<int64_t> context(static_cast<size_t>(N));
+  for (int64_t i = 0; i < N; ++i)
+    context[size_t(i)] = p.num_computed_tokens.present() ? at(p.num_computed_tokens, i)
+                                                         : at(p.seq_lens, i) - len[size_t(i)];
   std::vector<int64_t> spec_rows, non_spec_rows;
   for (int64_t i = 0; i < N; ++i) (spec[size_t(i)] ? spec_rows : non_spec_rows).push_back(i);
 
@@ -98,11 +101,17 @@ inline Status build_group_reference(const Params& p, int g, GroupMetadata* out) 
   for (int64_t i : non_spec_rows) non_spec_tokens += len[size_t(i)];
   int64_t decodes = 0, decode_tokens = 0, prefills = 0;
   if (spec_rows.empty()) {
-    // split_decodes_and_prefills(threshold 1): decodes up to the first row longer than 1 token.
-    const auto first_long = std::find_if(len.begin(), len.end(), [](int64_t T) { return T > 1; });
-    decodes = first_long - len.begin();
-    for (auto it = len.begin(); it != first_long; ++it) decode_tokens += *it;
-    prefills = N - decodes;
+    // split_decodes_and_prefills(threshold 1), short extends as prefills: decodes up to the first
+    // row longer than 1 token or without context; the prefills end at the last row with a token.
+    std::vector<bool> is_prefill(static_cast<size_t>(N));
+    for (int64_t i = 0; i < N; ++i)
+      is_prefill[size_t(i)] = len[size_t(i)] > 1 || (len[size_t(i)] > 0 && context[size_t(i)] <= 0);
+    const auto first = std::find(is_prefill.begin(), is_prefill.end(), true);
+    decodes = first - is_prefill.begin();
+    for (int64_t i = 0; i < decodes; ++i) decode_tokens += len[size_t(i)];
+    int64_t end = N;
+    while (end > decodes && len[size_t(end - 1)] == 0) --end;
+    prefills = end - decodes;
   } else {
     // 1-token rows are decodes, reclassified as prefills; zero-length rows are in neither.
     prefills = int64_t(non_spec_rows.size()) - zero;
@@ -157,16 +166,9 @@ inline Status build_group_reference(const Params& p, int g, GroupMetadata* out) 
     m.non_spec_source_column.push_back(std::max(count, 1) - 1);
     if (p.replay) m.non_spec_replay_counts.push_back(count);
   }
-  for (int64_t j = 0; j < ns_written; ++j) {
-    bool init = false;
-    if (j < int64_t(non_spec_rows.size())) {
-      const int64_t i = non_spec_rows[size_t(j)];
-      const int64_t context = p.num_computed_tokens.present() ? at(p.num_computed_tokens, i)
-                                                              : at(p.seq_lens, i) - len[size_t(i)];
-      init = context > 0;
-    }
-    m.has_initial_state.push_back(init);
-  }
+  for (int64_t j = 0; j < ns_written; ++j)
+    m.has_initial_state.push_back(j < int64_t(non_spec_rows.size()) &&
+                                  context[size_t(non_spec_rows[size_t(j)])] > 0);
 
   // This group's state rows: first column 0, or the block holding the last token (align).
   auto first_column = [&](int64_t i) -> int64_t {
@@ -196,17 +198,20 @@ inline Status build_group_reference(const Params& p, int g, GroupMetadata* out) 
   }
   // Non-spec rows: destination column start, source column start + acc - 1 (replay mode: start,
   // the checkpoint); padded unless both (and so every column between them) lie inside the table.
+  // A row without an initial state reads nothing: source = pad id, only its destination needed.
   for (int64_t j = 0; j < ns_written; ++j) {
     int32_t dst = p.pad_id, src = p.pad_id;
     if (j < int64_t(non_spec_rows.size())) {
       const int64_t i = non_spec_rows[size_t(j)];
       const int64_t c0 = first_column(i);
-      const int64_t last = p.replay ? c0 : c0 + m.non_spec_source_column[size_t(j)];
+      const bool initial = m.has_initial_state[size_t(j)] != 0;
+      const int64_t last = !initial || p.replay ? c0 : c0 + m.non_spec_source_column[size_t(j)];
       if (last < c0 || !shadow_detail::table_entry(table, i, c0, &dst) ||
           !shadow_detail::table_entry(table, i, last, &src)) {
         dst = src = p.pad_id;
         ++m.unreadable_rows;
       }
+      if (!initial) src = p.pad_id;
     }
     m.non_spec_state_indices.push_back(dst);
     m.non_spec_source_indices.push_back(src);

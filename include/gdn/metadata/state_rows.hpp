@@ -2,12 +2,15 @@
 // request i: spec_state_indices[g, j, c] = block_table_g[i, start_j + c], c in [0, S); for
 // non-spec row j: non_spec_state_indices[g, j] = block_table_g[i, start_j] (the destination) and
 // non_spec_source_indices[g, j] = block_table_g[i, start_j + acc_i - 1] (where the previous step
-// left the state). Request i, start_j and acc_i - 1 come from the plan buffer (or acc_i from the
-// gathered accepted counts), so the pass never knows the cache mode.
+// left the state), or the pad id when the row has no initial state (a fresh request: its slot may
+// still hold a finished request's state, which it must never read). Request i, start_j, acc_i - 1
+// and has_initial_state come from the plan buffer (or acc_i from the gathered accepted counts), so
+// the pass never knows the cache mode.
 //
 // The pass is driven by a small table of (pointer, row stride, rows, columns) per group, shared by
 // the CPU loop here and the CUDA kernel (state_rows.cuh). A row whose columns would fall outside
-// its table (a spec row's S columns, a non-spec row's columns start..start + acc - 1), or whose
+// its table (a spec row's S columns, a non-spec row's columns start..start + acc - 1, or only start
+// without an initial state), or whose
 // gathered accepted count is outside [1, S], is never read: it is filled with the pad id and
 // counted. Rows in [live, written) are padding (pad id). Counts come from the plan header, so the
 // same launch replays correctly inside a CUDA graph after the plan buffer is refreshed.
@@ -45,6 +48,7 @@ struct StateRowsArgs {
   int64_t spec_request = 0, spec_start = 0, non_spec_request = 0, non_spec_start = 0;
   int64_t spec_num_accepted = 0, spec_source_column = 0;  // word offsets (Layout)
   int64_t non_spec_source_column = 0;
+  int64_t has_initial_state = 0;  // word offset of the per-non-spec-row bytes
   int64_t replay_counts = 0, non_spec_replay_counts = 0;  // replay mode
   int32_t* spec_out = nullptr;                            // [G, spec_group_stride / S, S]
   int64_t spec_group_stride = 0;
@@ -116,16 +120,18 @@ GDN_HOST_DEVICE inline int32_t non_spec_source(const StateRowsArgs& a, int32_t j
 
 // The value (table entry) of non-spec row j's destination and source, or false when the row's
 // columns start..start + acc - 1 (replay: start) are not all inside the table (or its count is
-// out of range).
+// out of range). A row without an initial state reads no slot: its source is the pad id and only
+// its destination column must exist.
 GDN_HOST_DEVICE inline bool non_spec_entries(const StateRowsArgs& a, const GroupTable& t, int32_t j,
                                              int32_t* dst, int32_t* src) {
   const int32_t request = a.plan[a.non_spec_request + j];
   const int32_t start = a.plan[a.non_spec_start + j];
   const int32_t s = non_spec_source(a, j, request);
-  if (s < 0 || !row_readable(t, request, start, s + 1)) return false;  // replay: s = 0
+  const bool initial = reinterpret_cast<const uint8_t*>(a.plan + a.has_initial_state)[j] != 0;
+  if (s < 0 || !row_readable(t, request, start, initial ? s + 1 : 1)) return false;
   const int32_t* row = t.data + request * t.row_stride + start;
   *dst = row[0];
-  *src = row[s];
+  *src = initial ? row[s] : a.pad_id;
   return true;
 }
 
@@ -187,6 +193,7 @@ inline StateRowsArgs make_state_rows_args(const Params& p) {
   a.spec_num_accepted = l.spec_num_accepted;
   a.spec_source_column = l.spec_source_column;
   a.non_spec_source_column = l.non_spec_source_column;
+  a.has_initial_state = l.has_initial_state;
   a.replay_counts = l.replay_counts;
   a.non_spec_replay_counts = l.non_spec_replay_counts;
   a.spec_out = p.spec_state_indices.ptr<int32_t>();
