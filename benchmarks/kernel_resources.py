@@ -10,8 +10,7 @@ revision's figures beside its own, and the rows that changed are marked.
 $NVDISASM; PyPI's nvidia-cuda-nvdisasm has it) and counts each kernel's local loads and stores
 (LDL, STL) and its "waiting spills": spill stores of a value that came from a global load or
 atomic a few instructions before, where the warp waits for that round trip at the spill (a
-spilled atomic result stalled a whole replay CTA this way:
-benchmarks/results/replay_fused_window_save_h200.json). Registers and spills are not speed; a
+spilled atomic result can stall a whole CTA this way). Registers and spills are not speed; a
 change that moves them still needs the GPU benchmark.
 """
 
