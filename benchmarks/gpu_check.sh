@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # One script for a GPU machine (H200): build the extension and the C++ tests, run ctest (labels gpu
 # and cpu) and the whole pytest suite, run compute-sanitizer (memcheck, racecheck) on the decode_mtp
-# and replay GPU tests, the demo in both state modes, then the decode_mtp and host-overhead benchmarks. Logs, results JSON and plot go to $OUT.
+# and replay GPU tests, the demo in both state modes, then the decode_mtp and host-overhead benchmarks,
+# and an Nsight Compute reading of four configurations (profile). Logs, results JSON and plot go to
+# $OUT. The key logs of the last full check live in benchmarks/results/gpu_check/ (build, test,
+# sanitize, demo, bench, host_overhead logs): a new full check replaces them, and its
+# decode_mtp_h200.json and host_overhead_*.json replace those in benchmarks/results/.
 #
 #   STAGES="build test bench demo sanitize profile" benchmarks/gpu_check.sh     (default: all six)
 #   BENCH_ARGS="--quick --sweep-split" STAGES="build bench" benchmarks/gpu_check.sh
