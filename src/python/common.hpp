@@ -55,8 +55,8 @@ inline TensorView to_view(const std::optional<nb::ndarray<Ts...>>& a, const char
 // ---- FastArray: array arguments read without a Python call where the producer allows it ---------
 //
 // Importing an array through nanobind's ndarray caster calls the producer's `__dlpack__()` (a
-// Python call and a capsule per array, ~3 us for a torch tensor), which dominated the host cost of
-// a call. Producers that implement the DLPack C exchange API (DLPack >= 1.2; torch >= 2.10 sets
+// Python call and a capsule per array), which dominates the host cost of a call. Producers that
+// implement the DLPack C exchange API (DLPack >= 1.2; torch >= 2.10 sets
 // `torch.Tensor.__dlpack_c_exchange_api__`) fill a borrowed DLTensor from C instead, and name their
 // current stream. FastArray takes that path when it can and nanobind's import otherwise (NumPy,
 // CuPy, JAX, older torch, capsules, buffer-protocol objects, and any object the fast import
@@ -296,7 +296,7 @@ using binding::throw_if_error;
 }  // namespace gdn::python
 
 // FastArray's caster: the exchange-API import first, else nanobind's ndarray caster (whose stub
-// name it also takes, so signatures read as before).
+// name it also takes, so signatures read as with a plain ndarray argument).
 namespace nanobind::detail {
 template <bool ReadOnly>
 struct type_caster<gdn::python::FastArray<ReadOnly>> {

@@ -27,16 +27,13 @@ inline int64_t launch_waves(int64_t ctas, int sm_count, int64_t ctas_per_sm) {
 
 // The hardware does not spread a launch's CTAs evenly over the SMs when there are fewer than the
 // SMs hold at once: it fills some SMs to the kernel's occupancy and leaves others nearly empty,
-// and the launch lasts as long as its fullest SMs (H200, 512 CTAs of a kernel that fits six per
-// SM: one to six per SM; benchmarks/results/cta_spread_h200.json). A CTA that asks for more shared
-// memory than it uses caps the CTAs per SM at the even share, ceil(ctas / sm_count).
+// and the launch lasts as long as its fullest SMs. A CTA that asks for more shared memory than it
+// uses caps the CTAs per SM at the even share, ceil(ctas / sm_count).
 //
 // A launch of several waves is capped the same way, at the fewest CTAs per SM that still take it
 // in as many waves, ceil(ctas / (waves * sm_count)): an SM that holds one CTA more only makes each
-// of them slower when the wave count stays. H200, 1024 CTAs (two waves of 6 or of 4 per SM), 4 per
-// SM against 6: token-by-token replay bf16 T = 2 9.2 % and T = 4 8.0 % faster, write-all bf16
-// T = 2 4.0 %; replay in closed form (S = 8, five fit) 4 per SM against 5: 2.1-2.3 % faster
-// instead of 7-9 % slower (benchmarks/results/closed_form_smem_h200.json).
+// of them slower when the wave count stays. The measurements behind both caps are in
+// docs/cuda-kernels.md (launch rules).
 //
 // Returns the dynamic shared memory to launch with (never less than `needed`): `needed` itself
 // when the share is at least what fits an SM anyway (`max_resident` by registers and threads, or

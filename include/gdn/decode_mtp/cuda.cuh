@@ -147,11 +147,9 @@ inline auto form_kernel(int form) {
 // Replay with bf16 activations (mixed_qkv and so the window's k and v, a, b, out, and z if given:
 // the serving case) takes the kernel images that know those dtypes at compile time
 // (kBf16Activations), for every head ratio of HeadRatios. Other dtypes, and the run-time ratio,
-// take the images that read them from KernelArgs. H200, TP1, against the run-time-dtype images:
-// T = 8 4.6-6.5 % faster (bf16 and fp32 state, B = 8 to 512), bf16 T = 4 1.7-5.6 % and T = 2
-// 1.5-2.4 % from B = 128, fp32 T = 2 and 4 at B = 8 1.8-4.7 % faster and from B = 128 0.2-1.0 %
-// slower (benchmarks/results/bf16_activations_h200.json). A build may leave these images out
-// (GDN_NO_BF16_ACTIVATION_IMAGES: CMake's GDN_BF16_ACTIVATION_IMAGES=OFF).
+// take the images that read them from KernelArgs. Replay is bound by its instructions, and these
+// images carry no per-element dtype branches (figures: docs/cuda-kernels.md, kernel images). A
+// build may leave them out (GDN_NO_BF16_ACTIVATION_IMAGES: CMake's GDN_BF16_ACTIVATION_IMAGES=OFF).
 #ifdef GDN_NO_BF16_ACTIVATION_IMAGES
 inline constexpr bool kBf16ActivationImages = false;
 #else

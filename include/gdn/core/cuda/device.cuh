@@ -43,8 +43,8 @@ struct device_type<DType::kFloat16> {
 // Four consecutive elements of a state row as raw bits: a float4 for fp32, two packed 16-bit
 // pairs for bf16/fp16 (kept packed until used, so data in flight costs half the registers).
 // Conversions to 16 bits round to nearest even. Stores are explicit vector stores (__stcs,
-// __stwb): through a plain float4 or uint2 assignment nvcc split the first store of each row set
-// into 4 or 2 scalar stores, each writing parts of 16 sectors (Nsight Compute at b629ae4).
+// __stwb), because through a plain float4 or uint2 assignment nvcc may split the first store of
+// each row set into scalar stores that each write parts of several sectors.
 template <class T>
 struct StateBits;
 template <>
