@@ -14,7 +14,7 @@ Rows (T tokens per request, B requests; H = 2, HV = 4, K = V = 128 on CUDA, 8 on
 - ``x.add_(1)`` on a 16-element tensor: torch's floor for one op from Python;
 - ``gdn.decode_mtp`` (the Python function) and ``torch.ops.gdn.decode_mtp`` (the torch op, with
   the kernels ``gdn.ops.KERNELS`` names: C++ or the Python function; recorded in the JSON) at
-  T in {1, 4} and B in {1, 128}; target (issue 8): each <= 2x ``x.add_(1)`` at every T and B;
+  T in {1, 4} and B in {1, 128}; target: each <= 2x ``x.add_(1)`` at every T and B;
 - ``gdn._C.decode_mtp`` with the stream given, positional (the binding alone);
 - pieces: one ``tensor.__dlpack__()`` (what nanobind's import calls per array),
   ``torch.cuda.current_stream()``, and one array through the binding's argument converter.

@@ -3,13 +3,13 @@ kernel as measured on the same kind of GPU (docs performance.md §5; vLLM cannot
 byte-model floor at the measured copy bandwidth of the H200 (4.26 TB/s), and the target: at least
 5 % faster than the best anchor, or within 3 % of the floor. A second table sets the replay-verify
 rows of the same run against write-every-token libgdn, the best anchor, the floor of the "fold,
-fused" byte model and the replay targets (the replay issue's table). With --ceiling, the first
+fused" byte model and the replay targets (docs/performance.md §5). With --ceiling, the first
 table also shows the stream ceiling of each row that probe_write_stream.py measured: the fastest
 no-math kernel moving the same state bytes (one read, T in-place writes of random slots; no
 activations), from its own run on the same kind of GPU. Where the run timed FLA's whole layer call
 (--fla-job), a table sets libgdn against it. A further table sets every TP-shard shape's
 write-all rows against TP1 at the same number of (request, value head) pairs, per byte (effective
-TB/s): the issue's rule that a shard is no slower per byte than the TP1 shape.
+TB/s): the rule that a shard is no slower per byte than the TP1 shape.
 
 Usage: python benchmarks/compare_anchors.py benchmarks/results/decode_mtp_h200.json \
            [--ceiling benchmarks/results/probe_write_stream_h200.json]
@@ -109,7 +109,7 @@ def replay_table(doc, shape):
 def fla_job_table(doc, shape):
     """libgdn against FLA's whole layer call of the same job (bench_decode_mtp.py --fla-job: the
     slot-gathered in-place kernel, fp32 T = 1 included, then FLA's gated RMSNorm), next to the
-    issue's FLA anchor (which at fp32 T = 1 is the dense kernel without slot indirection)."""
+    FLA anchor of the verdict table (which at fp32 T = 1 is the dense kernel without slot indirection)."""
     by = timed_rows(doc, shape)
     keys = sorted((k[1:] for k in by if k[0] == "fla_job" and ("gdn",) + k[1:] in by),
                   key=lambda k: (k[0] != "fp32", k[1], k[2]))
@@ -150,7 +150,7 @@ def tp1_by_heads(rows):
 
 
 def shard_table(doc, other=None):
-    """The issue's per-byte rule: each TP-shard shape's write-all rows against TP1 at the same number
+    """The per-byte rule: each TP-shard shape's write-all rows against TP1 at the same number
     of (request, value head) pairs, in effective TB/s (bytes of the byte model per µs). `other`: a
     second result file whose TP1 rows stand in at head counts this run's TP1 lacks."""
     res = write_all_rows(doc)

@@ -16,7 +16,7 @@
 //   then for each of query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens,
 //   num_computed_tokens: <name> <count> <values...> (count -1: absent)
 //   then G times: table <rows> <cols> <values...>
-// Without a file: a pure verify step of G = 6, N = 256, S = 5 (the target point).
+// Without a file: a pure verify step of G = 6, N = 256, S = 5 (the step the README quotes).
 // --self-test: a few steps of every path, checked against each other and the per-group builds.
 #include <algorithm>
 #include <chrono>
