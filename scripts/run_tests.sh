@@ -13,7 +13,8 @@ if [ ! -f /usr/lib/x86_64-linux-gnu/cmake/GTest/GTestConfig.cmake ] && \
 fi
 
 python3 -m pip install -q "torch==2.13.0" "numpy>=1.23" "pytest>=7" "hypothesis>=6" \
-  "nanobind==3.1.0" "scikit-build-core==1.1.2" ninja "ruff==0.17.6" "clang-format==23.1.5"
+  "nanobind==3.1.0" "scikit-build-core==1.1.2" ninja "ruff==0.17.6" "clang-format==23.1.5" \
+  "mypy==2.4.1"
 jobs=$(nproc 2>/dev/null || echo 2)
 
 # Style: ruff (pyproject.toml) on the Python sources, clang-format (.clang-format) on the C++ and
@@ -26,6 +27,10 @@ git ls-files 'include/*' 'src/*' 'tests/cpp/*' 'examples/*' | grep -E '\.(hpp|cu
 start=$(date +%s)
 CMAKE_BUILD_PARALLEL_LEVEL=$jobs python3 -m pip install -q --no-build-isolation --no-deps .
 echo "package built in $(( $(date +%s) - start )) s"
+
+# Types: mypy (pyproject.toml) on python/gdn, which reads gdn._C's types from the stub (_C.pyi)
+# the install above generated.
+python3 -m mypy
 
 # C++ tests. The wheel above already compiles every architecture and kernel image; here one
 # architecture, without replay's images for bf16 activations (the same kernel code at another

@@ -3,7 +3,7 @@ argument."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, Mapping, Optional
 
 from . import _C
 
@@ -40,7 +40,7 @@ def _stream_of(x: Any, stream: Any) -> Optional[int]:
 # fails. Only the error path pays for this.
 
 # Argument kinds, as the bindings take them; a trailing "?" also allows None.
-_PROBES = {
+_PROBES: Dict[str, Callable[[Any], bool]] = {
     "array": _C._accepts_array,           # written, or taken as a writable array
     "input": _C._accepts_readonly_array,  # only read: read-only arrays are accepted
     "int": _C._accepts_int,
@@ -118,12 +118,12 @@ def raise_argument_error(function: str, kinds: Mapping[str, str], values: Dict[s
             if items is None:
                 bad, got, hint = name, value, "; pass one array per KV-cache group, e.g. [table]"
             else:
-                bad = next((i for i, item in enumerate(items)
-                            if not _accepted("array", item)), None)
-                if bad is None:
+                index = next((i for i, item in enumerate(items)
+                              if not _accepted("array", item)), None)
+                if index is None:
                     continue
-                got, hint = items[bad], _hint(items[bad], "array")
-                bad = f"{name}[{bad}]"
+                got, hint = items[index], _hint(items[index], "array")
+                bad = f"{name}[{index}]"
             expected = _EXPECTED["arrays" if bad == name else "array"]
         elif _accepted(base, value):
             continue

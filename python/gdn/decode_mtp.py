@@ -265,7 +265,7 @@ def can_use_decode_mtp(
     """
     kind, index = _parse_device(device, device_index)
     dtype = _dtype_name(state_dtype)
-    extra = {}
+    extra: dict[str, Any] = {}
     if arch is not None:
         if kind != "cuda":
             raise ValueError(f"arch= names a CUDA architecture; device must be 'cuda', got "

@@ -666,6 +666,15 @@ class Builder:
         self._torch = _is_torch(tables[0])
         self._cuda = self._torch and tables[0].device.type == "cuda"
         pinned = self._cuda and staging == "pinned"
+        # The buffers are torch tensors or NumPy arrays, as the block tables are (the binding takes
+        # either).
+        self.spec_state_indices: Any
+        self.non_spec_state_indices: Any
+        self.non_spec_source_indices: Any
+        self.checkpoint_indices: Any
+        self.error_count: Any
+        self.device_plan: Any
+        self.host_plans: Any
         if self._torch:
             import torch
 
