@@ -185,6 +185,7 @@ def test_type_stubs_present():
     assert "num_accepted_tokens" in text
 
 
+@pytest.mark.slow
 def test_python_m_gdn_self_check():
     result = subprocess.run([sys.executable, "-m", "gdn"], capture_output=True, text=True,
                             env=dict(os.environ), timeout=300)
@@ -387,6 +388,7 @@ def test_cli_version():
     assert result.stdout.strip() == f"gdn {gdn.__version__}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag", ["--help", "help"])
 def test_cli_help_lists_every_command(flag):
     result = _cli(flag)

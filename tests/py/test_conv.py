@@ -154,8 +154,8 @@ def test_opcheck(counter):
 def _backends():
     have_cxx = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
     return ["eager", "aot_eager",
-            pytest.param("inductor", marks=pytest.mark.skipif(
-                not have_cxx, reason="inductor on the CPU needs a C++ compiler"))]
+            pytest.param("inductor", marks=[pytest.mark.slow, pytest.mark.skipif(
+                not have_cxx, reason="inductor on the CPU needs a C++ compiler")])]
 
 
 def conv_step(x, weight, conv_state, conv_state_indices, cu_seqlens, out, acc, error_count):
@@ -290,6 +290,7 @@ def test_spec_equals_sequential_cpu(layout, state_dtype):
 
 # ---- CUDA ----------------------------------------------------------------------------------------
 
+@pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("layout", ["channels_major", "tokens_major"])
 @pytest.mark.parametrize("state_dtype,x_dtype", [(torch.float32, torch.float32),
@@ -303,12 +304,14 @@ def test_cuda_matches_reference(layout, state_dtype, x_dtype):
     check({k: v.cpu() for k, v in case.items()}, out, before, layout)
 
 
+@pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("layout", ["channels_major", "tokens_major"])
 def test_cuda_spec_equals_sequential(layout):
     spec_vs_sequential("cuda", torch.bfloat16, layout)
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_cuda_invalid_rows_zeroed_and_counted():
     case = make_case(D=64, seed=22, T=(2, 3, 4), device="cuda")
@@ -325,6 +328,7 @@ def test_cuda_invalid_rows_zeroed_and_counted():
     assert torch.equal(case["pool"][others], before[others])
 
 
+@pytest.mark.gpu
 @needs_cuda
 @pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.jit._script")
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
@@ -348,6 +352,7 @@ def test_cuda_torch_compile_counts_invalid_rows(backend):
             assert torch.equal(out, out_e) and torch.equal(case["pool"], pool_e)
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_cuda_graph_replay():
     case = make_case(D=128, seed=23, T=(4, 4, 4), device="cuda")

@@ -95,6 +95,7 @@ def case128(gen, **kw):
 RATIOS = [(2, 2), (2, 4), (1, 3), (1, 4), (1, 8), (1, 5), (1, 6)]
 
 
+@pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("state_dtype", [FP32, BF16, FP16], ids=["state_fp32", "state_bf16",
                                                                   "state_fp16"])
@@ -108,6 +109,7 @@ def test_head_ratios(gen, H, HV, layout, state_dtype):
     assert len(ref.written) >= 3  # a real workload: several slots written
 
 
+@pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("act", [FP32, BF16, FP16], ids=["act_fp32", "act_bf16", "act_fp16"])
 @pytest.mark.parametrize("state_dtype", [FP32, BF16, FP16],
@@ -117,6 +119,7 @@ def test_state_and_activation_dtypes(gen, state_dtype, act):
     check_cuda(case, out_tol=out_bar(act), state_tol=state_bar(state_dtype))
 
 
+@pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("dtypes", MIXED_DTYPES, ids=MIXED_DTYPE_IDS)
 @pytest.mark.parametrize("strided", [False, True], ids=["dense", "strided"])
@@ -125,6 +128,7 @@ def test_mixed_dtypes(gen, dtypes, strided):
     check_cuda(case, out_tol=out_bar(dtypes["out"]))
 
 
+@pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("first_valid_slot", [0, 1])
 @pytest.mark.parametrize("S", [1, 2, 5, 9, 16])
@@ -141,6 +145,7 @@ def test_every_T_and_every_acc(gen, S, first_valid_slot):
     check_cuda(case, out_tol=FP32_BAR, against_cpu=S <= 5)
 
 
+@pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("gate", ["silu", "sigmoid"])
 @pytest.mark.parametrize("norm", ["zw", "w", "none"],
@@ -150,6 +155,7 @@ def test_norm_and_gate(gen, norm, gate):
     check_cuda(case, out_tol=FP32_BAR)
 
 
+@pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("layout", ["vk", "kv"])
 def test_source_slot_is_also_token_0_destination(gen, layout):
@@ -159,6 +165,7 @@ def test_source_slot_is_also_token_0_destination(gen, layout):
     assert ref.written[int(case.state_indices[0, 2])] == (0, 2)
 
 
+@pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("layout", ["vk", "kv"])
 @pytest.mark.parametrize("first_valid_slot", [0, 1], ids=["null_is_-1", "vllm_null_is_0"])
@@ -173,6 +180,7 @@ def test_null_destinations_skipped(gen, first_valid_slot, layout):
     assert all(w != (0, 0) for w in ref.written.values())
 
 
+@pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("act", [FP32, BF16], ids=["act_fp32", "act_bf16"])
 @pytest.mark.parametrize("state_dtype", [FP32, BF16], ids=["state_fp32", "state_bf16"])
@@ -186,6 +194,7 @@ def test_strided_views(gen, layout, state_dtype, act):
     check_cuda(case, out_tol=out_bar(act), state_tol=state_bar(state_dtype))
 
 
+@pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("state_dtype", [FP32, BF16], ids=["state_fp32", "state_bf16"])
 @pytest.mark.parametrize("layout", ["vk", "kv"])
@@ -203,6 +212,7 @@ def test_padded_but_aligned_pool(gen, layout, state_dtype):
     check_cuda(case, out_tol=OUT16_BAR, state_tol=state_bar(state_dtype))
 
 
+@pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("index_dtypes", [(I32, I32, I32), (I64, I64, I64), (I64, I32, I64)],
                          ids=["i32", "i64", "idx64_cu32_acc64"])
@@ -211,12 +221,14 @@ def test_index_dtypes(gen, index_dtypes):
     check_cuda(case, out_tol=FP32_BAR)
 
 
+@pytest.mark.gpu
 @requires_cuda
 def test_no_num_accepted_tokens_means_all_one(gen):
     case = case128(gen, H=1, HV=4, S=3, T=(3, 1, 0, 2), use_acc=False)
     check_cuda(case, out_tol=FP32_BAR)
 
 
+@pytest.mark.gpu
 @requires_cuda
 def test_many_requests_fill_the_gpu(gen):
     """More (request, head) pairs than SMs: the unsplit launch."""
@@ -225,6 +237,7 @@ def test_many_requests_fill_the_gpu(gen):
     check_cuda(case, out_tol=OUT16_BAR, against_cpu=False)
 
 
+@pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("split", [1, 2, 4, 8])
 def test_every_split_gives_the_same_bits(gen, split):
@@ -246,6 +259,7 @@ def test_every_split_gives_the_same_bits(gen, split):
 
 # ---- speculative equivalence and chained steps ---------------------------------------------------
 
+@pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("state_dtype", [FP32, BF16], ids=["state_fp32", "state_bf16"])
 def test_spec_equals_sequential(gen, state_dtype):
@@ -281,6 +295,7 @@ def test_spec_equals_sequential(gen, state_dtype):
                 assert rel_l2(spec_state, seq.state[work]) <= STATE16_BAR
 
 
+@pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("state_dtype", [FP32, BF16, FP16], ids=["state_fp32", "state_bf16",
                                                                   "state_fp16"])
@@ -313,6 +328,7 @@ def test_chained_steps(gen, state_dtype):
 
 # ---- hostile indices on the device ---------------------------------------------------------------
 
+@pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("index_dtype", [I32, I64])
 def test_hostile_indices_touch_nothing_else(gen, index_dtype):
@@ -368,6 +384,7 @@ def test_hostile_indices_touch_nothing_else(gen, index_dtype):
             assert torch.isnan(out[row]).all(), f"token row {row} written by nobody's request"
 
 
+@pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("state_dtype", [FP32, BF16], ids=["state_fp32", "state_bf16"])
 def test_invalid_rows_inside_a_large_batch(gen, state_dtype):
@@ -410,6 +427,7 @@ def check_invalid_rows(case, bad, state_tol):
         assert rel_l2(state[slot], ref.pool[slot]) <= state_tol, f"slot {slot}"
 
 
+@pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("layout", ["vk", "kv"])
 @pytest.mark.parametrize("state_dtype", [BF16, FP16], ids=["state_bf16", "state_fp16"])
@@ -443,6 +461,7 @@ def batch_of(sm_count, HV, launch):
     return N if 32 * N * HV >= 15 * sm_count and N * HV < sm_count else None
 
 
+@pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("state_dtype", [FP32, BF16], ids=["state_fp32", "state_bf16"])
 @pytest.mark.parametrize("launch,S", [("one_to_two_per_sm", 4), ("one_to_two_per_sm", 8),
@@ -472,6 +491,7 @@ def test_split_launch_choices(gen, state_dtype, launch, S):
 CALLERS = {"function": gdn.decode_mtp, "torch_op": torch.ops.gdn.decode_mtp}
 
 
+@pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("caller", list(CALLERS))
 def test_cuda_graph_capture_and_replay(gen, caller):
@@ -502,6 +522,7 @@ def test_cuda_graph_capture_and_replay(gen, caller):
         _compare(fresh, ref, before, out_tol=OUT16_BAR, state_tol=STATE16_BAR)
 
 
+@pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("caller", list(CALLERS))
 def test_runs_on_torch_current_stream(gen, caller):
@@ -519,6 +540,7 @@ def test_runs_on_torch_current_stream(gen, caller):
     assert rel_l2(out.cpu()[rows], ref.out[rows]) <= OUT16_BAR
 
 
+@pytest.mark.gpu
 @requires_cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 @pytest.mark.parametrize("caller", list(CALLERS))
@@ -537,6 +559,7 @@ def test_runs_on_the_arrays_device(gen, caller):
     assert rel_l2(dev.out.cpu()[rows], ref.out[rows]) <= OUT16_BAR
 
 
+@pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_torch_compile_fullgraph(gen, backend):
@@ -567,6 +590,7 @@ def test_torch_compile_fullgraph(gen, backend):
             assert rel_l2(dev.state[slot].cpu(), ref.pool[slot]) <= FP32_BAR
 
 
+@pytest.mark.gpu
 @requires_cuda
 def test_error_count_through_the_function(gen):
     case = case128(gen, H=1, HV=2, S=2, T=(2, 2), acc=(1, 1), act=BF16)
@@ -580,6 +604,7 @@ def test_error_count_through_the_function(gen):
     assert torch.all(dev.out[2:4] == 0)
 
 
+@pytest.mark.gpu
 @requires_cuda
 def test_cupy_arrays_with_explicit_stream(gen):
     cupy = pytest.importorskip("cupy")
@@ -630,7 +655,7 @@ def _bf16_mismatches(got, want64):
     return float((diff > 0).float().mean()), int(diff.max())
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_vllm_numerics_match_vllms_rounding(gen, device):
     """vllm_numerics=True rounds o to bf16 before the norm as vLLM does: against a float64
     reference rounding at the same point, the bf16 outputs carry the same bits nearly everywhere
@@ -666,6 +691,7 @@ def test_vllm_compat_cpu(gen):
     assert 0 not in ref.written  # slot 0 is vLLM's null block
 
 
+@pytest.mark.gpu
 @requires_cuda
 def test_vllm_compat_cuda(gen):
     case = _vllm_case(gen, 128)
@@ -681,7 +707,7 @@ def test_vllm_compat_cuda(gen):
     _compare(case, ref, before, out_tol=OUT16_BAR, state_tol=FP32_BAR)
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("extra_inputs", [0, 3])
 def test_vllm_compat_zeroes_padded_output_rows(gen, device, extra_inputs):
     """CUDA-graph padding as vLLM's kernel test passes it: `out` has more rows than tokens (and
@@ -722,6 +748,7 @@ def test_vllm_compat_zeroes_padded_output_rows(gen, device, extra_inputs):
             out[: L - 1], case.state.shape[-1] ** -0.5)
 
 
+@pytest.mark.gpu
 @requires_cuda
 def test_guard_on_cuda():
     path, reason = gdn.can_use_decode_mtp("cuda", 16, 32, 128, 128, 4, "float32")
@@ -734,6 +761,7 @@ def test_guard_on_cuda():
     assert path == "unsupported" and "S <=" in reason
 
 
+@pytest.mark.gpu
 @requires_cuda
 def test_unsupported_head_dim_raises(gen):
     case = make_case(gen, H=1, HV=2, K=64, V=64, S=2, T=(2,))

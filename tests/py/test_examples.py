@@ -18,12 +18,14 @@ def _run(*args):
     return r.stdout
 
 
+@pytest.mark.slow
 def test_verify_step_example_cpu():
     out = _run()
     assert "spec rows: 3" in out
     assert out.count("finite=True") == 2
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and gdn._C.built_with_cuda),
                     reason="needs a CUDA device and a CUDA build of gdn")
 def test_verify_step_example_cuda():

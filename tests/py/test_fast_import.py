@@ -276,6 +276,7 @@ def _cuda_case(gen):
     return case, ref
 
 
+@pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("path", ["fast", "nanobind", "binding"])
 def test_cuda_call_runs_on_torch_current_stream(gen, path):
@@ -302,6 +303,7 @@ def test_cuda_call_runs_on_torch_current_stream(gen, path):
     assert rel_l2(out.cpu()[rows], ref.out[rows]) <= OUT16_BAR
 
 
+@pytest.mark.gpu
 @requires_cuda
 def test_cuda_tensors_take_the_fast_import_and_name_a_host_argument(gen):
     if HAS_API:

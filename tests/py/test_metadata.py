@@ -292,7 +292,7 @@ def issue_builder(step, tables, device):
     return b, md
 
 
-DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -1167,6 +1167,7 @@ def cuda_step_args(step, accepted_on_device: bool):
     return kw
 
 
+@pytest.mark.gpu
 @needs_cuda
 @settings(max_examples=40, deadline=None)
 @given(random_steps(), st.booleans(), st.sampled_from(["pinned", "pageable"]))
@@ -1185,6 +1186,7 @@ def test_cuda_builder_equals_per_group_builds(case, accepted_on_device, staging)
     assert int(b.error_count[0]) == sum(per_group_reference(step, t)["unreadable"] for t in tables)
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_cuda_graph_replay_with_new_inputs_gives_the_new_rows():
     rng = np.random.default_rng(3)
@@ -1219,6 +1221,7 @@ def test_cuda_graph_replay_with_new_inputs_gives_the_new_rows():
         expect_matches_reference(md, step, tables_np)
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_cuda_torch_op_is_one_launch_for_all_groups():
     step, plan, tables, R, T, G = op_case("cuda")
@@ -1242,6 +1245,7 @@ def test_cuda_torch_op_is_one_launch_for_all_groups():
         np.testing.assert_array_equal(src[g, :4].cpu().numpy(), ref["non_spec_source_indices"])
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_cuda_decode_mtp_takes_the_builder_outputs_directly():
     K = 128
@@ -1270,6 +1274,7 @@ def test_cuda_decode_mtp_takes_the_builder_outputs_directly():
     assert rel(state.cpu().double(), state_cpu.double()) <= 1e-5
 
 
+@pytest.mark.gpu
 @needs_cuda
 @settings(max_examples=30, deadline=None)
 @given(random_steps(replay=True), st.booleans())

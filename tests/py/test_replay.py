@@ -23,7 +23,8 @@ from reference_torch import (BF16, F64, FP16, FP32, FP32_BAR, OUT16_BAR, STATE16
 
 _CUDA = cuda_skip_reason()
 needs_cuda = pytest.mark.skipif(_CUDA is not None, reason=f"CUDA replay: {_CUDA}")
-DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
+on_cuda = [pytest.mark.gpu, needs_cuda]  # the marks of a case that runs on CUDA
+DEVICES = ["cpu", pytest.param("cuda", marks=on_cuda)]
 
 
 @dataclasses.dataclass
@@ -200,8 +201,8 @@ def heads_per_sm_batch(HV, heads_per_sm=2):
 
 _NEEDS_CUDA = pytest.mark.skipif(_CUDA is not None, reason=f"CUDA replay: {_CUDA}")
 STRONG_DECAY_CASES = [pytest.param("cpu", "token", id="cpu"),
-                      pytest.param("cuda", "token", id="cuda-token-by-token", marks=_NEEDS_CUDA),
-                      pytest.param("cuda", "closed", id="cuda-closed-form", marks=_NEEDS_CUDA)]
+                      pytest.param("cuda", "token", id="cuda-token-by-token", marks=on_cuda),
+                      pytest.param("cuda", "closed", id="cuda-closed-form", marks=on_cuda)]
 
 
 @pytest.mark.parametrize("device,form", STRONG_DECAY_CASES)
@@ -218,6 +219,7 @@ def test_chain_with_strong_decay(gen, device, form):
                                   params=(A_log, dt_bias), N=N, S=8, steps=5)
 
 
+@pytest.mark.gpu
 @_NEEDS_CUDA
 @pytest.mark.parametrize("state_dtype,act", [(FP32, FP32), (FP32, BF16), (BF16, BF16),
                                              (FP16, FP16)],
@@ -247,6 +249,7 @@ def test_chain_at_a_head_per_sm(gen, H, HV, state_dtype, act, S, heads_per_sm):
                                   N=heads_per_sm_batch(HV, heads_per_sm), S=S, steps=4)
 
 
+@pytest.mark.gpu
 @_NEEDS_CUDA
 @pytest.mark.parametrize("state_dtype", [FP32, BF16, FP16], ids=["state_fp32", "state_bf16",
                                                                  "state_fp16"])
@@ -263,6 +266,7 @@ def test_token_by_token_with_four_rows_per_lane(gen, H, HV, act, state_dtype):
                                   S=4 if state_dtype == FP32 else 3, steps=3)
 
 
+@pytest.mark.gpu
 @_NEEDS_CUDA
 @pytest.mark.parametrize("state_dtype,act", [(FP32, BF16), (BF16, BF16), (FP32, FP32)],
                          ids=["state_fp32", "state_bf16", "state_fp32_act_fp32"])
@@ -283,6 +287,7 @@ def test_window_save_with_many_ctas_per_request(gen, state_dtype, act, split, al
                                   aligned=aligned)
 
 
+@pytest.mark.gpu
 @_NEEDS_CUDA
 @pytest.mark.parametrize("state_dtype", [FP32, BF16, FP16], ids=["state_fp32", "state_bf16",
                                                                  "state_fp16"])
@@ -348,12 +353,12 @@ def test_chain_equals_write_every_token(gen, device, H, HV):
 # element; token by token (S = 3) it stores each column of a lane's 2 rows (4 with an fp32 state
 # from 16 heads per SM: 68 requests) as one vector.
 @pytest.mark.parametrize("device,H,HV,N,state_dtype,S", [
-    ("cpu", 1, 2, 3, FP32, 3), pytest.param("cuda", 1, 2, 3, FP32, 3, marks=needs_cuda),
-    pytest.param("cuda", 16, 32, 20, FP32, 3, marks=needs_cuda),
-    pytest.param("cuda", 16, 32, 68, FP32, 3, marks=needs_cuda, id="cuda-four-rows"),
-    pytest.param("cuda", 16, 32, 20, BF16, 3, marks=needs_cuda, id="cuda-bf16-token-by-token"),
-    pytest.param("cuda", 16, 32, 20, BF16, 4, marks=needs_cuda, id="cuda-tensor-cores"),
-    pytest.param("cuda", 16, 32, 20, FP16, 4, marks=needs_cuda, id="cuda-tensor-cores-fp16")])
+    ("cpu", 1, 2, 3, FP32, 3), pytest.param("cuda", 1, 2, 3, FP32, 3, marks=on_cuda),
+    pytest.param("cuda", 16, 32, 20, FP32, 3, marks=on_cuda),
+    pytest.param("cuda", 16, 32, 68, FP32, 3, marks=on_cuda, id="cuda-four-rows"),
+    pytest.param("cuda", 16, 32, 20, BF16, 3, marks=on_cuda, id="cuda-bf16-token-by-token"),
+    pytest.param("cuda", 16, 32, 20, BF16, 4, marks=on_cuda, id="cuda-tensor-cores"),
+    pytest.param("cuda", 16, 32, 20, FP16, 4, marks=on_cuda, id="cuda-tensor-cores-fp16")])
 def test_kv_layout_and_first_pass(gen, device, H, HV, N, state_dtype, S):
     """The "kv" state layout, and a request's first step (n = 0: nothing replayed or stored)."""
     K = V = 128 if device == "cuda" else 16
@@ -421,6 +426,7 @@ def test_shared_checkpoint_slot_raises(gen):
         replay_step(pool, inputs, T, device="cpu")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(_CUDA is not None, reason=f"CUDA replay: {_CUDA}")
 @pytest.mark.parametrize("bad", sorted(BAD_ROWS) + ["T_beyond_window"])
 def test_invalid_row_isolated_on_gpu(gen, bad):
@@ -560,6 +566,7 @@ def test_torch_compile_fullgraph(gen):
         assert torch.equal(eager, comp)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(_CUDA is not None, reason=f"CUDA replay: {_CUDA}")
 def test_cuda_graph_capture_and_replay(gen):
     """One captured call replayed over a chain (new tokens and counts copied into the captured

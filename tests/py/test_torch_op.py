@@ -116,8 +116,8 @@ def _compiled_step(H, HV, K, V):
 def _backends():
     have_cxx = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
     return ["eager", "aot_eager",
-            pytest.param("inductor", marks=pytest.mark.skipif(
-                not have_cxx, reason="inductor on the CPU needs a C++ compiler"))]
+            pytest.param("inductor", marks=[pytest.mark.slow, pytest.mark.skipif(
+                not have_cxx, reason="inductor on the CPU needs a C++ compiler")])]
 
 
 @pytest.mark.parametrize("backend", _backends())
@@ -357,8 +357,8 @@ def test_every_gdn_op_is_covered():
     assert names == set(WRITES) == set(CALLS)
 
 
-_OP_DEVICES = [pytest.param(name, dev, marks=[_needs_cuda] if dev == "cuda" else [],
-                            id=f"{name}-{dev}")
+_OP_DEVICES = [pytest.param(name, dev, id=f"{name}-{dev}",
+                            marks=[pytest.mark.gpu, _needs_cuda] if dev == "cuda" else [])
                for name in sorted(CALLS) for dev in ("cpu", "cuda")
                if (name, dev) != ("metadata_plan", "cuda")]  # the plan is built on the host
 
@@ -597,6 +597,7 @@ def test_op_raises_what_the_function_raises_for_scalars(gen, options):
     assert _raised(torch.ops.gdn.decode_mtp, *case.args(), **kwargs) == raised
 
 
+@pytest.mark.slow
 def test_python_kernels_on_request(tmp_path):
     """GDN_TORCH_OP_KERNELS=python (read at import): every op runs the gdn function, with the same
     results as the function and as this process's kernels."""
@@ -623,6 +624,7 @@ def test_python_kernels_on_request(tmp_path):
     assert _same(torch.load(saved), here)
 
 
+@pytest.mark.slow
 def test_unknown_kernel_choice_is_refused():
     source = "import gdn"
     env = dict(os.environ, GDN_TORCH_OP_KERNELS="fortran")
