@@ -3,6 +3,11 @@ revisions to PTX (nvcc, no GPU needed) and compares every kernel's PTX after ren
 labels in order of first use, so that a refactor that only moves code between functions reads as
 "same" and one that changes what the kernel executes reads as "differs".
 
+--sass compares machine code instead: both revisions are compiled to sm_90a cubins and each kernel's
+code section (and its .nv.info attributes: registers, parameters) is compared byte for byte, pairing
+kernels by content so that renamed kernels pair up. Identical machine code runs identically, so no
+benchmark is needed; PTX may differ in instruction order that ptxas schedules away.
+
     python benchmarks/compare_ptx.py BASE_REV [NEW_REV] [--units decode_mtp_f32 replay_bf16 ...]
         [--rename PATTERN REPLACEMENT]
 
@@ -49,6 +54,36 @@ def ptx(src, unit, out):
     return out
 
 
+def cubin(src, unit, out):
+    subprocess.run(["nvcc", *NVCC_BASE, "-cubin", "-I", os.path.join(src, "include"),
+                    os.path.join(src, "src", "cuda", unit + ".cu"), "-o", out], check=True)
+    return out
+
+
+def elf_sections(path):
+    """Section name -> bytes of an ELF64 little-endian file (a cubin)."""
+    import struct
+
+    data = open(path, "rb").read()
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    heads = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    names = heads[shstrndx]
+    out = {}
+    for h in heads:
+        start = names[4] + h[0]
+        name = data[start:data.index(b"\0", start)].decode()
+        out[name] = data[h[4]:h[4] + h[5]] if h[1] != 8 else b""  # SHT_NOBITS: no bytes
+    return out
+
+
+def machine_code(path):
+    """Kernel name -> (code bytes, attribute bytes) of a cubin."""
+    sections = elf_sections(path)
+    return {name[6:]: (code, sections.get(".nv.info." + name[6:], b""))
+            for name, code in sections.items() if name.startswith(".text.")}
+
+
 def kernels(path, rename=None):
     """Entry name -> PTX body with registers and labels renamed in order of first use."""
     out, name, lines = {}, None, []
@@ -69,6 +104,63 @@ def kernels(path, rename=None):
     return out
 
 
+def anonymous(name, body):
+    """The kernel's code with its own name (in its parameter names) replaced."""
+    return body.replace(name, "KERNEL")
+
+
+def compare_by_body(unit, base, new):
+    """Pairs base and new kernels with identical code; prints each pair and what is left over."""
+    pool = {}
+    for name, body in new.items():
+        pool.setdefault(anonymous(name, body), []).append(name)
+    unmatched = 0
+    for name, body in sorted(base.items()):
+        match = pool.get(anonymous(name, body))
+        if match:
+            print(f"{unit:16} same         {name} -> {match.pop(0)}")
+        else:
+            unmatched += 1
+            print(f"{unit:16} no match     {name}")
+    for names in pool.values():
+        for name in names:
+            unmatched += 1
+            print(f"{unit:16} only in new  {name}")
+    return unmatched
+
+
+def compare_sass(args):
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = [tree(args.base, os.path.join(tmp, "base")), tree(args.new, os.path.join(tmp, "new"))]
+        jobs = [(t, u, os.path.join(tmp, f"{i}_{u}.cubin")) for i, t in enumerate(trees)
+                for u in args.units]
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+            list(pool.map(lambda j: cubin(*j), jobs))
+        differs = total = 0
+        for u in args.units:
+            base, new = (machine_code(os.path.join(tmp, f"{i}_{u}.cubin")) for i in (0, 1))
+            pool = {}
+            for name, (code, _) in new.items():
+                pool.setdefault(code, []).append(name)
+            for name, (code, info) in sorted(base.items()):
+                total += 1
+                match = pool.get(code)
+                if match:
+                    other = match.pop(0)
+                    same_info = len(info) == len(new[other][1])
+                    differs += not same_info
+                    print(f"{u:16} {'same' if same_info else 'attributes':12} {name} -> {other}")
+                else:
+                    differs += 1
+                    print(f"{u:16} {'no match':12} {name}")
+            for names in pool.values():
+                for name in names:
+                    differs += 1
+                    print(f"{u:16} {'only in new':12} {name}")
+        print(f"{total} kernel(s) in base, {differs} without identical machine code in new")
+        return 1 if differs else 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("base")
@@ -76,7 +168,15 @@ def main():
     ap.add_argument("--units", nargs="+", default=UNITS)
     ap.add_argument("--rename", nargs=2, metavar=("PATTERN", "REPLACEMENT"),
                     help="regular expression substitution applied to the new revision's PTX")
+    ap.add_argument("--by-body", action="store_true",
+                    help="match kernels by their code instead of their names (a change that renames "
+                         "kernels or moves them to other templates): each unit's kernels must pair "
+                         "up one to one with identical code")
+    ap.add_argument("--sass", action="store_true",
+                    help="compare machine code (sm_90a cubins), pairing kernels by content")
     args = ap.parse_args()
+    if args.sass:
+        return compare_sass(args)
     with tempfile.TemporaryDirectory() as tmp:
         trees = [tree(args.base, os.path.join(tmp, "base")), tree(args.new, os.path.join(tmp, "new"))]
         jobs = [(t, u, os.path.join(tmp, f"{i}_{u}.ptx")) for i, t in enumerate(trees)
@@ -87,6 +187,9 @@ def main():
         for u in args.units:
             base, new = (kernels(os.path.join(tmp, f"{i}_{u}.ptx"), args.rename if i else None)
                          for i in (0, 1))
+            if args.by_body:
+                differs += compare_by_body(u, base, new)
+                continue
             for name in sorted(set(base) | set(new)):
                 state = ("same" if base.get(name) == new.get(name)
                          else "only in base" if name not in new

@@ -180,9 +180,10 @@ if has profile; then
   {
     IFS=';' read -r -a cfgs <<< "${PROFILE_CONFIGS:---B 128 --T 1 --state fp32;--B 1 --T 1 --state fp32;--B 128 --T 4 --state bf16;--impl replay --B 128 --T 4 --state fp32}"
     for cfg in "${cfgs[@]}"; do
-      echo "--- ncu decode_mtp_kernel $cfg"
+      echo "--- ncu decode_mtp kernels $cfg"
       # shellcheck disable=SC2086
-      timeout 60 ncu --clock-control none -k regex:decode_mtp_kernel --launch-skip 2 --launch-count 1 \
+      timeout 60 ncu --clock-control none -k "regex:write_all_kernel|replay_(tokens|closed_form)_kernel" \
+        --launch-skip 2 --launch-count 1 \
         --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
         --section SchedulerStats --section MemoryWorkloadAnalysis \
         --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \

@@ -1,10 +1,11 @@
 """Runs one decode_mtp configuration (its replay-verify form, or its FLA baseline) a few times,
 for a profiler:
 
-    ncu -k regex:decode_mtp_kernel --launch-skip 2 --launch-count 1 \
+    ncu -k regex:"write_all_kernel|replay_tokens_kernel|replay_closed_form_kernel" \
+        --launch-skip 2 --launch-count 1 \
         python3 benchmarks/profile_decode_mtp.py --shape TP1 --B 128 --T 1 --state fp32
 
-(the replay kernel is an instance of decode_mtp_kernel too; --impl replay also launches the
+(the regular expression names the three decode_mtp kernels; --impl replay also launches the
 window save after it).
 """
 

@@ -200,6 +200,38 @@ TEST(LaunchRules, TokenByTokenReplayHoldsFourRowsFromSixteenHeadsPerSm) {
   EXPECT_FALSE(use_replay_four_rows(true, heads_at(128), kSms));  // closed form
 }
 
+// choose_form: one form per launch, with the closed form before the single-token form before the
+// token-by-token variants.
+TEST(LaunchRules, OneFormPerLaunch) {
+  auto form = [](bool replay, int bytes, int S, int64_t B, bool tc_image = true,
+                 bool single_fits = true) {
+    return choose_form(replay, bytes, S, heads_at(B), kSms, tc_image, single_fits);
+  };
+  // Write-all: the standard form, or the single-token form of a 16-bit state without drafts.
+  EXPECT_EQ(form(false, 4, 4, 128), kStandardForm);
+  EXPECT_EQ(form(false, 4, 1, 32), kStandardForm);               // fp32: no single-token form
+  EXPECT_EQ(form(false, 2, 1, 32), kSingleTokenForm);            // 7.75 heads per SM: a wave fewer
+  EXPECT_EQ(form(false, 2, 1, 32, true, false), kStandardForm);  // eight do not fit
+  EXPECT_EQ(form(false, 2, 2, 32), kStandardForm);               // drafts
+  EXPECT_EQ(form(false, 2, 8, 512), kStandardForm);              // never a replay form
+  // Replay: the closed form for deep windows, on tensor cores for a 16-bit state with an image.
+  EXPECT_EQ(form(true, 4, 8, 32), kClosedFormRows);
+  EXPECT_EQ(form(true, 2, 8, 32), kTensorCoreForm);
+  EXPECT_EQ(form(true, 2, 8, 32, false), kClosedFormRows);  // no sm_80 image
+  EXPECT_EQ(form(true, 2, 4, 32), kTensorCoreForm);         // S = 4 from two heads per SM
+  EXPECT_EQ(form(true, 2, 4, 32, false), kStageFirstForm);  // ... else token by token
+  EXPECT_EQ(form(true, 2, 9, 32), kClosedFormRows);         // past one mma tile
+  // Token by token: tokens first (16-bit, one to sixteen heads per SM), four rows from sixteen.
+  EXPECT_EQ(form(true, 2, 2, 8), kStageFirstForm);
+  EXPECT_EQ(form(true, 2, 2, 1), kStandardForm);
+  EXPECT_EQ(form(true, 2, 2, 128), kFourRowsForm);
+  EXPECT_EQ(form(true, 4, 2, 128), kFourRowsForm);
+  EXPECT_EQ(form(true, 4, 2, 8), kStandardForm);
+  EXPECT_EQ(form(true, 4, 1, 32), kStandardForm);  // replay has no single-token form
+  EXPECT_TRUE(is_closed_form(kTensorCoreEightForm) && is_tensor_core_form(kTensorCoreEightForm));
+  EXPECT_FALSE(is_closed_form(kFourRowsForm) || is_tensor_core_form(kClosedFormRows));
+}
+
 TEST(LaunchRules, ChunkBuffers) {
   EXPECT_EQ(choose_buffers(2, heads_at(1), kSms, false, false, true),
             kMaxChunks);  // 16-bit: one per chunk

@@ -93,55 +93,40 @@ inline bool tensor_core_image(int device, const DeviceInfo& info) {
   if constexpr (kReplay && sizeof(StateT) == 2) {
     static std::atomic<int> ptx_cache[kMaxDevices];
     return info.major >= 8 &&
-           kernel_ptx_version(decode_mtp_kernel<StateT, kRatio, true, true, false, false, true>,
-                              device, ptx_cache) >= 80;
+           kernel_ptx_version(
+               replay_closed_form_kernel<StateT, kRatio, ClosedFormMath::kTensorCores,
+                                         KernelImage::kRuntimeDtypes>,
+               device, ptx_cache) >= 80;
   } else {
     return false;
   }
 }
 
-// The kernel forms of a launch (the kernel's template flags), numbered for the per-form caches.
-enum KernelForm : int {
-  kTokenByToken = 0,
-  kClosedFormRows = 1,
-  kSingleTokenForm = 2,
-  kStageFirstForm = 3,
-  kTensorCoreForm = 4,
-  kTensorCoreEightForm = 5,
-  kFourRowsForm = 6,
-  kKernelForms = 7
-};
-
-// The kernel image of a form; kBf16Activations: its image for bf16 activations
-// (use_bf16_activations); kKv: its image for a 16-byte aligned "kv" pool (KernelArgs::kv_vector).
-template <class StateT, int kRatio, bool kReplay, bool kBf16Activations, bool kKv = false>
-inline auto form_kernel(int form) {
-  auto kernel = decode_mtp_kernel<StateT, kRatio, kReplay, false, false, false, false, false,
-                                  kBf16Activations, false, kKv>;
-  if constexpr (kReplay)
+// The kernel of form `form` (a KernelForm valid for the mode and state dtype) in image kImage.
+using KernelFunction = void (*)(KernelArgs);
+template <class StateT, int kRatio, bool kReplay, KernelImage kImage>
+inline KernelFunction form_kernel(int form) {
+  if constexpr (!kReplay) {
+    if constexpr (sizeof(StateT) == 2)
+      if (form == kSingleTokenForm)
+        return write_all_kernel<StateT, kRatio, WriteAllForm::kSingleToken, kImage>;
+    return write_all_kernel<StateT, kRatio, WriteAllForm::kStandard, kImage>;
+  } else {
     if (form == kClosedFormRows)
-      kernel = decode_mtp_kernel<StateT, kRatio, true, true, false, false, false, false,
-                                 kBf16Activations, false, kKv>;
-  if constexpr (kReplay && sizeof(StateT) == 2) {
-    if (form == kStageFirstForm)
-      kernel = decode_mtp_kernel<StateT, kRatio, true, false, false, true, false, false,
-                                 kBf16Activations, false, kKv>;
-    if (form == kTensorCoreForm)
-      kernel = decode_mtp_kernel<StateT, kRatio, true, true, false, false, true, false,
-                                 kBf16Activations, false, kKv>;
-    if (form == kTensorCoreEightForm)
-      kernel = decode_mtp_kernel<StateT, kRatio, true, true, false, false, true, true,
-                                 kBf16Activations, false, kKv>;
-  }
-  if constexpr (kReplay)
+      return replay_closed_form_kernel<StateT, kRatio, ClosedFormMath::kCudaCores, kImage>;
     if (form == kFourRowsForm)
-      kernel = decode_mtp_kernel<StateT, kRatio, true, false, false, false, false, false,
-                                 kBf16Activations, true, kKv>;
-  if constexpr (!kReplay && sizeof(StateT) == 2)
-    if (form == kSingleTokenForm)
-      kernel = decode_mtp_kernel<StateT, kRatio, false, false, true, false, false, false, false,
-                                 false, kKv>;
-  return kernel;
+      return replay_tokens_kernel<StateT, kRatio, ReplayTokensForm::kFourRows, kImage>;
+    if constexpr (sizeof(StateT) == 2) {
+      if (form == kStageFirstForm)
+        return replay_tokens_kernel<StateT, kRatio, ReplayTokensForm::kTokensFirst, kImage>;
+      if (form == kTensorCoreForm)
+        return replay_closed_form_kernel<StateT, kRatio, ClosedFormMath::kTensorCores, kImage>;
+      if (form == kTensorCoreEightForm)
+        return replay_closed_form_kernel<StateT, kRatio, ClosedFormMath::kTensorCoresEightCtas,
+                                         kImage>;
+    }
+    return replay_tokens_kernel<StateT, kRatio, ReplayTokensForm::kStandard, kImage>;
+  }
 }
 
 // Replay with bf16 activations (mixed_qkv and so the window's k and v, a, b, out, and z if given:
@@ -174,37 +159,30 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
   DeviceInfo info;
   GDN_RETURN_IF_ERROR(device_info(device, &info));
   const int64_t heads = args.N * args.HV;
-  const bool tensor_core_state = tensor_core_capable(int(sizeof(StateT)), args.S) &&
-                                 tensor_core_image<StateT, kRatio, kReplay>(device, info);
-  const bool closed_form = kReplay && use_closed_form(args.S, heads, info.sm_count,
-                                                      int(sizeof(StateT)), tensor_core_state);
-  const bool tensor_cores = closed_form && tensor_core_state;
   // CTAs of `bytes` of dynamic shared memory that an SM holds.
   const auto resident = [&](size_t bytes) {
     return shared_memory_resident(bytes, size_t(info.shared_per_sm), size_t(info.reserved_per_cta));
   };
-  const bool single_token =
-      use_single_token(int(sizeof(StateT)), kReplay, args.S, heads, info.sm_count,
-                       resident(shared_bytes<StateT>(1, 1, kSingleTokenBuffers, false, false)) >=
-                           kSingleTokenCtasPerSm);
-  const bool stage_first =
-      kReplay && use_replay_stage_first(int(sizeof(StateT)), closed_form, heads, info.sm_count);
-  const bool four_rows = kReplay && use_replay_four_rows(closed_form, heads, info.sm_count);
+  int form = choose_form(kReplay, int(sizeof(StateT)), args.S, heads, info.sm_count,
+                         tensor_core_image<StateT, kRatio, kReplay>(device, info),
+                         resident(shared_bytes<StateT>(1, 1, kSingleTokenBuffers, false, false)) >=
+                             kSingleTokenCtasPerSm);
+  const bool closed_form = is_closed_form(form), tensor_cores = is_tensor_core_form(form);
+  const bool single_token = form == kSingleTokenForm;
   const bool bf16_activations = use_bf16_activations<kRatio, kReplay>(args);
-  int form = tensor_cores   ? kTensorCoreForm
-             : closed_form  ? kClosedFormRows
-             : single_token ? kSingleTokenForm
-             : stage_first  ? kStageFirstForm
-             : four_rows    ? kFourRowsForm
-                            : kTokenByToken;
   // An aligned "kv" pool comes with the run-time ratio (launch_state_dtype).
   const bool kv_image = kRatio == kRuntimeValue && args.kv_vector;
+  // The images are exclusive: bf16 activations have them at compile-time ratios only.
+  const KernelImage image_kind = bf16_activations ? KernelImage::kBf16Activations
+                                 : kv_image       ? KernelImage::kAlignedKv
+                                                  : KernelImage::kRuntimeDtypes;
   const auto image = [&](int f) {
     if constexpr (kHasBf16ActivationImages<kRatio, kReplay>)
-      if (bf16_activations) return form_kernel<StateT, kRatio, kReplay, true>(f);
+      if (bf16_activations)
+        return form_kernel<StateT, kRatio, kReplay, KernelImage::kBf16Activations>(f);
     if constexpr (kRatio == kRuntimeValue)
-      if (kv_image) return form_kernel<StateT, kRatio, kReplay, false, true>(f);
-    return form_kernel<StateT, kRatio, kReplay, false>(f);
+      if (kv_image) return form_kernel<StateT, kRatio, kReplay, KernelImage::kAlignedKv>(f);
+    return form_kernel<StateT, kRatio, kReplay, KernelImage::kRuntimeDtypes>(f);
   };
   auto kernel = image(form);
   static std::atomic<int> ptx_cache[kMaxDevices];
@@ -246,8 +224,8 @@ inline Status launch_kernel(const KernelArgs& args_in, int device, int split_req
   const size_t smem =
       launch_shared_bytes(needed, heads, split, form_ctas_per_sm(single_token, tensor_core_eight),
                           info.sm_count, size_t(info.shared_per_sm), size_t(info.reserved_per_cta));
-  GDN_RETURN_IF_ERROR(allow_dynamic_shared(kernel, device, info.shared_per_cta,
-                                           smem_cache[kv_image ? 2 : bf16_activations][form]));
+  GDN_RETURN_IF_ERROR(
+      allow_dynamic_shared(kernel, device, info.shared_per_cta, smem_cache[int(image_kind)][form]));
   return launch_ex(kernel, dim3(unsigned(heads * split)), dim3(unsigned(kThreads)), smem, split,
                    hopper, stream, args, kReplay ? "replay" : "decode_mtp");
 }

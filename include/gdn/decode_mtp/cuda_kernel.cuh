@@ -1,4 +1,12 @@
-// decode_mtp on CUDA (K = V = 128): the kernel. The launcher is in gdn/decode_mtp/cuda.cuh.
+// decode_mtp on CUDA (K = V = 128): the kernels. The launcher is in gdn/decode_mtp/cuda.cuh.
+//
+// Forms. Each mode is a kernel of its own: write_all_kernel (decode and MTP verify, the state after
+// every token to its slot), replay_tokens_kernel (replay verify token by token) and
+// replay_closed_form_kernel (replay verify with the window's triangle solved once). Their template
+// arguments name the form (WriteAllForm, ReplayTokensForm, ClosedFormMath) and the kernel image
+// (KernelImage), which the launch rules choose (cuda_launch_rules.hpp, choose_form); BodyTraits
+// derives the switches of the shared body from them, so a combination that does not exist cannot
+// be instantiated.
 //
 // Mapping. One CTA of 128 threads per (request, value head, row block): the head's 128 V rows
 // are split over `split` CTAs (1, 2, 4 or 8; a thread-block cluster when > 1), R = 128 / split
@@ -11,7 +19,7 @@
 // thread as soon as the source slot is known: no registers are held while the bytes are in
 // flight, and the warps start on a chunk as soon as it lands. A buffer is refilled with a later
 // chunk once every warp holds its rows in registers (KernelArgs::buffers; per-warp copies and
-// refills without that CTA barrier measured no faster: benchmarks/results/warp_streams_h200.json).
+// refills without that CTA barrier are no faster).
 // Elsewhere (a kernel image without sm_90, the "kv" layout, or a pool whose slot stride is not
 // 16-byte aligned) the CTA loads each chunk into the same buffers with plain loads: the slow path.
 //
@@ -20,10 +28,10 @@
 // are lane-local products and a transposing reduction over the lanes sharing the rows. Write-all
 // keeps 4 (fp32) or 8 (16-bit) rows per lane, which streams fastest; replay, bound by the
 // instructions of its up to 2S tokens, keeps 2 (7 shuffles per output token instead of 26), except
-// token-by-token replay at large batches (kFourRows: 4). The modes and forms therefore add their
-// dot products in different orders (each deterministic). After
-// every token the group's 8 rows are stored to that token's slot from registers (coalesced row
-// segments, one 16-byte (fp32) or 8-byte chunk per lane).
+// token-by-token replay at large batches (ReplayTokensForm::kFourRows: 4). The modes and forms
+// therefore add their dot products in different orders (each deterministic). After every token the
+// group's 8 rows are stored to that token's slot from registers (coalesced row segments, one
+// 16-byte (fp32) or 8-byte chunk per lane).
 //
 // Gated RMSNorm. o of every (token, row) is kept in shared memory; after the rows are done, each
 // group's sum of o^2 (a fixed pairwise tree) goes to a per-group partial, and the 16 partials of a
@@ -32,7 +40,7 @@
 // cluster barrier, whose fence would wait for every state store of the CTA to drain. The result
 // does not depend on the split.
 //
-// Replay verify (kReplay, docs replay.md) runs on the same CTA mapping: the slice comes from the
+// Replay verify (docs replay.md) runs on the same CTA mapping: the slice comes from the
 // request's one checkpoint slot, the staged token list is the n accepted window tokens (raw k, v,
 // a, b read from the slot's window; no q, no output) followed by the T new ones, the rows are
 // stored once, to the checkpoint, after the n-th token (not at all for n = 0), and the new tokens
@@ -40,18 +48,18 @@
 // its token step keeps the decay as a scalar beside the rows (advance_rows_scaled: 2 or 3 FMAs per
 // element and token instead of 3 or 4, one reduction phase per token) and its launches take the
 // chunk buffers that let six CTAs fit an SM (choose_buffers). Deep windows at large batches take
-// the closed form instead (kClosedForm, prepare_replay): the CTA solves the window's triangular
-// system once, and each row then needs n + T independent dot products and n rank-1 updates. With
-// a 16-bit state and S <= 8 those are two small matrix products per warp, which run on tensor cores
-// (kTensorCores, tensor_core_rows), and that form is taken from S = 4 (use_closed_form); at
-// S <= 5 it has a second image at 64 registers, eight CTAs per SM, taken where that saves a wave
-// (kEightCtasPerSm, use_tensor_core_eight). This kernel only reads the window; a second launch
-// saves the new tokens into it (gdn/replay/cuda.cuh), so no CTA can overwrite a window row another
-// CTA still replays.
+// the closed form instead (replay_closed_form_kernel, prepare_replay): the CTA solves the window's
+// triangular system once, and each row then needs n + T independent dot products and n rank-1
+// updates. With a 16-bit state and S <= 8 those are two small matrix products per warp, which run
+// on tensor cores (ClosedFormMath::kTensorCores, tensor_core_rows), and that form is taken from S =
+// 4 (use_closed_form); at S <= 5 it has a second form at 64 registers, eight CTAs per SM, taken
+// where that saves a wave (ClosedFormMath::kTensorCoresEightCtas, use_tensor_core_eight). This
+// kernel only reads the window; a second launch saves the new tokens into it (gdn/replay/cuda.cuh),
+// so no CTA can overwrite a window row another CTA still replays.
 //
-// Decode without drafts (S = 1) with a 16-bit state has a second form of the kernel
-// (kSingleToken): T and S compile-time 1 and 64 registers, so that eight CTAs fit an SM instead of
-// six. The launcher takes it where it saves a wave (use_single_token).
+// Decode without drafts (S = 1) with a 16-bit state has a second write-all form
+// (WriteAllForm::kSingleToken): T and S compile-time 1 and 64 registers, so that eight CTAs fit an
+// SM instead of six. The launcher takes it where it saves a wave (use_single_token).
 //
 // Math and rounding follow gdn/decode_mtp/cpu.hpp (fp32 throughout, o kept fp32 into the norm,
 // 16-bit state stored round-to-nearest-even). Invalid rows (device-side indices) write no state,
@@ -102,39 +110,13 @@ static_assert(2 * kCudaMaxSpecColumns <= 32, "stage_gates: one lane per staged r
 
 // The dtype of an activation array (mixed_qkv and the window's k and v, a, b, z, out) as a kernel
 // image reads it: `t` from KernelArgs, or bf16 in the images for bf16 activations
-// (kBf16Activations, the launcher's use_bf16_activations). Those know it at compile time, so their
-// loads, conversions and stores carry no dtype branches: replay is bound by its instructions,
-// and the branches of a run-time dtype were about 7 % of them (benchmarks/results/
-// profile_lines_fb2f183_h200.json).
+// (KernelImage::kBf16Activations, the launcher's use_bf16_activations). Those know it at compile
+// time, so their loads, conversions and stores carry no dtype branches: replay is bound by its
+// instructions, of which a run-time dtype's branches are a measurable share.
 template <bool kBf16Activations>
 __device__ __forceinline__ DType activation_dtype(DType t) {
   return kBf16Activations ? DType::kBFloat16 : t;
 }
-
-// Phase probe (builds with -DGDN_PHASE_PROBE only, read by benchmarks/probe_phases.py): thread 0
-// of every CTA stamps its SM clock at each phase of the kernel (words 0-10 of the CTA's 16, and 11
-// and 12 inside the closed form's solve) and %globaltimer at the first and last (words 14, 15), as
-// 64-bit words after the error counter (the caller passes a counter with room for 16 words per CTA
-// behind it). Other builds: nothing.
-#ifdef GDN_PHASE_PROBE
-#define GDN_PHASE(args, tid, phase)                                                        \
-  do {                                                                                     \
-    if ((tid) == 0 && (args).error_count) {                                                \
-      unsigned long long* at_ =                                                            \
-          reinterpret_cast<unsigned long long*>((args).error_count + 2) + blockIdx.x * 16; \
-      at_[phase] = clock64();                                                              \
-      if ((phase) == 0 || (phase) == 10) {                                                 \
-        unsigned long long now_;                                                           \
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now_));                           \
-        at_[(phase) == 0 ? 14 : 15] = now_;                                                \
-      }                                                                                    \
-    }                                                                                      \
-  } while (0)
-#else
-#define GDN_PHASE(args, tid, phase) \
-  do {                              \
-  } while (0)
-#endif
 
 // Plain-data copy of Params/Problem for the kernel (TensorView is host-side).
 struct KernelArgs {
@@ -363,10 +345,8 @@ struct GroupRows {
 
 // The "kv" layout keeps a head as [K, V]: element (row v, column k) at k * 128 + v, so the rows of
 // a column are adjacent. These two helpers move a "kv" slice as vectors along v where KernelArgs::
-// kv_vector holds (elsewhere the kernel moves it element by element). H200, TP1, T = 1-8, B =
-// 1-512, time against "vk": write-all fp32 2.4-7.2x before them and 1.5-1.7x with them,
-// bf16 3.5-23x and 1.4-5.5x; replay fp32 1.2-4.5x and 1.2-2.0x, bf16 1.3-7.0x and 1.2-2.6x
-// (benchmarks/results/kv_layout_h200.json).
+// kv_vector holds (elsewhere the kernel moves it element by element, several times slower). The
+// layout stays slower than "vk", whose rows arrive by bulk copies.
 //
 // Rows r0 .. r0 + rows - 1 of a "kv" slice into a chunk buffer in the layout the bulk copies leave
 // ([row][128]), by the whole CTA: 16-byte loads, each of adjacent rows at one column (a warp reads
@@ -425,12 +405,10 @@ __device__ __forceinline__ void store_rows_kv(StateT* first, const float4 (&x)[k
     }
 }
 
-// Rows per lane by mode, state dtype and form (H200, benchmarks/results/layout_h200.json). Replay
-// runs up to 2S tokens per slice and is bound by their instructions: 2 rows (with the registers
-// below, B = 128 runs 10 % (fp32, T = 4) to 18 % (bf16, T = 8) faster than with 8 rows at 80
-// registers), and 4 in the kFourRows image of token-by-token replay from sixteen heads per SM
-// (use_replay_four_rows). Write-all: 4 for fp32 (as fast as 8, up to 4 % faster at T = 8 and small
-// batches), 8 for 16-bit states (2 was 1-2 % slower at B >= 128 and T <= 4).
+// Rows per lane by mode, state dtype and form. Replay runs up to 2S tokens per slice and is bound
+// by their instructions: 2 rows (fewer shuffles per token than 8 at the same registers), and 4 in
+// ReplayTokensForm::kFourRows from sixteen heads per SM (use_replay_four_rows). Write-all streams
+// fastest with 4 rows for fp32 and 8 for 16-bit states.
 template <class StateT, bool kReplay, bool kFourRows = false>
 inline constexpr int kRowsPerLane = kReplay               ? (kFourRows ? 4 : 2)
                                     : sizeof(StateT) == 4 ? 4
@@ -780,7 +758,6 @@ __device__ __forceinline__ void prepare_replay(int n, int m, int R, int vs, int 
   else
     decays_and_pairs([&](int j, int i) { return window_decay(gates, j, i); });
   __syncthreads();
-  GDN_PHASE(args, tid, 11);
   // 2. kt and qt of column tid, vt and ot of row tid (< R: a split head's CTA has fewer rows),
   //    token by token. Every thread reads and writes only its own column and row. kt_j replaces
   //    k_j in k_s; a replayed token's raw k_j moves to its unused q_s row for the checkpoint.
@@ -790,7 +767,6 @@ __device__ __forceinline__ void prepare_replay(int n, int m, int R, int vs, int 
   else
     solve_in_shared(n, m, R, vs, tid, k_s, q_s, gates, mat_s, v_s, o_s);
   __syncthreads();
-  GDN_PHASE(args, tid, 12);
 }
 
 // Closed form on tensor cores (kTensorCores: a 16-bit state, windows of up to kTensorCoreMaxS
@@ -1021,10 +997,8 @@ __device__ __forceinline__ float gate_act(const KernelArgs& args, float zv) {
 // Values of act(z) a thread loads at once (all of them for T <= the batch at R = 128): 4, or 2 in
 // the fp32 write-all kernel, which spills with 4 (at 80 registers ptxas still keeps a few values
 // of some kernels in local memory, one or two L1 loads per chunk: fp32 write-all 4 bytes, bf16
-// closed-form replay 12). The first batch goes out with the token staging's loads; a staging
-// warp used to load its z after its tokens, a second round trip before the first chunk (H200,
-// B = 128: bf16 write-all T = 2 4 %, T = 4 4 %, replay T = 4 3-4 % faster; T = 1 unchanged;
-// benchmarks/results/z_batch_h200.json).
+// closed-form replay 12). The first batch goes out with the token staging's loads, so that z
+// costs no second round trip before the first chunk.
 __host__ __device__ constexpr int z_batch(int state_bytes, bool replay) {
   return state_bytes == 4 && !replay ? 2 : 4;
 }
@@ -1105,32 +1079,52 @@ struct TokenArgs {
   float v;
 };
 
-// kStageFirst: the token-by-token replay kernel of a 16-bit state with its tokens staged before
-// the slice's first chunks (the launcher's use_replay_stage_first), a kernel image of its own so
-// that the image the other batches take keeps its code.
-// kTensorCores: the closed form's rows phase on tensor cores (a 16-bit state, S <= kTensorCoreMaxS;
-// the launcher's tensor_core_image and use_closed_form). kEightCtasPerSm: its image at eight CTAs
-// per SM (use_tensor_core_eight). kBf16Activations: the image of a replay form for bf16 activations
-// (activation_dtype; the launcher's use_bf16_activations). kFourRows: the token-by-token replay
-// image with 4 rows per lane (half the shared-memory loads of k and q per token, twice the
-// shuffles; the launcher's use_replay_four_rows). kKvLayout: the image of a form for a "kv" pool
-// whose slots are 16-byte aligned (load_chunk_kv, store_rows_kv), with the run-time head ratio;
-// the other images keep the element-by-element "kv" path, which then costs them no registers.
-template <class StateT, int kRatio, bool kReplay, bool kClosedForm = false,
-          bool kSingleToken = false, bool kStageFirst = false, bool kTensorCores = false,
-          bool kEightCtasPerSm = false, bool kBf16Activations = false, bool kFourRows = false,
-          bool kKvLayout = false>
-__global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEightCtasPerSm))
-    decode_mtp_kernel(const __grid_constant__ KernelArgs args) {
-  static_assert(!kEightCtasPerSm || kTensorCores, "eight CTAs per SM: the tensor-core form");
-  static_assert(!kSingleToken || (!kReplay && sizeof(StateT) == 2),
-                "the single-token form is write-all with a 16-bit state");
-  static_assert(!kStageFirst || (kReplay && !kClosedForm && sizeof(StateT) == 2),
-                "staging first is a form of 16-bit token-by-token replay");
-  static_assert(!kTensorCores || (kReplay && kClosedForm && sizeof(StateT) == 2),
-                "tensor cores run the closed form of a 16-bit state");
-  static_assert(!kFourRows || (kReplay && !kClosedForm && !kStageFirst),
-                "four rows per lane is a form of token-by-token replay");
+// The switches of the kernel body, derived from a form (the only place that spells them out).
+// replay: the slice comes from a checkpoint and the window is replayed first; closed_form: the
+// window's triangle is solved once per CTA (prepare_replay); single_token: T = S = 1 compiled in;
+// tokens_first: tokens staged before the slice's first chunks; tensor_cores / eight_ctas: the
+// closed form's rows on tensor cores, at six or eight CTAs per SM; bf16_activations: activation
+// dtypes known at compile time (activation_dtype); four_rows: 4 rows per lane in token-by-token
+// replay; kv_layout: 16-byte loads and stores of an aligned "kv" pool (load_chunk_kv,
+// store_rows_kv), the other images keep the element-by-element "kv" path, which then costs them no
+// registers.
+struct BodyTraits {
+  bool replay = false, closed_form = false, single_token = false, tokens_first = false,
+       tensor_cores = false, eight_ctas = false, bf16_activations = false, four_rows = false,
+       kv_layout = false;
+};
+constexpr BodyTraits with_image(BodyTraits t, KernelImage image) {
+  t.bf16_activations = image == KernelImage::kBf16Activations;
+  t.kv_layout = image == KernelImage::kAlignedKv;
+  return t;
+}
+constexpr BodyTraits body_traits(WriteAllForm form, KernelImage image) {
+  BodyTraits t;
+  t.single_token = form == WriteAllForm::kSingleToken;
+  return with_image(t, image);
+}
+constexpr BodyTraits body_traits(ReplayTokensForm form, KernelImage image) {
+  BodyTraits t;
+  t.replay = true;
+  t.tokens_first = form == ReplayTokensForm::kTokensFirst;
+  t.four_rows = form == ReplayTokensForm::kFourRows;
+  return with_image(t, image);
+}
+constexpr BodyTraits body_traits(ClosedFormMath math, KernelImage image) {
+  BodyTraits t;
+  t.replay = t.closed_form = true;
+  t.tensor_cores = math != ClosedFormMath::kCudaCores;
+  t.eight_ctas = math == ClosedFormMath::kTensorCoresEightCtas;
+  return with_image(t, image);
+}
+
+template <class StateT, int kRatio, BodyTraits kTraits>
+__device__ __forceinline__ void decode_mtp_body(const KernelArgs& args) {
+  constexpr bool kReplay = kTraits.replay, kClosedForm = kTraits.closed_form;
+  constexpr bool kSingleToken = kTraits.single_token, kStageFirst = kTraits.tokens_first;
+  constexpr bool kTensorCores = kTraits.tensor_cores, kEightCtasPerSm = kTraits.eight_ctas;
+  constexpr bool kBf16Activations = kTraits.bf16_activations, kFourRows = kTraits.four_rows;
+  constexpr bool kKvLayout = kTraits.kv_layout;
   extern __shared__ __align__(128) unsigned char smem[];
   using Bits = StateBits<StateT>;
   using Raw = typename Bits::Raw;
@@ -1188,7 +1182,6 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
     if (clustered) mbarrier_init(norm_bar, 1);
     mbarrier_init_fence();
   }
-  GDN_PHASE(args, tid, 0);
   // Peers may signal norm_bar once they have waited for this arrival (before their first push).
   if (clustered) cluster_arrive_relaxed();
   // Every exit: a clustered CTA first waits for its peers' arrival (they take the same exit).
@@ -1198,7 +1191,6 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
 
   wait_for_prior_grids();  // nothing below may read what earlier launches write before this
   allow_dependent_launch();
-  GDN_PHASE(args, tid, 1);
 
   // 1. The request's slot ids (replay: its checkpoint slot), token range and accepted count (one
   //    round trip).
@@ -1217,7 +1209,6 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
   const uint32_t w_bits =
       norm && tid < R ? load_bits(args.norm_weight, args.norm_dtype, row0 + tid) : 0u;
   __syncthreads();
-  GDN_PHASE(args, tid, 2);
 
   // 2. Validity (every thread decides the same, from shared memory). A replay row's window_len is
   //    read only in step 3 (it depends on the slot); the rest is decided here.
@@ -1244,7 +1235,7 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
   // o_s once a group's rows are done rather than per token in the token loop, which then spends no
   // shuffles on the norm: after the loop by the whole CTA, or in the fp32 write-all kernel by each
   // warp as it finishes a group (kPartialsPerGroup: that CTA streams its bytes and a phase after
-  // the loop lengthens its tail; H200, benchmarks/results/norm_partials_h200.json).
+  // the loop lengthens its tail).
   auto push_partial = [&](int t, int g) {
     float* part = ss_s + t * kGroupsPerHead + rank * groups + g;
     const float sq = group_sum_sq(o_s + t * o_stride + g * kRowsPerGroup);
@@ -1315,15 +1306,10 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
   // Write-all: the slice's first chunks go out once every warp has issued the loads of its first
   // two tokens (and the first z and gate loads), so that a loaded memory system serves these small
   // loads before the slice's bytes instead of after them and the CTA starts on chunk 0 as soon as
-  // it lands (H200, against issuing the chunks first, two runs: B = 8 with a 16-bit state 7-10 %
-  // faster, fp32 T = 8 B = 8 4-5 %, B >= 128 0-1.5 %; B = 1 within +-3 %;
-  // benchmarks/results/activations_first_h200.json). Token-by-token replay of an fp32 state does
-  // the same (T = 2 and 4: B = 8 and 32 2-9 %, B >= 128 2-4 % faster, B = 1 within +-4 %;
-  // benchmarks/results/replay_activations_first_h200.json). So does 16-bit token-by-token replay
-  // in its kStageFirst image, which the launcher takes from one to sixteen heads per SM
-  // (use_replay_stage_first). The other replay kernels and the single-token form issue the chunks
-  // first and stage token by token: with the other order, or with only the staging restructured,
-  // they were slower (closed form 2-3 % from B = 128; a 16-bit state up to 11 % at B = 512).
+  // it lands. Token-by-token replay of an fp32 state does the same, and so does 16-bit
+  // token-by-token replay in ReplayTokensForm::kTokensFirst, which the launcher takes from one to
+  // sixteen heads per SM (use_replay_stage_first). The other replay kernels and the single-token
+  // form issue the chunks first and stage token by token, which is faster for them.
   constexpr bool kActivationsFirst =
       !kSingleToken && (!kReplay || (sizeof(StateT) == 4 && !closed_form) || kStageFirst);
   if constexpr (!kActivationsFirst) issue_first_chunks();
@@ -1412,7 +1398,6 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
   const bool w_reloaded = SmemPlan::reloads_norm_weight(closed_form, R);
   if (norm && tid < R && !w_reloaded) w_s[tid] = bits_to_f32(w_bits, args.norm_dtype);
   __syncthreads();  // staged tokens (and a replay row's window_len) visible
-  GDN_PHASE(args, tid, 3);
 
   if constexpr (kReplay) {  // the replay count against the tokens the window holds
     if (acc > meta.stored) {
@@ -1437,7 +1422,6 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
                                     reinterpret_cast<TensorCoreFrags*>(k_s));
   }
   if (clustered) cluster_wait();  // every peer's norm_bar is initialised: partials may be pushed
-  GDN_PHASE(args, tid, 4);
 
   // 5. Chunks of 32 rows (4 groups of 8, one per warp) in order; a buffer is refilled with chunk
   //    c + buffers once every warp holds its rows of chunk c in registers.
@@ -1450,7 +1434,6 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
     const auto [buf, parity] = chunk_ring(c, buffers);
     if (bulk) {
       mbarrier_wait(&bars[buf], parity);
-      if (c == 0) GDN_PHASE(args, tid, 5);
     } else {  // at least 2 buffers (choose_buffers): the barrier of chunk c - 1 orders this refill
       plain_load_chunk(c, buf);  // after every warp's reads of chunk c - buffers
       __syncthreads();
@@ -1580,8 +1563,7 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
             tokens, tc_coef, tc_decay, args, lane);
         if (n_replay > 0 && args.state_vector) {
           // The group's rows to the checkpoint. Quads g and g ^ 1 swap a word per half row, so
-          // that each warp store covers 128 bytes of each of 4 rows rather than 64 of 8 (H200,
-          // B >= 128: 0.5-3.5 % faster; benchmarks/results/replay_tensor_cores_h200.json).
+          // that each warp store covers 128 bytes of each of 4 rows rather than 64 of 8.
           // The even quad of a pair stores columns 64 h + 8 t of both rows, the odd quad 64 h + 32
           // + 8 t: one address per lane, the columns' offsets constants.
           const bool odd = lane & 4;
@@ -1704,9 +1686,7 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
 
   // 6. Gated RMSNorm over all 128 rows (the partials of every CTA of the cluster), in one fixed
   //    order whatever the split, then the outputs.
-  GDN_PHASE(args, tid, 6);
   __syncthreads();  // o (and with kPartialsPerGroup this CTA's partials) visible
-  GDN_PHASE(args, tid, 7);
   if (norm) {
     if constexpr (!kPartialsPerGroup) {
       for (int e = tid; e < T * groups; e += kThreads)
@@ -1728,7 +1708,6 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
     if (clustered) cluster_arrive_relaxed();
     __syncthreads();
   }
-  GDN_PHASE(args, tid, 8);
   // The outputs of this thread: rows r = tid % R of tokens tid / R + i kThreads / R (as z above).
   const int r_out = tid & (R - 1);
   const int64_t out_step = int64_t(kThreads >> log2_R) * HV * kHeadDim;
@@ -1754,9 +1733,33 @@ __global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kSingleToken, kEigh
     }
     store_value(args.out, activation_dtype<kBf16Activations>(args.out_dtype), out_at, y);
   }
-  GDN_PHASE(args, tid, 9);
   if (clustered) cluster_wait();
-  GDN_PHASE(args, tid, 10);
+}
+
+// The three modes, each its own kernel over the body above; a form that needs a 16-bit state
+// exists only for one, and write-all has no bf16-activation image.
+template <class StateT, int kRatio, WriteAllForm kForm, KernelImage kImage>
+  requires(kForm != WriteAllForm::kSingleToken || sizeof(StateT) == 2) &&
+          (kImage != KernelImage::kBf16Activations)
+__global__ void __launch_bounds__(kThreads, form_ctas_per_sm(kForm == WriteAllForm::kSingleToken))
+    write_all_kernel(const __grid_constant__ KernelArgs args) {
+  decode_mtp_body<StateT, kRatio, body_traits(kForm, kImage)>(args);
+}
+
+template <class StateT, int kRatio, ReplayTokensForm kForm, KernelImage kImage>
+  requires(kForm != ReplayTokensForm::kTokensFirst || sizeof(StateT) == 2)
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
+    replay_tokens_kernel(const __grid_constant__ KernelArgs args) {
+  decode_mtp_body<StateT, kRatio, body_traits(kForm, kImage)>(args);
+}
+
+template <class StateT, int kRatio, ClosedFormMath kMath, KernelImage kImage>
+  requires(kMath == ClosedFormMath::kCudaCores || sizeof(StateT) == 2)
+__global__ void __launch_bounds__(kThreads,
+                                  form_ctas_per_sm(false,
+                                                   kMath == ClosedFormMath::kTensorCoresEightCtas))
+    replay_closed_form_kernel(const __grid_constant__ KernelArgs args) {
+  decode_mtp_body<StateT, kRatio, body_traits(kMath, kImage)>(args);
 }
 
 }  // namespace gdn::decode_mtp::cuda_detail

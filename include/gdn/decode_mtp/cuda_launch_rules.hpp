@@ -1,7 +1,8 @@
 // The CUDA decode_mtp launcher's rules (gdn/decode_mtp/cuda.cuh): the kernel's CTA shape and
 // occupancy budget, and the pure functions of the shapes and the device that pick a launch's kernel
 // form, head split, chunk buffers, L2 hints and shared memory. Host only and free of CUDA headers,
-// so that the CPU tests pin every rule (tests/cpp/test_launch_rules.cpp).
+// so that the CPU tests pin every rule (tests/cpp/test_launch_rules.cpp). Each threshold is where
+// the choice measured faster on an H200; docs/cuda-kernels.md ("Launch rules") gives the figures.
 #pragma once
 
 #include <cstddef>
@@ -23,25 +24,48 @@ inline constexpr int kMaxChunks = kHeadDim / kChunkRows;  // 4
 inline constexpr int kMaxSplit = 8;                       // CTAs per head (portable cluster size)
 // Register budget: six CTAs per SM (80 registers, no spills) in both modes. Write-all: a 16-bit
 // slice at T = 1 fits six by shared memory. Replay (2 rows per lane, the decay as a scalar:
-// advance_rows_scaled) is bound by latency and issue more than by bytes, and its launcher picks
-// the chunk buffers that let as many CTAs fit (choose_buffers): six at S <= 5 (B = 128, T = 4: fp32
-// 5 %, bf16 4 % faster than five at 96 registers; T = 8, where shared memory allows five, 1-3 %
-// slower; benchmarks/results/replay_v2_h200.json).
+// advance_rows_scaled) is bound by latency and issue more than by bytes, so its launcher picks the
+// chunk buffers that let as many CTAs fit (choose_buffers): six at S <= 5.
 inline constexpr int kMinCtasPerSm = 6;
-// Decode without drafts (S = 1) with a 16-bit state (the kernel's kSingleToken form): T and S are
+// Decode without drafts (S = 1) with a 16-bit state (WriteAllForm::kSingleToken): T and S are
 // compile-time 1 and the register budget 64, so that eight CTAs fit an SM with three chunk buffers
-// (the launcher's use_single_token says when).
+// (use_single_token says when).
 inline constexpr int kSingleTokenCtasPerSm = 8;
 inline constexpr int kSingleTokenBuffers = 3;
 
 // The closed form on tensor cores with windows of up to kTensorCoreEightMaxS columns, whose shared
-// memory fits eight CTAs per SM, has an image at a register budget of 64 for eight (the kernel's
-// kEightCtasPerSm; use_tensor_core_eight says when).
+// memory fits eight CTAs per SM, has a form at a register budget of 64 for eight
+// (ClosedFormMath::kTensorCoresEightCtas; use_tensor_core_eight says when).
 inline constexpr int kTensorCoreEightCtasPerSm = 8;
 
+// ---- kernel forms ----------------------------------------------------------------------------
+// A launch runs one kernel form: a mode (write-all, token-by-token replay, closed-form replay,
+// each its own __global__ function) and the mode's variant, chosen by the rules below. Each form
+// is compiled per state dtype, head ratio and kernel image; an enum, not a flag, names each
+// choice, so a combination that does not exist cannot be written.
+enum class WriteAllForm : int {
+  kStandard,
+  kSingleToken,  // a 16-bit state without drafts: T = S = 1 compiled in (use_single_token)
+};
+enum class ReplayTokensForm : int {
+  kStandard,     // the slice's first chunks go out first, then the tokens are staged
+  kTokensFirst,  // a 16-bit state: the tokens are staged first (use_replay_stage_first)
+  kFourRows,     // 4 rows per lane: half the k and q loads per token (use_replay_four_rows)
+};
+enum class ClosedFormMath : int {
+  kCudaCores,
+  kTensorCores,           // a 16-bit state, S <= kTensorCoreMaxS (use_closed_form)
+  kTensorCoresEightCtas,  // the same at eight CTAs per SM (use_tensor_core_eight)
+};
+// What an image of a form knows at compile time besides the form.
+enum class KernelImage : int {
+  kRuntimeDtypes,    // activation dtypes and the pool layout come from KernelArgs
+  kBf16Activations,  // replay with bf16 activations (use_bf16_activations)
+  kAlignedKv,        // a 16-byte aligned "kv" pool, run-time head ratio (KernelArgs::kv_vector)
+};
+
 // CTAs per SM that a kernel form's register budget allows (its __launch_bounds__). The closed
-// form on tensor cores otherwise keeps six: seven gained nothing, eight (spilling) was 2-12 %
-// slower at S >= 6 (benchmarks/results/replay_tensor_cores_h200.json, run 3).
+// form on tensor cores otherwise keeps six: seven gains nothing, and eight spill at S >= 6.
 GDN_HOST_DEVICE constexpr int form_ctas_per_sm(bool single_token, bool tensor_core_eight = false) {
   return single_token        ? kSingleTokenCtasPerSm
          : tensor_core_eight ? kTensorCoreEightCtasPerSm
@@ -50,14 +74,10 @@ GDN_HOST_DEVICE constexpr int form_ctas_per_sm(bool single_token, bool tensor_co
 
 // Chunk buffers per CTA. Write-all: a 16-bit slice keeps one per chunk. An fp32 slice streams its
 // 4 chunks through 3 (4 CTAs fit an SM instead of 3), except for small batches (fewer than 4 heads
-// per SM), where 2 buffers measured faster at T > 1 (H200, benchmarks/results/tuning_v2.json:
-// T = 4, B = 8: 28.6 us with 2, 32.5 us with 3; B = 32: 104 us with 2, 97 us with 3). Replay, whose
-// CTAs also stage up to 2S tokens and are bound by latency and issue more than by bytes, wants as
-// many CTAs per SM as its registers allow (kMinCtasPerSm; shared memory allows them at S <= 5): 2
-// buffers, and 1 for an fp32 slice from 4 heads per SM (fp32, B = 128: T = 4 6 % and T = 8 21 %
-// faster than 2 buffers at 4 CTAs per SM; benchmarks/results/replay_v2_h200.json) and for the
-// closed form of any state from 4 heads per SM (bf16 T = 8: six CTAs per SM instead of five, B =
-// 128 3.2 % and B = 512 2.1 % faster; benchmarks/results/closed_form_smem_h200.json). Plain loads
+// per SM), where 2 buffers are faster at T > 1. Replay, whose CTAs also stage up to 2S tokens and
+// are bound by latency and issue more than by bytes, wants as many CTAs per SM as its registers
+// allow (kMinCtasPerSm; shared memory allows them at S <= 5): 2 buffers, and 1 from 4 heads per SM
+// for an fp32 slice and for the closed form of any state, so that one more CTA fits. Plain loads
 // (bulk = false: the "kv" layout, unaligned pools, no sm_90 image) take at least 2: their CTA
 // refills a buffer right after the barrier of the previous chunk, which ensures that every warp has
 // read the chunk the buffer held only when that chunk is not the previous one.
@@ -87,42 +107,27 @@ GDN_HOST_DEVICE constexpr ChunkSlot chunk_ring(int c, int buffers) {
 }
 
 // L2 eviction hints on the state stream (evict-first bulk loads, streaming stores): on, except for
-// an fp32 state at batches of at least 16 heads per SM, which stream faster without them (H200,
-// write-all fp32 T = 1: B = 128 143 vs 146 us, B = 512 548 vs 572 us; smaller batches and 16-bit
-// states are as fast or faster with them; benchmarks/results/tuning_v3_hints.json). The same holds
-// for token-by-token replay (fp32, B = 128 and 512, T = 2 and 4: 2.0-2.7 % faster without them);
-// replay in closed form keeps them (T = 8: 1.5-1.9 % slower without; replay_hints_h200.json).
+// an fp32 state at batches of at least 16 heads per SM, written all or replayed token by token,
+// which streams faster without them; smaller batches, 16-bit states and the closed form are as
+// fast or faster with them.
 inline bool use_evict_hints(int state_bytes, bool closed_form, int64_t heads, int sm_count) {
   return state_bytes != 4 || closed_form || heads < 16 * int64_t(sm_count);
 }
 
-// Replay's form (the kernel's kClosedForm): the closed form for deep windows once every SM has a
-// head, token by token otherwise. The closed form's per-CTA solve costs latency that small
-// batches cannot hide, and at S < 6 its shorter token loop does not pay for it (H200, one head per
-// CTA, against token by token: T = 8, B = 32 to 512 10-13 % faster, B = 8 4 %; T = 4, B = 128
-// fp32 7 % slower, B = 1 25-40 % slower; benchmarks/results/replay_closed_form_h200.json). S = 6
-// and 7 take it from four heads per SM, where it was measured (TP1, B = 32 to 512, fp32 and bf16:
-// T = 6 2.3-5.9 % and T = 7 2.1-5.0 % faster; T = 5 up to 6.6 % slower); below that they stay
-// token by token (closed form at 1.2-1.9 heads per SM 5-23 % slower, at 2.9-3.9 -5..+4 %;
-// benchmarks/results/closed_form_min_s_h200.json). An fp32 state takes it from two heads per SM:
-// its token-by-token kernel stages the activations before the slice's bytes (the kernel's
-// kActivationsFirst) and below two heads per SM, where it splits every head over 2 CTAs, is the
-// faster form at S = 8 as well (T = 8, B = 8: 34.2 -> 31.6 us; at B = 32 the closed form stays
-// 13 % faster; benchmarks/results/replay_closed_form_fp32_h200.json).
+// Replay's form: the closed form (replay_closed_form_kernel) for deep windows once every SM has a
+// head, token by token otherwise. The closed form's per-CTA solve costs latency that small batches
+// cannot hide, and below S = 6 its shorter token loop does not pay for it. S = 6 and 7 take it from
+// four heads per SM, S >= 8 from one. An fp32 state takes it from two heads per SM: below that its
+// token-by-token kernel, which stages the activations before the slice's bytes and splits every
+// head over 2 CTAs, is faster at S = 8 as well.
 inline constexpr int kClosedFormMinS = 6;
 inline constexpr int kClosedFormMinSHeadsPerSm = 4;  // S = 6, 7 take it from this many heads per SM
 inline constexpr int kClosedFormSmallBatchMinS = 8;  // one (fp32: two) to four heads per SM
 inline constexpr int kClosedFormFp32MinHeadsPerSm = 2;
-// A 16-bit state with windows of up to kTensorCoreMaxS columns (tensor_cores: the kernel's rows
-// phase on tensor cores, tensor_core_capable) takes the closed form from S = 6 at one head per SM
-// and from S = 4 at two, where it was measured faster than token by token (H200, B = 8 to 512,
-// TP1, TP4 and ratio 3 and 8 shapes, against the FMA closed form at S = 8 and token by token
-// below: S = 7 and 8 14-20 % faster from two heads per SM and 2.5-5 % at two, S = 6 12-17 % from
-// four and 1-3 % at two, S = 5 10-18 % from four, S = 4 5-10 % from eight and 3-6 % slower at
-// two; S = 3 from -2 to +4 % and S = 2 13-27 % slower from four heads per SM;
-// benchmarks/results/replay_tensor_cores_h200.json). S = 4 and 5 take it from two heads per SM
-// (TP1 B = 12 and 16, 2.9 and 3.9 heads per SM: S = 4 6.0-6.3 %, S = 5 10.4-11.5 % faster; from
-// four heads per SM as before; run4_min_heads of the same file).
+// A 16-bit state with windows of up to kTensorCoreMaxS columns (tensor_cores: the rows phase on
+// tensor cores, tensor_core_capable) takes the closed form from S = 6 at one head per SM and from
+// S = 4 at two, where it is faster than token by token; at S <= 3 the solve does not pay for
+// itself.
 inline constexpr int kTensorCoreMaxS = 8;  // n <= 8 replayed, m <= 16 staged: one mma tile
 inline constexpr int kTensorCoreMinS = 4;
 inline constexpr int kTensorCoreAnyBatchMinS = 6;    // from one head per SM
@@ -138,21 +143,17 @@ inline bool use_closed_form(int S, int64_t heads, int sm_count, int state_bytes,
          (S >= kClosedFormMinS && heads >= kClosedFormMinSHeadsPerSm * sms);
 }
 
-// The closed form's rows phase on tensor cores (the kernel's kTensorCores): a 16-bit state (bf16 or
-// fp16, exact in the mma's inputs of its dtype) with windows of up to kTensorCoreMaxS columns.
+// The closed form's rows phase on tensor cores (ClosedFormMath::kTensorCores): a 16-bit state (bf16
+// or fp16, exact in the mma's inputs of its dtype) with windows of up to kTensorCoreMaxS columns.
 inline bool tensor_core_capable(int state_bytes, int S) {
   return state_bytes == 2 && S <= kTensorCoreMaxS;
 }
 
-// The single-token form (the kernel's kSingleToken): decode without drafts (S = 1) with a 16-bit
-// state, where eight of its CTAs fit an SM (`fits`: shared memory; the regular kernel holds six,
-// at 80 registers) and they take fewer waves than the regular kernel's, up to
-// kSingleTokenMaxHeadsPerSm heads per SM. The last wave of a launch is latency-bound, so one wave
-// fewer pays for the form's slower CTAs (three chunk buffers, local-memory spills at 64 registers);
-// with as many waves it is slower (H200, bf16, T = 1, against the regular kernel: 7.75 heads per
-// SM 18-19 % faster, 15.5 6-8 %, 23 3 %, 31 0-1 %, 62 1.4 % slower; at 5.8, one wave either way,
-// 14-15 % slower, from where the hardware placed the CTAs:
-// benchmarks/results/single_token_h200.json, cta_spread_h200.json).
+// The single-token form: decode without drafts (S = 1) with a 16-bit state, where eight of its CTAs
+// fit an SM (`fits`: shared memory; the standard form holds six, at 80 registers) and they take
+// fewer waves than the standard form's, up to kSingleTokenMaxHeadsPerSm heads per SM. The last
+// wave of a launch is latency-bound, so one wave fewer pays for the form's slower CTAs (three chunk
+// buffers, local-memory spills at 64 registers); with as many waves it is slower.
 inline constexpr int kSingleTokenMaxHeadsPerSm = 32;
 inline bool use_single_token(int state_bytes, bool replay, int S, int64_t heads, int sm_count,
                              bool fits) {
@@ -163,13 +164,10 @@ inline bool use_single_token(int state_bytes, bool replay, int S, int64_t heads,
          launch_waves(heads, sm_count, kMinCtasPerSm);
 }
 
-// The tensor-core closed form's image at eight CTAs per SM (kTensorCoreEightCtasPerSm; its 64
-// registers spill a few bytes) for windows of up to kTensorCoreEightMaxS columns, where shared
-// memory fits eight (`fits`) and they take fewer waves than six, up to
-// kTensorCoreEightMaxHeadsPerSm heads per SM (H200, bf16, against six per SM: TP1 S = 4 and 5,
-// B = 32 (7.75 heads per SM) 7-8 %, B = 64 3-4 %, B = 128 1.6-2.1 % faster; TP4 B = 128 (7.75)
-// 9-11 %, B = 512 (31) 1.4-4.2 %; at 124 heads per SM -0.4..+1.8 %; S >= 6 2-12 % slower;
-// benchmarks/results/replay_tensor_cores_h200.json, run 3).
+// The tensor-core closed form at eight CTAs per SM (kTensorCoreEightCtasPerSm; its 64 registers
+// spill a few bytes) for windows of up to kTensorCoreEightMaxS columns, where shared memory fits
+// eight (`fits`) and they take fewer waves than six, up to kTensorCoreEightMaxHeadsPerSm heads per
+// SM; deeper windows spill more and are slower.
 inline constexpr int kTensorCoreEightMaxS = 5;
 inline constexpr int kTensorCoreEightMaxHeadsPerSm = 32;
 inline bool use_tensor_core_eight(int S, int64_t heads, int sm_count, bool fits) {
@@ -180,66 +178,74 @@ inline bool use_tensor_core_eight(int S, int64_t heads, int sm_count, bool fits)
          launch_waves(heads, sm_count, kMinCtasPerSm);
 }
 
-// Token-by-token replay of a 16-bit state stages its tokens before the slice's first chunks (the
-// kernel's kStageFirst image; an fp32 state always does) from one to sixteen heads per SM, where
-// its CTAs otherwise wait for their few activation bytes behind the slices' bulk copies (H200,
-// T = 2 and 4, B = 8 to 64: bf16 1.5-6.1 %, fp16 3.2-6.1 % faster;
-// benchmarks/results/replay_stage_first_h200.json). Elsewhere it keeps the chunks first: staged
-// first, B = 1 was 1-4 % and B = 512 1-6 % slower, B = 128 within 2 %
-// (benchmarks/results/activations_first_h200.json, runs af and af2).
+// Token-by-token replay of a 16-bit state stages its tokens before the slice's first chunks
+// (ReplayTokensForm::kTokensFirst; an fp32 state always does) from one to sixteen heads per SM,
+// where its CTAs otherwise wait for their few activation bytes behind the slices' bulk copies.
+// Below one head per SM and from sixteen it keeps the chunks first, which is faster there.
 inline constexpr int kReplayStageFirstMaxHeadsPerSm = 16;
 inline bool use_replay_stage_first(int state_bytes, bool closed_form, int64_t heads, int sm_count) {
   return state_bytes == 2 && !closed_form && heads >= sm_count &&
          heads < kReplayStageFirstMaxHeadsPerSm * int64_t(sm_count);
 }
 
-// Token-by-token replay keeps 4 rows per lane instead of 2 (the kernel's kFourRows image) from
+// Token-by-token replay keeps 4 rows per lane instead of 2 (ReplayTokensForm::kFourRows) from
 // kReplayFourRowsMinHeadsPerSm heads per SM: each token's k and q then take half the shared-memory
-// loads (their 16-byte loads carried 55 % of the fp32 kernel's shared-memory wavefronts,
-// benchmarks/results/profile_b629ae4_h200.json) for twice the shuffles. H200, TP1, against 2 rows,
-// two passes each: fp32 B = 128 and 512, T = 2 1.3-2.4 % and T = 4 0.9-1.9 % faster; bf16 T = 2
-// B = 128 3.3-4.1 % and B = 512 2.7 % faster (T >= 4 there runs the closed form); below sixteen
-// heads per SM mixed (B = 32 -1.8..+0.7 %) or slower (B = 8 fp32 up to 2.8 %);
-// benchmarks/results/replay_rows4_fp32_h200.json, replay_rows4_h200.json.
+// loads (the largest share of the kernel's shared-memory traffic) for twice the shuffles, which
+// pays where the launch is bound by throughput rather than latency.
 inline constexpr int kReplayFourRowsMinHeadsPerSm = 16;
 inline bool use_replay_four_rows(bool closed_form, int64_t heads, int sm_count) {
   return !closed_form && heads >= kReplayFourRowsMinHeadsPerSm * int64_t(sm_count);
 }
 
-// CTAs per head: 1 once every SM has a head, else the smallest split that gives every SM a CTA.
-// Deep windows (S >= 8) at four or more heads per SM take 2 (not replay in closed form, whose
-// per-CTA solve a split would repeat): a CTA stages the same S tokens (2S in replay) for half the
-// rows, so twice as many CTAs fit an SM's shared memory (H200, T = 8 with an fp32 state: write-all
-// B = 32 5 % faster, token-by-token replay B = 128 and 512 7 %; 16-bit states within 1 % or
-// faster; benchmarks/results/split_sweep_h200.json). Between one and two heads per SM, where the
-// launch is latency-bound, every launch but the closed form takes 2, spread evenly over the SMs
-// (H200, B = 8: replay T = 4 fp32 31.2 -> 28.6 us, bf16 31.8 -> 26.0,
-// benchmarks/results/replay_split_h200.json; write-all bf16 T = 1 10.7 -> 9.9, T = 4 19.0 -> 16.9,
-// fp32 T = 4 27.7 -> 26.0, fp32 T = 1 13.0 -> 13.2, benchmarks/results/split_b8_h200.json;
-// write-all T = 6 and 8: fp32 7.6-7.9 %, bf16 8.4-11.4 % faster than 1,
-// benchmarks/results/split_sweep_af_h200.json, a sweep of every split at B = 1 to 32 after the
-// kernels began loading activations before the slice; replay from two heads per SM is slower).
-// Write-all with S >= 3 from four to sixteen heads per SM also takes 2 (H200, B = 32: fp32 T =
-// 4 98.9 -> 92.9 us, T = 3 78.9 -> 75.6, bf16 T = 4 53.0 -> 51.9; B = 64 within 1 %:
-// benchmarks/results/split_sweep_s34_h200.json; S = 5..7, not measured, are taken with S = 4 and S
-// >= 8; S = 2 at B = 32 and S = 4 at 31 heads per SM measured slower with 2,
-// split_sweep_h200.json). Write-all of an fp32 state with drafts (S >= 2) takes 2 from two to four
-// heads per SM as well (B = 12 and 16: 1.9-5.6 % faster than 1), and just below one head per SM,
-// where 2 CTAs per head leave at most a sixteenth of the SMs without a CTA, 2 rather than 4 (B = 2,
-// 64 heads on 132 SMs: T = 2..8 7-14 % faster; 16-bit states are faster with 4;
-// split_sweep_af_h200.json). Two exceptions from four heads per SM
-// (benchmarks/results/split_sweep_mid_b_h200.json): a 16-bit state with deep windows (S >= 8) below
-// sixteen heads per SM keeps 1 (bf16 T = 8: B = 32 93.2 -> 90.9 us, B = 64 179.4 -> 174.6), and
-// token-by-token replay of an fp32 state at S <= 4 below eight heads per SM takes 2 (B = 32: T =
-// 2 50.7 -> 46.0 us, T = 4 63.4 -> 58.0; at B = 64 T = 4 was 4 % slower with 2; bf16 replay as fast
-// or slower).
-// From sixteen heads per SM, write-all of an fp32 state with drafts splits too, where the kernels
-// that stage their tokens before the slice's bytes measured faster split than whole (H200,
-// TP1, B = 128 and 512 in one run, against 1: S = 3..5 take 4, 1.5-2.2 % faster (T = 4, B = 128
-// 366.9 -> 361.5 us, B = 512 1459 -> 1430); S = 2 and 6 take 2, 0.8-1.8 % faster; S >= 8 takes 2
-// by the deep-window rule; benchmarks/results/split_fp32_drafts_h200.json). Each CTA of a
-// four-way split holds one 8-row group per warp, the shape that streams densest
-// (state_stream_shapes_h200.json); a 16-bit state gains less than 1 % and keeps 1.
+// The kernel forms a launch may take, numbered for the launcher's per-form caches: write-all's in a
+// write-all launch, the replay forms (token by token or closed form) in a replay launch.
+enum KernelForm : int {
+  kStandardForm = 0,  // WriteAllForm::kStandard or ReplayTokensForm::kStandard
+  kClosedFormRows = 1,
+  kSingleTokenForm = 2,
+  kStageFirstForm = 3,
+  kTensorCoreForm = 4,
+  kTensorCoreEightForm = 5,
+  kFourRowsForm = 6,
+  kKernelForms = 7
+};
+GDN_HOST_DEVICE constexpr bool is_closed_form(int form) {
+  return form == kClosedFormRows || form == kTensorCoreForm || form == kTensorCoreEightForm;
+}
+GDN_HOST_DEVICE constexpr bool is_tensor_core_form(int form) {
+  return form == kTensorCoreForm || form == kTensorCoreEightForm;
+}
+
+// The kernel form of a launch, in one place. tensor_core_image: the device runs the tensor-core
+// closed form's image (an sm_80 or later image); single_token_fits: eight single-token CTAs fit an
+// SM's shared memory. The eight-CTA tensor-core form needs the launch's shared memory, so the
+// launcher upgrades kTensorCoreForm to it afterwards (use_tensor_core_eight).
+inline KernelForm choose_form(bool replay, int state_bytes, int S, int64_t heads, int sm_count,
+                              bool tensor_core_image, bool single_token_fits) {
+  const bool tensor_core_state = tensor_core_capable(state_bytes, S) && tensor_core_image;
+  if (replay && use_closed_form(S, heads, sm_count, state_bytes, tensor_core_state))
+    return tensor_core_state ? kTensorCoreForm : kClosedFormRows;
+  if (use_single_token(state_bytes, replay, S, heads, sm_count, single_token_fits))
+    return kSingleTokenForm;
+  if (replay && use_replay_stage_first(state_bytes, false, heads, sm_count)) return kStageFirstForm;
+  if (replay && use_replay_four_rows(false, heads, sm_count)) return kFourRowsForm;
+  return kStandardForm;
+}
+
+// CTAs per head: 1 once every SM has a head, else the smallest split that gives every SM a CTA
+// (small batches are latency-bound: more, smaller CTAs pull their bytes in parallel). The measured
+// exceptions, in the order the function tests them:
+// - deep windows (S >= 8) from four heads per SM take 2 (not the closed form, whose per-CTA solve a
+//   split would repeat, nor a 16-bit state below sixteen heads per SM): a CTA stages the same
+//   tokens for half the rows, so twice as many CTAs fit an SM's shared memory;
+// - write-all of an fp32 state with drafts from sixteen heads per SM takes 4 at S = 3..5 (each
+//   CTA then holds one 8-row group per warp, the shape that streams densest) and 2 otherwise;
+// - write-all with S = 3..7 from four to sixteen heads per SM takes 2;
+// - token-by-token replay of an fp32 state at S <= 4 from four to eight heads per SM takes 2;
+// - between one and two heads per SM, where the launch is latency-bound, every launch but the
+//   closed form takes 2, spread evenly over the SMs;
+// - write-all of an fp32 state with drafts takes 2 from two to four heads per SM, and just below
+//   one head per SM, where 2 CTAs a head leave at most a sixteenth of the SMs without a CTA.
 inline constexpr int kSplitFourMinS = 3;  // fp32 write-all from sixteen heads per SM
 inline constexpr int kSplitFourMaxS = 5;
 inline constexpr int kSplitTwoMaxS = 4;     // fp32 token-by-token replay, four to eight per SM
@@ -267,12 +273,9 @@ inline int choose_split(int64_t heads, int sm_count, bool clusters, int S, bool 
   return split;
 }
 
-// The largest cluster whose launches are spread evenly over the SMs (launch_kernel). H200, against
-// the hardware's placement, same run: B = 16 (512 CTAs) T = 1 bf16 18.4 -> 14.7 us, fp32 25.6 ->
-// 21.2, T = 4 10-11 % faster; replay T = 4 and 8, B = 8 (clusters of 2) 7-13 % faster with the
-// leaner replay token step; B >= 32 unchanged (+-1.4 %). B = 1 (256 CTAs in clusters of 8, two per
-// SM when padded) measured 60-80 % slower, presumably because the clusters no longer all fit at
-// once (benchmarks/results/cta_spread_replay_step_h200.json, cta_spread_h200.json).
+// The largest cluster whose launches are spread evenly over the SMs (launch_kernel). Larger
+// clusters keep the hardware's placement: padded to spread, clusters of 8 no longer all fit at
+// once.
 inline constexpr int kMaxSpreadCluster = 2;
 
 // Dynamic shared memory of a launch of `heads` heads split over `split` CTAs each, whose CTAs need
