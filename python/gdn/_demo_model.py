@@ -12,7 +12,14 @@ The GDN part of every layer runs batched over all requests and tokens of a step:
 ``gdn.causal_conv1d_update`` (conv state with speculative rollback) then ``gdn.decode_mtp`` (gated
 delta rule with one state slot per verify position, gated RMSNorm). Slots come from the metadata
 builder (``gdn.metadata``): one shared plan per step and one pass that fills every group's state
-rows.
+rows. Non-spec rows are consumed as a vLLM-style engine consumes them: the ``num_decodes``
+leading rows read their state from ``non_spec_source_indices``; a prefill row whose
+``has_initial_state`` is False starts from a zero state (its destination blocks are zeroed in
+every layer, then read), any other prefill row reads its source.
+
+Pool memory never holds zeros by accident: every block starts with garbage from a seeded RNG of
+the run, and a finished request's blocks get that garbage again (as a real engine's freed memory
+holds anything), so a fresh request handed a stale state reads garbage.
 
 The dense layers (in/out projections, norms, lm_head) run batched over all token rows, yet give
 bit-identical results for any batch shape: their arithmetic never rounds (see ``exact_linear``).
@@ -168,18 +175,24 @@ class TinyHybridGDN:
 
 class GDNCache:
     """State of one decoding run: per layer an SSM state pool [blocks, HV, V, K] and a conv pool
-    ([blocks, D, W-1+num_spec] or its transpose), per KV-cache group a block table [N, columns].
-    Block 0 is the null block; each group hands every request its own random blocks."""
+    ([blocks, D, W-1+num_spec] or its transpose), per KV-cache group a block table [rows, columns]
+    (one row per batch row, owned by the request running there). Block 0 is the null block; each
+    group hands every row its own random blocks.
 
-    def __init__(self, model: TinyHybridGDN, num_requests: int, num_spec: int, conv_layout: str,
-                 seed: int, replay: bool = False):
+    Every other block starts as garbage drawn from a generator seeded with `garbage_seed` (one
+    draw per run, kept as the run's garbage bank), and :meth:`release` writes that garbage back
+    into a finished request's blocks: nothing but the metadata tells a fresh request that its
+    blocks hold no state for it."""
+
+    def __init__(self, model: TinyHybridGDN, num_rows: int, num_spec: int, conv_layout: str,
+                 seed: int, replay: bool = False, garbage_seed: int = 0):
         cfg, dev = model.cfg, model.device
+        self.cfg = cfg
         self.num_spec, self.S, self.conv_layout = num_spec, num_spec + 1, conv_layout
-        self.num_blocks = 1 + num_requests * self.S
+        self.num_blocks = 1 + num_rows * self.S
         lbuf = cfg.conv_width - 1 + num_spec
         conv_shape = ((self.num_blocks, cfg.conv_dim, lbuf) if conv_layout == "channels_major"
                       else (self.num_blocks, lbuf, cfg.conv_dim))
-        # Fresh requests start from zero state (no prefix): zero pools.
         self.ssm = [torch.zeros(self.num_blocks, cfg.HV, cfg.V, cfg.K, device=dev)
                     for _ in range(cfg.layers)]
         self.conv = [torch.zeros(*conv_shape, device=dev) for _ in range(cfg.layers)]
@@ -194,10 +207,51 @@ class GDNCache:
         cols = self.S + 2
         self.block_tables: List[torch.Tensor] = []
         for _ in range(cfg.groups):
-            ids = torch.randperm(self.num_blocks - 1, generator=g)[: num_requests * self.S] + 1
-            table = torch.full((num_requests, cols), -1, dtype=torch.int32)
-            table[:, : self.S] = ids.view(num_requests, self.S).to(torch.int32)
+            ids = torch.randperm(self.num_blocks - 1, generator=g)[: num_rows * self.S] + 1
+            table = torch.full((num_rows, cols), -1, dtype=torch.int32)
+            table[:, : self.S] = ids.view(num_rows, self.S).to(torch.int32)
             self.block_tables.append(table.to(dev))
+        # The run's garbage: one random value per element of every pool (the null block stays
+        # zero), standard normal; windows hold a full step of garbage tokens.
+        rng = torch.Generator(device=dev).manual_seed(garbage_seed)
+        garbage = lambda like: torch.randn(like.shape, generator=rng, device=dev)  # noqa: E731
+        self._garbage_ssm = [garbage(p) for p in self.ssm]
+        self._garbage_conv = [garbage(p) for p in self.conv]
+        self._garbage_windows = (
+            [{name: garbage(getattr(w, name)) for name in ("k", "v", "a", "b")}
+             for w in self.windows] if replay else None)
+        live = torch.arange(1, self.num_blocks, device=dev)
+        self.fill_garbage([live] * cfg.groups)
+
+    def row_blocks(self, row: int) -> List[torch.Tensor]:
+        """The blocks of batch row `row` in each group (its S columns)."""
+        return [t[row, : self.S].long() for t in self.block_tables]
+
+    def fill_garbage(self, blocks: List[torch.Tensor]) -> None:
+        """Writes the run's garbage into `blocks` (one index tensor per group) of every layer:
+        SSM and conv pools and, in replay mode, the window (k, v, a, b and a full length)."""
+        for li in range(self.cfg.layers):
+            b = blocks[self.cfg.group_of(li)]
+            self.ssm[li].index_copy_(0, b, self._garbage_ssm[li].index_select(0, b))
+            self.conv[li].index_copy_(0, b, self._garbage_conv[li].index_select(0, b))
+            if self.windows is not None:
+                w, bank = self.windows[li], self._garbage_windows[li]
+                for name in ("k", "v", "a", "b"):
+                    getattr(w, name)[b] = bank[name][b]
+                w.len[b] = self.S
+
+    def release(self, row: int) -> None:
+        """A request finished on batch row `row`: its blocks in every group are free again, and
+        hold garbage until the next request's state is written there."""
+        self.fill_garbage(self.row_blocks(row))
+
+    def zero_blocks(self, group: int, blocks: torch.Tensor) -> None:
+        """A zero state in `blocks` (indices) of group `group`: the SSM and conv pools of every
+        layer of the group. (A replay window needs no zeroing: a zero replay count reads none.)"""
+        for li in range(self.cfg.layers):
+            if self.cfg.group_of(li) == group:
+                self.ssm[li].index_fill_(0, blocks, 0.0)
+                self.conv[li].index_fill_(0, blocks, 0.0)
 
 
 class Timer:
@@ -207,6 +261,7 @@ class Timer:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.totals: Dict[str, float] = defaultdict(float)
+        self.calls: Dict[str, int] = defaultdict(int)  # kernel regions timed, per category
         self._pending = []
 
     @contextmanager
@@ -219,6 +274,7 @@ class Timer:
 
     @contextmanager
     def kernel(self, name: str):
+        self.calls[name] += 1
         if not self.cuda:
             with self.host(name):
                 yield
@@ -253,6 +309,24 @@ class StepSlots:
     # Replay verify (decode_mtp_replay): window tokens each row replays; the checkpoint block is
     # conv_indices' (column 0). None: write-every-token decode_mtp.
     replay_counts: Optional[torch.Tensor] = None
+    # decode_mtp's accepted counts when they differ from the conv's (non-spec rows: 2, reading
+    # column 1 of a [destination, source] row); None: num_accepted_tokens.
+    decode_accepted: Optional[torch.Tensor] = None
+
+
+@dataclass
+class NonSpecRows:
+    """Where a step's non-spec rows read and write, per group: ``destination`` is
+    ``non_spec_state_indices``; ``source`` is ``non_spec_source_indices``, except for the fresh
+    rows (prefill rows without an initial state), which read their zeroed destination."""
+    destination: List[torch.Tensor]
+    source: List[torch.Tensor]
+    fresh: np.ndarray  # positions (among the non-spec rows) of the fresh rows
+
+    def tables(self) -> List[torch.Tensor]:
+        """Per group [rows, 2]: [destination, source]; with accepted count 2 decode_mtp reads
+        column 1 and writes column 0."""
+        return [torch.stack([d, s], 1) for d, s in zip(self.destination, self.source)]
 
 
 class DecodePath:
@@ -267,6 +341,8 @@ class DecodePath:
         self.proj = torch.zeros(max_rows, cfg.proj_dim, device=dev)
         self.core = torch.zeros(max_rows, cfg.HV, cfg.V, device=dev)
         self.pred = torch.zeros(max_rows, dtype=torch.long, device=dev)
+        self.twos = torch.full((max_rows,), 2, dtype=torch.int32, device=dev)
+        self.fresh_rows = 0  # non-spec rows started from a zero state so far
         self.error_count = (torch.zeros(1, dtype=torch.int32, device=dev)
                             if dev.type == "cuda" else None)
 
@@ -283,10 +359,40 @@ class DecodePath:
             proj.copy_(exact_linear(exact_rms_norm(h, layer["norm"]), layer["in_proj"]))
             self._gdn_layer(li, layer, proj, self.core[:rows], slots.cu_seqlens,
                             slots.conv_indices[g], slots.state_indices[g],
-                            slots.num_accepted_tokens, slots.num_accepted_tokens,
+                            slots.num_accepted_tokens,
+                            slots.num_accepted_tokens if slots.decode_accepted is None
+                            else slots.decode_accepted,
                             slots.replay_counts, timer, event_log)
             h.add_(exact_linear(self.core[:rows].view(rows, cfg.HV * cfg.V), layer["out_proj"]))
         torch.argmax(m.logits(h), dim=-1, out=self.pred[:rows])
+
+    def non_spec_rows(self, md, timer: Timer) -> NonSpecRows:
+        """The step's non-spec rows as an engine following vLLM's split consumes them, from the
+        metadata alone: the ``md.num_decodes`` leading rows are decodes and read
+        ``non_spec_source_indices``; the rows after them are prefills, and a prefill row with
+        tokens whose ``has_initial_state`` is False starts from a zero state: its destination
+        blocks (``non_spec_state_indices``) are zeroed in every layer of each group before the
+        layers run, and it reads them (the metadata gives it no source). Prefill rows with an
+        initial state read their source."""
+        n, host = md.non_spec_rows, md.host
+        destination = [md.non_spec_state_indices[g][:n] for g in range(self.model.cfg.groups)]
+        source = [md.non_spec_source_indices[g][:n] for g in range(self.model.cfg.groups)]
+        if n == 0:
+            return NonSpecRows(destination, source, np.zeros(0, np.int64))
+        # Host copies of the plan (no device sync): query lengths and has_initial_state.
+        qsl = np.asarray(host.non_spec_query_start_loc)[: n + 1].astype(np.int64)
+        initial = np.asarray(host.has_initial_state)[:n].astype(bool)
+        prefill = np.arange(n) >= md.num_decodes
+        fresh = np.flatnonzero(prefill & (np.diff(qsl) > 0) & ~initial)
+        if len(fresh):
+            with timer.host("zeroing"):
+                rows = torch.from_numpy(fresh).to(destination[0].device)
+                for g, (d, s) in enumerate(zip(destination, source)):
+                    blocks = d.index_select(0, rows)
+                    self.cache.zero_blocks(g, blocks.long())
+                    source[g] = s.index_copy(0, rows, blocks)
+            self.fresh_rows += len(fresh)
+        return NonSpecRows(destination, source, fresh)
 
     def _gdn_layer(self, li: int, layer, proj: torch.Tensor, out: torch.Tensor, cu_seqlens,
                    column0, state_indices, conv_accepted, decode_accepted, replay_counts,
@@ -330,7 +436,8 @@ class DecodePath:
         non-spec rows read ``non_spec_source_indices`` (where the previous step left the state)
         and write ``non_spec_state_indices`` (column 0). With replay verify (`replay_counts`: a
         host array, tokens each request replays) both kinds use their column-0 block as the
-        checkpoint. Conv state lives in column 0 for both."""
+        checkpoint. Conv state lives in column 0 for both. Fresh non-spec rows (see
+        :meth:`non_spec_rows`) start from their zeroed destination and replay nothing."""
         m, cfg = self.model, self.model.cfg
         dev = self.h.device
         kinds = []  # per kind of row: its token rows, offsets, counts and per-group slots
@@ -343,21 +450,23 @@ class DecodePath:
                    else (md.non_spec_source_column + 1).to(torch.int32))[:n]
             requests = np.asarray(md.host.spec_request_index if spec
                                   else md.host.non_spec_request_index)[:n]
+            replay = None if replay_counts is None else replay_counts[requests].astype(np.int32)
             if spec:
                 tables = [md.spec_state_indices[g][:n] for g in range(cfg.groups)]
                 column0 = [t[:, 0] for t in tables]
             else:
-                column0 = [md.non_spec_state_indices[g][:n] for g in range(cfg.groups)]
+                rows_ns = self.non_spec_rows(md, timer)
+                column0 = rows_ns.destination
                 # A 1-token row of two columns reads column acc - 1 = 1 (the source) and writes
                 # column 0 (the destination).
-                tables = [torch.stack([c, md.non_spec_source_indices[g][:n]], 1)
-                          for g, c in enumerate(column0)]
+                tables = rows_ns.tables()
+                if replay is not None:
+                    replay[rows_ns.fresh] = 0  # no state yet: nothing in the window to replay
             kinds.append(dict(
                 idx=idx, cu=(md.spec_query_start_loc if spec else md.non_spec_query_start_loc)[
                     : n + 1], tables=tables, column0=[c.contiguous() for c in column0],
                 conv_acc=acc, decode_acc=acc if spec else torch.full_like(acc, 2),
-                replay=None if replay_counts is None else torch.from_numpy(
-                    replay_counts[requests].astype(np.int32)).to(dev)))
+                replay=None if replay is None else torch.from_numpy(replay).to(dev)))
         h = self.h[:rows]
         torch.index_select(m.embed, 0, self.tokens[:rows], out=h)
         for li, layer in enumerate(m.layers):
@@ -405,4 +514,4 @@ def fmt_seconds(s: float) -> str:
 
 
 __all__ = ["ModelConfig", "TinyHybridGDN", "exact_linear", "exact_rms_norm", "GDNCache", "Timer",
-           "StepSlots", "DecodePath", "NULL_BLOCK", "tokens_per_second", "fmt_seconds"]
+           "StepSlots", "NonSpecRows", "DecodePath", "NULL_BLOCK", "tokens_per_second", "fmt_seconds"]

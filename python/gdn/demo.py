@@ -1,20 +1,34 @@
 """python -m gdn demo: speculative decoding with a tiny hybrid GDN language model, checked token for
-token against plain greedy decoding of the same model.
+token against plain greedy decoding of the same model, with requests coming and going.
 
-A batch of requests with different prompt lengths is decoded twice with the same random-weight
-model (vocab, embedding, a stack of GDN layers split into KV-cache groups, final norm, lm_head):
+A stream of requests with different prompt lengths runs on a batch of --requests rows: the first
+requests take the rows, the others (--late-requests) wait in a queue. A request that has
+generated its tokens leaves at once and frees its row, and with it its state blocks in every
+KV-cache group; the next waiting request takes the row over at the next step. Every third late
+request has a one-token prompt. The same random-weight model (vocab, embedding, a stack of GDN
+layers split into KV-cache groups, final norm, lm_head) runs this workload twice:
 
-1. plain greedy decoding: every step feeds one token per request (T = 1);
+1. plain greedy decoding: every step feeds one token per row (T = 1);
 2. MTP-style speculation: a cheap drafter proposes num_spec tokens per request, the target verifies
    T = num_spec + 1 tokens per request in one step, and greedy acceptance keeps the drafts that
    match the target's own choices plus one token from the target.
 
-Prompts are prefilled through the same decode path, one token per step. Every step builds its
-metadata with gdn.metadata (one shared plan + one pass filling all groups' state rows) and runs,
-in every GDN layer, gdn.causal_conv1d_update and gdn.decode_mtp over all requests at once.
-With --state-mode replay the verify step runs gdn.decode_mtp_replay instead (one checkpoint
-block per request and layer, which replays the tokens the previous step accepted); the demo then
-decodes speculatively in both state modes, checks both against plain decoding, and prints the
+Each step, every occupied row either prefills (feeds its next prompt token: T = 1, a non-spec
+row) or decodes (plain: its last token; speculative: its last token and its drafts, a spec row);
+free rows are zero-length rows. A request's first generated token is the prediction after its
+last prompt token. Every step builds its metadata with gdn.metadata (one shared plan + one pass
+filling all groups' state rows) and runs, in every GDN layer, gdn.causal_conv1d_update and
+gdn.decode_mtp over all rows at once, consuming the metadata as a vLLM-style engine does: the
+non-spec rows are md.num_decodes decode rows, which read non_spec_source_indices, then prefill
+rows; a prefill row whose has_initial_state is False starts from a zero state (its destination
+blocks, non_spec_state_indices, are zeroed in every layer before the layers run).
+State blocks hold garbage whenever a request gets them: at the start and after every request that
+finishes, each run writes garbage from its own seeded RNG. A fresh request that the metadata sends
+to a stale state therefore generates tokens that differ from run to run, and the check fails.
+
+With --state-mode replay a third run decodes speculatively with gdn.decode_mtp_replay in place of
+gdn.decode_mtp (one checkpoint block per request and layer, which replays the tokens the previous
+step accepted); the demo then checks both speculative runs against plain decoding and prints the
 GDN state each mode keeps per request and the verify time of each.
 The demo prints PASS when every request's generated tokens are identical in every run.
 """
@@ -24,6 +38,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -31,25 +46,36 @@ import numpy as np
 
 EPILOG = """\
 what is compared:
-  Both runs use the same model and weights. Greedy speculative decoding emits exactly the tokens
-  plain greedy decoding emits, as long as a verified token is computed exactly as it would be
-  when decoded alone: decode_mtp writes the state after every verify position and the conv
-  update keeps the raw inputs so the next step continues from the accepted prefix (bit for bit
-  on the CPU with fp32 state). The check is strict: token for token, every request.
+  Every run uses the same model and weights and the same workload. Greedy speculative decoding
+  emits exactly the tokens plain greedy decoding emits, as long as a verified token is computed
+  exactly as it would be when decoded alone: decode_mtp writes the state after every verify
+  position and the conv update keeps the raw inputs so the next step continues from the accepted
+  prefix (bit for bit on the CPU with fp32 state). The check is strict: token for token, every
+  request.
+
+rows taken over:
+  Requests finish at different steps in each run, so rows change hands at different times and
+  late requests land on different rows. The metadata alone says which non-spec rows start
+  without a state (prefill rows with has_initial_state False; their non_spec_source_indices is
+  the null block): the demo zeroes their destination blocks and reads those. Blocks a request
+  gets hold the run's garbage, so any stale read shows up as a token difference.
 
 time breakdown:
   metadata   host time of gdn.metadata's step (plan + state rows of all groups, one pass/launch)
   conv       gdn.causal_conv1d_update (all layers)       } CPU: wall time; CUDA: device time
   decode_mtp gdn.decode_mtp (all layers)                 } (CUDA events, also inside graphs)
-  rest       everything else: the dense layers, the drafter, acceptance, host/device copies.
-             The dense layers use int8-valued weights, bf16-valued inputs and float64
-             accumulation that never rounds, so batched GEMMs give the same bits for any
-             batch shape and both runs do identical arithmetic
+  rest       everything else: the dense layers, the drafter, acceptance, zeroing fresh rows'
+             blocks, host/device copies. The dense layers use int8-valued weights, bf16-valued
+             inputs and float64 accumulation that never rounds, so batched GEMMs give the same
+             bits for any batch shape and both runs do identical arithmetic
+  Rates count every generated token over the whole run, prefill steps included; both runs
+  prefill the same prompts one token per step.
 
 examples:
   python -m gdn demo                          # CPU, default sizes, under a minute on 2 cores
   python -m gdn demo --device cuda --graphs   # GPU, verify step replayed from a CUDA graph
-  python -m gdn demo --requests 16 --num-spec 2 --new-tokens 96
+  python -m gdn demo --requests 16 --late-requests 32 --num-spec 2 --new-tokens 96
+  python -m gdn demo --late-requests 0        # one batch of requests, no row changes hands
   python -m gdn demo --state-mode replay      # also replay verify: pool sizes and verify times
 """
 
@@ -64,20 +90,27 @@ def build_parser() -> argparse.ArgumentParser:
                           "CUDA build of gdn and a GPU; its decode_mtp kernel needs head dim 128")
     run.add_argument("--graphs", action="store_true",
                      help="(cuda) capture the target's verify step once in a CUDA graph and "
-                          "replay it every step; metadata is built before each replay into the "
-                          "builder's persistent buffers the graph reads")
+                          "replay it in every pure verify step (steps with prefilling rows or "
+                          "rows without drafts run eagerly); metadata is built before each "
+                          "replay into the builder's persistent buffers the graph reads")
     run.add_argument("--state-mode", choices=["write-all", "replay"], default="write-all",
                      help="write-all: the verify step writes the state after every token to its "
                           "own block (decode_mtp, S blocks per request and layer); replay: one "
                           "checkpoint block per request and layer (decode_mtp_replay), run next "
                           "to write-all for comparison (default: write-all)")
     run.add_argument("--seed", type=int, default=0,
-                     help="seed of the weights, the prompts and the block tables (default: 0)")
+                     help="seed of the weights, the prompts, the block tables and the garbage "
+                          "in free blocks (default: 0)")
     run.add_argument("--no-progress", action="store_true",
                      help="do not draw the progress bars")
     work = p.add_argument_group("workload")
     work.add_argument("--requests", type=int, default=8,
-                      help="requests decoded together in one batch (default: 8)")
+                      help="rows of the batch: requests decoded together, one per row "
+                           "(default: 8)")
+    work.add_argument("--late-requests", type=int, default=None,
+                      help="requests waiting in a queue: each takes over the row of a finished "
+                           "request at the next step; every third has a one-token prompt; 0: "
+                           "no row changes hands (default: as many as --requests)")
     work.add_argument("--min-prompt", type=int, default=4,
                       help="shortest prompt, in tokens (default: 4)")
     work.add_argument("--max-prompt", type=int, default=24,
@@ -89,8 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="runs of each mode: the first warms up (and is checked), the speed-up "
                            "is the ratio of the median decode rates of the others (default: 3)")
     work.add_argument("--mixed-every", type=int, default=4,
-                      help="every K-th verify step, a third of the requests draft nothing (a "
-                           "plain one-token row next to the verify rows, as engines see when "
+                      help="every K-th step, a third of the decoding requests draft nothing "
+                           "(a plain one-token row next to the verify rows, as engines see when "
                            "drafts run out); 0: never (default: 4)")
     work.add_argument("--num-spec", type=int, default=3,
                       help="draft tokens proposed per request and step; the target verifies "
@@ -164,37 +197,58 @@ class Progress:
 
 @dataclass
 class RunStats:
-    prefill_steps: int = 0
-    prefill_seconds: float = 0.0
-    decode_steps: int = 0
-    decode_seconds: float = 0.0
-    decode_tokens: int = 0
-    mixed_steps: int = 0  # verify steps in which some requests carried no drafts
+    steps: int = 0
+    prefill_steps: int = 0   # steps with prefilling rows
+    verify_steps: int = 0    # speculative: every occupied row verifies drafts (verify_step)
+    mixed_steps: int = 0     # speculative: spec rows next to non-spec rows (mixed_step)
+    nodraft_steps: int = 0   # speculative: steps in which some decoding requests drafted nothing
+    seconds: float = 0.0
+    tokens: int = 0          # generated tokens, every request's first included
     drafted: int = 0
     accepted: int = 0
+    recycled: int = 0            # rows taken over by a new request
+    recycled_one_token: int = 0  # ... by one with a one-token prompt
+    fresh_rows: int = 0          # non-spec rows the metadata started from a zero state
     breakdown: Dict[str, float] = field(default_factory=dict)
+    calls: Dict[str, int] = field(default_factory=dict)
+    # Wall time and count of the steps of each kind ("plain"; "verify": pure verify steps,
+    # "mixed": steps with prefilling rows or rows without drafts), scheduling included.
+    step_time: Dict[str, List[float]] = field(default_factory=dict)
+
+    def timed_step(self, kind: str, seconds: float) -> None:
+        t = self.step_time.setdefault(kind, [0.0, 0])
+        t[0] += seconds
+        t[1] += 1
+
+    def per_step(self, kind: str) -> str:
+        from gdn._demo_model import fmt_seconds
+
+        seconds, n = self.step_time.get(kind, (0.0, 0))
+        return fmt_seconds(seconds / n) if n else "n/a"
 
 
 class Engine:
-    """One decoding run: its own caches, metadata builder and decode path."""
+    """One decoding run: its own caches (one block-table row per batch row), metadata builder and
+    decode path. `garbage_seed` seeds the garbage its free blocks hold."""
 
-    def __init__(self, model, num_requests: int, num_spec: int, conv_layout: str, seed: int,
-                 replay: bool = False):
+    def __init__(self, model, num_rows: int, num_spec: int, conv_layout: str, seed: int,
+                 replay: bool = False, garbage_seed: int = 0):
         import torch
 
         import gdn
         from gdn._demo_model import NULL_BLOCK, DecodePath, GDNCache
 
         self.torch = torch
-        self.model, self.N, self.num_spec, self.T = model, num_requests, num_spec, num_spec + 1
-        self.cache = GDNCache(model, num_requests, num_spec, conv_layout, seed, replay=replay)
+        self.model, self.N, self.num_spec, self.T = model, num_rows, num_spec, num_spec + 1
+        self.cache = GDNCache(model, num_rows, num_spec, conv_layout, seed, replay=replay,
+                              garbage_seed=garbage_seed)
         self.replay = replay
-        self.max_tokens = num_requests * self.T
+        self.max_tokens = num_rows * self.T
         # The metadata builder: persistent buffers for all groups, one plan + one pass per step.
         # In replay mode it also gives each spec row's checkpoint block per group and the window
         # tokens each row replays (its accepted counts are the replay counts then).
         self.builder = gdn.metadata.Builder(
-            self.cache.block_tables, num_spec=num_spec, max_rows=num_requests,
+            self.cache.block_tables, num_spec=num_spec, max_rows=num_rows,
             max_tokens=self.max_tokens, pad_id=NULL_BLOCK, replay=replay)
         self.path = DecodePath(model, self.cache, self.max_tokens)
         self.graph = None
@@ -205,9 +259,14 @@ class Engine:
     def _host(self, values) -> np.ndarray:
         return np.asarray(values, dtype=np.int32)
 
+    def release(self, row: int) -> None:
+        """The request on `row` finished: its blocks are free and hold garbage from now on."""
+        self.cache.release(row)
+
     def non_spec_step(self, feed: Sequence[Optional[int]], context: Sequence[int], timer):
-        """One step of T = 1 rows: request i feeds token feed[i] (None: a zero-length row).
-        Returns the greedy next token of every request that fed one (None elsewhere)."""
+        """One step of T = 1 rows: row i feeds token feed[i] (None: a zero-length row) on top of
+        context[i] tokens already in its state. Returns the greedy next token of every row that
+        fed one (None elsewhere)."""
         from gdn._demo_model import StepSlots
 
         torch = self.torch
@@ -221,13 +280,13 @@ class Engine:
             return [None] * len(feed)
         active = [t for t in feed if t is not None]
         self.path.tokens[:rows].copy_(torch.tensor(active, dtype=torch.long))
-        G = self.model.cfg.groups
-        # All rows are non-spec rows here: row j of the non-spec fields is request j.
+        # All rows are non-spec rows here: row j of the non-spec fields is batch row j. Decode
+        # rows read non_spec_source_indices, fresh prefill rows their zeroed destination.
+        ns = self.path.non_spec_rows(md, timer)
         slots = StepSlots(
-            cu_seqlens=md.non_spec_query_start_loc,
-            state_indices=[md.non_spec_state_indices[g].unsqueeze(1) for g in range(G)],
-            conv_indices=[md.non_spec_state_indices[g] for g in range(G)],
-            num_accepted_tokens=None)
+            cu_seqlens=md.non_spec_query_start_loc, state_indices=ns.tables(),
+            conv_indices=ns.destination, num_accepted_tokens=None,
+            decode_accepted=self.path.twos[: md.non_spec_rows])
         self.path.forward(rows, slots, timer)
         pred = self.path.pred[:rows].tolist()
         out, k = [], 0
@@ -260,10 +319,10 @@ class Engine:
 
     def verify_step(self, live: List[int], tokens, acc: np.ndarray, context: np.ndarray, timer,
                     replay_n: Optional[np.ndarray] = None):
-        """One verify step: live requests (indices, in order) each verify T tokens (`tokens`
-        [len(live), T] on the device: last token + drafts); with replay verify, request i first
-        replays replay_n[i] tokens of its window. Returns the target's greedy choice after every
-        verified position, [len(live), T] on the host."""
+        """One verify step: live rows (indices, in order) each verify T tokens (`tokens`
+        [len(live), T] on the device: last token + drafts); with replay verify, row i first
+        replays replay_n[i] tokens of its window. Other rows are zero-length rows. Returns the
+        target's greedy choice after every verified position, [len(live), T] on the host."""
         N, T = self.N, self.T
         is_live = np.zeros(N, bool)
         is_live[live] = True
@@ -275,8 +334,8 @@ class Engine:
                 qsl, self._host(context + q), num_draft_tokens=self._host(np.where(is_live, self.num_spec, -1)),
                 num_accepted_tokens=self._counts(acc, replay_n, is_live),
                 num_computed_tokens=self._host(context), padded_rows=N)
-        # Spec row j is the j-th live request; its tokens are rows j*T .. j*T+T-1 (finished
-        # requests are zero-length rows, so the spec token order is the step's token order).
+        # Spec row j is the j-th live row; its tokens are rows j*T .. j*T+T-1 (free rows are
+        # zero-length rows, so the spec token order is the step's token order).
         assert md.num_spec_decodes == len(live) and md.num_spec_decode_tokens == len(live) * T
         assert list(md.host.spec_request_index[: len(live)].tolist()) == list(live)
         rows = len(live) * T
@@ -296,15 +355,17 @@ class Engine:
             else:
                 for name, seconds in times:
                     timer.totals[name] += seconds
+                    timer.calls[name] += 1
         return pred
 
     def mixed_step(self, live: List[int], tokens: Dict[int, List[int]], acc: np.ndarray,
                    context: np.ndarray, timer, replay_n: np.ndarray) -> Dict[int, List[int]]:
-        """A step in which some live requests verify drafts (T tokens) and others carry none (one
-        token: a plain decode). vLLM's rules classify the step: the 1-token rows become non-spec
-        rows (prefills, in vLLM's counts), which read their state from where the previous step
-        left it (``non_spec_source_indices``). Runs eagerly. Returns, per live request, the
-        target's greedy choice after each of its tokens."""
+        """A step in which some live rows verify drafts (T tokens) and others feed one token: a
+        prompt token or a decode without drafts (a step may have no spec rows at all). vLLM's
+        rules classify the step: the 1-token rows become non-spec rows, which read their state
+        from where the previous step left it (``non_spec_source_indices``) or, as prefill rows
+        without an initial state, start from a zero state. Runs eagerly. Returns, per live row,
+        the target's greedy choice after each of its tokens."""
         N = self.N
         q = np.zeros(N, np.int64)
         drafts = np.full(N, -1, np.int64)
@@ -371,132 +432,209 @@ class Engine:
         return ""
 
 
-def prefill(engine: Engine, prompts: List[List[int]], timer, stats: RunStats, progress) -> List[int]:
-    """Runs every prompt through the decode path, one token per step. Returns each request's
-    first generated token (the greedy choice after its last prompt token)."""
-    first: List[Optional[int]] = [None] * len(prompts)
-    t0 = time.perf_counter()
-    for s in range(max(len(p) for p in prompts)):
-        feed = [p[s] if s < len(p) else None for p in prompts]
-        context = [min(s, len(p)) for p in prompts]
-        pred = engine.non_spec_step(feed, context, timer)
-        for i, p in enumerate(prompts):
-            if s == len(p) - 1:
-                first[i] = pred[i]
-        stats.prefill_steps += 1
-    progress.update(len(prompts))
-    stats.prefill_seconds = time.perf_counter() - t0
-    return [int(t) for t in first]
+class Scheduler:
+    """The batch rows and the queue of waiting requests. Each row holds at most one request; a
+    request prefills (one prompt token per step) and then decodes until it has generated
+    `new_tokens`; it then leaves its row at once, and the next waiting request takes the row
+    over at the next step (:meth:`admit`)."""
+
+    def __init__(self, prompts: List[List[int]], rows: int, new_tokens: int):
+        self.prompts, self.new_tokens = prompts, new_tokens
+        self.waiting = deque(range(len(prompts)))
+        self.request: List[Optional[int]] = [None] * rows  # the request on each row
+        self.used = [False] * rows
+        self.fed = [0] * len(prompts)  # prompt tokens in each request's state
+        self.out: List[List[int]] = [[] for _ in prompts]
+        self.context = np.zeros(rows, np.int64)  # tokens of the row's request in its state
+        self.recycled = self.recycled_one_token = 0
+
+    def admit(self) -> List[int]:
+        """Gives free rows, in row order, to the waiting requests; returns the rows filled."""
+        filled = []
+        for r, q in enumerate(self.request):
+            if q is None and self.waiting:
+                q = self.waiting.popleft()
+                self.request[r] = q
+                self.context[r] = 0
+                if self.used[r]:
+                    self.recycled += 1
+                    self.recycled_one_token += len(self.prompts[q]) == 1
+                self.used[r] = True
+                filled.append(r)
+        return filled
+
+    def occupied(self) -> List[int]:
+        return [r for r, q in enumerate(self.request) if q is not None]
+
+    def prefilling(self, row: int) -> bool:
+        q = self.request[row]
+        return self.fed[q] < len(self.prompts[q])
+
+    def next_token(self, row: int) -> int:
+        """The token the row feeds next: its next prompt token, else its last generated one."""
+        q = self.request[row]
+        return self.prompts[q][self.fed[q]] if self.prefilling(row) else self.out[q][-1]
+
+    def prefilled(self, row: int, pred: int) -> None:
+        """The row fed one prompt token; `pred` is the target's choice after it, the request's
+        first generated token when that was its last prompt token."""
+        q = self.request[row]
+        self.fed[q] += 1
+        self.context[row] += 1
+        if self.fed[q] == len(self.prompts[q]):
+            self.out[q].append(int(pred))
+
+    def decoded(self, row: int, fed: int, emitted: Sequence[int]) -> None:
+        """The row's request now has `fed` more tokens in its state and emitted `emitted`."""
+        out = self.out[self.request[row]]
+        self.context[row] += fed
+        out.extend(int(t) for t in emitted[: self.new_tokens - len(out)])
+
+    def retire(self, engine: "Engine") -> None:
+        """Frees the rows of the requests that are done (their blocks then hold garbage)."""
+        for r, q in enumerate(self.request):
+            if q is not None and len(self.out[q]) >= self.new_tokens:
+                engine.release(r)
+                self.request[r] = None
+
+    def done(self) -> bool:
+        return not self.waiting and all(q is None for q in self.request)
+
+    def generated(self) -> int:
+        return sum(len(o) for o in self.out)
 
 
-def run_plain(model, prompts, new_tokens, args, progress) -> Tuple[List[List[int]], RunStats]:
+def _garbage_seed(args, run: int) -> int:
+    """Seed of the garbage in free blocks: one per run (0 plain, 1 speculative, 2 replay)."""
+    return 1_000_003 * args.seed + 7919 * (run + 1)
+
+
+def run_plain(model, prompts, args, progress) -> Tuple[List[List[int]], RunStats]:
+    """Plain greedy decoding of the workload: every occupied row feeds one token per step."""
     from gdn._demo_model import Timer
 
     stats = RunStats()
-    engine = Engine(model, len(prompts), 0, args.conv_layout, args.seed + 1)  # T = 1 pools
-    timer = Timer(model.device)
-    out = [[t] for t in prefill(engine, prompts, timer, stats, progress)]
+    B = args.requests
+    engine = Engine(model, B, 0, args.conv_layout, args.seed + 1,  # T = 1 pools
+                    garbage_seed=_garbage_seed(args, 0))
+    sched = Scheduler(prompts, B, args.new_tokens)
     _sync(model)
     timer = Timer(model.device)
     t0 = time.perf_counter()
-    while True:
-        feed = [o[-1] if len(o) < new_tokens else None for o in out]
-        if all(f is None for f in feed):
-            break
-        context = [len(p) + len(o) - 1 for p, o in zip(prompts, out)]
-        pred = engine.non_spec_step(feed, context, timer)
-        for o, t in zip(out, pred):
-            if t is not None:
-                o.append(int(t))
-        stats.decode_steps += 1
-        progress.update(sum(len(o) for o in out))
-    _finish_decode(model, engine, timer, stats, out, t0)
-    return out, stats
+    while not sched.done():
+        t_step = time.perf_counter()
+        sched.admit()
+        rows = sched.occupied()
+        prefilling = [sched.prefilling(r) for r in rows]
+        feed: List[Optional[int]] = [None] * B
+        for r in rows:
+            feed[r] = sched.next_token(r)
+        pred = engine.non_spec_step(feed, sched.context.tolist(), timer)
+        for r, pre in zip(rows, prefilling):
+            if pre:
+                sched.prefilled(r, pred[r])
+            else:
+                sched.decoded(r, 1, [pred[r]])
+        sched.retire(engine)
+        stats.steps += 1
+        stats.prefill_steps += any(prefilling)
+        stats.timed_step("plain", time.perf_counter() - t_step)
+        progress.update(sched.generated())
+    _finish_run(model, engine, sched, timer, stats, t0)
+    return sched.out, stats
 
 
-def run_speculative(model, prompts, new_tokens, args, progress,
+def run_speculative(model, prompts, args, progress,
                     replay: bool = False) -> Tuple[List[List[int]], RunStats, str]:
+    """MTP-style speculative decoding of the workload. Steps in which every occupied row decodes
+    with drafts are pure verify steps (verify_step, the CUDA graph with --graphs); steps with
+    prefilling rows or rows without drafts run spec and non-spec rows together (mixed_step)."""
     import torch
 
     from gdn._demo_model import Timer
 
     stats = RunStats()
-    N, ns = len(prompts), args.num_spec
-    engine = Engine(model, N, ns, args.conv_layout, args.seed + 2, replay=replay)
-    timer = Timer(model.device)
-    out = [[t] for t in prefill(engine, prompts, timer, stats, progress)]
-    context = np.array([len(p) + len(o) - 1 for p, o in zip(prompts, out)], np.int64)
+    B, ns = args.requests, args.num_spec
+    engine = Engine(model, B, ns, args.conv_layout, args.seed + 2, replay=replay,
+                    garbage_seed=_garbage_seed(args, 2 if replay else 1))
+    sched = Scheduler(prompts, B, args.new_tokens)
     if args.graphs:
-        engine.capture_verify_graph(context)
+        engine.capture_verify_graph(sched.context)
     _sync(model)
     timer = Timer(model.device)
-    acc = np.ones(N, np.int64)  # after prefill every request continues from column 0
-    # Replay verify: after prefill the state is in the checkpoint and the window is empty.
-    replay_n = np.zeros(N, np.int64)
+    acc = np.ones(B, np.int64)       # accepted count of each row's last step
+    replay_n = np.zeros(B, np.int64)  # replay verify: window tokens each row replays
     t0 = time.perf_counter()
-    while True:
-        live = [i for i in range(N) if len(out[i]) < new_tokens]
-        if not live:
-            break
+    while not sched.done():
+        t_step = time.perf_counter()
+        for r in sched.admit():  # a fresh request: state in column 0 (none yet), empty window
+            acc[r], replay_n[r] = 1, 0
+        rows = sched.occupied()
+        pre = [r for r in rows if sched.prefilling(r)]
+        dec = [r for r in rows if not sched.prefilling(r)]
         # Every few steps some requests draft nothing (one plain token): the step mixes spec and
         # non-spec rows, and those requests go from spec to non-spec and back.
-        plain = ([i for i in live if (stats.decode_steps + i) % 3 == 0]
-                 if args.mixed_every and stats.decode_steps % args.mixed_every == args.mixed_every - 1
+        plain = ([r for r in dec if (stats.steps + r) % 3 == 0]
+                 if args.mixed_every and stats.steps % args.mixed_every == args.mixed_every - 1
                  else [])
-        if plain:
+        if pre or plain:
             with timer.host("drafter"):
-                tok = {i: [out[i][-1]] for i in live}
-                spec_live = [i for i in live if i not in plain]
-                if spec_live:
-                    cur = torch.tensor([out[i][-1] for i in spec_live], dtype=torch.long,
+                tok = {r: [sched.next_token(r)] for r in rows}
+                spec_rows = [r for r in dec if r not in plain]
+                if spec_rows:
+                    cur = torch.tensor([tok[r][0] for r in spec_rows], dtype=torch.long,
                                        device=model.device)
                     drafted = [cur]
                     for _ in range(ns):
                         drafted.append(model.draft_next(drafted[-1]))
-                    rows = torch.stack(drafted, 1).cpu().tolist()
-                    for i, r in zip(spec_live, rows):
-                        tok[i] = [int(t) for t in r]
-            pred_map = engine.mixed_step(live, tok, acc, context, timer, replay_n)
+                    for r, t in zip(spec_rows, torch.stack(drafted, 1).cpu().tolist()):
+                        tok[r] = [int(x) for x in t]
+            pred_map = engine.mixed_step(rows, tok, acc, sched.context, timer, replay_n)
             with timer.host("acceptance"):
-                for i in live:
-                    d, p = tok[i][1:], pred_map[i]
+                for r in pre:  # one prompt token, now in the state / the window
+                    sched.prefilled(r, pred_map[r][0])
+                    acc[r] = replay_n[r] = 1
+                for r in dec:
+                    d, p = tok[r][1:], pred_map[r]
                     n = 0
                     while n < len(d) and d[n] == p[n]:
                         n += 1
-                    emitted = [int(t) for t in d[:n]] + [int(p[n])]
-                    out[i].extend(emitted[: new_tokens - len(out[i])])
+                    sched.decoded(r, n + 1, list(d[:n]) + [p[n]])
                     stats.drafted += len(d)
                     stats.accepted += n
-                    acc[i] = replay_n[i] = n + 1
-                    context[i] += n + 1
-            stats.decode_steps += 1
-            stats.mixed_steps += 1
-            progress.update(sum(len(o) for o in out))
-            continue
-        with timer.host("drafter"):
-            last = torch.tensor([out[i][-1] for i in live], dtype=torch.long, device=model.device)
-            tokens = torch.empty(len(live), ns + 1, dtype=torch.long, device=model.device)
-            tokens[:, 0] = last
-            for j in range(ns):
-                tokens[:, j + 1] = model.draft_next(tokens[:, j])
-        pred = engine.verify_step(live, tokens, acc, context, timer, replay_n)
-        with timer.host("acceptance"):
-            drafts = tokens[:, 1:].cpu().numpy()
-            for k, i in enumerate(live):
-                n = 0
-                while n < ns and drafts[k, n] == pred[k, n]:
-                    n += 1
-                emitted = [int(t) for t in drafts[k, :n]] + [int(pred[k, n])]
-                out[i].extend(emitted[: new_tokens - len(out[i])])
-                stats.drafted += ns
-                stats.accepted += n
-                acc[i] = n + 1
-                replay_n[i] = n + 1  # the fed tokens it accepted: last token + n drafts
-                context[i] += n + 1
-        stats.decode_steps += 1
-        progress.update(sum(len(o) for o in out))
-    _finish_decode(model, engine, timer, stats, out, t0)
-    return out, stats, engine.graph_note
+                    acc[r] = replay_n[r] = n + 1
+            stats.prefill_steps += bool(pre)
+            stats.nodraft_steps += bool(plain)
+            stats.mixed_steps += bool(spec_rows)
+            kind = "mixed"
+        else:
+            with timer.host("drafter"):
+                last = torch.tensor([sched.next_token(r) for r in dec], dtype=torch.long,
+                                    device=model.device)
+                tokens = torch.empty(len(dec), ns + 1, dtype=torch.long, device=model.device)
+                tokens[:, 0] = last
+                for j in range(ns):
+                    tokens[:, j + 1] = model.draft_next(tokens[:, j])
+            pred = engine.verify_step(dec, tokens, acc, sched.context, timer, replay_n)
+            with timer.host("acceptance"):
+                drafts = tokens[:, 1:].cpu().numpy()
+                for k, r in enumerate(dec):
+                    n = 0
+                    while n < ns and drafts[k, n] == pred[k, n]:
+                        n += 1
+                    sched.decoded(r, n + 1, [int(t) for t in drafts[k, :n]] + [int(pred[k, n])])
+                    stats.drafted += ns
+                    stats.accepted += n
+                    acc[r] = n + 1
+                    replay_n[r] = n + 1  # the fed tokens it accepted: last token + n drafts
+            stats.verify_steps += 1
+            kind = "verify"
+        sched.retire(engine)
+        stats.steps += 1
+        stats.timed_step(kind, time.perf_counter() - t_step)
+        progress.update(sched.generated())
+    _finish_run(model, engine, sched, timer, stats, t0)
+    return sched.out, stats, engine.graph_note
 
 
 def _sync(model) -> None:
@@ -506,15 +644,18 @@ def _sync(model) -> None:
         torch.cuda.synchronize()
 
 
-def _finish_decode(model, engine, timer, stats: RunStats, out: List[List[int]], t0: float) -> None:
-    """Closes a decode loop started at `t0`: waits for the device, records time and tokens (the
-    prefill's first token excluded), raises on device-side errors, folds the timer's breakdown."""
+def _finish_run(model, engine, sched: Scheduler, timer, stats: RunStats, t0: float) -> None:
+    """Closes a run started at `t0`: waits for the device, records time, tokens and rows taken
+    over, raises on device-side errors, folds the timer's breakdown."""
     _sync(model)
-    stats.decode_seconds = time.perf_counter() - t0
-    stats.decode_tokens = sum(len(o) - 1 for o in out)
+    stats.seconds = time.perf_counter() - t0
+    stats.tokens = sched.generated()
+    stats.recycled, stats.recycled_one_token = sched.recycled, sched.recycled_one_token
+    stats.fresh_rows = engine.path.fresh_rows
     engine.path.check_device_errors()
     timer.resolve()
     stats.breakdown = dict(timer.totals)
+    stats.calls = dict(timer.calls)
 
 
 def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> List[List[int]]:
@@ -524,14 +665,25 @@ def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> List[List[i
     return [rng.integers(0, vocab, size=int(L)).tolist() for L in lengths]
 
 
+def make_workload(rows: int, late: int, lo: int, hi: int, vocab: int,
+                  seed: int) -> List[List[int]]:
+    """The prompts of the first `rows` requests, then of the `late` ones waiting in the queue:
+    every third late request (the 1st, 4th, ...) has a one-token prompt, the others are spread
+    over [lo, hi] like the first ones."""
+    late_prompts = make_prompts(late, lo, hi, vocab, seed + 1) if late else []
+    for k in range(0, late, 3):
+        late_prompts[k] = late_prompts[k][:1]
+    return make_prompts(rows, lo, hi, vocab, seed) + late_prompts
+
+
 def breakdown_line(stats: RunStats) -> str:
-    total = stats.decode_seconds
+    total = stats.seconds
     b = stats.breakdown
     verify = "replay" if "replay" in b else "decode_mtp"
     parts = [(name, b.get(name, 0.0)) for name in ("metadata", "conv", verify)]
     rest = max(total - sum(v for _, v in parts), 0.0)
     line = " | ".join(f"{name} {100 * v / total:.1f} %" for name, v in parts)
-    extra = [(n, b[n]) for n in ("drafter", "acceptance") if n in b]
+    extra = [(n, b[n]) for n in ("drafter", "acceptance", "zeroing") if n in b]
     inside = ", ".join(f"{n} {100 * v / total:.1f} %" for n, v in extra)
     return f"{line} | rest {100 * rest / total:.1f} %" + (
         f" (dense layers and copies; of which {inside})" if inside else " (dense layers and copies)")
@@ -566,6 +718,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.new_tokens < 1 or args.requests < 1 or args.num_spec < 1:
         print("--new-tokens, --requests and --num-spec must be >= 1", file=sys.stderr)
         return 2
+    if args.late_requests is not None and args.late_requests < 0:
+        print("--late-requests must be >= 0", file=sys.stderr)
+        return 2
     head_dim = args.head_dim or (128 if args.device == "cuda" else 32)
     cfg = ModelConfig(vocab=args.vocab, hidden=args.hidden, layers=args.layers, groups=args.groups,
                       H=args.heads, HV=args.value_heads, head_dim=head_dim,
@@ -582,55 +737,70 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if path == "unsupported":
             print(f"decode_mtp cannot run this model on CUDA: {why}", file=sys.stderr)
             return 2
-    prompts = make_prompts(args.requests, args.min_prompt, args.max_prompt, cfg.vocab, args.seed)
+    late = args.requests if args.late_requests is None else args.late_requests
+    prompts = make_workload(args.requests, late, args.min_prompt, args.max_prompt, cfg.vocab,
+                            args.seed)
     new = args.new_tokens
     T = args.num_spec + 1
+    R = len(prompts)
+    one_token = sum(len(p) == 1 for p in prompts[args.requests:])
 
     where = (f"cuda ({torch.cuda.get_device_name(device)}), CUDA graphs {'on' if args.graphs else 'off'}"
              if args.device == "cuda" else f"cpu ({torch.get_num_threads()} threads)")
-    print("gdn demo: speculative decoding with a tiny hybrid GDN language model (random weights)")
+    print("gdn demo: speculative decoding with a tiny hybrid GDN language model (random weights), "
+          "requests coming and going")
     print(f"  device      : {where}")
     print(f"  model       : {cfg.describe()}")
-    print(f"  batch       : {args.requests} requests, prompts {min(map(len, prompts))}.."
-          f"{max(map(len, prompts))} tokens (prefilled through the decode path, T = 1), "
-          f"{new} new tokens each, greedy")
+    print(f"  workload    : {R} requests on {args.requests} rows, prompts "
+          f"{min(map(len, prompts))}..{max(map(len, prompts))} tokens (prefilled through the "
+          f"decode path, T = 1), {new} new tokens each, greedy")
+    if late:
+        print(f"  rows        : {late} requests wait in a queue; a finished request frees its row "
+              f"(its blocks in all {cfg.groups} groups get garbage) and the next one takes it "
+              f"over at the next step; {one_token} of the late prompts are one token long")
     print(f"  speculation : drafter = the target's embedding -> lm_head path without the GDN "
           f"layers; num_spec {args.num_spec}, T = {T} tokens verified per request and step")
     print(f"  per step    : gdn.metadata (1 plan + 1 state-row pass for {cfg.groups} groups), then per "
-          f"layer gdn.causal_conv1d_update ({args.conv_layout}) + gdn.decode_mtp over all requests")
+          f"layer gdn.causal_conv1d_update ({args.conv_layout}) + gdn.decode_mtp over all rows; "
+          f"prefill rows without an initial state (has_initial_state) start from zeroed blocks")
     sys.stdout.flush()
 
     show = not args.no_progress
-    total = args.requests * new
+    total = R * new
     bar = Progress("plain greedy", total, show)
-    plain, ps = run_plain(model, prompts, new, args, bar)
+    plain, ps = run_plain(model, prompts, args, bar)
     bar.close()
     bar = Progress("speculative", total, show)
-    spec, ss, graph_note = run_speculative(model, prompts, new, args, bar)
+    spec, ss, graph_note = run_speculative(model, prompts, args, bar)
     bar.close()
     replay = args.state_mode == "replay"
     if replay:
         bar = Progress("speculative, replay", total, show)
-        spec_rp, rs, _ = run_speculative(model, prompts, new, args, bar, replay=True)
+        spec_rp, rs, _ = run_speculative(model, prompts, args, bar, replay=True)
         bar.close()
     # Timed repeats after the warm-up run above (single runs swing widely with machine load);
     # every repeat must generate the same tokens again.
     plain_rates, spec_rates, replay_rates = [], [], []
     for _ in range(max(args.repeats, 1) - 1):
-        again, st = run_plain(model, prompts, new, args, Progress("plain greedy", total, False))
-        plain_rates.append(st.decode_tokens / st.decode_seconds)
+        again, st = run_plain(model, prompts, args, Progress("plain greedy", total, False))
+        plain_rates.append(st.tokens / st.seconds)
         same = again == plain
-        again, st, _ = run_speculative(model, prompts, new, args, Progress("speculative", total, False))
-        spec_rates.append(st.decode_tokens / st.decode_seconds)
+        again, st, _ = run_speculative(model, prompts, args, Progress("speculative", total, False))
+        spec_rates.append(st.tokens / st.seconds)
         same = same and again == spec
         if replay:
-            again, st, _ = run_speculative(model, prompts, new, args,
+            again, st, _ = run_speculative(model, prompts, args,
                                            Progress("speculative", total, False), replay=True)
-            replay_rates.append(st.decode_tokens / st.decode_seconds)
+            replay_rates.append(st.tokens / st.seconds)
             same = same and again == spec_rp
         if not same:
             print("FAIL (a repeated run generated different tokens)")
             return 1
+
+    def who(i: int) -> str:
+        if i < args.requests:
+            return f"request {i}"
+        return f"request {i} (late{', one-token prompt' if len(prompts[i]) == 1 else ''})"
 
     mismatches = []
     runs = [("speculative", spec)] + ([("replay", spec_rp)] if replay else [])
@@ -638,35 +808,55 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for i, (a, b) in enumerate(zip(plain, tokens)):
             if a != b:
                 k = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-                mismatches.append(f"{name} request {i}: first difference at generated token {k} "
+                mismatches.append(f"{name} {who(i)}: first difference at generated token {k} "
                                   f"(plain {a[k:k + 4]}, {name} {b[k:k + 4]})")
 
     print()
-    print(f"plain greedy : prefill {ps.prefill_steps} steps ({fmt_seconds(ps.prefill_seconds)}); "
-          f"decode {ps.decode_steps} steps, {ps.decode_tokens} tokens in "
-          f"{fmt_seconds(ps.decode_seconds)} = {tokens_per_second(ps.decode_tokens, ps.decode_seconds)}")
+    print(f"plain greedy : {ps.steps} steps ({ps.prefill_steps} with prefilling rows), "
+          f"{ps.tokens} tokens generated in {fmt_seconds(ps.seconds)} = "
+          f"{tokens_per_second(ps.tokens, ps.seconds)}")
     if plain_rates:
         speedup = float(np.median(spec_rates)) / float(np.median(plain_rates))
         how = f"median of {len(plain_rates)} timed runs after a warm-up"
     else:
-        speedup = (ss.decode_tokens / ss.decode_seconds) / (ps.decode_tokens / ps.decode_seconds) \
-            if ss.decode_seconds > 0 and ps.decode_seconds > 0 else float("nan")
+        speedup = (ss.tokens / ss.seconds) / (ps.tokens / ps.seconds) \
+            if ss.seconds > 0 and ps.seconds > 0 else float("nan")
         how = "one run, not warmed up"
-    print(f"speculative  : prefill {ss.prefill_steps} steps ({fmt_seconds(ss.prefill_seconds)}); "
-          f"decode {ss.decode_steps} verify steps, {ss.decode_tokens} tokens in "
-          f"{fmt_seconds(ss.decode_seconds)} = {tokens_per_second(ss.decode_tokens, ss.decode_seconds)}")
-    print(f"speed-up     : {speedup:.2f}x plain decoding ({how})")
-    rate = ss.accepted / ss.drafted if ss.drafted else 0.0
+    print(f"speculative  : {ss.steps} steps ({ss.verify_steps} pure verify, {ss.prefill_steps} "
+          f"with prefilling rows), {ss.tokens} tokens generated in {fmt_seconds(ss.seconds)} = "
+          f"{tokens_per_second(ss.tokens, ss.seconds)}")
+    print(f"speed-up     : {speedup:.2f}x plain decoding ({how}; same workload and scheduling, "
+          f"prefill steps included)")
+    print(f"step time    : plain {ps.per_step('plain')} per step; speculative "
+          f"{ss.per_step('verify')} per pure verify step, {ss.per_step('mixed')} per step with "
+          f"prefilling rows or rows without drafts (warm-up runs)")
+    if ps.recycled:
+        print(f"recycled     : {ps.recycled} rows taken over by new requests "
+              f"({ps.recycled_one_token} with one-token prompts); {R} requests ran on "
+              f"{args.requests} rows")
+    else:
+        print(f"recycled     : no row changed hands ({R} requests on {args.requests} rows)")
+    fresh = [("plain", ps.fresh_rows), ("speculative", ss.fresh_rows)] + (
+        [("replay", rs.fresh_rows)] if replay else [])
+    if all(n == R for _, n in fresh):
+        print(f"fresh rows   : in every run the metadata started all {R} requests from a zero "
+              f"state (prefill rows with has_initial_state False; their blocks zeroed first)")
+    else:
+        per_run = ", ".join(f"{name} {n}" for name, n in fresh)
+        print(f"fresh rows   : rows the metadata started from a zero state (has_initial_state "
+              f"False), per run: {per_run} (for {R} requests)")
     if ss.mixed_steps:
-        print(f"mixed steps  : {ss.mixed_steps} of {ss.decode_steps} verify steps had requests "
-              f"without drafts (non-spec rows reading non_spec_source_indices)")
+        print(f"mixed steps  : {ss.mixed_steps} of {ss.steps} steps had spec rows next to non-spec "
+              f"rows (prefilling requests or requests without drafts; {ss.nodraft_steps} steps had "
+              f"requests without drafts, reading non_spec_source_indices)")
+    rate = ss.accepted / ss.drafted if ss.drafted else 0.0
     print(f"acceptance   : {ss.accepted} of {ss.drafted} drafts accepted ({100 * rate:.1f} %); "
           f"{1 + ss.accepted / max(ss.drafted / args.num_spec, 1):.2f} tokens per request per "
           f"verify step (at most {T})")
-    print(f"time, speculative decode: {breakdown_line(ss)}")
+    print(f"time, speculative: {breakdown_line(ss)}")
     if graph_note:
         print(f"              ({graph_note})")
-    print(f"time, plain decode      : {breakdown_line(ps)}")
+    print(f"time, plain      : {breakdown_line(ps)}")
     if replay:
         print()
         print(replay_report(cfg, args, ss, rs, spec_rates, replay_rates))
@@ -677,9 +867,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("FAIL (speculative != plain decoding)")
         return 1
     both = " in both state modes" if replay else ""
-    print(f"check: all {args.requests} requests generated exactly the plain greedy tokens{both} "
-          f"({sum(len(s) for s in spec)} tokens compared per run, token for token; the decode "
-          f"counts above exclude each request's first token, which its last prefill step produces)")
+    print(f"check: all {R} requests generated exactly the plain greedy tokens{both} "
+          f"({sum(len(s) for s in spec)} tokens compared per run, token for token)")
     print("PASS (speculative == plain decoding)")
     return 0
 
@@ -690,14 +879,14 @@ def replay_report(cfg, args, ws: RunStats, rs: RunStats, ws_rates, rs_rates) -> 
     state = cfg.HV * cfg.V * cfg.K * 4  # fp32 state
     window = S * (cfg.H * cfg.K + cfg.HV * cfg.V + 2 * cfg.HV) * 4 + 4  # fp32 activations
     kib = lambda b: f"{b / 1024:.1f} KiB"  # noqa: E731
-    t_w = ws.breakdown.get("decode_mtp", 0.0) / max(ws.decode_steps, 1)
-    t_r = rs.breakdown.get("replay", 0.0) / max(rs.decode_steps, 1)
+    t_w = ws.breakdown.get("decode_mtp", 0.0) / max(ws.calls.get("decode_mtp", 0), 1)
+    t_r = rs.breakdown.get("replay", 0.0) / max(rs.calls.get("replay", 0), 1)
     lines = [
         "state modes (per request and GDN layer):",
         f"  write-all : {S} states = {kib(S * state)}; verify kernel "
-        f"{1e6 * t_w / cfg.layers:.1f} us per layer call",
+        f"{1e6 * t_w:.1f} us per layer call",
         f"  replay    : 1 state + window of {S} tokens = {kib(state)} + {kib(window)} = "
-        f"{kib(state + window)}; verify kernel {1e6 * t_r / cfg.layers:.1f} us per layer call",
+        f"{kib(state + window)}; verify kernel {1e6 * t_r:.1f} us per layer call",
         f"  pool      : replay keeps {100 * (state + window) / (S * state):.0f} % of write-all's "
         f"bytes",
     ]

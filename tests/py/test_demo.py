@@ -1,6 +1,9 @@
-"""python -m gdn demo: a short CPU run prints PASS; the check fails when the conv rollback is
-broken; the dense layers are batch-invariant by construction; CUDA variants (graphs on/off) skip
-without a GPU."""
+"""python -m gdn demo: a short CPU run (rows taken over by late requests, some with one-token
+prompts) prints PASS in both state modes; the check fails when the conv rollback is broken, when
+non-spec rows read a stale state, when replay counts are dropped, and when fresh rows are not
+started from a zero state (then because of the garbage a finished request leaves behind); the
+dense layers are batch-invariant by construction; CUDA variants (graphs on/off) skip without a
+GPU."""
 
 from __future__ import annotations
 
@@ -14,8 +17,16 @@ import gdn
 torch = pytest.importorskip("torch")
 
 from gdn import demo  # noqa: E402
-from gdn._demo_model import exact_linear, exact_rms_norm, int8_weight  # noqa: E402
+from gdn._demo_model import (  # noqa: E402
+    DecodePath,
+    GDNCache,
+    exact_linear,
+    exact_rms_norm,
+    int8_weight,
+)
 
+# 4 rows; --late-requests defaults to 4 more, of which late requests 0 and 3 (requests 4 and 7)
+# have one-token prompts.
 SHORT = ["--repeats", "1", "--requests", "4", "--min-prompt", "2", "--max-prompt", "7", "--new-tokens", "14",
          "--layers", "3", "--groups", "2", "--no-progress"]
 
@@ -91,6 +102,88 @@ def test_check_fails_when_replay_counts_are_dropped(monkeypatch, capsys):
     assert "FAIL (speculative != plain decoding)" in out and "replay request" in out
 
 
+def _fresh_rows_spy(monkeypatch):
+    """Records, per non-spec step, the metadata's decode count and the fresh rows it gave."""
+    seen = []
+    real = DecodePath.non_spec_rows
+
+    def spy(self, md, timer):
+        rows = real(self, md, timer)
+        seen.append((md.num_decodes, len(rows.fresh)))
+        return rows
+
+    monkeypatch.setattr(DecodePath, "non_spec_rows", spy)
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["write-all", "replay"])
+def test_rows_taken_over_by_late_requests_pass_in_both_state_modes(monkeypatch, capsys, mode):
+    # 4 rows, 6 late requests: rows change hands 6 times; late requests 0 and 3 have one-token
+    # prompts. Freed blocks hold garbage, so this passes only if the metadata starts every fresh
+    # request without a state, also where its first (or only) prompt token comes after decode
+    # rows in a step without spec rows.
+    seen = _fresh_rows_spy(monkeypatch)
+    assert demo.main(SHORT + ["--late-requests", "6", "--state-mode", mode]) == 0
+    out = capsys.readouterr().out
+    assert "recycled     : 6 rows taken over by new requests (2 with one-token prompts); 10 " \
+           "requests ran on 4 rows" in out
+    assert "in every run the metadata started all 10 requests from a zero state" in out
+    assert "PASS (speculative == plain decoding)" in out
+    if mode == "replay":
+        assert "in both state modes" in out
+    # Fresh rows that came after decode rows in their step (what a misclassifying builder would
+    # have handed a stale source) did occur.
+    assert any(decodes > 0 and fresh > 0 for decodes, fresh in seen)
+
+
+def _clean_start(monkeypatch):
+    """Pools start zeroed: only the garbage a finished request leaves behind is stale."""
+    real_init = GDNCache.__init__
+
+    def init(self, *args, **kw):
+        real_init(self, *args, **kw)
+        for pool in self.ssm + self.conv:
+            pool.zero_()
+
+    monkeypatch.setattr(GDNCache, "__init__", init)
+
+
+@pytest.mark.parametrize("mode", ["write-all", "replay"])
+def test_check_fails_when_fresh_rows_read_the_previous_occupants_garbage(monkeypatch, capsys,
+                                                                           mode):
+    # A consumer that ignores has_initial_state (no zeroing) runs a late request from whatever
+    # its row's previous request left: the run-specific garbage. Pools start clean here, so the
+    # first requests are unaffected and every difference is a late request's.
+    _clean_start(monkeypatch)
+    monkeypatch.setattr(GDNCache, "zero_blocks", lambda self, group, blocks: None)
+    args = SHORT + ["--state-mode", mode]
+    assert demo.main(args) == 1
+    out = capsys.readouterr().out
+    assert "FAIL (speculative != plain decoding)" in out
+    diffs = [line for line in out.splitlines() if "first difference" in line]
+    assert diffs and all("(late" in line for line in diffs), diffs
+
+    # The same consumer passes when freed blocks hold zeros instead of garbage: the failure
+    # above comes from the garbage, which the demo writes exactly where fresh rows read.
+    def zeros_instead_of_garbage(self, blocks):
+        for li in range(self.cfg.layers):
+            b = blocks[self.cfg.group_of(li)]
+            self.ssm[li][b] = 0.0
+            self.conv[li][b] = 0.0
+
+    monkeypatch.setattr(GDNCache, "fill_garbage", zeros_instead_of_garbage)
+    assert demo.main(args) == 0
+    assert "PASS" in capsys.readouterr().out
+
+
+def test_check_fails_when_first_requests_read_unwritten_blocks(monkeypatch, capsys):
+    # Blocks start as garbage too: without zeroing, even the first requests (no row changes
+    # hands) start from it and the check fails.
+    monkeypatch.setattr(GDNCache, "zero_blocks", lambda self, group, blocks: None)
+    assert demo.main(SHORT + ["--late-requests", "0"]) == 1
+    assert "FAIL (speculative != plain decoding)" in capsys.readouterr().out
+
+
 def test_dense_layers_are_batch_invariant():
     g = torch.Generator().manual_seed(0)
     w = int8_weight((128, 96), 128 ** -0.5, g)
@@ -113,8 +206,8 @@ def test_help_explains_every_option():
     for action in demo.build_parser()._actions:
         if action.option_strings and action.dest != "help":
             assert action.help and len(action.help) > 15, action.option_strings
-    for option in ("--device", "--graphs", "--num-spec", "--requests", "--new-tokens", "--groups",
-                   "--conv-layout", "--layer-strength"):
+    for option in ("--device", "--graphs", "--num-spec", "--requests", "--late-requests",
+                   "--new-tokens", "--groups", "--conv-layout", "--layer-strength"):
         assert option in text
     r = subprocess.run([sys.executable, "-m", "gdn", "demo", "--help"], capture_output=True,
                        text=True, timeout=120)
@@ -124,8 +217,10 @@ def test_help_explains_every_option():
 def test_bad_arguments_are_refused(capsys):
     assert demo.main(["--graphs"]) == 2
     assert demo.main(["--groups", "1", "--no-progress"]) == 2
+    assert demo.main(["--late-requests", "-1", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "--graphs needs --device cuda" in err and "groups must be" in err
+    assert "--late-requests must be >= 0" in err
 
 
 @needs_cuda
@@ -134,6 +229,17 @@ def test_short_cuda_demo_passes(graphs, capsys):
     args = SHORT + ["--device", "cuda"] + (["--graphs"] if graphs else [])
     assert demo.main(args) == 0
     out = capsys.readouterr().out
+    assert "PASS (speculative == plain decoding)" in out
+
+
+@needs_cuda
+def test_cuda_rows_taken_over_with_graphs(capsys):
+    # Late requests (some with one-token prompts) take over freed rows; pure verify steps replay
+    # the CUDA graph, steps with prefilling rows run eagerly. A stale read would differ (PASS
+    # fails) or, with a null source, raise from the kernels' error count.
+    assert demo.main(SHORT + ["--device", "cuda", "--graphs", "--late-requests", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "recycled     : 6 rows taken over by new requests (2 with one-token prompts)" in out
     assert "PASS (speculative == plain decoding)" in out
 
 
