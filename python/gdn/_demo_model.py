@@ -219,7 +219,7 @@ class GDNCache:
         self._garbage_conv = [garbage(p) for p in self.conv]
         self._garbage_windows = (
             [{name: garbage(getattr(w, name)) for name in ("k", "v", "a", "b")}
-             for w in self.windows] if replay else None)
+             for w in self.windows] if self.windows is not None else None)
         live = torch.arange(1, self.num_blocks, device=dev)
         self.fill_garbage([live] * cfg.groups)
 
@@ -234,7 +234,7 @@ class GDNCache:
             b = blocks[self.cfg.group_of(li)]
             self.ssm[li].index_copy_(0, b, self._garbage_ssm[li].index_select(0, b))
             self.conv[li].index_copy_(0, b, self._garbage_conv[li].index_select(0, b))
-            if self.windows is not None:
+            if self.windows is not None and self._garbage_windows is not None:
                 w, bank = self.windows[li], self._garbage_windows[li]
                 for name in ("k", "v", "a", "b"):
                     getattr(w, name)[b] = bank[name][b]
@@ -262,7 +262,7 @@ class Timer:
         self.cuda = device.type == "cuda"
         self.totals: Dict[str, float] = defaultdict(float)
         self.calls: Dict[str, int] = defaultdict(int)  # kernel regions timed, per category
-        self._pending = []
+        self._pending: List = []
 
     @contextmanager
     def host(self, name: str):
@@ -346,7 +346,8 @@ class DecodePath:
         self.error_count = (torch.zeros(1, dtype=torch.int32, device=dev)
                             if dev.type == "cuda" else None)
 
-    def forward(self, rows: int, slots: StepSlots, timer: Timer, event_log=None) -> None:
+    def forward(self, rows: int, slots: StepSlots, timer: Optional[Timer],
+                event_log=None) -> None:
         """Target forward over token rows [0, rows) of self.tokens; writes self.pred[:rows]
         (greedy next token after each row). `event_log`, when given, receives (name, start, end)
         CUDA events instead of `timer` (used while capturing a graph)."""
@@ -414,6 +415,7 @@ class DecodePath:
                 num_accepted_tokens=conv_accepted, state_layout=self.cache.conv_layout,
                 first_valid_slot=NULL_BLOCK + 1, error_count=self.error_count)
         if replay_counts is not None:
+            assert self.cache.windows is not None, "replay counts need a replay cache"
             with self._region(timer, event_log, "replay"):
                 gdn.decode_mtp_replay(
                     mixed_qkv, a, b, layer["A_log"], layer["dt_bias"], self.cache.ssm[li], column0,

@@ -40,7 +40,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -314,6 +314,7 @@ class Engine:
         """The builder's num_accepted_tokens: the accepted counts (1..S), or in replay mode the
         window tokens each request replays (0..S, 0 right after prefill); rows not live: 1 / 0."""
         if self.replay:
+            assert replay_n is not None, "replay mode needs the replay counts"
             return self._host(np.where(live, replay_n, 0))
         return self._host(np.where(live, acc, 1))
 
@@ -417,7 +418,8 @@ class Engine:
         torch.cuda.synchronize()
         for timed in (True, False):
             try:
-                graph, events = torch.cuda.CUDAGraph(), []
+                graph = torch.cuda.CUDAGraph()
+                events: List[Any] = []
                 with torch.cuda.graph(graph):
                     self.path.forward(rows, slots, None, event_log=events if timed else None)
                 self.graph, self.graph_events = graph, events
@@ -466,19 +468,25 @@ class Scheduler:
     def occupied(self) -> List[int]:
         return [r for r, q in enumerate(self.request) if q is not None]
 
-    def prefilling(self, row: int) -> bool:
+    def on(self, row: int) -> int:
+        """The request on an occupied row."""
         q = self.request[row]
+        assert q is not None, f"row {row} is free"
+        return q
+
+    def prefilling(self, row: int) -> bool:
+        q = self.on(row)
         return self.fed[q] < len(self.prompts[q])
 
     def next_token(self, row: int) -> int:
         """The token the row feeds next: its next prompt token, else its last generated one."""
-        q = self.request[row]
+        q = self.on(row)
         return self.prompts[q][self.fed[q]] if self.prefilling(row) else self.out[q][-1]
 
     def prefilled(self, row: int, pred: int) -> None:
         """The row fed one prompt token; `pred` is the target's choice after it, the request's
         first generated token when that was its last prompt token."""
-        q = self.request[row]
+        q = self.on(row)
         self.fed[q] += 1
         self.context[row] += 1
         if self.fed[q] == len(self.prompts[q]):
@@ -486,7 +494,7 @@ class Scheduler:
 
     def decoded(self, row: int, fed: int, emitted: Sequence[int]) -> None:
         """The row's request now has `fed` more tokens in its state and emitted `emitted`."""
-        out = self.out[self.request[row]]
+        out = self.out[self.on(row)]
         self.context[row] += fed
         out.extend(int(t) for t in emitted[: self.new_tokens - len(out)])
 

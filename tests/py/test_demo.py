@@ -223,6 +223,7 @@ def test_bad_arguments_are_refused(capsys):
     assert "--late-requests must be >= 0" in err
 
 
+@pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_short_cuda_demo_passes(graphs, capsys):
@@ -232,6 +233,7 @@ def test_short_cuda_demo_passes(graphs, capsys):
     assert "PASS (speculative == plain decoding)" in out
 
 
+@pytest.mark.gpu
 @needs_cuda
 def test_cuda_rows_taken_over_with_graphs(capsys):
     # Late requests (some with one-token prompts) take over freed rows; pure verify steps replay
