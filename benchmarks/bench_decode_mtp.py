@@ -59,6 +59,7 @@ DEFAULT_STATES = ("fp32", "bf16")
 
 # ---- environment ---------------------------------------------------------------------------------
 
+
 def _run(cmd):
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.strip()
@@ -81,11 +82,13 @@ def environment():
     }
     try:
         import triton
+
         env["triton"] = triton.__version__
     except ImportError:
         env["triton"] = None
     try:
         from importlib.metadata import version
+
         env["fla"] = version("fla-core")
     except Exception:  # noqa: BLE001
         env["fla"] = None
@@ -115,6 +118,7 @@ def copy_bandwidth():
 
 # ---- buffers -------------------------------------------------------------------------------------
 
+
 def rotating_sets(set_bytes):
     """Buffer sets to rotate through so that one replay of the graph touches at least ROTATE_BYTES
     (one set when a set alone is that large), at most MAX_SETS."""
@@ -139,8 +143,10 @@ def make_sets(H, HV, B, T, state_dtype, n_sets, seed):
     idx = torch.randperm(slots, device="cuda", generator=g).to(torch.int32).view(B, T)
     acc = torch.randint(1, T + 1, (B,), device="cuda", generator=g).to(torch.int32)
     cu = torch.arange(0, L + 1, T, device="cuda", dtype=torch.int32)
-    return [{"pool": pool[i], "mixed_qkv": qkv[i], "ba": ba[i], "z": z[i], "out": out[i],
-             "idx": idx, "acc": acc, "cu": cu} for i in range(n_sets)]
+    return [
+        {"pool": pool[i], "mixed_qkv": qkv[i], "ba": ba[i], "z": z[i], "out": out[i], "idx": idx, "acc": acc, "cu": cu}
+        for i in range(n_sets)
+    ]
 
 
 def make_params(HV, seed):
@@ -159,16 +165,40 @@ STATE_LAYOUT = "vk"
 
 def gdn_call(st, prm, HV, split=None, error_count=None):
     if split is None:
-        gdn.decode_mtp(st["mixed_qkv"], st["ba"][:, :HV], st["ba"][:, HV:], prm["A_log"],
-                       prm["dt_bias"], st["pool"], st["idx"], st["cu"], st["out"], z=st["z"],
-                       norm_weight=prm["norm_weight"], num_accepted_tokens=st["acc"],
-                       error_count=error_count, state_layout=STATE_LAYOUT)
+        gdn.decode_mtp(
+            st["mixed_qkv"],
+            st["ba"][:, :HV],
+            st["ba"][:, HV:],
+            prm["A_log"],
+            prm["dt_bias"],
+            st["pool"],
+            st["idx"],
+            st["cu"],
+            st["out"],
+            z=st["z"],
+            norm_weight=prm["norm_weight"],
+            num_accepted_tokens=st["acc"],
+            error_count=error_count,
+            state_layout=STATE_LAYOUT,
+        )
     else:  # the kernel's row split pinned (the binding's benchmark knob)
-        gdn._C.decode_mtp(st["mixed_qkv"], st["ba"][:, :HV], st["ba"][:, HV:], prm["A_log"],
-                          prm["dt_bias"], st["pool"], st["idx"], st["cu"], st["out"], z=st["z"],
-                          norm_weight=prm["norm_weight"], num_accepted_tokens=st["acc"],
-                          state_layout=STATE_LAYOUT,
-                          stream=torch.cuda.current_stream().cuda_stream, split=split)
+        gdn._C.decode_mtp(
+            st["mixed_qkv"],
+            st["ba"][:, :HV],
+            st["ba"][:, HV:],
+            prm["A_log"],
+            prm["dt_bias"],
+            st["pool"],
+            st["idx"],
+            st["cu"],
+            st["out"],
+            z=st["z"],
+            norm_weight=prm["norm_weight"],
+            num_accepted_tokens=st["acc"],
+            state_layout=STATE_LAYOUT,
+            stream=torch.cuda.current_stream().cuda_stream,
+            split=split,
+        )
 
 
 def make_replay_sets(H, HV, B, T, state_dtype, n_sets, seed):
@@ -190,25 +220,59 @@ def make_replay_sets(H, HV, B, T, state_dtype, n_sets, seed):
     slots = torch.randperm(B, device="cuda", generator=g).to(torch.int32)
     acc = torch.randint(1, T + 1, (B,), device="cuda", generator=g).to(torch.int32)
     cu = torch.arange(0, L + 1, T, device="cuda", dtype=torch.int32)
-    return [{"pool": pool[i], "mixed_qkv": qkv[i], "ba": ba[i], "z": z[i], "out": out[i],
-             "wk": win_kv[i][..., : H * DIM], "wv": win_kv[i][..., H * DIM:],
-             "wa": win_ab[i][..., :HV], "wb": win_ab[i][..., HV:], "wlen": win_len[i],
-             "slots": slots, "acc": acc, "cu": cu} for i in range(n_sets)]
+    return [
+        {
+            "pool": pool[i],
+            "mixed_qkv": qkv[i],
+            "ba": ba[i],
+            "z": z[i],
+            "out": out[i],
+            "wk": win_kv[i][..., : H * DIM],
+            "wv": win_kv[i][..., H * DIM :],
+            "wa": win_ab[i][..., :HV],
+            "wb": win_ab[i][..., HV:],
+            "wlen": win_len[i],
+            "slots": slots,
+            "acc": acc,
+            "cu": cu,
+        }
+        for i in range(n_sets)
+    ]
 
 
 def replay_call(st, prm, HV, split=None, fn=None, error_count=None):
-    args = (st["mixed_qkv"], st["ba"][:, :HV], st["ba"][:, HV:], prm["A_log"], prm["dt_bias"],
-            st["pool"], st["slots"], st["cu"], st["out"], st["wk"], st["wv"], st["wa"], st["wb"],
-            st["wlen"], st["acc"])
+    args = (
+        st["mixed_qkv"],
+        st["ba"][:, :HV],
+        st["ba"][:, HV:],
+        prm["A_log"],
+        prm["dt_bias"],
+        st["pool"],
+        st["slots"],
+        st["cu"],
+        st["out"],
+        st["wk"],
+        st["wv"],
+        st["wa"],
+        st["wb"],
+        st["wlen"],
+        st["acc"],
+    )
     if fn is not None:  # another implementation of the same call (validation)
         return fn(*args, z=st["z"], norm_weight=prm["norm_weight"], state_layout=STATE_LAYOUT)
     if split is None:
-        gdn.decode_mtp_replay(*args, z=st["z"], norm_weight=prm["norm_weight"],
-                              error_count=error_count, state_layout=STATE_LAYOUT)
+        gdn.decode_mtp_replay(
+            *args, z=st["z"], norm_weight=prm["norm_weight"], error_count=error_count, state_layout=STATE_LAYOUT
+        )
     else:
-        gdn._C.decode_mtp_replay(*args, z=st["z"], norm_weight=prm["norm_weight"],
-                                 state_layout=STATE_LAYOUT,
-                                 stream=torch.cuda.current_stream().cuda_stream, split=split)
+        gdn._C.decode_mtp_replay(
+            *args,
+            z=st["z"],
+            norm_weight=prm["norm_weight"],
+            state_layout=STATE_LAYOUT,
+            stream=torch.cuda.current_stream().cuda_stream,
+            split=split,
+        )
 
 
 def replay_bytes(H, HV, B, T, state_dtype, replayed):
@@ -226,16 +290,21 @@ def validate_replay(st, prm, H, HV, B, T):
     reqs = sorted({0, B - 1})
     slots = [int(st["slots"][i]) for i in reqs]
     rows = torch.cat([torch.arange(i * T, i * T + T) for i in reqs]).cuda()
-    cpu = {"pool": st["pool"][slots].cpu(), "mixed_qkv": st["mixed_qkv"][rows].cpu(),
-           "ba": st["ba"][rows].cpu(), "z": st["z"][rows].cpu(),
-           "out": torch.full((len(reqs) * T, HV, DIM), float("nan"), dtype=torch.bfloat16),
-           "slots": torch.arange(len(reqs), dtype=torch.int32),
-           "acc": st["acc"][reqs].cpu(),
-           "cu": torch.arange(0, len(reqs) * T + 1, T, dtype=torch.int32)}
+    cpu = {
+        "pool": st["pool"][slots].cpu(),
+        "mixed_qkv": st["mixed_qkv"][rows].cpu(),
+        "ba": st["ba"][rows].cpu(),
+        "z": st["z"][rows].cpu(),
+        "out": torch.full((len(reqs) * T, HV, DIM), float("nan"), dtype=torch.bfloat16),
+        "slots": torch.arange(len(reqs), dtype=torch.int32),
+        "acc": st["acc"][reqs].cpu(),
+        "cu": torch.arange(0, len(reqs) * T + 1, T, dtype=torch.int32),
+    }
     kv = torch.cat([st["wk"][slots], st["wv"][slots]], -1).cpu()
     ab = torch.cat([st["wa"][slots], st["wb"][slots]], -1).cpu()
-    cpu.update(wk=kv[..., : H * DIM], wv=kv[..., H * DIM:], wa=ab[..., :HV], wb=ab[..., HV:],
-               wlen=st["wlen"][slots].cpu())
+    cpu.update(
+        wk=kv[..., : H * DIM], wv=kv[..., H * DIM :], wa=ab[..., :HV], wb=ab[..., HV:], wlen=st["wlen"][slots].cpu()
+    )
     replay_call(cpu, {k: v.cpu() for k, v in prm.items()}, HV, fn=gdn.decode_mtp_replay)
     st["out"].fill_(float("nan"))
     replay_call(st, prm, HV)
@@ -254,10 +323,12 @@ def gdn_bytes(H, HV, B, T, state_dtype):
 
 # ---- FLA baseline --------------------------------------------------------------------------------
 
+
 def fla_available():
     try:
         import fla.ops.gated_delta_rule  # noqa: F401
         import fla.ops.kda.fused_recurrent  # noqa: F401
+
         return True
     except Exception as e:  # noqa: BLE001
         print(f"FLA baseline unavailable: {e!r}", file=sys.stderr)
@@ -271,8 +342,8 @@ def fla_inputs(st, prm, H, HV, B, T, dense_ok=True):
     L = B * T
     x = st["mixed_qkv"]
     q = x[:, : H * DIM].reshape(1, L, H, DIM).contiguous()
-    k = x[:, H * DIM: 2 * H * DIM].reshape(1, L, H, DIM).contiguous()
-    v = x[:, 2 * H * DIM:].reshape(1, L, HV, DIM).contiguous()
+    k = x[:, H * DIM : 2 * H * DIM].reshape(1, L, H, DIM).contiguous()
+    v = x[:, 2 * H * DIM :].reshape(1, L, HV, DIM).contiguous()
     a = st["ba"][:, :HV].float().reshape(1, L, HV).contiguous()
     beta = st["ba"][:, HV:].float().reshape(1, L, HV).contiguous()
     f = {"q": q, "k": k, "v": v, "beta": beta, "out": torch.empty_like(v)}
@@ -292,20 +363,45 @@ def fla_inputs(st, prm, H, HV, B, T, dense_ok=True):
 def fla_call(f, st, prm, T):
     if f["dense"]:
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
         o, _ = fused_recurrent_gated_delta_rule(
-            f["q"], f["k"], f["v"], g=f["g"], beta=f["beta"], initial_state=f["h0"],
-            output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-            A_log=prm["A_log"], dt_bias=prm["dt_bias"], use_beta_sigmoid_in_kernel=True,
-            state_v_first=True)
+            f["q"],
+            f["k"],
+            f["v"],
+            g=f["g"],
+            beta=f["beta"],
+            initial_state=f["h0"],
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True,
+            A_log=prm["A_log"],
+            dt_bias=prm["dt_bias"],
+            use_beta_sigmoid_in_kernel=True,
+            state_v_first=True,
+        )
         return o
     else:
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
         o, _ = fused_recurrent_kda_fwd(
-            f["q"], f["k"], f["v"], f["g"], f["beta"], A_log=prm["A_log"],
-            dt_bias=f["dt_bias_k"], initial_state=st["pool"], inplace_final_state=True,
-            state_v_first=True, cu_seqlens=f["cu64"], ssm_state_indices=st["idx"],
-            num_accepted_tokens=st["acc"], use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-            use_beta_sigmoid_in_kernel=True, out=f["out"])
+            f["q"],
+            f["k"],
+            f["v"],
+            f["g"],
+            f["beta"],
+            A_log=prm["A_log"],
+            dt_bias=f["dt_bias_k"],
+            initial_state=st["pool"],
+            inplace_final_state=True,
+            state_v_first=True,
+            cu_seqlens=f["cu64"],
+            ssm_state_indices=st["idx"],
+            num_accepted_tokens=st["acc"],
+            use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True,
+            out=f["out"],
+        )
         return o
 
 
@@ -315,9 +411,17 @@ def fla_job_call(f, st, prm, T, HV):
     times the weight times silu(z), fla.modules.norm.fused_norm_gate, bf16 out). Returns the
     normed output [L, HV, V]."""
     from fla.modules.norm.fused_norm_gate import layer_norm_gated_fwd
+
     o = fla_call(f, st, prm, T)
-    y = layer_norm_gated_fwd(o.reshape(-1, DIM), st["z"].reshape(-1, DIM), prm["norm_weight"], None,
-                             activation="swish", eps=1e-6, is_rms_norm=True)[0]
+    y = layer_norm_gated_fwd(
+        o.reshape(-1, DIM),
+        st["z"].reshape(-1, DIM),
+        prm["norm_weight"],
+        None,
+        activation="swish",
+        eps=1e-6,
+        is_rms_norm=True,
+    )[0]
     return y.view(-1, HV, DIM)
 
 
@@ -335,6 +439,7 @@ def fla_bytes(H, HV, B, T, state_dtype, dense):
 
 
 # ---- validation ----------------------------------------------------------------------------------
+
 
 def _rel(x, ref):
     x, ref = x.double(), ref.double()
@@ -372,12 +477,21 @@ def validate(impl, st, prm, f, H, HV, B, T):
     z = st["z"][rows.cuda()].cpu()
     cpu_out = torch.full((n * T, HV, DIM), float("nan"), dtype=torch.float32)
     p = {k: v.cpu() for k, v in prm.items()}
-    gdn.decode_mtp(x, ba[:, :HV], ba[:, HV:], p["A_log"], p["dt_bias"], cpu_pool, cpu_idx,
-                   torch.arange(0, n * T + 1, T, dtype=torch.int32), cpu_out,
-                   z=z if full else None,
-                   norm_weight=p["norm_weight"] if full else None,
-                   num_accepted_tokens=torch.tensor([int(acc[i]) for i in reqs], dtype=torch.int32),
-                   state_layout=STATE_LAYOUT if impl == "gdn" else "vk")
+    gdn.decode_mtp(
+        x,
+        ba[:, :HV],
+        ba[:, HV:],
+        p["A_log"],
+        p["dt_bias"],
+        cpu_pool,
+        cpu_idx,
+        torch.arange(0, n * T + 1, T, dtype=torch.int32),
+        cpu_out,
+        z=z if full else None,
+        norm_weight=p["norm_weight"] if full else None,
+        num_accepted_tokens=torch.tensor([int(acc[i]) for i in reqs], dtype=torch.int32),
+        state_layout=STATE_LAYOUT if impl == "gdn" else "vk",
+    )
     worst = _rel(out[rows.cuda()].cpu(), cpu_out)
     if impl == "gdn" or not f["dense"]:
         for j, i in enumerate(reqs):
@@ -446,20 +560,37 @@ def bench_replay(shape, B, T, sdt, copy_tbps, split=None):
     sets = make_replay_sets(H, HV, B, T, state_dtype, n_sets, 2000 + B + 10 * T)
     prm = make_params(HV, 7)
     n_calls = max(MIN_CALLS, n_sets)
-    rec = dict(impl="replay", shape=shape, H=H, HV=HV, B=B, T=T, state=sdt, sets=n_sets,
-               calls=n_calls, split=split, state_layout=STATE_LAYOUT)
+    rec = dict(
+        impl="replay",
+        shape=shape,
+        H=H,
+        HV=HV,
+        B=B,
+        T=T,
+        state=sdt,
+        sets=n_sets,
+        calls=n_calls,
+        split=split,
+        state_layout=STATE_LAYOUT,
+    )
     try:
         rec["rel_err"] = validate_replay(sets[0], prm, H, HV, B, T)
         rec["valid"] = rec["rel_err"] <= 1e-2
-        calls = [(lambda st=sets[i % n_sets]: replay_call(st, prm, HV, split))
-                 for i in range(n_calls)]
+        calls = [(lambda st=sets[i % n_sets]: replay_call(st, prm, HV, split)) for i in range(n_calls)]
         nbytes = replay_bytes(H, HV, B, T, state_dtype, int(sets[0]["acc"].sum()))
         med, lo, hi = time_graph(calls)
         tbps = nbytes / med / 1e12
-        rec.update(us=med * 1e6, us_min=lo * 1e6, us_max=hi * 1e6, bytes=nbytes, tbps=tbps,
-                   pct_copy=100 * tbps / copy_tbps, pct_spec=100 * tbps / SPEC_TBPS,
-                   pool_bytes_per_request=HV * DIM * DIM * torch.finfo(state_dtype).bits // 8,
-                   window_bytes_per_request=T * (H * DIM + HV * DIM + 2 * HV) * 2 + 4)
+        rec.update(
+            us=med * 1e6,
+            us_min=lo * 1e6,
+            us_max=hi * 1e6,
+            bytes=nbytes,
+            tbps=tbps,
+            pct_copy=100 * tbps / copy_tbps,
+            pct_spec=100 * tbps / SPEC_TBPS,
+            pool_bytes_per_request=HV * DIM * DIM * torch.finfo(state_dtype).bits // 8,
+            window_bytes_per_request=T * (H * DIM + HV * DIM + 2 * HV) * 2 + 4,
+        )
     except Exception as e:  # noqa: BLE001 - one failing config must not end the run
         rec["error"] = repr(e)[:300]
     sets = None
@@ -467,8 +598,9 @@ def bench_replay(shape, B, T, sdt, copy_tbps, split=None):
     return [rec]
 
 
-def bench_config(shape, B, T, sdt, with_fla, copy_tbps, split=None, with_replay=False,
-                 with_write_all=True, with_fla_job=False):
+def bench_config(
+    shape, B, T, sdt, with_fla, copy_tbps, split=None, with_replay=False, with_write_all=True, with_fla_job=False
+):
     H, HV = ALL_SHAPES[shape]
     state_dtype = DTYPES[sdt]
     set_bytes = B * T * HV * DIM * DIM * torch.finfo(state_dtype).bits // 8
@@ -477,13 +609,18 @@ def bench_config(shape, B, T, sdt, with_fla, copy_tbps, split=None, with_replay=
     prm = make_params(HV, 7)
     n_calls = max(MIN_CALLS, n_sets)
     results = []
-    impls = ((["gdn"] if with_write_all else []) + (["fla"] if with_fla else [])
-             + (["fla_job"] if with_fla and with_fla_job else []))
+    impls = (
+        (["gdn"] if with_write_all else [])
+        + (["fla"] if with_fla else [])
+        + (["fla_job"] if with_fla and with_fla_job else [])
+    )
     for impl in impls:
-        fl = ([fla_inputs(st, prm, H, HV, B, T, dense_ok=impl == "fla") for st in sets]
-              if impl != "gdn" else [None] * n_sets)
-        rec = dict(impl=impl, shape=shape, H=H, HV=HV, B=B, T=T, state=sdt, sets=n_sets,
-                   calls=n_calls, split=split)
+        fl = (
+            [fla_inputs(st, prm, H, HV, B, T, dense_ok=impl == "fla") for st in sets]
+            if impl != "gdn"
+            else [None] * n_sets
+        )
+        rec = dict(impl=impl, shape=shape, H=H, HV=HV, B=B, T=T, state=sdt, sets=n_sets, calls=n_calls, split=split)
         if impl == "gdn":
             rec["state_layout"] = STATE_LAYOUT
         try:
@@ -494,19 +631,26 @@ def bench_config(shape, B, T, sdt, with_fla, copy_tbps, split=None, with_replay=
                 calls = [(lambda st=sets[i % n_sets]: gdn_call(st, prm, HV, split)) for i in range(n_calls)]
                 nbytes = gdn_bytes(H, HV, B, T, state_dtype)
             elif impl == "fla_job":
-                calls = [(lambda i=i: fla_job_call(fl[i % n_sets], sets[i % n_sets], prm, T, HV))
-                         for i in range(n_calls)]
+                calls = [
+                    (lambda i=i: fla_job_call(fl[i % n_sets], sets[i % n_sets], prm, T, HV)) for i in range(n_calls)
+                ]
                 nbytes = fla_job_bytes(H, HV, B, T, state_dtype)
                 rec["kernel"] = "fused_recurrent_kda + layer_norm_gated_fwd (rms)"
             else:
-                calls = [(lambda i=i: fla_call(fl[i % n_sets], sets[i % n_sets], prm, T))
-                         for i in range(n_calls)]
+                calls = [(lambda i=i: fla_call(fl[i % n_sets], sets[i % n_sets], prm, T)) for i in range(n_calls)]
                 nbytes = fla_bytes(H, HV, B, T, state_dtype, fl[0]["dense"])
                 rec["kernel"] = "fused_recurrent_gdn" if fl[0]["dense"] else "fused_recurrent_kda"
             med, lo, hi = time_graph(calls)
             tbps = nbytes / med / 1e12
-            rec.update(us=med * 1e6, us_min=lo * 1e6, us_max=hi * 1e6, bytes=nbytes, tbps=tbps,
-                       pct_copy=100 * tbps / copy_tbps, pct_spec=100 * tbps / SPEC_TBPS)
+            rec.update(
+                us=med * 1e6,
+                us_min=lo * 1e6,
+                us_max=hi * 1e6,
+                bytes=nbytes,
+                tbps=tbps,
+                pct_copy=100 * tbps / copy_tbps,
+                pct_spec=100 * tbps / SPEC_TBPS,
+            )
         except Exception as e:  # noqa: BLE001 - one failing config must not end the run
             rec["error"] = repr(e)[:300]
         results.append(rec)
@@ -525,6 +669,7 @@ LABELS = {"gdn": "libgdn", "fla": "FLA", "replay": "libgdn replay", "fla_job": "
 
 def plot(results, env, path):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -533,13 +678,26 @@ def plot(results, env, path):
         for sdt, color in (("fp32", "tab:blue"), ("bf16", "tab:orange")):
             for T, marker in zip(TOKENS, "os^D"):
                 for impl, style in (("gdn", "-"), ("fla", ":"), ("replay", "--")):
-                    pts = sorted((r["B"], r["tbps"]) for r in results
-                                 if r.get("tbps") and r["shape"] == shape and r["state"] == sdt
-                                 and r["T"] == T and r["impl"] == impl and r.get("split") is None)
+                    pts = sorted(
+                        (r["B"], r["tbps"])
+                        for r in results
+                        if r.get("tbps")
+                        and r["shape"] == shape
+                        and r["state"] == sdt
+                        and r["T"] == T
+                        and r["impl"] == impl
+                        and r.get("split") is None
+                    )
                     if pts:
-                        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker=marker,
-                                color=color, alpha=1.0 if impl == "gdn" else 0.6,
-                                label=f"{LABELS[impl]} {sdt} T={T}")
+                        ax.plot(
+                            [p[0] for p in pts],
+                            [p[1] for p in pts],
+                            style,
+                            marker=marker,
+                            color=color,
+                            alpha=1.0 if impl == "gdn" else 0.6,
+                            label=f"{LABELS[impl]} {sdt} T={T}",
+                        )
         ax.axhline(env["copy_tbps"], color="gray", lw=0.8, ls="--")
         ax.set_xscale("log", base=2)
         ax.set_title(f"{shape} (H={SHAPES[shape][0]}, HV={SHAPES[shape][1]})")
@@ -547,8 +705,10 @@ def plot(results, env, path):
         ax.set_ylabel("TB/s (state reads + T writes + activations)")
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=6, ncol=2)
-    fig.suptitle(f"decode_mtp on {env['gpu']} (copy {env['copy_tbps']:.2f} TB/s, dashed gray); "
-                 f"libgdn solid, libgdn replay dashed, FLA dotted")
+    fig.suptitle(
+        f"decode_mtp on {env['gpu']} (copy {env['copy_tbps']:.2f} TB/s, dashed gray); "
+        f"libgdn solid, libgdn replay dashed, FLA dotted"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -559,42 +719,62 @@ def summary(results):
         if r.get("split") is not None:
             continue
         if "us" in r:
-            lines.append(f"{r['impl']:7} {r['shape']:7} {r['state']:5} {r['T']:2} {r['B']:4} "
-                         f"{r['us']:8.2f} {r['tbps']:7.2f} {r['pct_copy']:6.1f}  "
-                         f"{r['valid']} ({r['rel_err']:.1e})")
+            lines.append(
+                f"{r['impl']:7} {r['shape']:7} {r['state']:5} {r['T']:2} {r['B']:4} "
+                f"{r['us']:8.2f} {r['tbps']:7.2f} {r['pct_copy']:6.1f}  "
+                f"{r['valid']} ({r['rel_err']:.1e})"
+            )
         else:
-            lines.append(f"{r['impl']:7} {r['shape']:7} {r['state']:5} {r['T']:2} {r['B']:4} "
-                         f"ERROR {r.get('error')}")
+            lines.append(f"{r['impl']:7} {r['shape']:7} {r['state']:5} {r['T']:2} {r['B']:4} ERROR {r.get('error')}")
     return "\n".join(lines)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="TP1 only, T in {1, 4}")
-    ap.add_argument("--sweep-split", action="store_true",
-                    help="also time every head split (CTAs per value head) on TP1, write-all and "
-                         "replay")
-    ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8],
-                    help="the splits --sweep-split times (default: 1 2 4 8)")
+    ap.add_argument(
+        "--sweep-split",
+        action="store_true",
+        help="also time every head split (CTAs per value head) on TP1, write-all and replay",
+    )
+    ap.add_argument(
+        "--splits", type=int, nargs="+", default=[1, 2, 4, 8], help="the splits --sweep-split times (default: 1 2 4 8)"
+    )
     ap.add_argument("--no-fla", action="store_true")
-    ap.add_argument("--fla-job", action="store_true",
-                    help="also time FLA's whole layer call of the same job: its slot-gathered "
-                         "in-place kernel (fp32 T = 1 too) and its gated RMSNorm (impl fla_job)")
-    ap.add_argument("--isolated", action="store_true",
-                    help="a 4-byte memcpy before every call: no overlap between calls")
+    ap.add_argument(
+        "--fla-job",
+        action="store_true",
+        help="also time FLA's whole layer call of the same job: its slot-gathered "
+        "in-place kernel (fp32 T = 1 too) and its gated RMSNorm (impl fla_job)",
+    )
+    ap.add_argument(
+        "--isolated", action="store_true", help="a 4-byte memcpy before every call: no overlap between calls"
+    )
     ap.add_argument("--no-replay", action="store_true", help="skip replay verify (T > 1 rows)")
-    ap.add_argument("--no-write-all", action="store_true",
-                    help="skip write-every-token decode_mtp (replay and FLA rows only)")
+    ap.add_argument(
+        "--no-write-all", action="store_true", help="skip write-every-token decode_mtp (replay and FLA rows only)"
+    )
     ap.add_argument("--tokens", type=int, nargs="+", help="T values (default: 1 2 4 8; --quick: 1 4)")
     ap.add_argument("--batches", type=int, nargs="+", help=f"B values (default: {BATCHES})")
-    ap.add_argument("--states", nargs="+", choices=list(DTYPES),
-                    help=f"state dtypes (default: {' '.join(DEFAULT_STATES)})")
-    ap.add_argument("--shapes", nargs="+", choices=list(ALL_SHAPES),
-                    help=f"(H, HV) shapes by name (default: {' '.join(SHAPES)}; --quick: TP1); "
-                         f"also {', '.join(f'{k} {v}' for k, v in EXTRA_SHAPES.items())}"),
-    ap.add_argument("--state-layout", choices=["vk", "kv"], default="vk",
-                    help="libgdn's state layout argument (default vk; kv is the CUDA kernel's slow "
-                         "path; FLA rows keep their own [V, K] pools)")
+    ap.add_argument(
+        "--states", nargs="+", choices=list(DTYPES), help=f"state dtypes (default: {' '.join(DEFAULT_STATES)})"
+    )
+    (
+        ap.add_argument(
+            "--shapes",
+            nargs="+",
+            choices=list(ALL_SHAPES),
+            help=f"(H, HV) shapes by name (default: {' '.join(SHAPES)}; --quick: TP1); "
+            f"also {', '.join(f'{k} {v}' for k, v in EXTRA_SHAPES.items())}",
+        ),
+    )
+    ap.add_argument(
+        "--state-layout",
+        choices=["vk", "kv"],
+        default="vk",
+        help="libgdn's state layout argument (default vk; kv is the CUDA kernel's slow "
+        "path; FLA rows keep their own [V, K] pools)",
+    )
     ap.add_argument("--json", default="benchmarks/results/decode_mtp_h200.json")
     ap.add_argument("--png", default="benchmarks/results/decode_mtp_h200.png")
     ap.add_argument("--budget", type=float, default=220.0, help="stop starting configs after this")
@@ -608,8 +788,11 @@ def main():
     env = environment()
     env["copy_tbps"] = copy_bandwidth()
     with_fla = not args.no_fla and fla_available()
-    print(f"{env['gpu']}, {env['sm_count']} SMs, copy {env['copy_tbps']:.3f} TB/s, "
-          f"fla {env['fla']}, triton {env['triton']}", flush=True)
+    print(
+        f"{env['gpu']}, {env['sm_count']} SMs, copy {env['copy_tbps']:.3f} TB/s, "
+        f"fla {env['fla']}, triton {env['triton']}",
+        flush=True,
+    )
     shapes = args.shapes or (["TP1"] if args.quick else list(SHAPES))
     tokens = args.tokens or ([1, 4] if args.quick else TOKENS)
     batches = args.batches or BATCHES
@@ -628,21 +811,32 @@ def main():
             continue
         shape, B, T, sdt = cfg[:4]
         split = cfg[4] if len(cfg) > 4 else None
-        recs = bench_config(shape, B, T, sdt, with_fla and split is None, env["copy_tbps"], split,
-                            with_replay=not args.no_replay and T > 1,
-                            with_write_all=not args.no_write_all, with_fla_job=args.fla_job)
+        recs = bench_config(
+            shape,
+            B,
+            T,
+            sdt,
+            with_fla and split is None,
+            env["copy_tbps"],
+            split,
+            with_replay=not args.no_replay and T > 1,
+            with_write_all=not args.no_write_all,
+            with_fla_job=args.fla_job,
+        )
         for r in recs:
             results.append(r)
             if "us" in r:
-                print(f"{r['impl']:7} {shape:6} {sdt} T={T} B={B:3}"
-                      f"{'' if split is None else f' split={split}'}: {r['us']:9.2f} us "
-                      f"{r['tbps']:5.2f} TB/s ({r['pct_copy']:5.1f}% copy) "
-                      f"valid={r['valid']} err={r['rel_err']:.1e}", flush=True)
+                print(
+                    f"{r['impl']:7} {shape:6} {sdt} T={T} B={B:3}"
+                    f"{'' if split is None else f' split={split}'}: {r['us']:9.2f} us "
+                    f"{r['tbps']:5.2f} TB/s ({r['pct_copy']:5.1f}% copy) "
+                    f"valid={r['valid']} err={r['rel_err']:.1e}",
+                    flush=True,
+                )
             else:
                 print(f"{r['impl']:6} {shape:6} {sdt} T={T} B={B}: {r.get('error')}", flush=True)
     env["elapsed_s"] = time.time() - t0
-    doc = {"environment": env, "method": __doc__, "results": results,
-           "skipped_for_time": [list(c) for c in skipped]}
+    doc = {"environment": env, "method": __doc__, "results": results, "skipped_for_time": [list(c) for c in skipped]}
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as fh:
         json.dump(doc, fh, indent=1)

@@ -40,12 +40,23 @@ def run_case(B: int, T: int, H=4, HV=8, K=128, V=128, repeats=7, pool_bytes=256 
     out = torch.empty(L, HV, V, dtype=torch.bfloat16)
     cu = torch.arange(0, L + 1, T, dtype=torch.int32)
     acc = torch.ones(B, dtype=torch.int32)
-    index_sets = [torch.arange(s * B * S, (s + 1) * B * S, dtype=torch.int32).view(B, S)
-                  for s in range(sets)]
+    index_sets = [torch.arange(s * B * S, (s + 1) * B * S, dtype=torch.int32).view(B, S) for s in range(sets)]
 
     def call(i):
-        gdn.decode_mtp(mixed_qkv, a, b, A_log, dt_bias, state, index_sets[i % sets], cu, out,
-                       z=z, norm_weight=w, num_accepted_tokens=acc)
+        gdn.decode_mtp(
+            mixed_qkv,
+            a,
+            b,
+            A_log,
+            dt_bias,
+            state,
+            index_sets[i % sets],
+            cu,
+            out,
+            z=z,
+            norm_weight=w,
+            num_accepted_tokens=acc,
+        )
 
     call(0)  # warm-up
     calls = max(1, int(0.2 / max(1e-4, _time_one(call))))
@@ -57,10 +68,21 @@ def run_case(B: int, T: int, H=4, HV=8, K=128, V=128, repeats=7, pool_bytes=256 
         times.append((time.perf_counter() - t0) / calls)
     t = statistics.median(times)
     traffic = B * (1 + T) * state_bytes
-    return {"B": B, "T": T, "H": H, "HV": HV, "K": K, "V": V, "state_dtype": "float32",
-            "activation_dtype": "bfloat16", "us_per_call": t * 1e6, "tokens_per_s": B * T / t,
-            "state_GB_per_s": traffic / t / 1e9, "min_us": min(times) * 1e6,
-            "max_us": max(times) * 1e6}
+    return {
+        "B": B,
+        "T": T,
+        "H": H,
+        "HV": HV,
+        "K": K,
+        "V": V,
+        "state_dtype": "float32",
+        "activation_dtype": "bfloat16",
+        "us_per_call": t * 1e6,
+        "tokens_per_s": B * T / t,
+        "state_GB_per_s": traffic / t / 1e9,
+        "min_us": min(times) * 1e6,
+        "max_us": max(times) * 1e6,
+    }
 
 
 def _time_one(call) -> float:
@@ -81,11 +103,18 @@ def main() -> None:
             rows.append(r)
             print(f"{B:4d} {T:2d} {r['us_per_call']:10.1f} {r['tokens_per_s']:10.0f} {r['state_GB_per_s']:10.2f}")
     if args.json:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-        meta = {"git_sha": sha, "gdn_version": gdn.__version__, "torch": torch.__version__,
-                "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                "threads": torch.get_num_threads(), "python": platform.python_version()}
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__))
+        ).stdout.strip()
+        meta = {
+            "git_sha": sha,
+            "gdn_version": gdn.__version__,
+            "torch": torch.__version__,
+            "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "threads": torch.get_num_threads(),
+            "python": platform.python_version(),
+        }
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": rows}, f, indent=1)
         print("wrote", args.json)

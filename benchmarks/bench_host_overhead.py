@@ -88,8 +88,11 @@ def make_call(device, B, T, dim, trivial=False):
     A_log, dt_bias = 0.5 * torch.randn(HV, **kw), 0.1 * torch.randn(HV, **kw)
     state = 0.01 * torch.randn(B * T + 1, HV, dim, dim, **kw)
     state_indices = torch.arange(1, B * T + 1, device=device, dtype=torch.int32).view(B, T)
-    cu_seqlens = (torch.zeros(B + 1, device=device, dtype=torch.int32) if trivial
-                  else torch.arange(0, L + 1, T, device=device, dtype=torch.int32))
+    cu_seqlens = (
+        torch.zeros(B + 1, device=device, dtype=torch.int32)
+        if trivial
+        else torch.arange(0, L + 1, T, device=device, dtype=torch.int32)
+    )
     out = torch.empty(L, HV, dim, device=device, dtype=torch.bfloat16)
     z = torch.randn(L, HV, dim, **kw).bfloat16()
     norm_weight = torch.ones(dim, device=device)
@@ -97,8 +100,7 @@ def make_call(device, B, T, dim, trivial=False):
     pos = (mixed_qkv, a, b, A_log, dt_bias, state, state_indices, cu_seqlens, out)
     kwargs = dict(z=z, norm_weight=norm_weight, num_accepted_tokens=acc)
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
-    binding_args = pos + (z, norm_weight, acc, None, 1e-6, 1e-6, "silu", "vk", 0, 0, False, None,
-                          stream)
+    binding_args = pos + (z, norm_weight, acc, None, 1e-6, 1e-6, "silu", "vk", 0, 0, False, None, stream)
     return {
         "gdn.decode_mtp": lambda: gdn.decode_mtp(*pos, **kwargs),
         "torch.ops.gdn.decode_mtp": lambda: torch.ops.gdn.decode_mtp(*pos, **kwargs),
@@ -111,8 +113,9 @@ def _git_sha():
     if sha:
         return sha
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__))
+        ).stdout.strip()
     except OSError:
         return ""
 
@@ -120,8 +123,9 @@ def _git_sha():
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--calls", type=int, default=200,
-                    help="back-to-back calls per repeat (keep below the CUDA launch queue, ~1000)")
+    ap.add_argument(
+        "--calls", type=int, default=200, help="back-to-back calls per repeat (keep below the CUDA launch queue, ~1000)"
+    )
     ap.add_argument("--repeats", type=int, default=21)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -137,8 +141,7 @@ def main():
     pieces = {"tensor.__dlpack__()": timed(lambda: t.__dlpack__())}
     if device.type == "cuda":
         pieces["torch.cuda.current_stream()"] = timed(torch.cuda.current_stream)
-    pieces["one array through the binding's converter"] = timed(
-        lambda: gdn._C._accepts_readonly_array(t))
+    pieces["one array through the binding's converter"] = timed(lambda: gdn._C._accepts_readonly_array(t))
     fast = getattr(gdn._C, "_fast_import_available", None)
     fast_import = bool(fast(t)) if fast else False
 
@@ -147,45 +150,83 @@ def main():
     for B, T in shapes:
         for name, fn in make_call(device, B, T, dim).items():
             us, add_us, ratio = timed(fn)
-            results.append(dict(call=name, B=B, T=T, us=us, add_us=add_us, vs_add=ratio,
-                                kernel="cpu, inside the call" if device.type == "cpu"
-                                else "cuda, asynchronous"))
+            results.append(
+                dict(
+                    call=name,
+                    B=B,
+                    T=T,
+                    us=us,
+                    add_us=add_us,
+                    vs_add=ratio,
+                    kernel="cpu, inside the call" if device.type == "cpu" else "cuda, asynchronous",
+                )
+            )
     if device.type == "cpu":
         for name, fn in make_call(device, 1, 1, dim, trivial=True).items():
             us, add_us, ratio = timed(fn)
-            results.append(dict(call=name, B=1, T=1, us=us, add_us=add_us, vs_add=ratio,
-                                kernel="trivial (no token runs): host cost only"))
+            results.append(
+                dict(
+                    call=name,
+                    B=1,
+                    T=1,
+                    us=us,
+                    add_us=add_us,
+                    vs_add=ratio,
+                    kernel="trivial (no token runs): host cost only",
+                )
+            )
 
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
-    print(f"device {device} ({where}), torch {torch.__version__}, gdn {gdn.__version__}, "
-          f"H = {H}, HV = {HV}, K = V = {dim}; {args.calls} calls x {args.repeats} repeats; "
-          f"torch tensors through the DLPack C exchange API: {'yes' if fast_import else 'no'}; "
-          f"torch.ops.gdn kernels: {gdn.ops.KERNELS} ({gdn.ops.KERNELS_REASON})")
+    print(
+        f"device {device} ({where}), torch {torch.__version__}, gdn {gdn.__version__}, "
+        f"H = {H}, HV = {HV}, K = V = {dim}; {args.calls} calls x {args.repeats} repeats; "
+        f"torch tensors through the DLPack C exchange API: {'yes' if fast_import else 'no'}; "
+        f"torch.ops.gdn kernels: {gdn.ops.KERNELS} ({gdn.ops.KERNELS_REASON})"
+    )
     if device.type == "cpu":
-        print("CPU: the kernel runs inside the call, so rows grow with B and T; the 'trivial "
-              "kernel' rows (T = 0: no token runs) are the host cost of a call.")
+        print(
+            "CPU: the kernel runs inside the call, so rows grow with B and T; the 'trivial "
+            "kernel' rows (T = 0: no token runs) are the host cost of a call."
+        )
     add_us = statistics.median([p[1] for p in pieces.values()] + [r["add_us"] for r in results])
     print(f"  {'x.add_(1) (median of all paired timings)':<44} {add_us:8.2f} us")
     for name, (us, _, ratio) in pieces.items():
         print(f"  {name:<44} {us:8.2f} us  ({ratio:.2f}x add_)")
     for r in results:
         label = f"{r['call']}{' [trivial kernel]' if r['kernel'].startswith('trivial') else ''}"
-        print(f"  {label:<44} B={r['B']:<3} T={r['T']}: {r['us']:8.2f} us  "
-              f"({r['vs_add']:.2f}x add_ at {r['add_us']:.2f} us)")
+        print(
+            f"  {label:<44} B={r['B']:<3} T={r['T']}: {r['us']:8.2f} us  "
+            f"({r['vs_add']:.2f}x add_ at {r['add_us']:.2f} us)"
+        )
     if args.json:
-        doc = {"environment": {"git_sha": _git_sha(), "device": str(device), "device_name": where,
-                               "torch": torch.__version__, "gdn": gdn.__version__,
-                               "built_with_cuda": bool(gdn._C.built_with_cuda),
-                               "python": platform.python_version(), "cpu": platform.processor(),
-                               "cpus": os.cpu_count(), "H": H, "HV": HV, "K": dim, "V": dim,
-                               "calls": args.calls, "repeats": args.repeats,
-                               "fast_import": fast_import,
-                               "torch_op_kernels": gdn.ops.KERNELS,
-                               "torch_op_kernels_reason": gdn.ops.KERNELS_REASON},
-               "add_us": add_us,
-               "pieces": {name: {"us": us, "add_us": add_us, "vs_add": ratio}
-                          for name, (us, add_us, ratio) in pieces.items()},
-               "results": results, "method": __doc__}
+        doc = {
+            "environment": {
+                "git_sha": _git_sha(),
+                "device": str(device),
+                "device_name": where,
+                "torch": torch.__version__,
+                "gdn": gdn.__version__,
+                "built_with_cuda": bool(gdn._C.built_with_cuda),
+                "python": platform.python_version(),
+                "cpu": platform.processor(),
+                "cpus": os.cpu_count(),
+                "H": H,
+                "HV": HV,
+                "K": dim,
+                "V": dim,
+                "calls": args.calls,
+                "repeats": args.repeats,
+                "fast_import": fast_import,
+                "torch_op_kernels": gdn.ops.KERNELS,
+                "torch_op_kernels_reason": gdn.ops.KERNELS_REASON,
+            },
+            "add_us": add_us,
+            "pieces": {
+                name: {"us": us, "add_us": add_us, "vs_add": ratio} for name, (us, add_us, ratio) in pieces.items()
+            },
+            "results": results,
+            "method": __doc__,
+        }
         with open(args.json, "w") as fh:
             json.dump(doc, fh, indent=1)
 

@@ -80,8 +80,7 @@ def make_step(N: int, S: int, kind: str, rng) -> Dict[str, np.ndarray]:
 
 
 def make_tables(G: int, N: int, cols: int, device: str, rng) -> List[torch.Tensor]:
-    return [torch.from_numpy(rng.integers(1, 1 << 20, size=(N, cols)).astype(np.int32)).to(device)
-            for _ in range(G)]
+    return [torch.from_numpy(rng.integers(1, 1 << 20, size=(N, cols)).astype(np.int32)).to(device) for _ in range(G)]
 
 
 # ---- vLLM-style per-group builder (our re-implementation, torch ops) ---------------------------------
@@ -109,8 +108,9 @@ class VllmStyleGroupBuilder:
         self.num_accepted_tokens = torch.zeros(max_bs, **i32)
         self.max_bs = max_bs
 
-    def build(self, c: Dict[str, Any], block_table: torch.Tensor, mode: str, block_size: int,
-              padded_rows: int) -> Dict[str, Any]:
+    def build(
+        self, c: Dict[str, Any], block_table: torch.Tensor, mode: str, block_size: int, padded_rows: int
+    ) -> Dict[str, Any]:
         S, dev = self.S, self.device
         qsl_cpu, drafts_cpu = c["qsl_cpu"], c["drafts_cpu"]
         if mode == "align":  # the slot model's per-group table transform
@@ -141,8 +141,7 @@ class VllmStyleGroupBuilder:
             md.update(num_prefills=prefills, num_decodes=decodes, num_spec_decodes=n_spec)
             if prefills == 0:
                 total = int(qsl_cpu[-1])
-                md["spec_token_indx"] = torch.arange(min(n_spec * S, total), dtype=torch.int32,
-                                                     device=dev)
+                md["spec_token_indx"] = torch.arange(min(n_spec * S, total), dtype=torch.int32, device=dev)
                 md["spec_state_indices"] = block_table[:, :S]
                 md["spec_query_start_loc"] = c["qsl"]
             else:
@@ -169,8 +168,7 @@ class VllmStyleGroupBuilder:
             self.spec_state_indices[n:b].fill_(PAD_SLOT)
             self.spec_sequence_masks[:n].copy_(md["spec_sequence_masks"][:n], non_blocking=True)
             self.spec_sequence_masks[n:b].fill_(False)
-            self.spec_query_start_loc[: n + 1].copy_(md["spec_query_start_loc"][: n + 1],
-                                                     non_blocking=True)
+            self.spec_query_start_loc[: n + 1].copy_(md["spec_query_start_loc"][: n + 1], non_blocking=True)
             self.spec_query_start_loc[n + 1 : b + 1].fill_(int(qsl_cpu[n]))
             self.num_accepted_tokens[:n].copy_(md["num_accepted_tokens"], non_blocking=True)
             self.num_accepted_tokens[n:b].fill_(1)
@@ -180,9 +178,14 @@ class VllmStyleGroupBuilder:
 def vllm_style_common(step: Dict[str, np.ndarray], device: str) -> Dict[str, Any]:
     """The per-step common metadata an engine already holds (CPU and device copies)."""
     t = lambda a: torch.from_numpy(a)  # noqa: E731
-    return dict(qsl_cpu=t(step["qsl"]), drafts_cpu=t(step["drafts"]),
-                qsl=t(step["qsl"]).to(device), seq_lens=t(step["seq_lens"]).to(device),
-                acc=t(step["acc"]).to(device), computed=t(step["computed"]).to(device))
+    return dict(
+        qsl_cpu=t(step["qsl"]),
+        drafts_cpu=t(step["drafts"]),
+        qsl=t(step["qsl"]).to(device),
+        seq_lens=t(step["seq_lens"]).to(device),
+        acc=t(step["acc"]).to(device),
+        computed=t(step["computed"]).to(device),
+    )
 
 
 # ---- the C++ timer (benchmarks/cpp) --------------------------------------------------------------
@@ -192,13 +195,11 @@ def _gdn_package(gdn_dir: Optional[str], build: str) -> Optional[str]:
     """A directory holding gdnConfig.cmake: `gdn_dir`, else the installed wheel's, else (a
     development build, whose gdn._C lives in a CMake build tree) that tree installed under
     `build`."""
-    candidates = [gdn_dir] if gdn_dir else [
-        gdn.cmake_dir(), os.path.dirname(os.path.realpath(gdn._C.__file__))]
+    candidates = [gdn_dir] if gdn_dir else [gdn.cmake_dir(), os.path.dirname(os.path.realpath(gdn._C.__file__))]
     for d in candidates:
         if os.path.isfile(os.path.join(d, "CMakeCache.txt")):  # a build tree: install it first
             prefix = os.path.join(build, "gdn")
-            subprocess.run(["cmake", "--install", d, "--prefix", prefix], check=True,
-                           capture_output=True, text=True)
+            subprocess.run(["cmake", "--install", d, "--prefix", prefix], check=True, capture_output=True, text=True)
             return os.path.join(prefix, "share", "cmake", "gdn")
         if os.path.isfile(os.path.join(d, "gdnConfig.cmake")):
             return d
@@ -214,12 +215,22 @@ def cpp_timer(timer: Optional[str], gdn_dir: Optional[str]) -> Optional[str]:
     try:
         package = _gdn_package(gdn_dir, build)
         if package is None:
-            print("note: no libgdn CMake package found: C++ columns left out (pass --gdn-dir or "
-                  "--timer)")
+            print("note: no libgdn CMake package found: C++ columns left out (pass --gdn-dir or --timer)")
             return None
-        subprocess.run(["cmake", "-S", os.path.join(ROOT, "benchmarks", "cpp"), "-B", build,
-                        f"-Dgdn_DIR={os.path.abspath(package)}", "-DCMAKE_BUILD_TYPE=Release"],
-                       check=True, capture_output=True, text=True)
+        subprocess.run(
+            [
+                "cmake",
+                "-S",
+                os.path.join(ROOT, "benchmarks", "cpp"),
+                "-B",
+                build,
+                f"-Dgdn_DIR={os.path.abspath(package)}",
+                "-DCMAKE_BUILD_TYPE=Release",
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         subprocess.run(["cmake", "--build", build], check=True, capture_output=True, text=True)
     except (OSError, subprocess.CalledProcessError) as e:
         out = getattr(e, "stderr", "") or getattr(e, "stdout", "") or str(e)
@@ -228,16 +239,31 @@ def cpp_timer(timer: Optional[str], gdn_dir: Optional[str]) -> Optional[str]:
     return os.path.join(build, "metadata_host_timer")
 
 
-def write_step(path: str, step: Dict[str, np.ndarray], tables: List[np.ndarray], S: int,
-               mode: str, block_size: int, padded: int, max_rows: int, max_tokens: int) -> None:
+def write_step(
+    path: str,
+    step: Dict[str, np.ndarray],
+    tables: List[np.ndarray],
+    S: int,
+    mode: str,
+    block_size: int,
+    padded: int,
+    max_rows: int,
+    max_tokens: int,
+) -> None:
     """The step in the timer's text format (benchmarks/cpp/metadata_host_timer.cpp)."""
     with open(path, "w") as f:
-        f.write(f"gdn-metadata-step G {len(tables)} num_spec {S - 1} mode {mode} block_size "
-                f"{block_size} pad_id {PAD_SLOT} padded_rows {padded} max_rows {max_rows} "
-                f"max_tokens {max_tokens}\n")
-        for name, key in (("query_start_loc", "qsl"), ("seq_lens", "seq_lens"),
-                          ("num_draft_tokens", "drafts"), ("num_accepted_tokens", "acc"),
-                          ("num_computed_tokens", "computed")):
+        f.write(
+            f"gdn-metadata-step G {len(tables)} num_spec {S - 1} mode {mode} block_size "
+            f"{block_size} pad_id {PAD_SLOT} padded_rows {padded} max_rows {max_rows} "
+            f"max_tokens {max_tokens}\n"
+        )
+        for name, key in (
+            ("query_start_loc", "qsl"),
+            ("seq_lens", "seq_lens"),
+            ("num_draft_tokens", "drafts"),
+            ("num_accepted_tokens", "acc"),
+            ("num_computed_tokens", "computed"),
+        ):
             a = step[key]
             f.write(f"{name} {len(a)} {' '.join(map(str, a.tolist()))}\n")
         for t in tables:
@@ -245,8 +271,12 @@ def write_step(path: str, step: Dict[str, np.ndarray], tables: List[np.ndarray],
 
 
 def run_timer(timer: str, step_path: str, device: str, iters: int) -> Dict[str, float]:
-    out = subprocess.run([timer, "--device", device, "--iters", str(iters), "--repeats", "3",
-                          step_path], check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [timer, "--device", device, "--iters", str(iters), "--repeats", "3", step_path],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -269,8 +299,17 @@ def host_time(fn: Callable[[], Any], budget: float = 0.01, repeats: int = 7) -> 
     return statistics.median(times)
 
 
-def run_point(G: int, N: int, S: int, device: str, kind: str = "spec", mode: str = "none",
-              quick: bool = False, seed: int = 0, timer: Optional[str] = None) -> Dict[str, Any]:
+def run_point(
+    G: int,
+    N: int,
+    S: int,
+    device: str,
+    kind: str = "spec",
+    mode: str = "none",
+    quick: bool = False,
+    seed: int = 0,
+    timer: Optional[str] = None,
+) -> Dict[str, Any]:
     rng = np.random.default_rng(seed + 1000 * G + 10 * N + S)
     step = make_step(N, S, kind, rng)
     cols = S + 2 if mode == "none" else 40
@@ -278,11 +317,21 @@ def run_point(G: int, N: int, S: int, device: str, kind: str = "spec", mode: str
     tables = make_tables(G, N, cols, device, rng)
     tokens = int(step["qsl"][-1])
     padded = N
-    b = M.Builder(tables if device == "cuda" else [t.numpy() for t in tables], num_spec=S - 1,
-                  max_rows=N, max_tokens=max(tokens, 1), mode=mode, block_size=block_size,
-                  pad_id=PAD_SLOT)
-    kw = dict(num_draft_tokens=step["drafts"], num_accepted_tokens=step["acc"],
-              num_computed_tokens=step["computed"], padded_rows=padded)
+    b = M.Builder(
+        tables if device == "cuda" else [t.numpy() for t in tables],
+        num_spec=S - 1,
+        max_rows=N,
+        max_tokens=max(tokens, 1),
+        mode=mode,
+        block_size=block_size,
+        pad_id=PAD_SLOT,
+    )
+    kw = dict(
+        num_draft_tokens=step["drafts"],
+        num_accepted_tokens=step["acc"],
+        num_computed_tokens=step["computed"],
+        padded_rows=padded,
+    )
     args = (step["qsl"], step["seq_lens"])
     budget, repeats = (0.004, 3) if quick else (0.01, 7)
     iters = 200 if quick else 1000
@@ -291,8 +340,7 @@ def run_point(G: int, N: int, S: int, device: str, kind: str = "spec", mode: str
     if timer:
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "step.txt")
-            write_step(path, step, [t.cpu().numpy() for t in tables], S, mode, block_size, padded,
-                       N, max(tokens, 1))
+            write_step(path, step, [t.cpu().numpy() for t in tables], S, mode, block_size, padded, N, max(tokens, 1))
             cpp = run_timer(timer, path, device, iters)
         row["fused_cpp_us"] = cpp["fused_us"]
         row["per_group_cpp_us"] = cpp["per_group_us"]
@@ -308,9 +356,18 @@ def run_point(G: int, N: int, S: int, device: str, kind: str = "spec", mode: str
     if device == "cuda":
         torch.cuda.synchronize()
         if not quick or S == 5:  # a time-limited run measures the device part at S = 5 only
-            per_group = [M.Builder([t], num_spec=S - 1, max_rows=N, max_tokens=max(tokens, 1),
-                                   mode=mode, block_size=block_size, pad_id=PAD_SLOT)
-                         for t in tables]
+            per_group = [
+                M.Builder(
+                    [t],
+                    num_spec=S - 1,
+                    max_rows=N,
+                    max_tokens=max(tokens, 1),
+                    mode=mode,
+                    block_size=block_size,
+                    pad_id=PAD_SLOT,
+                )
+                for t in tables
+            ]
             row.update(device_part(b, per_group, step, kw, vllm_step, N, quick))
     return row
 
@@ -335,8 +392,7 @@ def count_device_ops(fn: Callable[[], Any]) -> Dict[str, int]:
     return {"kernels": kernels, "copies": copies}
 
 
-def device_part(b: M.Builder, per_group: List[M.Builder], step, kw, vllm_step, N: int,
-                quick: bool) -> Dict[str, Any]:
+def device_part(b: M.Builder, per_group: List[M.Builder], step, kw, vllm_step, N: int, quick: bool) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     b.step(step["qsl"], step["seq_lens"], **kw)
     torch.cuda.synchronize()
@@ -362,8 +418,7 @@ def device_part(b: M.Builder, per_group: List[M.Builder], step, kw, vllm_step, N
     fused = count_device_ops(lambda: b.step(step["qsl"], step["seq_lens"], **kw))
     out["fused_kernels_per_step"] = fused["kernels"]
     out["fused_copies_per_step"] = fused["copies"]
-    per_group_ops = count_device_ops(
-        lambda: [pb.step(step["qsl"], step["seq_lens"], **kw) for pb in per_group])
+    per_group_ops = count_device_ops(lambda: [pb.step(step["qsl"], step["seq_lens"], **kw) for pb in per_group])
     out["per_group_kernels_per_step"] = per_group_ops["kernels"]
     vl = count_device_ops(vllm_step)
     out["vllm_style_kernels_per_step"] = vl["kernels"]
@@ -377,15 +432,15 @@ def device_part(b: M.Builder, per_group: List[M.Builder], step, kw, vllm_step, N
 def git_sha() -> str:
     try:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=root, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=root, check=True
+        ).stdout.strip()
     except Exception:  # noqa: BLE001 - a tarball without .git
         return "unknown"
 
 
 def machine() -> Dict[str, Any]:
-    info: Dict[str, Any] = dict(platform=platform.platform(), processor=platform.processor(),
-                                cpu_count=os.cpu_count())
+    info: Dict[str, Any] = dict(platform=platform.platform(), processor=platform.processor(), cpu_count=os.cpu_count())
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -398,8 +453,12 @@ def machine() -> Dict[str, Any]:
         info["gpu"] = torch.cuda.get_device_name(0)
         info["cuda"] = torch.version.cuda
         try:
-            smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True, check=True)
+            smi = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             info["driver"] = smi.stdout.strip().splitlines()[0]
         except Exception:  # noqa: BLE001
             pass
@@ -407,14 +466,32 @@ def machine() -> Dict[str, Any]:
 
 
 def versions() -> Dict[str, str]:
-    return dict(python=platform.python_version(), torch=torch.__version__, numpy=np.__version__,
-                gdn=gdn.__version__, gdn_cuda=str(gdn._C.built_with_cuda))
+    return dict(
+        python=platform.python_version(),
+        torch=torch.__version__,
+        numpy=np.__version__,
+        gdn=gdn.__version__,
+        gdn_cuda=str(gdn._C.built_with_cuda),
+    )
 
 
 def print_table(rows: List[Dict[str, Any]]) -> None:
-    cols = ["G", "N", "S", "batch", "mode", "fused_py_us", "fused_cpp_us", "per_group_cpp_us",
-            "per_group_ref_cpp_us", "vllm_style_us", "fused_launch_device_us",
-            "fused_kernels_per_step", "per_group_kernels_per_step", "vllm_style_kernels_per_step"]
+    cols = [
+        "G",
+        "N",
+        "S",
+        "batch",
+        "mode",
+        "fused_py_us",
+        "fused_cpp_us",
+        "per_group_cpp_us",
+        "per_group_ref_cpp_us",
+        "vllm_style_us",
+        "fused_launch_device_us",
+        "fused_kernels_per_step",
+        "per_group_kernels_per_step",
+        "vllm_style_kernels_per_step",
+    ]
     cols = [c for c in cols if any(c in r for r in rows)]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
@@ -444,38 +521,59 @@ def main() -> None:
             for S in (2, 5, 9):
                 rows.append(run_point(G, N, S, device, quick=args.quick, timer=timer))
                 cpp = rows[-1].get("fused_cpp_us")
-                print(f"G={G} N={N} S={S}: fused {rows[-1]['fused_py_us']:.2f} us (py), "
-                      f"{'-' if cpp is None else f'{cpp:.2f}'} us (C++), vLLM-style "
-                      f"{rows[-1]['vllm_style_us']:.1f} us", flush=True)
-    extra = [run_point(6, 256, 5, device, kind="mixed", quick=args.quick, timer=timer),
-             run_point(6, 256, 5, device, mode="align", quick=args.quick, timer=timer)]
+                print(
+                    f"G={G} N={N} S={S}: fused {rows[-1]['fused_py_us']:.2f} us (py), "
+                    f"{'-' if cpp is None else f'{cpp:.2f}'} us (C++), vLLM-style "
+                    f"{rows[-1]['vllm_style_us']:.1f} us",
+                    flush=True,
+                )
+    extra = [
+        run_point(6, 256, 5, device, kind="mixed", quick=args.quick, timer=timer),
+        run_point(6, 256, 5, device, mode="align", quick=args.quick, timer=timer),
+    ]
     rows += extra
-    target = next(r for r in rows if (r["G"], r["N"], r["S"], r["batch"], r["mode"]) ==
-                  (6, 256, 5, "spec", "none"))
+    target = next(r for r in rows if (r["G"], r["N"], r["S"], r["batch"], r["mode"]) == (6, 256, 5, "spec", "none"))
     verdict = dict(
         target=TARGET,
         measured_fused_py_us=target["fused_py_us"],
         measured_fused_cpp_us=target.get("fused_cpp_us"),
         host_time_met_from_python=target["fused_py_us"] <= TARGET["py_host_us"],
-        host_time_met_in_cpp=(None if "fused_cpp_us" not in target
-                              else target["fused_cpp_us"] <= TARGET["cpp_host_us"]),
+        host_time_met_in_cpp=(
+            None if "fused_cpp_us" not in target else target["fused_cpp_us"] <= TARGET["cpp_host_us"]
+        ),
     )
     if device == "cuda":
         verdict["state_row_launches_per_step"] = target["fused_kernels_per_step"]
     print_table(rows)
     print(json.dumps(verdict, indent=2))
-    tag = "cpu" if device == "cpu" else (
-        "h200" if "H200" in torch.cuda.get_device_name(0) else
-        torch.cuda.get_device_name(0).lower().replace(" ", "_"))
-    path = args.json or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                     f"metadata_{tag}.json")
+    tag = (
+        "cpu"
+        if device == "cpu"
+        else (
+            "h200"
+            if "H200" in torch.cuda.get_device_name(0)
+            else torch.cuda.get_device_name(0).lower().replace(" ", "_")
+        )
+    )
+    path = args.json or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"metadata_{tag}.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
-        json.dump(dict(benchmark="metadata", git_sha=git_sha(), machine=machine(),
-                       versions=versions(), device=device, quick=args.quick,
-                       batch_note="spec: pure verify batch staged for a graph of N rows; "
-                                  "mixed: prefills + decodes + spec rows",
-                       rows=rows, verdict=verdict), f, indent=1)
+        json.dump(
+            dict(
+                benchmark="metadata",
+                git_sha=git_sha(),
+                machine=machine(),
+                versions=versions(),
+                device=device,
+                quick=args.quick,
+                batch_note="spec: pure verify batch staged for a graph of N rows; "
+                "mixed: prefills + decodes + spec rows",
+                rows=rows,
+                verdict=verdict,
+            ),
+            f,
+            indent=1,
+        )
     print(f"wrote {path}")
 
 

@@ -25,12 +25,28 @@ COPY_TBPS = 4.26
 DIM = 128
 # vLLM's fused MTP CUDA kernel, TP1 shape, µs per call (performance.md §5, same method).
 VLLM_US = {
-    ("fp32", 1, 1): 8.29, ("fp32", 1, 8): 14.2, ("fp32", 1, 32): 40.1, ("fp32", 1, 128): 146.9,
-    ("fp32", 1, 512): 571.3, ("fp32", 2, 128): 224.5, ("fp32", 4, 1): 14.97, ("fp32", 4, 8): 28.6,
-    ("fp32", 4, 32): 101.9, ("fp32", 4, 128): 381.7, ("fp32", 4, 512): 1502.0,
-    ("fp32", 8, 128): 700.6, ("bf16", 1, 1): 7.81, ("bf16", 1, 8): 10.4, ("bf16", 1, 32): 24.8,
-    ("bf16", 1, 128): 86.1, ("bf16", 1, 512): 328.0, ("bf16", 2, 128): 123.8, ("bf16", 4, 8): 18.7,
-    ("bf16", 4, 128): 202.9, ("bf16", 4, 512): 793.5, ("bf16", 8, 128): 380.1,
+    ("fp32", 1, 1): 8.29,
+    ("fp32", 1, 8): 14.2,
+    ("fp32", 1, 32): 40.1,
+    ("fp32", 1, 128): 146.9,
+    ("fp32", 1, 512): 571.3,
+    ("fp32", 2, 128): 224.5,
+    ("fp32", 4, 1): 14.97,
+    ("fp32", 4, 8): 28.6,
+    ("fp32", 4, 32): 101.9,
+    ("fp32", 4, 128): 381.7,
+    ("fp32", 4, 512): 1502.0,
+    ("fp32", 8, 128): 700.6,
+    ("bf16", 1, 1): 7.81,
+    ("bf16", 1, 8): 10.4,
+    ("bf16", 1, 32): 24.8,
+    ("bf16", 1, 128): 86.1,
+    ("bf16", 1, 512): 328.0,
+    ("bf16", 2, 128): 123.8,
+    ("bf16", 4, 8): 18.7,
+    ("bf16", 4, 128): 202.9,
+    ("bf16", 4, 512): 793.5,
+    ("bf16", 8, 128): 380.1,
 }
 
 
@@ -55,8 +71,11 @@ def stream_ceilings(path):
 
 def timed_rows(doc, shape):
     """The timed rows of `shape` at the launcher's own split, by (impl, state, T, B)."""
-    return {(r["impl"], r["state"], r["T"], r["B"]): r for r in doc["results"]
-            if r.get("shape") == shape and r.get("split") is None and "us" in r}
+    return {
+        (r["impl"], r["state"], r["T"], r["B"]): r
+        for r in doc["results"]
+        if r.get("shape") == shape and r.get("split") is None and "us" in r
+    }
 
 
 def rows(doc, shape="TP1"):
@@ -72,22 +91,35 @@ def rows(doc, shape="TP1"):
         fl = floor_us(r)
         # The target: at most the larger of the two bounds.
         needed = max(1.03 * fl, 0.95 * best if best is not None else 0.0)
-        out.append(dict(state=state, T=T, B=B, floor=fl, needed=needed, gdn=r["us"], pct=r["pct_copy"],
-                        fla=fla["us"] if fla else None, vllm=vllm, best=best,
-                        vs_best=(best / r["us"]) if best else None,
-                        verdict="met" if r["us"] <= needed else "not met"))
+        out.append(
+            dict(
+                state=state,
+                T=T,
+                B=B,
+                floor=fl,
+                needed=needed,
+                gdn=r["us"],
+                pct=r["pct_copy"],
+                fla=fla["us"] if fla else None,
+                vllm=vllm,
+                best=best,
+                vs_best=(best / r["us"]) if best else None,
+                verdict="met" if r["us"] <= needed else "not met",
+            )
+        )
     return out
 
 
 # Replay-verify targets (µs, TP1): (state, T, B) -> target.
-REPLAY_TARGETS = {("fp32", 4, 128): 150.0, ("fp32", 8, 128): 160.0, ("bf16", 4, 128): 80.0,
-                  ("fp32", 4, 8): 12.0}
+REPLAY_TARGETS = {("fp32", 4, 128): 150.0, ("fp32", 8, 128): 160.0, ("bf16", 4, 128): 80.0, ("fp32", 4, 8): 12.0}
 
 
 def replay_table(doc, shape):
     by = timed_rows(doc, shape)
-    print("\n| state | T | B | replay µs | floor µs (fold, fused) | write-all libgdn µs | best anchor µs "
-          "| anchor / replay | target |")
+    print(
+        "\n| state | T | B | replay µs | floor µs (fold, fused) | write-all libgdn µs | best anchor µs "
+        "| anchor / replay | target |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for (impl, state, T, B), r in sorted(by.items(), key=lambda kv: (kv[0][1] != "fp32", kv[0][2], kv[0][3])):
         if impl != "replay":
@@ -102,8 +134,7 @@ def replay_table(doc, shape):
         us = r["us"]
         best_s = "—" if best is None else f"{best:.2f}"
         ratio = "—" if best is None else f"{best / us:.2f}x"
-        print(f"| {state} | {T} | {B} | {us:.2f} | {floor:.1f} | {gdn['us']:.2f} | {best_s} | "
-              f"{ratio} | {verdict} |")
+        print(f"| {state} | {T} | {B} | {us:.2f} | {floor:.1f} | {gdn['us']:.2f} | {best_s} | {ratio} | {verdict} |")
 
 
 def fla_job_table(doc, shape):
@@ -111,12 +142,12 @@ def fla_job_table(doc, shape):
     slot-gathered in-place kernel, fp32 T = 1 included, then FLA's gated RMSNorm), next to the
     FLA anchor of the verdict table (which at fp32 T = 1 is the dense kernel without slot indirection)."""
     by = timed_rows(doc, shape)
-    keys = sorted((k[1:] for k in by if k[0] == "fla_job" and ("gdn",) + k[1:] in by),
-                  key=lambda k: (k[0] != "fp32", k[1], k[2]))
+    keys = sorted(
+        (k[1:] for k in by if k[0] == "fla_job" and ("gdn",) + k[1:] in by), key=lambda k: (k[0] != "fp32", k[1], k[2])
+    )
     if not keys:
         return
-    print("\n| state | T | B | libgdn µs | FLA anchor µs | FLA slot pool + gated RMSNorm µs "
-          "| that / libgdn |")
+    print("\n| state | T | B | libgdn µs | FLA anchor µs | FLA slot pool + gated RMSNorm µs | that / libgdn |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for state, T, B in keys:
         gdn, job = by[("gdn", state, T, B)]["us"], by[("fla_job", state, T, B)]["us"]
@@ -162,8 +193,9 @@ def shard_table(doc, other=None):
     print("\n| shape (H, HV) | state | T | B | heads | TB/s | TP1 TB/s at those heads | shard / TP1 |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     ratios = []
-    for r in sorted((r for r in res if r["shape"] in shards),
-                    key=lambda r: (r["shape"], r["state"] != "fp32", r["T"], r["B"])):
+    for r in sorted(
+        (r for r in res if r["shape"] in shards), key=lambda r: (r["shape"], r["state"] != "fp32", r["T"], r["B"])
+    ):
         heads = r["B"] * r["HV"]
         key = (r["state"], r["T"], heads)
         if key not in tp1 and key in other_tp1:
@@ -174,13 +206,17 @@ def shard_table(doc, other=None):
             continue
         ratios.append((r["tbps"] / ref, how))
         mark = {"exact": "", "other run": " (other run)", "interpolated": " (interp.)"}[how]
-        print(f"| {r['shape']} ({r['H']}, {r['HV']}) | {r['state']} | {r['T']} | {r['B']} | {heads} | "
-              f"{r['tbps']:.2f} | {ref:.2f}{mark} | {r['tbps'] / ref:.3f} |")
+        print(
+            f"| {r['shape']} ({r['H']}, {r['HV']}) | {r['state']} | {r['T']} | {r['B']} | {heads} | "
+            f"{r['tbps']:.2f} | {ref:.2f}{mark} | {r['tbps'] / ref:.3f} |"
+        )
     for how in ("exact", "other run", "interpolated"):
         sel = [x for x, h in ratios if h == how]
         if sel:
-            print(f"\n{how}: {len(sel)} rows, shard / TP1 median {sorted(sel)[len(sel) // 2]:.3f}, "
-                  f"min {min(sel):.3f}; below 0.97: {sum(x < 0.97 for x in sel)}")
+            print(
+                f"\n{how}: {len(sel)} rows, shard / TP1 median {sorted(sel)[len(sel) // 2]:.3f}, "
+                f"min {min(sel):.3f}; below 0.97: {sum(x < 0.97 for x in sel)}"
+            )
 
 
 def main():
@@ -188,17 +224,24 @@ def main():
     ap.add_argument("json", help="a bench_decode_mtp.py result file")
     ap.add_argument("--shape", default="TP1")
     ap.add_argument("--ceiling", help="a probe_write_stream.py result file (adds its stream ceilings)")
-    ap.add_argument("--tp1-other", help="a bench_decode_mtp.py result file whose TP1 write-all rows "
-                                        "stand in at head counts the main file's TP1 lacks")
+    ap.add_argument(
+        "--tp1-other",
+        help="a bench_decode_mtp.py result file whose TP1 write-all rows "
+        "stand in at head counts the main file's TP1 lacks",
+    )
     args = ap.parse_args()
     doc = json.load(open(args.json))
     env = doc["environment"]
-    print(f"{env['gpu']} · libgdn {env['git_sha'][:10]} · torch {env['torch']} · CUDA {env['cuda']} · "
-          f"fla {env.get('fla')} · copy {env['copy_tbps']:.2f} TB/s\n")
+    print(
+        f"{env['gpu']} · libgdn {env['git_sha'][:10]} · torch {env['torch']} · CUDA {env['cuda']} · "
+        f"fla {env.get('fla')} · copy {env['copy_tbps']:.2f} TB/s\n"
+    )
     ceil = stream_ceilings(args.ceiling)
     extra_head = " stream ceiling µs | libgdn / ceiling |" if ceil else ""
-    print("| state | T | B | floor µs | libgdn µs (% copy) | FLA µs | vLLM µs (§5) | best anchor / libgdn "
-          "| target µs | verdict |" + extra_head)
+    print(
+        "| state | T | B | floor µs | libgdn µs (% copy) | FLA µs | vLLM µs (§5) | best anchor / libgdn "
+        "| target µs | verdict |" + extra_head
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|" + ("---:|---:|" if ceil else ""))
     fmt = lambda x: "—" if x is None else f"{x:.2f}"  # noqa: E731
     met = 0
@@ -210,9 +253,10 @@ def main():
         if ceil:
             c = ceil.get((r["state"], r["T"], r["B"]))
             extra = " — | — |" if c is None else f" {c:.2f} | {r['gdn'] / c:.3f} |"
-        print(f"| {r['state']} | {r['T']} | {r['B']} | {r['floor']:.1f} | {r['gdn']:.2f} ({r['pct']:.0f} %) | "
-              f"{fmt(r['fla'])} | {fmt(r['vllm'])} | {ratio} | ≤ {r['needed']:.1f} | {r['verdict']} |"
-              + extra)
+        print(
+            f"| {r['state']} | {r['T']} | {r['B']} | {r['floor']:.1f} | {r['gdn']:.2f} ({r['pct']:.0f} %) | "
+            f"{fmt(r['fla'])} | {fmt(r['vllm'])} | {ratio} | ≤ {r['needed']:.1f} | {r['verdict']} |" + extra
+        )
     print(f"\ntarget met in {met} of {len(rs)} rows")
     fla_job_table(doc, args.shape)
     if any(r.get("impl") == "replay" for r in doc["results"]):

@@ -30,8 +30,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-UNITS = ["decode_mtp_f32", "decode_mtp_bf16", "decode_mtp_f16", "replay_f32", "replay_bf16",
-         "replay_f16"]
+UNITS = ["decode_mtp_f32", "decode_mtp_bf16", "decode_mtp_f16", "replay_f32", "replay_bf16", "replay_f16"]
 # How the kernels are compiled here (kernel_resources.py adds its own output flags).
 NVCC_BASE = ["-std=c++20", "-arch=sm_90a", "-DGDN_HAS_CUDA", "--expt-relaxed-constexpr", "-O3"]
 NVCC_FLAGS = [*NVCC_BASE, "-ptx"]
@@ -49,14 +48,35 @@ def tree(rev, into):
 
 
 def ptx(src, unit, out):
-    subprocess.run(["nvcc", *NVCC_FLAGS, "-I", os.path.join(src, "include"),
-                    os.path.join(src, "src", "cuda", unit + ".cu"), "-o", out], check=True)
+    subprocess.run(
+        [
+            "nvcc",
+            *NVCC_FLAGS,
+            "-I",
+            os.path.join(src, "include"),
+            os.path.join(src, "src", "cuda", unit + ".cu"),
+            "-o",
+            out,
+        ],
+        check=True,
+    )
     return out
 
 
 def cubin(src, unit, out):
-    subprocess.run(["nvcc", *NVCC_BASE, "-cubin", "-I", os.path.join(src, "include"),
-                    os.path.join(src, "src", "cuda", unit + ".cu"), "-o", out], check=True)
+    subprocess.run(
+        [
+            "nvcc",
+            *NVCC_BASE,
+            "-cubin",
+            "-I",
+            os.path.join(src, "include"),
+            os.path.join(src, "src", "cuda", unit + ".cu"),
+            "-o",
+            out,
+        ],
+        check=True,
+    )
     return out
 
 
@@ -65,23 +85,26 @@ def elf_sections(path):
     import struct
 
     data = open(path, "rb").read()
-    shoff, = struct.unpack_from("<Q", data, 0x28)
+    (shoff,) = struct.unpack_from("<Q", data, 0x28)
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
     heads = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
     names = heads[shstrndx]
     out = {}
     for h in heads:
         start = names[4] + h[0]
-        name = data[start:data.index(b"\0", start)].decode()
-        out[name] = data[h[4]:h[4] + h[5]] if h[1] != 8 else b""  # SHT_NOBITS: no bytes
+        name = data[start : data.index(b"\0", start)].decode()
+        out[name] = data[h[4] : h[4] + h[5]] if h[1] != 8 else b""  # SHT_NOBITS: no bytes
     return out
 
 
 def machine_code(path):
     """Kernel name -> (code bytes, attribute bytes) of a cubin."""
     sections = elf_sections(path)
-    return {name[6:]: (code, sections.get(".nv.info." + name[6:], b""))
-            for name, code in sections.items() if name.startswith(".text.")}
+    return {
+        name[6:]: (code, sections.get(".nv.info." + name[6:], b""))
+        for name, code in sections.items()
+        if name.startswith(".text.")
+    }
 
 
 def kernels(path, rename=None):
@@ -132,8 +155,7 @@ def compare_by_body(unit, base, new):
 def compare_sass(args):
     with tempfile.TemporaryDirectory() as tmp:
         trees = [tree(args.base, os.path.join(tmp, "base")), tree(args.new, os.path.join(tmp, "new"))]
-        jobs = [(t, u, os.path.join(tmp, f"{i}_{u}.cubin")) for i, t in enumerate(trees)
-                for u in args.units]
+        jobs = [(t, u, os.path.join(tmp, f"{i}_{u}.cubin")) for i, t in enumerate(trees) for u in args.units]
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
             list(pool.map(lambda j: cubin(*j), jobs))
         differs = total = 0
@@ -166,34 +188,46 @@ def main():
     ap.add_argument("base")
     ap.add_argument("new", nargs="?")
     ap.add_argument("--units", nargs="+", default=UNITS)
-    ap.add_argument("--rename", nargs=2, metavar=("PATTERN", "REPLACEMENT"),
-                    help="regular expression substitution applied to the new revision's PTX")
-    ap.add_argument("--by-body", action="store_true",
-                    help="match kernels by their code instead of their names (a change that renames "
-                         "kernels or moves them to other templates): each unit's kernels must pair "
-                         "up one to one with identical code")
-    ap.add_argument("--sass", action="store_true",
-                    help="compare machine code (sm_90a cubins), pairing kernels by content")
+    ap.add_argument(
+        "--rename",
+        nargs=2,
+        metavar=("PATTERN", "REPLACEMENT"),
+        help="regular expression substitution applied to the new revision's PTX",
+    )
+    ap.add_argument(
+        "--by-body",
+        action="store_true",
+        help="match kernels by their code instead of their names (a change that renames "
+        "kernels or moves them to other templates): each unit's kernels must pair "
+        "up one to one with identical code",
+    )
+    ap.add_argument(
+        "--sass", action="store_true", help="compare machine code (sm_90a cubins), pairing kernels by content"
+    )
     args = ap.parse_args()
     if args.sass:
         return compare_sass(args)
     with tempfile.TemporaryDirectory() as tmp:
         trees = [tree(args.base, os.path.join(tmp, "base")), tree(args.new, os.path.join(tmp, "new"))]
-        jobs = [(t, u, os.path.join(tmp, f"{i}_{u}.ptx")) for i, t in enumerate(trees)
-                for u in args.units]
+        jobs = [(t, u, os.path.join(tmp, f"{i}_{u}.ptx")) for i, t in enumerate(trees) for u in args.units]
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
             list(pool.map(lambda j: ptx(*j), jobs))
         differs = 0
         for u in args.units:
-            base, new = (kernels(os.path.join(tmp, f"{i}_{u}.ptx"), args.rename if i else None)
-                         for i in (0, 1))
+            base, new = (kernels(os.path.join(tmp, f"{i}_{u}.ptx"), args.rename if i else None) for i in (0, 1))
             if args.by_body:
                 differs += compare_by_body(u, base, new)
                 continue
             for name in sorted(set(base) | set(new)):
-                state = ("same" if base.get(name) == new.get(name)
-                         else "only in base" if name not in new
-                         else "only in new" if name not in base else "differs")
+                state = (
+                    "same"
+                    if base.get(name) == new.get(name)
+                    else "only in base"
+                    if name not in new
+                    else "only in new"
+                    if name not in base
+                    else "differs"
+                )
                 differs += state != "same"
                 print(f"{u:16} {state:12} {name}")
         print(f"{differs} kernel(s) not the same")

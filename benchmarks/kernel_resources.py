@@ -37,17 +37,28 @@ WAIT_WINDOW = 4  # instructions between such a load and a spill of (a value comp
 
 
 def demangle(names):
-    out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True,
-                         check=True).stdout.splitlines()
+    out = subprocess.run(
+        ["c++filt"], input="\n".join(names), capture_output=True, text=True, check=True
+    ).stdout.splitlines()
     return [re.sub(r"gdn::(?:\w+::)*", "", n) for n in out]
 
 
 def compile_unit(src, unit, work):
     """Entry (mangled) -> (registers, stack, spill stores, spill loads), and the cubin's path."""
     cubin = os.path.join(work, unit + ".cubin")
-    log = subprocess.run(["nvcc", *NVCC_FLAGS, "-I", os.path.join(src, "include"),
-                          os.path.join(src, "src", "cuda", unit + ".cu"), "-o", cubin],
-                         capture_output=True, text=True)
+    log = subprocess.run(
+        [
+            "nvcc",
+            *NVCC_FLAGS,
+            "-I",
+            os.path.join(src, "include"),
+            os.path.join(src, "src", "cuda", unit + ".cu"),
+            "-o",
+            cubin,
+        ],
+        capture_output=True,
+        text=True,
+    )
     if log.returncode:
         sys.exit(f"{unit}: nvcc failed\n{log.stderr[-2000:]}")
     found, name, frame = {}, None, None
@@ -64,8 +75,7 @@ def compile_unit(src, unit, work):
 
 def sass_counts(cubin, nvdisasm):
     """Entry (mangled) -> (LDL count, STL count, waiting spills) from the machine code."""
-    sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True,
-                          check=True).stdout
+    sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
     out, name, recent, counts = {}, None, [], [0, 0, 0]
     for line in sass.splitlines():
         if m := re.match(r"^\s*\.text\.(\S+):", line):
@@ -89,8 +99,7 @@ def sass_counts(cubin, nvdisasm):
             for prev_op, prev_regs in recent:
                 if GLOBAL_RESULT.match(prev_op) and prev_regs:
                     tainted.add(prev_regs[0])
-                elif (prev_regs and not prev_op.startswith(("ST", "RED"))
-                      and tainted.intersection(prev_regs[1:])):
+                elif prev_regs and not prev_op.startswith(("ST", "RED")) and tainted.intersection(prev_regs[1:]):
                     tainted.add(prev_regs[0])
             if tainted.intersection(stored):
                 counts[2] += 1
@@ -132,14 +141,21 @@ def main(argv=None):
     if args.sass:
         nvdisasm = os.environ.get("NVDISASM") or shutil.which("nvdisasm")
         if not nvdisasm:
-            sys.exit("--sass needs nvdisasm on PATH or in $NVDISASM (pip install "
-                     "nvidia-cuda-nvdisasm)")
+            sys.exit("--sass needs nvdisasm on PATH or in $NVDISASM (pip install nvidia-cuda-nvdisasm)")
     with tempfile.TemporaryDirectory() as tmp:
         revs = {"new": args.rev, **({"base": args.base} if args.base else {})}
         with ThreadPoolExecutor(max_workers=len(revs)) as pool:
-            measured = dict(zip(revs, pool.map(
-                lambda r: measure(tree(revs[r], os.path.join(tmp, r)), args.units,
-                                  os.path.join(tmp, r + "_out"), nvdisasm), revs)))
+            measured = dict(
+                zip(
+                    revs,
+                    pool.map(
+                        lambda r: measure(
+                            tree(revs[r], os.path.join(tmp, r)), args.units, os.path.join(tmp, r + "_out"), nvdisasm
+                        ),
+                        revs,
+                    ),
+                )
+            )
     keys = sorted(set().union(*(m.keys() for m in measured.values())))
     names = dict(zip(keys, demangle([k[1] for k in keys])))
     changed = 0

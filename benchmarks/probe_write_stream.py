@@ -31,8 +31,17 @@ D = bench.DIM
 
 
 @triton.jit
-def _stream(pool, idx, acc, slot_stride, T: tl.constexpr, S: tl.constexpr, HVc: tl.constexpr,
-            BV: tl.constexpr, DIMc: tl.constexpr):
+def _stream(
+    pool,
+    idx,
+    acc,
+    slot_stride,
+    T: tl.constexpr,
+    S: tl.constexpr,
+    HVc: tl.constexpr,
+    BV: tl.constexpr,
+    DIMc: tl.constexpr,
+):
     rb = tl.program_id(0)
     head = tl.program_id(1)
     n = head // HVc
@@ -80,22 +89,40 @@ def main():
                 pool, idx, acc = sets[0]
                 want = pool[idx[torch.arange(B, device="cuda"), acc.long() - 1].long()].clone()
                 for bv, warps in ((8, 1), (32, 4)):
+
                     def call(i, bv=bv, warps=warps):
                         pool, idx, acc = sets[i % n_sets]
-                        _stream[(D // bv, B * HV)](pool, idx, acc, pool.stride(0), T=T, S=T,
-                                                   HVc=HV, BV=bv, DIMc=D, num_warps=warps)
+                        _stream[(D // bv, B * HV)](
+                            pool, idx, acc, pool.stride(0), T=T, S=T, HVc=HV, BV=bv, DIMc=D, num_warps=warps
+                        )
+
                     call(0)  # every slot of a request holds its source slice afterwards
                     same = all(torch.equal(pool[idx[:, t].long()], want) for t in range(T))
                     n_calls = max(bench.MIN_CALLS, n_sets)
                     med, lo, hi = bench.time_graph([(lambda i=i: call(i)) for i in range(n_calls)])
                     tbps = state_bytes / med / 1e12
-                    rows.append({"state": sdt, "T": T, "B": B, "rows_per_program": bv,
-                                 "warps": warps, "sets": n_sets, "us": med * 1e6,
-                                 "us_min": lo * 1e6, "us_max": hi * 1e6, "state_bytes": state_bytes,
-                                 "tbps": tbps, "pct_copy": 100 * tbps / copy_tbps,
-                                 "stores_checked": same})
-                    print(f"{sdt} T={T} B={B:4d} {bv:2d} rows/{warps} warps {med * 1e6:9.2f} us "
-                          f"{tbps:5.2f} TB/s ({100 * tbps / copy_tbps:5.1f}% copy) stores checked: {same}", flush=True)
+                    rows.append(
+                        {
+                            "state": sdt,
+                            "T": T,
+                            "B": B,
+                            "rows_per_program": bv,
+                            "warps": warps,
+                            "sets": n_sets,
+                            "us": med * 1e6,
+                            "us_min": lo * 1e6,
+                            "us_max": hi * 1e6,
+                            "state_bytes": state_bytes,
+                            "tbps": tbps,
+                            "pct_copy": 100 * tbps / copy_tbps,
+                            "stores_checked": same,
+                        }
+                    )
+                    print(
+                        f"{sdt} T={T} B={B:4d} {bv:2d} rows/{warps} warps {med * 1e6:9.2f} us "
+                        f"{tbps:5.2f} TB/s ({100 * tbps / copy_tbps:5.1f}% copy) stores checked: {same}",
+                        flush=True,
+                    )
                 sets = pool = want = None
                 torch.cuda.empty_cache()
     with open(args.json, "w") as fh:

@@ -17,9 +17,10 @@ python3 -m pip install -q "torch==2.13.0" "numpy>=1.23" "pytest>=7" "hypothesis>
   "mypy==2.4.1"
 jobs=$(nproc 2>/dev/null || echo 2)
 
-# Style: ruff (pyproject.toml) on the Python sources, clang-format (.clang-format) on the C++ and
-# CUDA sources; both only check, they never rewrite.
+# Style: ruff (pyproject.toml: check and format) on the Python sources, clang-format
+# (.clang-format) on the C++ and CUDA sources; both only check, they never rewrite.
 python3 -m ruff check python tests benchmarks examples
+python3 -m ruff format --check python tests benchmarks examples
 git ls-files 'include/*' 'src/*' 'tests/cpp/*' 'examples/*' | grep -E '\.(hpp|cuh|cu|cpp)$' |
   xargs clang-format --dry-run --Werror
 

@@ -61,8 +61,11 @@ def _path_query() -> bool:
     if "-m" not in argv:
         return False
     i = argv.index("-m")
-    return argv[i + 1: i + 2] == ["gdn"] and len(argv) == i + 3 and argv[i + 2] in (
-        "--cmake-dir", "--include-dir", "--version")
+    return (
+        argv[i + 1 : i + 2] == ["gdn"]
+        and len(argv) == i + 3
+        and argv[i + 2] in ("--cmake-dir", "--include-dir", "--version")
+    )
 
 
 if not _path_query():

@@ -24,15 +24,16 @@ import gdn
 def info() -> None:
     print(f"gdn {gdn.__version__}")
     cuda = gdn._C.built_with_cuda
-    print(f"  CUDA kernels built : {'yes' if cuda else 'no'}"
-          + (f" (architectures {gdn._C.cuda_architectures})" if cuda else ""))
+    print(
+        f"  CUDA kernels built : {'yes' if cuda else 'no'}"
+        + (f" (architectures {gdn._C.cuda_architectures})" if cuda else "")
+    )
     n = gdn.cuda_device_count()
     print(f"  CUDA devices       : {n}")
     for d in range(n):
         ok, why = gdn.cuda_kernels_available(d)
         print(f"    device {d}: {'usable' if ok else 'not usable'} - {why}")
-    print(f"  head ratios (fast) : {gdn.supported_head_ratios()} "
-          "(other integral ratios: generic path)")
+    print(f"  head ratios (fast) : {gdn.supported_head_ratios()} (other integral ratios: generic path)")
     print(f"  state dtypes       : {gdn.supported_state_dtypes()}")
     print(f"  CUDA head dims     : {gdn._C.cuda_head_dims()}, S <= {gdn._C.cuda_max_spec_columns}")
     print(f"  C++ headers        : {gdn.include_dir()}")
@@ -60,22 +61,37 @@ def selfcheck(seed: int = 0) -> bool:
         idx = rng.permutation(slots)[: N * S].reshape(N, S).astype(np.int32)
         acc = rng.integers(1, S + 1, size=N).astype(np.int32)
         f32 = lambda *s, sc=1.0: (sc * rng.standard_normal(s)).astype(np.float32)  # noqa: E731
-        args = dict(mixed_qkv=f32(L, 2 * H * K + HV * V), a=f32(L, HV), b=f32(L, HV),
-                    A_log=f32(HV, sc=0.5), dt_bias=f32(HV, sc=0.1))
+        args = dict(
+            mixed_qkv=f32(L, 2 * H * K + HV * V),
+            a=f32(L, HV),
+            b=f32(L, HV),
+            A_log=f32(HV, sc=0.5),
+            dt_bias=f32(HV, sc=0.1),
+        )
         z, w, state = f32(L, HV, V), f32(V), f32(slots, HV, V, K, sc=0.1)
         out = np.full((L, HV, V), np.nan, np.float32)
         ref_out, ref_state = decode_mtp_reference(
-            **args, state=state, state_indices=idx, cu_seqlens=cu, z=z, norm_weight=w,
-            num_accepted_tokens=acc)
+            **args, state=state, state_indices=idx, cu_seqlens=cu, z=z, norm_weight=w, num_accepted_tokens=acc
+        )
         new_state = state.copy()
-        gdn.decode_mtp(**args, state=new_state, state_indices=idx, cu_seqlens=cu, out=out,
-                       z=z, norm_weight=w, num_accepted_tokens=acc)
+        gdn.decode_mtp(
+            **args,
+            state=new_state,
+            state_indices=idx,
+            cu_seqlens=cu,
+            out=out,
+            z=z,
+            norm_weight=w,
+            num_accepted_tokens=acc,
+        )
         e_out = np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out)
         e_state = np.linalg.norm(new_state - ref_state) / np.linalg.norm(ref_state)
         good = e_out <= 1e-5 and e_state <= 1e-5
         ok &= bool(good)
-        print(f"  H={H:2d} HV={HV:2d} ratio={HV // H} S={S}: rel L2 error out {e_out:.2e}, "
-              f"state {e_state:.2e} -> {'ok' if good else 'FAIL'}")
+        print(
+            f"  H={H:2d} HV={HV:2d} ratio={HV // H} S={S}: rel L2 error out {e_out:.2e}, "
+            f"state {e_state:.2e} -> {'ok' if good else 'FAIL'}"
+        )
     print("self-check:", "PASS" if ok else "FAIL")
     return ok
 
@@ -86,15 +102,21 @@ def main(argv=None) -> int:
         from gdn import demo
 
         return demo.main(argv[1:])
-    parser = argparse.ArgumentParser(prog="python -m gdn", description=__doc__,
-                                     usage=argparse.SUPPRESS,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", nargs="?", default="all",
-                        choices=["all", "info", "selfcheck", "demo", "help"],
-                        help="what to run (see commands above)")
+    parser = argparse.ArgumentParser(
+        prog="python -m gdn",
+        description=__doc__,
+        usage=argparse.SUPPRESS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "command",
+        nargs="?",
+        default="all",
+        choices=["all", "info", "selfcheck", "demo", "help"],
+        help="what to run (see commands above)",
+    )
     parser.add_argument("--version", action="version", version=f"gdn {gdn.__version__}")
-    parser.add_argument("--cmake-dir", action="store_true",
-                        help="print the CMake package dir (gdn_DIR)")
+    parser.add_argument("--cmake-dir", action="store_true", help="print the CMake package dir (gdn_DIR)")
     parser.add_argument("--include-dir", action="store_true", help="print the C++ include dir")
     args = parser.parse_args(argv)
     if args.cmake_dir:

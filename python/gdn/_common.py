@@ -17,8 +17,7 @@ def _stream_of(x: Any, stream: Any) -> Optional[int]:
         try:
             return int(stream)
         except (TypeError, ValueError):
-            raise TypeError(f"stream must be a CUDA stream handle (int) or None, got "
-                            f"{describe(stream)}") from None
+            raise TypeError(f"stream must be a CUDA stream handle (int) or None, got {describe(stream)}") from None
     device = getattr(x, "device", None)
     if getattr(device, "type", None) == "cuda":
         import torch
@@ -41,7 +40,7 @@ def _stream_of(x: Any, stream: Any) -> Optional[int]:
 
 # Argument kinds, as the bindings take them; a trailing "?" also allows None.
 _PROBES: Dict[str, Callable[[Any], bool]] = {
-    "array": _C._accepts_array,           # written, or taken as a writable array
+    "array": _C._accepts_array,  # written, or taken as a writable array
     "input": _C._accepts_readonly_array,  # only read: read-only arrays are accepted
     "int": _C._accepts_int,
     "float": _C._accepts_float,
@@ -87,8 +86,10 @@ def _hint(x: Any, kind: str) -> str:
     device = getattr(x, "device", None)
     device_type = getattr(device, "type", device if isinstance(device, str) else None)
     if device_type == "meta":
-        return ("; meta tensors hold no data: the gdn functions need CPU or CUDA arrays "
-                "(torch.ops.gdn.* accept meta and fake tensors for tracing)")
+        return (
+            "; meta tensors hold no data: the gdn functions need CPU or CUDA arrays "
+            "(torch.ops.gdn.* accept meta and fake tensors for tracing)"
+        )
     if device_type not in (None, "cpu", "cuda"):
         return f"; only CPU and CUDA arrays are supported, not device {device_type!r}"
     if kind == "array" and getattr(getattr(x, "flags", None), "writeable", None) is False:
@@ -118,8 +119,7 @@ def raise_argument_error(function: str, kinds: Mapping[str, str], values: Dict[s
             if items is None:
                 bad, got, hint = name, value, "; pass one array per KV-cache group, e.g. [table]"
             else:
-                index = next((i for i, item in enumerate(items)
-                              if not _accepted("array", item)), None)
+                index = next((i for i, item in enumerate(items) if not _accepted("array", item)), None)
                 if index is None:
                     continue
                 got, hint = items[index], _hint(items[index], "array")
@@ -130,5 +130,4 @@ def raise_argument_error(function: str, kinds: Mapping[str, str], values: Dict[s
         else:
             bad, got, hint = name, value, _hint(value, base)
             expected = _EXPECTED[base] + (" or None" if kind.endswith("?") else "")
-        raise TypeError(f"gdn.{function}: {bad} must be {expected}, got {describe(got)}{hint}") \
-            from None
+        raise TypeError(f"gdn.{function}: {bad} must be {expected}, got {describe(got)}{hint}") from None

@@ -50,9 +50,9 @@ class ModelConfig:
     hidden: int = 128
     layers: int = 4
     groups: int = 2
-    H: int = 2           # key heads
-    HV: int = 4          # value heads
-    head_dim: int = 32   # K = V
+    H: int = 2  # key heads
+    HV: int = 4  # value heads
+    head_dim: int = 32  # K = V
     conv_width: int = 4
     layer_strength: float = 0.2  # scale of the GDN layers' residual contribution
     seed: int = 0
@@ -77,10 +77,12 @@ class ModelConfig:
         return layer % self.groups
 
     def describe(self) -> str:
-        return (f"vocab {self.vocab}, hidden {self.hidden}, {self.layers} GDN layers (H={self.H}, "
-                f"HV={self.HV}, K=V={self.K}, conv width {self.conv_width}) in {self.groups} "
-                f"KV-cache groups; int8-valued dense weights (exact float64 accumulation), fp32 "
-                f"GDN parameters and state")
+        return (
+            f"vocab {self.vocab}, hidden {self.hidden}, {self.layers} GDN layers (H={self.H}, "
+            f"HV={self.HV}, K=V={self.K}, conv width {self.conv_width}) in {self.groups} "
+            f"KV-cache groups; int8-valued dense weights (exact float64 accumulation), fp32 "
+            f"GDN parameters and state"
+        )
 
     def check(self) -> None:
         if self.groups < 2 or self.groups > self.layers:
@@ -88,9 +90,8 @@ class ModelConfig:
         if self.HV % self.H:
             raise ValueError(f"value heads HV = {self.HV} must be a multiple of key heads H = {self.H}")
         for name, v in (("hidden", self.hidden), ("HV * head_dim", self.HV * self.head_dim)):
-            if v > 2 ** 11:
-                raise ValueError(f"{name} = {v} exceeds 2048, the exact-accumulation bound of "
-                                 "the dense layers")
+            if v > 2**11:
+                raise ValueError(f"{name} = {v} exceeds 2048, the exact-accumulation bound of the dense layers")
 
 
 # ---- dense arithmetic that does not depend on the batch shape --------------------------------------
@@ -102,14 +103,14 @@ class ModelConfig:
 # below 2^53 such units: it is exactly representable in float64, so every summation order gives
 # the exact result. Casting that to float32 is deterministic.
 
-_LINEAR_LO = -16   # inputs of a projection: flushed below 2^-16
-_NORM_LO = -6      # inputs of an RMS norm: sum of squares needs 2 * (8 - LO) + log2(K) <= 39
-MAX_LOG2_K = 11    # both bounds hold for K <= 2048
+_LINEAR_LO = -16  # inputs of a projection: flushed below 2^-16
+_NORM_LO = -6  # inputs of an RMS norm: sum of squares needs 2 * (8 - LO) + log2(K) <= 39
+MAX_LOG2_K = 11  # both bounds hold for K <= 2048
 
 
 def _bounded_bf16(x: torch.Tensor, lo: int) -> torch.Tensor:
     x = x.clamp(-255.0, 255.0).to(torch.bfloat16).to(torch.float64)
-    return torch.where(x.abs() < 2.0 ** lo, torch.zeros_like(x), x)
+    return torch.where(x.abs() < 2.0**lo, torch.zeros_like(x), x)
 
 
 def exact_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -128,8 +129,8 @@ def exact_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> 
 def int8_weight(shape, std: float, g: torch.Generator) -> torch.Tensor:
     """Gaussian weights of standard deviation ~std, stored as int8 values times 2^-p (float64)."""
     p = math.floor(math.log2(127.0 / (4.0 * std)))
-    w = torch.round(torch.randn(*shape, generator=g) * std * 2.0 ** p).clamp(-127, 127)
-    return (w * 2.0 ** -p).to(torch.float64)
+    w = torch.round(torch.randn(*shape, generator=g) * std * 2.0**p).clamp(-127, 127)
+    return (w * 2.0**-p).to(torch.float64)
 
 
 class TinyHybridGDN:
@@ -148,20 +149,23 @@ class TinyHybridGDN:
         d, D = cfg.hidden, cfg.conv_dim
         self.embed = rnd(cfg.vocab, d)
         self.final_norm = torch.ones(d, dtype=torch.float64, device=device)
-        self.lm_head = int8_weight((d, cfg.vocab), d ** -0.5, g).to(device)
+        self.lm_head = int8_weight((d, cfg.vocab), d**-0.5, g).to(device)
         self.layers = []
         for _ in range(cfg.layers):
-            self.layers.append(dict(
-                norm=torch.ones(d, dtype=torch.float64, device=device),
-                in_proj=int8_weight((d, cfg.proj_dim), d ** -0.5, g).to(device),
-                conv_w=rnd(D, cfg.conv_width, scale=0.5),
-                # Decay: A = exp(A_log) in [1, 8]; dt_bias around softplus^-1 of small steps.
-                A_log=torch.log(torch.empty(cfg.HV).uniform_(1.0, 8.0, generator=g)).to(device),
-                dt_bias=rnd(cfg.HV, scale=0.5) - 2.0,
-                gnorm=torch.ones(cfg.V, device=device),
-                out_proj=int8_weight((cfg.HV * cfg.V, d),
-                                     cfg.layer_strength * (cfg.HV * cfg.V) ** -0.5, g).to(device),
-            ))
+            self.layers.append(
+                dict(
+                    norm=torch.ones(d, dtype=torch.float64, device=device),
+                    in_proj=int8_weight((d, cfg.proj_dim), d**-0.5, g).to(device),
+                    conv_w=rnd(D, cfg.conv_width, scale=0.5),
+                    # Decay: A = exp(A_log) in [1, 8]; dt_bias around softplus^-1 of small steps.
+                    A_log=torch.log(torch.empty(cfg.HV).uniform_(1.0, 8.0, generator=g)).to(device),
+                    dt_bias=rnd(cfg.HV, scale=0.5) - 2.0,
+                    gnorm=torch.ones(cfg.V, device=device),
+                    out_proj=int8_weight((cfg.HV * cfg.V, d), cfg.layer_strength * (cfg.HV * cfg.V) ** -0.5, g).to(
+                        device
+                    ),
+                )
+            )
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return exact_linear(exact_rms_norm(h, self.final_norm), self.lm_head)
@@ -184,24 +188,40 @@ class GDNCache:
     into a finished request's blocks: nothing but the metadata tells a fresh request that its
     blocks hold no state for it."""
 
-    def __init__(self, model: TinyHybridGDN, num_rows: int, num_spec: int, conv_layout: str,
-                 seed: int, replay: bool = False, garbage_seed: int = 0):
+    def __init__(
+        self,
+        model: TinyHybridGDN,
+        num_rows: int,
+        num_spec: int,
+        conv_layout: str,
+        seed: int,
+        replay: bool = False,
+        garbage_seed: int = 0,
+    ):
         cfg, dev = model.cfg, model.device
         self.cfg = cfg
         self.num_spec, self.S, self.conv_layout = num_spec, num_spec + 1, conv_layout
         self.num_blocks = 1 + num_rows * self.S
         lbuf = cfg.conv_width - 1 + num_spec
-        conv_shape = ((self.num_blocks, cfg.conv_dim, lbuf) if conv_layout == "channels_major"
-                      else (self.num_blocks, lbuf, cfg.conv_dim))
-        self.ssm = [torch.zeros(self.num_blocks, cfg.HV, cfg.V, cfg.K, device=dev)
-                    for _ in range(cfg.layers)]
+        conv_shape = (
+            (self.num_blocks, cfg.conv_dim, lbuf)
+            if conv_layout == "channels_major"
+            else (self.num_blocks, lbuf, cfg.conv_dim)
+        )
+        self.ssm = [torch.zeros(self.num_blocks, cfg.HV, cfg.V, cfg.K, device=dev) for _ in range(cfg.layers)]
         self.conv = [torch.zeros(*conv_shape, device=dev) for _ in range(cfg.layers)]
         # Replay verify: a request's state lives in one checkpoint block (column 0 of its row)
         # plus, per layer, a window of its last step's raw k, v, a, b rows.
-        self.windows = ([gdn.ReplayWindow.allocate(self.num_blocks, self.S, H=cfg.H, HV=cfg.HV,
-                                                   K=cfg.K, V=cfg.V, dtype=torch.float32,
-                                                   device=dev)
-                         for _ in range(cfg.layers)] if replay else None)
+        self.windows = (
+            [
+                gdn.ReplayWindow.allocate(
+                    self.num_blocks, self.S, H=cfg.H, HV=cfg.HV, K=cfg.K, V=cfg.V, dtype=torch.float32, device=dev
+                )
+                for _ in range(cfg.layers)
+            ]
+            if replay
+            else None
+        )
         g = torch.Generator().manual_seed(seed)
         # Tables wider than S (spare columns), so the builder must pick the right ones.
         cols = self.S + 2
@@ -218,8 +238,10 @@ class GDNCache:
         self._garbage_ssm = [garbage(p) for p in self.ssm]
         self._garbage_conv = [garbage(p) for p in self.conv]
         self._garbage_windows = (
-            [{name: garbage(getattr(w, name)) for name in ("k", "v", "a", "b")}
-             for w in self.windows] if self.windows is not None else None)
+            [{name: garbage(getattr(w, name)) for name in ("k", "v", "a", "b")} for w in self.windows]
+            if self.windows is not None
+            else None
+        )
         live = torch.arange(1, self.num_blocks, device=dev)
         self.fill_garbage([live] * cfg.groups)
 
@@ -302,9 +324,10 @@ class Timer:
 class StepSlots:
     """Where a step's GDN kernels read and write, per group (device views into the metadata
     builder's persistent buffers)."""
-    cu_seqlens: torch.Tensor                     # [R + 1] token offsets of the rows
-    state_indices: List[torch.Tensor]            # per group [R, S] (decode_mtp)
-    conv_indices: List[torch.Tensor]             # per group [R] (column 0 of state_indices)
+
+    cu_seqlens: torch.Tensor  # [R + 1] token offsets of the rows
+    state_indices: List[torch.Tensor]  # per group [R, S] (decode_mtp)
+    conv_indices: List[torch.Tensor]  # per group [R] (column 0 of state_indices)
     num_accepted_tokens: Optional[torch.Tensor]  # [R] or None (all 1)
     # Replay verify (decode_mtp_replay): window tokens each row replays; the checkpoint block is
     # conv_indices' (column 0). None: write-every-token decode_mtp.
@@ -319,6 +342,7 @@ class NonSpecRows:
     """Where a step's non-spec rows read and write, per group: ``destination`` is
     ``non_spec_state_indices``; ``source`` is ``non_spec_source_indices``, except for the fresh
     rows (prefill rows without an initial state), which read their zeroed destination."""
+
     destination: List[torch.Tensor]
     source: List[torch.Tensor]
     fresh: np.ndarray  # positions (among the non-spec rows) of the fresh rows
@@ -343,11 +367,9 @@ class DecodePath:
         self.pred = torch.zeros(max_rows, dtype=torch.long, device=dev)
         self.twos = torch.full((max_rows,), 2, dtype=torch.int32, device=dev)
         self.fresh_rows = 0  # non-spec rows started from a zero state so far
-        self.error_count = (torch.zeros(1, dtype=torch.int32, device=dev)
-                            if dev.type == "cuda" else None)
+        self.error_count = torch.zeros(1, dtype=torch.int32, device=dev) if dev.type == "cuda" else None
 
-    def forward(self, rows: int, slots: StepSlots, timer: Optional[Timer],
-                event_log=None) -> None:
+    def forward(self, rows: int, slots: StepSlots, timer: Optional[Timer], event_log=None) -> None:
         """Target forward over token rows [0, rows) of self.tokens; writes self.pred[:rows]
         (greedy next token after each row). `event_log`, when given, receives (name, start, end)
         CUDA events instead of `timer` (used while capturing a graph)."""
@@ -358,12 +380,20 @@ class DecodePath:
             g = cfg.group_of(li)
             proj = self.proj[:rows]
             proj.copy_(exact_linear(exact_rms_norm(h, layer["norm"]), layer["in_proj"]))
-            self._gdn_layer(li, layer, proj, self.core[:rows], slots.cu_seqlens,
-                            slots.conv_indices[g], slots.state_indices[g],
-                            slots.num_accepted_tokens,
-                            slots.num_accepted_tokens if slots.decode_accepted is None
-                            else slots.decode_accepted,
-                            slots.replay_counts, timer, event_log)
+            self._gdn_layer(
+                li,
+                layer,
+                proj,
+                self.core[:rows],
+                slots.cu_seqlens,
+                slots.conv_indices[g],
+                slots.state_indices[g],
+                slots.num_accepted_tokens,
+                slots.num_accepted_tokens if slots.decode_accepted is None else slots.decode_accepted,
+                slots.replay_counts,
+                timer,
+                event_log,
+            )
             h.add_(exact_linear(self.core[:rows].view(rows, cfg.HV * cfg.V), layer["out_proj"]))
         torch.argmax(m.logits(h), dim=-1, out=self.pred[:rows])
 
@@ -395,9 +425,21 @@ class DecodePath:
             self.fresh_rows += len(fresh)
         return NonSpecRows(destination, source, fresh)
 
-    def _gdn_layer(self, li: int, layer, proj: torch.Tensor, out: torch.Tensor, cu_seqlens,
-                   column0, state_indices, conv_accepted, decode_accepted, replay_counts,
-                   timer: Optional[Timer], event_log=None) -> None:
+    def _gdn_layer(
+        self,
+        li: int,
+        layer,
+        proj: torch.Tensor,
+        out: torch.Tensor,
+        cu_seqlens,
+        column0,
+        state_indices,
+        conv_accepted,
+        decode_accepted,
+        replay_counts,
+        timer: Optional[Timer],
+        event_log=None,
+    ) -> None:
         """GDN layer `li` over token rows `proj` (its in_proj outputs): the conv update in place
         (conv state in each row's column-0 block), then decode_mtp over `state_indices` or, with
         `replay_counts`, replay verify with the column-0 block as the checkpoint; core output to
@@ -405,30 +447,61 @@ class DecodePath:
         cfg = self.model.cfg
         D, HVV = cfg.conv_dim, cfg.HV * cfg.V
         mixed_qkv = proj[:, :D]
-        z = proj[:, D:D + HVV].unflatten(1, (cfg.HV, cfg.V))
-        b = proj[:, D + HVV:D + HVV + cfg.HV]
-        a = proj[:, D + HVV + cfg.HV:]
+        z = proj[:, D : D + HVV].unflatten(1, (cfg.HV, cfg.V))
+        b = proj[:, D + HVV : D + HVV + cfg.HV]
+        a = proj[:, D + HVV + cfg.HV :]
         with self._region(timer, event_log, "conv"):
             # In place: the post-conv activations overwrite the raw q|k|v columns.
             gdn.causal_conv1d_update(
-                mixed_qkv, layer["conv_w"], self.cache.conv[li], column0, cu_seqlens, mixed_qkv,
-                num_accepted_tokens=conv_accepted, state_layout=self.cache.conv_layout,
-                first_valid_slot=NULL_BLOCK + 1, error_count=self.error_count)
+                mixed_qkv,
+                layer["conv_w"],
+                self.cache.conv[li],
+                column0,
+                cu_seqlens,
+                mixed_qkv,
+                num_accepted_tokens=conv_accepted,
+                state_layout=self.cache.conv_layout,
+                first_valid_slot=NULL_BLOCK + 1,
+                error_count=self.error_count,
+            )
         if replay_counts is not None:
             assert self.cache.windows is not None, "replay counts need a replay cache"
             with self._region(timer, event_log, "replay"):
                 gdn.decode_mtp_replay(
-                    mixed_qkv, a, b, layer["A_log"], layer["dt_bias"], self.cache.ssm[li], column0,
-                    cu_seqlens, out, **self.cache.windows[li].arrays(),
-                    num_accepted_tokens=replay_counts, z=z, norm_weight=layer["gnorm"],
-                    first_valid_slot=NULL_BLOCK + 1, error_count=self.error_count)
+                    mixed_qkv,
+                    a,
+                    b,
+                    layer["A_log"],
+                    layer["dt_bias"],
+                    self.cache.ssm[li],
+                    column0,
+                    cu_seqlens,
+                    out,
+                    **self.cache.windows[li].arrays(),
+                    num_accepted_tokens=replay_counts,
+                    z=z,
+                    norm_weight=layer["gnorm"],
+                    first_valid_slot=NULL_BLOCK + 1,
+                    error_count=self.error_count,
+                )
         else:
             with self._region(timer, event_log, "decode_mtp"):
                 gdn.decode_mtp(
-                    mixed_qkv, a, b, layer["A_log"], layer["dt_bias"], self.cache.ssm[li],
-                    state_indices, cu_seqlens, out, z=z, norm_weight=layer["gnorm"],
-                    num_accepted_tokens=decode_accepted, first_valid_slot=NULL_BLOCK + 1,
-                    error_count=self.error_count)
+                    mixed_qkv,
+                    a,
+                    b,
+                    layer["A_log"],
+                    layer["dt_bias"],
+                    self.cache.ssm[li],
+                    state_indices,
+                    cu_seqlens,
+                    out,
+                    z=z,
+                    norm_weight=layer["gnorm"],
+                    num_accepted_tokens=decode_accepted,
+                    first_valid_slot=NULL_BLOCK + 1,
+                    error_count=self.error_count,
+                )
 
     def forward_mixed(self, rows: int, md, replay_counts, timer: Timer) -> None:
         """Target forward over a step mixing spec rows (T tokens) and non-spec rows (1 token: a
@@ -448,10 +521,8 @@ class DecodePath:
             if idx.numel() == 0:
                 continue
             n = md.num_spec_decodes if spec else md.non_spec_rows
-            acc = (md.spec_num_accepted if spec
-                   else (md.non_spec_source_column + 1).to(torch.int32))[:n]
-            requests = np.asarray(md.host.spec_request_index if spec
-                                  else md.host.non_spec_request_index)[:n]
+            acc = (md.spec_num_accepted if spec else (md.non_spec_source_column + 1).to(torch.int32))[:n]
+            requests = np.asarray(md.host.spec_request_index if spec else md.host.non_spec_request_index)[:n]
             replay = None if replay_counts is None else replay_counts[requests].astype(np.int32)
             if spec:
                 tables = [md.spec_state_indices[g][:n] for g in range(cfg.groups)]
@@ -464,11 +535,17 @@ class DecodePath:
                 tables = rows_ns.tables()
                 if replay is not None:
                     replay[rows_ns.fresh] = 0  # no state yet: nothing in the window to replay
-            kinds.append(dict(
-                idx=idx, cu=(md.spec_query_start_loc if spec else md.non_spec_query_start_loc)[
-                    : n + 1], tables=tables, column0=[c.contiguous() for c in column0],
-                conv_acc=acc, decode_acc=acc if spec else torch.full_like(acc, 2),
-                replay=None if replay is None else torch.from_numpy(replay).to(dev)))
+            kinds.append(
+                dict(
+                    idx=idx,
+                    cu=(md.spec_query_start_loc if spec else md.non_spec_query_start_loc)[: n + 1],
+                    tables=tables,
+                    column0=[c.contiguous() for c in column0],
+                    conv_acc=acc,
+                    decode_acc=acc if spec else torch.full_like(acc, 2),
+                    replay=None if replay is None else torch.from_numpy(replay).to(dev),
+                )
+            )
         h = self.h[:rows]
         torch.index_select(m.embed, 0, self.tokens[:rows], out=h)
         for li, layer in enumerate(m.layers):
@@ -479,8 +556,19 @@ class DecodePath:
             for k in kinds:
                 part = proj.index_select(0, k["idx"])  # this kind's token rows, contiguous
                 out = torch.empty(part.shape[0], cfg.HV, cfg.V, device=dev)
-                self._gdn_layer(li, layer, part, out, k["cu"], k["column0"][g], k["tables"][g],
-                                k["conv_acc"], k["decode_acc"], k["replay"], timer)
+                self._gdn_layer(
+                    li,
+                    layer,
+                    part,
+                    out,
+                    k["cu"],
+                    k["column0"][g],
+                    k["tables"][g],
+                    k["conv_acc"],
+                    k["decode_acc"],
+                    k["replay"],
+                    timer,
+                )
                 core.index_copy_(0, k["idx"], out)
             h.add_(exact_linear(core.reshape(rows, cfg.HV * cfg.V), layer["out_proj"]))
         torch.argmax(m.logits(h), dim=-1, out=self.pred[:rows])
@@ -515,5 +603,17 @@ def fmt_seconds(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
 
 
-__all__ = ["ModelConfig", "TinyHybridGDN", "exact_linear", "exact_rms_norm", "GDNCache", "Timer",
-           "StepSlots", "NonSpecRows", "DecodePath", "NULL_BLOCK", "tokens_per_second", "fmt_seconds"]
+__all__ = [
+    "ModelConfig",
+    "TinyHybridGDN",
+    "exact_linear",
+    "exact_rms_norm",
+    "GDNCache",
+    "Timer",
+    "StepSlots",
+    "NonSpecRows",
+    "DecodePath",
+    "NULL_BLOCK",
+    "tokens_per_second",
+    "fmt_seconds",
+]

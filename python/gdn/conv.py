@@ -17,9 +17,17 @@ __all__ = ["causal_conv1d_update", "causal_conv1d_update_reference"]
 
 # How the binding converts each argument (see _common.raise_argument_error).
 _KINDS = {
-    "x": "array", "weight": "array", "conv_state": "array", "conv_state_indices": "array",
-    "cu_seqlens": "array", "out": "array", "num_accepted_tokens": "array?", "activation": "str",
-    "state_layout": "str", "first_valid_slot": "int", "error_count": "array?",
+    "x": "array",
+    "weight": "array",
+    "conv_state": "array",
+    "conv_state_indices": "array",
+    "cu_seqlens": "array",
+    "out": "array",
+    "num_accepted_tokens": "array?",
+    "activation": "str",
+    "state_layout": "str",
+    "first_valid_slot": "int",
+    "error_count": "array?",
 }
 
 
@@ -84,8 +92,17 @@ def causal_conv1d_update(
     # Positional, and stream=None for the binding to find, as in decode_mtp.
     try:
         _C.causal_conv1d_update(
-            x, weight, conv_state, conv_state_indices, cu_seqlens, out, num_accepted_tokens,
-            activation, state_layout, first_valid_slot, error_count,
+            x,
+            weight,
+            conv_state,
+            conv_state_indices,
+            cu_seqlens,
+            out,
+            num_accepted_tokens,
+            activation,
+            state_layout,
+            first_valid_slot,
+            error_count,
             None if stream is None else _stream_of(conv_state, stream),
         )
     except TypeError:
@@ -94,8 +111,17 @@ def causal_conv1d_update(
 
 
 def causal_conv1d_update_reference(
-    x, weight, conv_state, conv_state_indices, cu_seqlens, *, num_accepted_tokens=None,
-    activation="silu", state_layout="channels_major", first_valid_slot=0, state_dtype=None,
+    x,
+    weight,
+    conv_state,
+    conv_state_indices,
+    cu_seqlens,
+    *,
+    num_accepted_tokens=None,
+    activation="silu",
+    state_layout="channels_major",
+    first_valid_slot=0,
+    state_dtype=None,
 ):
     """Float64 reference of :func:`causal_conv1d_update` (gdn-math.md §7, conv pre-step).
 
@@ -114,8 +140,7 @@ def causal_conv1d_update_reference(
     idx = np.asarray(conv_state_indices, dtype=np.int64)
     cu = np.asarray(cu_seqlens, dtype=np.int64)
     N = idx.shape[0]
-    acc = (np.ones(N, np.int64) if num_accepted_tokens is None
-           else np.asarray(num_accepted_tokens, np.int64))
+    acc = np.ones(N, np.int64) if num_accepted_tokens is None else np.asarray(num_accepted_tokens, np.int64)
     rnd = (lambda v: v) if state_dtype is None else state_dtype
     out = np.full(xs.shape, np.nan)
     for i in range(N):
@@ -125,14 +150,14 @@ def causal_conv1d_update_reference(
             continue
         assert T <= S and 1 <= acc[i] <= S and slot < pool.shape[0], f"invalid row {i}"
         off = int(acc[i]) - 1
-        hist = pool[slot, :, off: off + W - 1].copy()          # [D, W-1]
-        new = xs[cu[i]: cu[i + 1]].T                            # [D, T]
-        frame = np.concatenate([hist, rnd(new)], axis=1)        # taps over stored values
+        hist = pool[slot, :, off : off + W - 1].copy()  # [D, W-1]
+        new = xs[cu[i] : cu[i + 1]].T  # [D, T]
+        frame = np.concatenate([hist, rnd(new)], axis=1)  # taps over stored values
         for t in range(T):
-            s = (w[:, : W - 1] * frame[:, t: t + W - 1]).sum(1) + w[:, W - 1] * new[:, t]
+            s = (w[:, : W - 1] * frame[:, t : t + W - 1]).sum(1) + w[:, W - 1] * new[:, t]
             out[cu[i] + t] = s / (1.0 + np.exp(-s)) if activation in ("silu", "swish") else s
         pool[slot, :, : W - 2] = hist[:, 1:]
-        pool[slot, :, W - 2: W - 2 + T] = rnd(new)
+        pool[slot, :, W - 2 : W - 2 + T] = rnd(new)
     if state_layout == "tokens_major":
         pool = pool.transpose(0, 2, 1)
     return out, pool

@@ -19,11 +19,26 @@ __all__ = ["can_use_decode_mtp", "decode_mtp", "decode_mtp_reference"]
 
 # How the binding converts each argument (see _common.raise_argument_error).
 _KINDS = {
-    "mixed_qkv": "input", "a": "input", "b": "input", "A_log": "input", "dt_bias": "input",
-    "state": "array", "state_indices": "input", "cu_seqlens": "input", "out": "array",
-    "z": "input?", "norm_weight": "input?", "num_accepted_tokens": "input?", "scale": "float?",
-    "l2_eps": "float", "norm_eps": "float", "gate": "str", "state_layout": "str",
-    "first_valid_slot": "int", "num_k_heads": "int", "round_core_output": "bool",
+    "mixed_qkv": "input",
+    "a": "input",
+    "b": "input",
+    "A_log": "input",
+    "dt_bias": "input",
+    "state": "array",
+    "state_indices": "input",
+    "cu_seqlens": "input",
+    "out": "array",
+    "z": "input?",
+    "norm_weight": "input?",
+    "num_accepted_tokens": "input?",
+    "scale": "float?",
+    "l2_eps": "float",
+    "norm_eps": "float",
+    "gate": "str",
+    "state_layout": "str",
+    "first_valid_slot": "int",
+    "num_k_heads": "int",
+    "round_core_output": "bool",
     "error_count": "array?",
 }
 
@@ -136,9 +151,27 @@ def decode_mtp(
     # state's framework for its current stream (in C for torch tensors).
     try:
         _C.decode_mtp(
-            mixed_qkv, a, b, A_log, dt_bias, state, state_indices, cu_seqlens, out, z,
-            norm_weight, num_accepted_tokens, scale, l2_eps, norm_eps, gate, state_layout,
-            first_valid_slot, num_k_heads, round_core_output, error_count,
+            mixed_qkv,
+            a,
+            b,
+            A_log,
+            dt_bias,
+            state,
+            state_indices,
+            cu_seqlens,
+            out,
+            z,
+            norm_weight,
+            num_accepted_tokens,
+            scale,
+            l2_eps,
+            norm_eps,
+            gate,
+            state_layout,
+            first_valid_slot,
+            num_k_heads,
+            round_core_output,
+            error_count,
             None if stream is None else _stream_of(state, stream),
         )
     except TypeError:
@@ -149,9 +182,17 @@ def decode_mtp(
 # ---- the guard ----------------------------------------------------------------------------------
 
 _DTYPE_NAMES = {
-    "float32": "float32", "fp32": "float32", "f32": "float32", "float": "float32",
-    "single": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16",
-    "fp16": "float16", "f16": "float16", "half": "float16",
+    "float32": "float32",
+    "fp32": "float32",
+    "f32": "float32",
+    "float": "float32",
+    "single": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "f16": "float16",
+    "half": "float16",
 }
 
 
@@ -169,10 +210,12 @@ def _dtype_name(dtype: Any) -> str:
     key = key.strip().lower()
     for prefix in ("torch.", "numpy.", "np."):
         if key.startswith(prefix):
-            key = key[len(prefix):]
+            key = key[len(prefix) :]
     if key not in _DTYPE_NAMES:
-        raise ValueError(f"state_dtype must be float32, bfloat16 or float16 (also 'fp32', 'bf16', "
-                         f"'fp16', or a torch / NumPy dtype), got {dtype!r}")
+        raise ValueError(
+            f"state_dtype must be float32, bfloat16 or float16 (also 'fp32', 'bf16', "
+            f"'fp16', or a torch / NumPy dtype), got {dtype!r}"
+        )
     return _DTYPE_NAMES[key]
 
 
@@ -208,8 +251,7 @@ def _arch_support(major: int, minor: int) -> Tuple[bool, str]:
     target = f"sm_{major}{minor}"
     if not _C.built_with_cuda:
         return False, "this build of gdn has no CUDA kernels"
-    entries = [e.strip() for e in str(_C.cuda_architectures).replace(";", ",").split(",")
-               if e.strip()]
+    entries = [e.strip() for e in str(_C.cuda_architectures).replace(";", ",").split(",") if e.strip()]
     unknown = []
     for entry in entries:
         if entry in ("all", "all-major"):
@@ -225,12 +267,13 @@ def _arch_support(major: int, minor: int) -> Tuple[bool, str]:
             return True, f"this build has sm_{m.group(1)}{suffix} code for {target}"
         later = (major, minor) >= (emajor, eminor) if not suffix else same_family
         if part != "real" and later:
-            return True, (f"this build's compute_{m.group(1)}{suffix} PTX is compiled for "
-                          f"{target} when first loaded")
+            return True, (f"this build's compute_{m.group(1)}{suffix} PTX is compiled for {target} when first loaded")
     listed = ", ".join(entries) or "none"
     if unknown:
-        return False, (f"cannot tell whether this build runs on {target}: its architecture list "
-                       f"({listed}) names {', '.join(unknown)}")
+        return False, (
+            f"cannot tell whether this build runs on {target}: its architecture list "
+            f"({listed}) names {', '.join(unknown)}"
+        )
     return False, f"this build has no kernel image for {target} (compiled architectures: {listed})"
 
 
@@ -268,8 +311,7 @@ def can_use_decode_mtp(
     extra: dict[str, Any] = {}
     if arch is not None:
         if kind != "cuda":
-            raise ValueError(f"arch= names a CUDA architecture; device must be 'cuda', got "
-                             f"{device!r}")
+            raise ValueError(f"arch= names a CUDA architecture; device must be 'cuda', got {device!r}")
         ok, why = _arch_support(*_parse_arch(arch))
         extra = dict(cuda_available=ok, cuda_reason=why)
     path, reason = _C.can_use_decode_mtp(kind, H, HV, K, V, S, dtype, index, state_layout, **extra)
@@ -286,9 +328,24 @@ def _f64(x) -> np.ndarray:
 
 
 def decode_mtp_reference(
-    mixed_qkv, a, b, A_log, dt_bias, state, state_indices, cu_seqlens, *, z=None,
-    norm_weight=None, num_accepted_tokens=None, scale: Optional[float] = None, l2_eps=1e-6,
-    norm_eps=1e-6, gate="silu", state_layout="vk", first_valid_slot=0,
+    mixed_qkv,
+    a,
+    b,
+    A_log,
+    dt_bias,
+    state,
+    state_indices,
+    cu_seqlens,
+    *,
+    z=None,
+    norm_weight=None,
+    num_accepted_tokens=None,
+    scale: Optional[float] = None,
+    l2_eps=1e-6,
+    norm_eps=1e-6,
+    gate="silu",
+    state_layout="vk",
+    first_valid_slot=0,
 ):
     """Float64 reference of :func:`decode_mtp` (docs gdn-math.md §7): slow and obvious on purpose,
     looping over requests and tokens, vectorised over value heads. Takes NumPy-convertible host
@@ -304,12 +361,11 @@ def decode_mtp_reference(
     _, HV, V, K = pool.shape
     H = (x.shape[1] - HV * V) // (2 * K)
     r = HV // H
-    scale = K ** -0.5 if scale is None else scale
+    scale = K**-0.5 if scale is None else scale
     idx = np.asarray(state_indices, dtype=np.int64)
     cu = np.asarray(cu_seqlens, dtype=np.int64)
     N, S = idx.shape
-    acc = (np.ones(N, np.int64) if num_accepted_tokens is None
-           else np.asarray(num_accepted_tokens, np.int64))
+    acc = np.ones(N, np.int64) if num_accepted_tokens is None else np.asarray(num_accepted_tokens, np.int64)
     A = -np.exp(_f64(A_log))
     dtb = _f64(dt_bias)
     out = np.full((x.shape[0], HV, V), np.nan)
@@ -322,8 +378,8 @@ def decode_mtp_reference(
         for t in range(T):
             row = x[cu[i] + t]
             q = row[: H * K].reshape(H, K)[kh]
-            k = row[H * K: 2 * H * K].reshape(H, K)[kh]
-            v = row[2 * H * K:].reshape(HV, V)
+            k = row[H * K : 2 * H * K].reshape(H, K)[kh]
+            v = row[2 * H * K :].reshape(HV, V)
             q = q / np.sqrt((q * q).sum(-1, keepdims=True) + l2_eps) * scale
             k = k / np.sqrt((k * k).sum(-1, keepdims=True) + l2_eps)
             xa = _f64(a)[cu[i] + t] + dtb
@@ -339,8 +395,7 @@ def decode_mtp_reference(
                 o = o / np.sqrt((o * o).mean(-1, keepdims=True) + norm_eps) * _f64(norm_weight)
                 if z is not None:
                     zz = _f64(z)[cu[i] + t]
-                    o = o * (zz / (1 + np.exp(-zz)) if gate in ("silu", "swish")
-                             else 1 / (1 + np.exp(-zz)))
+                    o = o * (zz / (1 + np.exp(-zz)) if gate in ("silu", "swish") else 1 / (1 + np.exp(-zz)))
             out[cu[i] + t] = o
             if idx[i, t] >= first_valid_slot:
                 pool[idx[i, t]] = M

@@ -82,74 +82,120 @@ examples:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m gdn demo", description=__doc__, epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        prog="python -m gdn demo",
+        description=__doc__,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     run = p.add_argument_group("run")
-    run.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                     help="where the model and the GDN kernels run (default: cpu). cuda needs a "
-                          "CUDA build of gdn and a GPU; its decode_mtp kernel needs head dim 128")
-    run.add_argument("--graphs", action="store_true",
-                     help="(cuda) capture the target's verify step once in a CUDA graph and "
-                          "replay it in every pure verify step (steps with prefilling rows or "
-                          "rows without drafts run eagerly); metadata is built before each "
-                          "replay into the builder's persistent buffers the graph reads")
-    run.add_argument("--state-mode", choices=["write-all", "replay"], default="write-all",
-                     help="write-all: the verify step writes the state after every token to its "
-                          "own block (decode_mtp, S blocks per request and layer); replay: one "
-                          "checkpoint block per request and layer (decode_mtp_replay), run next "
-                          "to write-all for comparison (default: write-all)")
-    run.add_argument("--seed", type=int, default=0,
-                     help="seed of the weights, the prompts, the block tables and the garbage "
-                          "in free blocks (default: 0)")
-    run.add_argument("--no-progress", action="store_true",
-                     help="do not draw the progress bars")
+    run.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where the model and the GDN kernels run (default: cpu). cuda needs a "
+        "CUDA build of gdn and a GPU; its decode_mtp kernel needs head dim 128",
+    )
+    run.add_argument(
+        "--graphs",
+        action="store_true",
+        help="(cuda) capture the target's verify step once in a CUDA graph and "
+        "replay it in every pure verify step (steps with prefilling rows or "
+        "rows without drafts run eagerly); metadata is built before each "
+        "replay into the builder's persistent buffers the graph reads",
+    )
+    run.add_argument(
+        "--state-mode",
+        choices=["write-all", "replay"],
+        default="write-all",
+        help="write-all: the verify step writes the state after every token to its "
+        "own block (decode_mtp, S blocks per request and layer); replay: one "
+        "checkpoint block per request and layer (decode_mtp_replay), run next "
+        "to write-all for comparison (default: write-all)",
+    )
+    run.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the weights, the prompts, the block tables and the garbage in free blocks (default: 0)",
+    )
+    run.add_argument("--no-progress", action="store_true", help="do not draw the progress bars")
     work = p.add_argument_group("workload")
-    work.add_argument("--requests", type=int, default=8,
-                      help="rows of the batch: requests decoded together, one per row "
-                           "(default: 8)")
-    work.add_argument("--late-requests", type=int, default=None,
-                      help="requests waiting in a queue: each takes over the row of a finished "
-                           "request at the next step; every third has a one-token prompt; 0: "
-                           "no row changes hands (default: as many as --requests)")
-    work.add_argument("--min-prompt", type=int, default=4,
-                      help="shortest prompt, in tokens (default: 4)")
-    work.add_argument("--max-prompt", type=int, default=24,
-                      help="longest prompt, in tokens; prompt lengths are spread over "
-                           "[min, max] (default: 24)")
-    work.add_argument("--new-tokens", type=int, default=64,
-                      help="tokens generated per request (default: 64)")
-    work.add_argument("--repeats", type=int, default=3,
-                      help="runs of each mode: the first warms up (and is checked), the speed-up "
-                           "is the ratio of the median decode rates of the others (default: 3)")
-    work.add_argument("--mixed-every", type=int, default=4,
-                      help="every K-th step, a third of the decoding requests draft nothing "
-                           "(a plain one-token row next to the verify rows, as engines see when "
-                           "drafts run out); 0: never (default: 4)")
-    work.add_argument("--num-spec", type=int, default=3,
-                      help="draft tokens proposed per request and step; the target verifies "
-                           "T = num_spec + 1 tokens per request (default: 3)")
+    work.add_argument(
+        "--requests", type=int, default=8, help="rows of the batch: requests decoded together, one per row (default: 8)"
+    )
+    work.add_argument(
+        "--late-requests",
+        type=int,
+        default=None,
+        help="requests waiting in a queue: each takes over the row of a finished "
+        "request at the next step; every third has a one-token prompt; 0: "
+        "no row changes hands (default: as many as --requests)",
+    )
+    work.add_argument("--min-prompt", type=int, default=4, help="shortest prompt, in tokens (default: 4)")
+    work.add_argument(
+        "--max-prompt",
+        type=int,
+        default=24,
+        help="longest prompt, in tokens; prompt lengths are spread over [min, max] (default: 24)",
+    )
+    work.add_argument("--new-tokens", type=int, default=64, help="tokens generated per request (default: 64)")
+    work.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="runs of each mode: the first warms up (and is checked), the speed-up "
+        "is the ratio of the median decode rates of the others (default: 3)",
+    )
+    work.add_argument(
+        "--mixed-every",
+        type=int,
+        default=4,
+        help="every K-th step, a third of the decoding requests draft nothing "
+        "(a plain one-token row next to the verify rows, as engines see when "
+        "drafts run out); 0: never (default: 4)",
+    )
+    work.add_argument(
+        "--num-spec",
+        type=int,
+        default=3,
+        help="draft tokens proposed per request and step; the target verifies "
+        "T = num_spec + 1 tokens per request (default: 3)",
+    )
     model = p.add_argument_group("model")
     model.add_argument("--vocab", type=int, default=256, help="vocabulary size (default: 256)")
-    model.add_argument("--hidden", type=int, default=128,
-                       help="residual width, at most 2048 (default: 128)")
+    model.add_argument("--hidden", type=int, default=128, help="residual width, at most 2048 (default: 128)")
     model.add_argument("--layers", type=int, default=4, help="GDN layers (default: 4)")
-    model.add_argument("--groups", type=int, default=2,
-                       help="KV-cache groups the layers are split into (layer l -> group l %% G), "
-                            "each with its own state pools and block table; >= 2 (default: 2)")
+    model.add_argument(
+        "--groups",
+        type=int,
+        default=2,
+        help="KV-cache groups the layers are split into (layer l -> group l %% G), "
+        "each with its own state pools and block table; >= 2 (default: 2)",
+    )
     model.add_argument("--heads", type=int, default=2, help="key heads H (default: 2)")
-    model.add_argument("--value-heads", type=int, default=4,
-                       help="value heads HV, a multiple of H (default: 4, ratio 2)")
-    model.add_argument("--head-dim", type=int, default=None,
-                       help="K = V per head (default: 32 on cpu, 128 on cuda, which its "
-                            "decode_mtp kernel needs)")
-    model.add_argument("--layer-strength", type=float, default=0.2,
-                       help="scale of the GDN layers' residual contribution; the drafter skips "
-                            "the layers, so a smaller value means more accepted drafts "
-                            "(default: 0.2)")
-    model.add_argument("--conv-layout", choices=["channels_major", "tokens_major"],
-                       default="channels_major",
-                       help="conv state buffer layout: [slots, D, W-1+num_spec] or "
-                            "[slots, W-1+num_spec, D] (default: channels_major)")
+    model.add_argument(
+        "--value-heads", type=int, default=4, help="value heads HV, a multiple of H (default: 4, ratio 2)"
+    )
+    model.add_argument(
+        "--head-dim",
+        type=int,
+        default=None,
+        help="K = V per head (default: 32 on cpu, 128 on cuda, which its decode_mtp kernel needs)",
+    )
+    model.add_argument(
+        "--layer-strength",
+        type=float,
+        default=0.2,
+        help="scale of the GDN layers' residual contribution; the drafter skips "
+        "the layers, so a smaller value means more accepted drafts "
+        "(default: 0.2)",
+    )
+    model.add_argument(
+        "--conv-layout",
+        choices=["channels_major", "tokens_major"],
+        default="channels_major",
+        help="conv state buffer layout: [slots, D, W-1+num_spec] or [slots, W-1+num_spec, D] (default: channels_major)",
+    )
     return p
 
 
@@ -198,17 +244,17 @@ class Progress:
 @dataclass
 class RunStats:
     steps: int = 0
-    prefill_steps: int = 0   # steps with prefilling rows
-    verify_steps: int = 0    # speculative: every occupied row verifies drafts (verify_step)
-    mixed_steps: int = 0     # speculative: spec rows next to non-spec rows (mixed_step)
-    nodraft_steps: int = 0   # speculative: steps in which some decoding requests drafted nothing
+    prefill_steps: int = 0  # steps with prefilling rows
+    verify_steps: int = 0  # speculative: every occupied row verifies drafts (verify_step)
+    mixed_steps: int = 0  # speculative: spec rows next to non-spec rows (mixed_step)
+    nodraft_steps: int = 0  # speculative: steps in which some decoding requests drafted nothing
     seconds: float = 0.0
-    tokens: int = 0          # generated tokens, every request's first included
+    tokens: int = 0  # generated tokens, every request's first included
     drafted: int = 0
     accepted: int = 0
-    recycled: int = 0            # rows taken over by a new request
+    recycled: int = 0  # rows taken over by a new request
     recycled_one_token: int = 0  # ... by one with a one-token prompt
-    fresh_rows: int = 0          # non-spec rows the metadata started from a zero state
+    fresh_rows: int = 0  # non-spec rows the metadata started from a zero state
     breakdown: Dict[str, float] = field(default_factory=dict)
     calls: Dict[str, int] = field(default_factory=dict)
     # Wall time and count of the steps of each kind ("plain"; "verify": pure verify steps,
@@ -231,8 +277,16 @@ class Engine:
     """One decoding run: its own caches (one block-table row per batch row), metadata builder and
     decode path. `garbage_seed` seeds the garbage its free blocks hold."""
 
-    def __init__(self, model, num_rows: int, num_spec: int, conv_layout: str, seed: int,
-                 replay: bool = False, garbage_seed: int = 0):
+    def __init__(
+        self,
+        model,
+        num_rows: int,
+        num_spec: int,
+        conv_layout: str,
+        seed: int,
+        replay: bool = False,
+        garbage_seed: int = 0,
+    ):
         import torch
 
         import gdn
@@ -240,16 +294,20 @@ class Engine:
 
         self.torch = torch
         self.model, self.N, self.num_spec, self.T = model, num_rows, num_spec, num_spec + 1
-        self.cache = GDNCache(model, num_rows, num_spec, conv_layout, seed, replay=replay,
-                              garbage_seed=garbage_seed)
+        self.cache = GDNCache(model, num_rows, num_spec, conv_layout, seed, replay=replay, garbage_seed=garbage_seed)
         self.replay = replay
         self.max_tokens = num_rows * self.T
         # The metadata builder: persistent buffers for all groups, one plan + one pass per step.
         # In replay mode it also gives each spec row's checkpoint block per group and the window
         # tokens each row replays (its accepted counts are the replay counts then).
         self.builder = gdn.metadata.Builder(
-            self.cache.block_tables, num_spec=num_spec, max_rows=num_rows,
-            max_tokens=self.max_tokens, pad_id=NULL_BLOCK, replay=replay)
+            self.cache.block_tables,
+            num_spec=num_spec,
+            max_rows=num_rows,
+            max_tokens=self.max_tokens,
+            pad_id=NULL_BLOCK,
+            replay=replay,
+        )
         self.path = DecodePath(model, self.cache, self.max_tokens)
         self.graph = None
         self.graph_events: List = []
@@ -273,8 +331,7 @@ class Engine:
         T = [0 if t is None else 1 for t in feed]
         qsl = self._host(np.concatenate([[0], np.cumsum(T)]))
         with timer.host("metadata"):
-            md = self.builder.step(qsl, self._host(np.add(context, T)),
-                                   num_computed_tokens=self._host(context))
+            md = self.builder.step(qsl, self._host(np.add(context, T)), num_computed_tokens=self._host(context))
         rows = int(qsl[-1])
         if rows == 0:
             return [None] * len(feed)
@@ -284,9 +341,12 @@ class Engine:
         # rows read non_spec_source_indices, fresh prefill rows their zeroed destination.
         ns = self.path.non_spec_rows(md, timer)
         slots = StepSlots(
-            cu_seqlens=md.non_spec_query_start_loc, state_indices=ns.tables(),
-            conv_indices=ns.destination, num_accepted_tokens=None,
-            decode_accepted=self.path.twos[: md.non_spec_rows])
+            cu_seqlens=md.non_spec_query_start_loc,
+            state_indices=ns.tables(),
+            conv_indices=ns.destination,
+            num_accepted_tokens=None,
+            decode_accepted=self.path.twos[: md.non_spec_rows],
+        )
         self.path.forward(rows, slots, timer)
         pred = self.path.pred[:rows].tolist()
         out, k = [], 0
@@ -305,10 +365,12 @@ class Engine:
         return StepSlots(
             cu_seqlens=md.spec_query_start_loc,
             state_indices=[md.spec_state_indices[g] for g in range(G)],
-            conv_indices=[md.checkpoint_indices[g] if self.replay else md.spec_state_indices[g][:, 0]
-                          for g in range(G)],
+            conv_indices=[
+                md.checkpoint_indices[g] if self.replay else md.spec_state_indices[g][:, 0] for g in range(G)
+            ],
             num_accepted_tokens=md.spec_num_accepted,
-            replay_counts=md.replay_counts if self.replay else None)
+            replay_counts=md.replay_counts if self.replay else None,
+        )
 
     def _counts(self, acc: np.ndarray, replay_n: Optional[np.ndarray], live: np.ndarray) -> np.ndarray:
         """The builder's num_accepted_tokens: the accepted counts (1..S), or in replay mode the
@@ -318,8 +380,15 @@ class Engine:
             return self._host(np.where(live, replay_n, 0))
         return self._host(np.where(live, acc, 1))
 
-    def verify_step(self, live: List[int], tokens, acc: np.ndarray, context: np.ndarray, timer,
-                    replay_n: Optional[np.ndarray] = None):
+    def verify_step(
+        self,
+        live: List[int],
+        tokens,
+        acc: np.ndarray,
+        context: np.ndarray,
+        timer,
+        replay_n: Optional[np.ndarray] = None,
+    ):
         """One verify step: live rows (indices, in order) each verify T tokens (`tokens`
         [len(live), T] on the device: last token + drafts); with replay verify, row i first
         replays replay_n[i] tokens of its window. Other rows are zero-length rows. Returns the
@@ -332,9 +401,13 @@ class Engine:
         with timer.host("metadata"):
             # Padded to the full batch, so every step has the same shapes (what a graph needs).
             md = self.builder.step(
-                qsl, self._host(context + q), num_draft_tokens=self._host(np.where(is_live, self.num_spec, -1)),
+                qsl,
+                self._host(context + q),
+                num_draft_tokens=self._host(np.where(is_live, self.num_spec, -1)),
                 num_accepted_tokens=self._counts(acc, replay_n, is_live),
-                num_computed_tokens=self._host(context), padded_rows=N)
+                num_computed_tokens=self._host(context),
+                padded_rows=N,
+            )
         # Spec row j is the j-th live row; its tokens are rows j*T .. j*T+T-1 (free rows are
         # zero-length rows, so the spec token order is the step's token order).
         assert md.num_spec_decodes == len(live) and md.num_spec_decode_tokens == len(live) * T
@@ -348,8 +421,7 @@ class Engine:
         pred = self.path.pred[:rows].view(len(live), T).cpu().numpy()
         if self.graph is not None and self.graph_events:
             try:  # events recorded inside the graph
-                times = [(name, start.elapsed_time(end) / 1000.0)
-                         for name, start, end in self.graph_events]
+                times = [(name, start.elapsed_time(end) / 1000.0) for name, start, end in self.graph_events]
             except RuntimeError:
                 self.graph_events = []
                 self.graph_note = "kernel times unreadable from the graph's events (counted in 'rest')"
@@ -359,8 +431,15 @@ class Engine:
                     timer.calls[name] += 1
         return pred
 
-    def mixed_step(self, live: List[int], tokens: Dict[int, List[int]], acc: np.ndarray,
-                   context: np.ndarray, timer, replay_n: np.ndarray) -> Dict[int, List[int]]:
+    def mixed_step(
+        self,
+        live: List[int],
+        tokens: Dict[int, List[int]],
+        acc: np.ndarray,
+        context: np.ndarray,
+        timer,
+        replay_n: np.ndarray,
+    ) -> Dict[int, List[int]]:
         """A step in which some live rows verify drafts (T tokens) and others feed one token: a
         prompt token or a decode without drafts (a step may have no spec rows at all). vLLM's
         rules classify the step: the 1-token rows become non-spec rows, which read their state
@@ -378,9 +457,12 @@ class Engine:
         live_mask = q > 0
         with timer.host("metadata"):
             md = self.builder.step(
-                qsl, self._host(context + q), num_draft_tokens=self._host(drafts),
+                qsl,
+                self._host(context + q),
+                num_draft_tokens=self._host(drafts),
                 num_accepted_tokens=self._counts(acc, replay_n, live_mask),
-                num_computed_tokens=self._host(context))
+                num_computed_tokens=self._host(context),
+            )
         rows = int(qsl[-1])
         flat = [t for i in range(N) for t in tokens.get(i, [])]
         self.path.tokens[:rows].copy_(self.torch.tensor(flat, dtype=self.torch.long))
@@ -388,13 +470,15 @@ class Engine:
         if self.replay:  # the builder's replay counts of both kinds of rows, back in request order
             replay_counts = np.zeros(N, np.int32)
             h = md.host
-            replay_counts[np.asarray(h.spec_request_index)[: md.num_spec_decodes]] = \
-                np.asarray(h.replay_counts)[: md.num_spec_decodes]
-            replay_counts[np.asarray(h.non_spec_request_index)[: md.num_non_spec_rows]] = \
-                np.asarray(h.non_spec_replay_counts)[: md.num_non_spec_rows]
+            replay_counts[np.asarray(h.spec_request_index)[: md.num_spec_decodes]] = np.asarray(h.replay_counts)[
+                : md.num_spec_decodes
+            ]
+            replay_counts[np.asarray(h.non_spec_request_index)[: md.num_non_spec_rows]] = np.asarray(
+                h.non_spec_replay_counts
+            )[: md.num_non_spec_rows]
         self.path.forward_mixed(rows, md, replay_counts, timer)
         pred = self.path.pred[:rows].cpu().numpy()
-        return {i: pred[qsl[i]:qsl[i + 1]].tolist() for i in live}
+        return {i: pred[qsl[i] : qsl[i + 1]].tolist() for i in live}
 
     def capture_verify_graph(self, context: np.ndarray) -> str:
         """Captures the target's verify forward over the full padded batch in a CUDA graph. The
@@ -404,9 +488,13 @@ class Engine:
 
         torch = self.torch
         N, T = self.N, self.T
-        md = self.builder.step(self._host(np.zeros(N + 1)), self._host(context),
-                               num_draft_tokens=self._host(np.full(N, -1)),
-                               num_computed_tokens=self._host(context), padded_rows=N)
+        md = self.builder.step(
+            self._host(np.zeros(N + 1)),
+            self._host(context),
+            num_draft_tokens=self._host(np.full(N, -1)),
+            num_computed_tokens=self._host(context),
+            padded_rows=N,
+        )
         slots = self._spec_slots(md)  # full-capacity views: the same addresses every step
         assert int(slots.cu_seqlens.numel()) == N + 1
         rows = N * T
@@ -423,9 +511,11 @@ class Engine:
                 with torch.cuda.graph(graph):
                     self.path.forward(rows, slots, None, event_log=events if timed else None)
                 self.graph, self.graph_events = graph, events
-                self.graph_note = ("conv / decode_mtp times from CUDA events inside the graph"
-                                   if timed else "kernel times unavailable inside the graph "
-                                   "(counted in 'rest')")
+                self.graph_note = (
+                    "conv / decode_mtp times from CUDA events inside the graph"
+                    if timed
+                    else "kernel times unavailable inside the graph (counted in 'rest')"
+                )
                 return self.graph_note
             except (RuntimeError, TypeError):
                 if not timed:
@@ -523,8 +613,14 @@ def run_plain(model, prompts, args, progress) -> Tuple[List[List[int]], RunStats
 
     stats = RunStats()
     B = args.requests
-    engine = Engine(model, B, 0, args.conv_layout, args.seed + 1,  # T = 1 pools
-                    garbage_seed=_garbage_seed(args, 0))
+    engine = Engine(
+        model,
+        B,
+        0,
+        args.conv_layout,
+        args.seed + 1,  # T = 1 pools
+        garbage_seed=_garbage_seed(args, 0),
+    )
     sched = Scheduler(prompts, B, args.new_tokens)
     _sync(model)
     timer = Timer(model.device)
@@ -552,8 +648,7 @@ def run_plain(model, prompts, args, progress) -> Tuple[List[List[int]], RunStats
     return sched.out, stats
 
 
-def run_speculative(model, prompts, args, progress,
-                    replay: bool = False) -> Tuple[List[List[int]], RunStats, str]:
+def run_speculative(model, prompts, args, progress, replay: bool = False) -> Tuple[List[List[int]], RunStats, str]:
     """MTP-style speculative decoding of the workload. Steps in which every occupied row decodes
     with drafts are pure verify steps (verify_step, the CUDA graph with --graphs); steps with
     prefilling rows or rows without drafts run spec and non-spec rows together (mixed_step)."""
@@ -563,14 +658,21 @@ def run_speculative(model, prompts, args, progress,
 
     stats = RunStats()
     B, ns = args.requests, args.num_spec
-    engine = Engine(model, B, ns, args.conv_layout, args.seed + 2, replay=replay,
-                    garbage_seed=_garbage_seed(args, 2 if replay else 1))
+    engine = Engine(
+        model,
+        B,
+        ns,
+        args.conv_layout,
+        args.seed + 2,
+        replay=replay,
+        garbage_seed=_garbage_seed(args, 2 if replay else 1),
+    )
     sched = Scheduler(prompts, B, args.new_tokens)
     if args.graphs:
         engine.capture_verify_graph(sched.context)
     _sync(model)
     timer = Timer(model.device)
-    acc = np.ones(B, np.int64)       # accepted count of each row's last step
+    acc = np.ones(B, np.int64)  # accepted count of each row's last step
     replay_n = np.zeros(B, np.int64)  # replay verify: window tokens each row replays
     t0 = time.perf_counter()
     while not sched.done():
@@ -582,16 +684,17 @@ def run_speculative(model, prompts, args, progress,
         dec = [r for r in rows if not sched.prefilling(r)]
         # Every few steps some requests draft nothing (one plain token): the step mixes spec and
         # non-spec rows, and those requests go from spec to non-spec and back.
-        plain = ([r for r in dec if (stats.steps + r) % 3 == 0]
-                 if args.mixed_every and stats.steps % args.mixed_every == args.mixed_every - 1
-                 else [])
+        plain = (
+            [r for r in dec if (stats.steps + r) % 3 == 0]
+            if args.mixed_every and stats.steps % args.mixed_every == args.mixed_every - 1
+            else []
+        )
         if pre or plain:
             with timer.host("drafter"):
                 tok = {r: [sched.next_token(r)] for r in rows}
                 spec_rows = [r for r in dec if r not in plain]
                 if spec_rows:
-                    cur = torch.tensor([tok[r][0] for r in spec_rows], dtype=torch.long,
-                                       device=model.device)
+                    cur = torch.tensor([tok[r][0] for r in spec_rows], dtype=torch.long, device=model.device)
                     drafted = [cur]
                     for _ in range(ns):
                         drafted.append(model.draft_next(drafted[-1]))
@@ -617,8 +720,7 @@ def run_speculative(model, prompts, args, progress,
             kind = "mixed"
         else:
             with timer.host("drafter"):
-                last = torch.tensor([sched.next_token(r) for r in dec], dtype=torch.long,
-                                    device=model.device)
+                last = torch.tensor([sched.next_token(r) for r in dec], dtype=torch.long, device=model.device)
                 tokens = torch.empty(len(dec), ns + 1, dtype=torch.long, device=model.device)
                 tokens[:, 0] = last
                 for j in range(ns):
@@ -673,8 +775,7 @@ def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> List[List[i
     return [rng.integers(0, vocab, size=int(L)).tolist() for L in lengths]
 
 
-def make_workload(rows: int, late: int, lo: int, hi: int, vocab: int,
-                  seed: int) -> List[List[int]]:
+def make_workload(rows: int, late: int, lo: int, hi: int, vocab: int, seed: int) -> List[List[int]]:
     """The prompts of the first `rows` requests, then of the `late` ones waiting in the queue:
     every third late request (the 1st, 4th, ...) has a one-token prompt, the others are spread
     over [lo, hi] like the first ones."""
@@ -694,7 +795,8 @@ def breakdown_line(stats: RunStats) -> str:
     extra = [(n, b[n]) for n in ("drafter", "acceptance", "zeroing") if n in b]
     inside = ", ".join(f"{n} {100 * v / total:.1f} %" for n, v in extra)
     return f"{line} | rest {100 * rest / total:.1f} %" + (
-        f" (dense layers and copies; of which {inside})" if inside else " (dense layers and copies)")
+        f" (dense layers and copies; of which {inside})" if inside else " (dense layers and copies)"
+    )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -709,9 +811,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     if args.device == "cuda":
         if not (torch.cuda.is_available() and gdn._C.built_with_cuda and gdn.cuda_device_count() > 0):
-            print("--device cuda needs a GPU and a CUDA build of gdn "
-                  f"(torch sees {torch.cuda.device_count() if torch.cuda.is_available() else 0} "
-                  f"GPUs; gdn built with CUDA: {gdn._C.built_with_cuda})", file=sys.stderr)
+            print(
+                "--device cuda needs a GPU and a CUDA build of gdn "
+                f"(torch sees {torch.cuda.device_count() if torch.cuda.is_available() else 0} "
+                f"GPUs; gdn built with CUDA: {gdn._C.built_with_cuda})",
+                file=sys.stderr,
+            )
             return 2
         ok, why = gdn.cuda_kernels_available(torch.cuda.current_device())
         if not ok:
@@ -730,9 +835,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("--late-requests must be >= 0", file=sys.stderr)
         return 2
     head_dim = args.head_dim or (128 if args.device == "cuda" else 32)
-    cfg = ModelConfig(vocab=args.vocab, hidden=args.hidden, layers=args.layers, groups=args.groups,
-                      H=args.heads, HV=args.value_heads, head_dim=head_dim,
-                      layer_strength=args.layer_strength, seed=args.seed)
+    cfg = ModelConfig(
+        vocab=args.vocab,
+        hidden=args.hidden,
+        layers=args.layers,
+        groups=args.groups,
+        H=args.heads,
+        HV=args.value_heads,
+        head_dim=head_dim,
+        layer_strength=args.layer_strength,
+        seed=args.seed,
+    )
     device = torch.device(args.device)
     try:
         model = TinyHybridGDN(cfg, device)
@@ -740,37 +853,48 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"invalid model: {e}", file=sys.stderr)
         return 2
     if args.device == "cuda":
-        path, why = gdn.can_use_decode_mtp("cuda", H=cfg.H, HV=cfg.HV, K=cfg.K, V=cfg.V,
-                                           S=args.num_spec + 1)
+        path, why = gdn.can_use_decode_mtp("cuda", H=cfg.H, HV=cfg.HV, K=cfg.K, V=cfg.V, S=args.num_spec + 1)
         if path == "unsupported":
             print(f"decode_mtp cannot run this model on CUDA: {why}", file=sys.stderr)
             return 2
     late = args.requests if args.late_requests is None else args.late_requests
-    prompts = make_workload(args.requests, late, args.min_prompt, args.max_prompt, cfg.vocab,
-                            args.seed)
+    prompts = make_workload(args.requests, late, args.min_prompt, args.max_prompt, cfg.vocab, args.seed)
     new = args.new_tokens
     T = args.num_spec + 1
     R = len(prompts)
-    one_token = sum(len(p) == 1 for p in prompts[args.requests:])
+    one_token = sum(len(p) == 1 for p in prompts[args.requests :])
 
-    where = (f"cuda ({torch.cuda.get_device_name(device)}), CUDA graphs {'on' if args.graphs else 'off'}"
-             if args.device == "cuda" else f"cpu ({torch.get_num_threads()} threads)")
-    print("gdn demo: speculative decoding with a tiny hybrid GDN language model (random weights), "
-          "requests coming and going")
+    where = (
+        f"cuda ({torch.cuda.get_device_name(device)}), CUDA graphs {'on' if args.graphs else 'off'}"
+        if args.device == "cuda"
+        else f"cpu ({torch.get_num_threads()} threads)"
+    )
+    print(
+        "gdn demo: speculative decoding with a tiny hybrid GDN language model (random weights), "
+        "requests coming and going"
+    )
     print(f"  device      : {where}")
     print(f"  model       : {cfg.describe()}")
-    print(f"  workload    : {R} requests on {args.requests} rows, prompts "
-          f"{min(map(len, prompts))}..{max(map(len, prompts))} tokens (prefilled through the "
-          f"decode path, T = 1), {new} new tokens each, greedy")
+    print(
+        f"  workload    : {R} requests on {args.requests} rows, prompts "
+        f"{min(map(len, prompts))}..{max(map(len, prompts))} tokens (prefilled through the "
+        f"decode path, T = 1), {new} new tokens each, greedy"
+    )
     if late:
-        print(f"  rows        : {late} requests wait in a queue; a finished request frees its row "
-              f"(its blocks in all {cfg.groups} groups get garbage) and the next one takes it "
-              f"over at the next step; {one_token} of the late prompts are one token long")
-    print(f"  speculation : drafter = the target's embedding -> lm_head path without the GDN "
-          f"layers; num_spec {args.num_spec}, T = {T} tokens verified per request and step")
-    print(f"  per step    : gdn.metadata (1 plan + 1 state-row pass for {cfg.groups} groups), then per "
-          f"layer gdn.causal_conv1d_update ({args.conv_layout}) + gdn.decode_mtp over all rows; "
-          f"prefill rows without an initial state (has_initial_state) start from zeroed blocks")
+        print(
+            f"  rows        : {late} requests wait in a queue; a finished request frees its row "
+            f"(its blocks in all {cfg.groups} groups get garbage) and the next one takes it "
+            f"over at the next step; {one_token} of the late prompts are one token long"
+        )
+    print(
+        f"  speculation : drafter = the target's embedding -> lm_head path without the GDN "
+        f"layers; num_spec {args.num_spec}, T = {T} tokens verified per request and step"
+    )
+    print(
+        f"  per step    : gdn.metadata (1 plan + 1 state-row pass for {cfg.groups} groups), then per "
+        f"layer gdn.causal_conv1d_update ({args.conv_layout}) + gdn.decode_mtp over all rows; "
+        f"prefill rows without an initial state (has_initial_state) start from zeroed blocks"
+    )
     sys.stdout.flush()
 
     show = not args.no_progress
@@ -797,8 +921,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         spec_rates.append(st.tokens / st.seconds)
         same = same and again == spec
         if replay:
-            again, st, _ = run_speculative(model, prompts, args,
-                                           Progress("speculative", total, False), replay=True)
+            again, st, _ = run_speculative(model, prompts, args, Progress("speculative", total, False), replay=True)
             replay_rates.append(st.tokens / st.seconds)
             same = same and again == spec_rp
         if not same:
@@ -816,51 +939,68 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for i, (a, b) in enumerate(zip(plain, tokens)):
             if a != b:
                 k = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-                mismatches.append(f"{name} {who(i)}: first difference at generated token {k} "
-                                  f"(plain {a[k:k + 4]}, {name} {b[k:k + 4]})")
+                mismatches.append(
+                    f"{name} {who(i)}: first difference at generated token {k} "
+                    f"(plain {a[k : k + 4]}, {name} {b[k : k + 4]})"
+                )
 
     print()
-    print(f"plain greedy : {ps.steps} steps ({ps.prefill_steps} with prefilling rows), "
-          f"{ps.tokens} tokens generated in {fmt_seconds(ps.seconds)} = "
-          f"{tokens_per_second(ps.tokens, ps.seconds)}")
+    print(
+        f"plain greedy : {ps.steps} steps ({ps.prefill_steps} with prefilling rows), "
+        f"{ps.tokens} tokens generated in {fmt_seconds(ps.seconds)} = "
+        f"{tokens_per_second(ps.tokens, ps.seconds)}"
+    )
     if plain_rates:
         speedup = float(np.median(spec_rates)) / float(np.median(plain_rates))
         how = f"median of {len(plain_rates)} timed runs after a warm-up"
     else:
-        speedup = (ss.tokens / ss.seconds) / (ps.tokens / ps.seconds) \
-            if ss.seconds > 0 and ps.seconds > 0 else float("nan")
+        speedup = (
+            (ss.tokens / ss.seconds) / (ps.tokens / ps.seconds) if ss.seconds > 0 and ps.seconds > 0 else float("nan")
+        )
         how = "one run, not warmed up"
-    print(f"speculative  : {ss.steps} steps ({ss.verify_steps} pure verify, {ss.prefill_steps} "
-          f"with prefilling rows), {ss.tokens} tokens generated in {fmt_seconds(ss.seconds)} = "
-          f"{tokens_per_second(ss.tokens, ss.seconds)}")
-    print(f"speed-up     : {speedup:.2f}x plain decoding ({how}; same workload and scheduling, "
-          f"prefill steps included)")
-    print(f"step time    : plain {ps.per_step('plain')} per step; speculative "
-          f"{ss.per_step('verify')} per pure verify step, {ss.per_step('mixed')} per step with "
-          f"prefilling rows or rows without drafts (warm-up runs)")
+    print(
+        f"speculative  : {ss.steps} steps ({ss.verify_steps} pure verify, {ss.prefill_steps} "
+        f"with prefilling rows), {ss.tokens} tokens generated in {fmt_seconds(ss.seconds)} = "
+        f"{tokens_per_second(ss.tokens, ss.seconds)}"
+    )
+    print(f"speed-up     : {speedup:.2f}x plain decoding ({how}; same workload and scheduling, prefill steps included)")
+    print(
+        f"step time    : plain {ps.per_step('plain')} per step; speculative "
+        f"{ss.per_step('verify')} per pure verify step, {ss.per_step('mixed')} per step with "
+        f"prefilling rows or rows without drafts (warm-up runs)"
+    )
     if ps.recycled:
-        print(f"recycled     : {ps.recycled} rows taken over by new requests "
-              f"({ps.recycled_one_token} with one-token prompts); {R} requests ran on "
-              f"{args.requests} rows")
+        print(
+            f"recycled     : {ps.recycled} rows taken over by new requests "
+            f"({ps.recycled_one_token} with one-token prompts); {R} requests ran on "
+            f"{args.requests} rows"
+        )
     else:
         print(f"recycled     : no row changed hands ({R} requests on {args.requests} rows)")
-    fresh = [("plain", ps.fresh_rows), ("speculative", ss.fresh_rows)] + (
-        [("replay", rs.fresh_rows)] if replay else [])
+    fresh = [("plain", ps.fresh_rows), ("speculative", ss.fresh_rows)] + ([("replay", rs.fresh_rows)] if replay else [])
     if all(n == R for _, n in fresh):
-        print(f"fresh rows   : in every run the metadata started all {R} requests from a zero "
-              f"state (prefill rows with has_initial_state False; their blocks zeroed first)")
+        print(
+            f"fresh rows   : in every run the metadata started all {R} requests from a zero "
+            f"state (prefill rows with has_initial_state False; their blocks zeroed first)"
+        )
     else:
         per_run = ", ".join(f"{name} {n}" for name, n in fresh)
-        print(f"fresh rows   : rows the metadata started from a zero state (has_initial_state "
-              f"False), per run: {per_run} (for {R} requests)")
+        print(
+            f"fresh rows   : rows the metadata started from a zero state (has_initial_state "
+            f"False), per run: {per_run} (for {R} requests)"
+        )
     if ss.mixed_steps:
-        print(f"mixed steps  : {ss.mixed_steps} of {ss.steps} steps had spec rows next to non-spec "
-              f"rows (prefilling requests or requests without drafts; {ss.nodraft_steps} steps had "
-              f"requests without drafts, reading non_spec_source_indices)")
+        print(
+            f"mixed steps  : {ss.mixed_steps} of {ss.steps} steps had spec rows next to non-spec "
+            f"rows (prefilling requests or requests without drafts; {ss.nodraft_steps} steps had "
+            f"requests without drafts, reading non_spec_source_indices)"
+        )
     rate = ss.accepted / ss.drafted if ss.drafted else 0.0
-    print(f"acceptance   : {ss.accepted} of {ss.drafted} drafts accepted ({100 * rate:.1f} %); "
-          f"{1 + ss.accepted / max(ss.drafted / args.num_spec, 1):.2f} tokens per request per "
-          f"verify step (at most {T})")
+    print(
+        f"acceptance   : {ss.accepted} of {ss.drafted} drafts accepted ({100 * rate:.1f} %); "
+        f"{1 + ss.accepted / max(ss.drafted / args.num_spec, 1):.2f} tokens per request per "
+        f"verify step (at most {T})"
+    )
     print(f"time, speculative: {breakdown_line(ss)}")
     if graph_note:
         print(f"              ({graph_note})")
@@ -875,8 +1015,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("FAIL (speculative != plain decoding)")
         return 1
     both = " in both state modes" if replay else ""
-    print(f"check: all {R} requests generated exactly the plain greedy tokens{both} "
-          f"({sum(len(s) for s in spec)} tokens compared per run, token for token)")
+    print(
+        f"check: all {R} requests generated exactly the plain greedy tokens{both} "
+        f"({sum(len(s) for s in spec)} tokens compared per run, token for token)"
+    )
     print("PASS (speculative == plain decoding)")
     return 0
 
@@ -891,17 +1033,16 @@ def replay_report(cfg, args, ws: RunStats, rs: RunStats, ws_rates, rs_rates) -> 
     t_r = rs.breakdown.get("replay", 0.0) / max(rs.calls.get("replay", 0), 1)
     lines = [
         "state modes (per request and GDN layer):",
-        f"  write-all : {S} states = {kib(S * state)}; verify kernel "
-        f"{1e6 * t_w:.1f} us per layer call",
+        f"  write-all : {S} states = {kib(S * state)}; verify kernel {1e6 * t_w:.1f} us per layer call",
         f"  replay    : 1 state + window of {S} tokens = {kib(state)} + {kib(window)} = "
         f"{kib(state + window)}; verify kernel {1e6 * t_r:.1f} us per layer call",
-        f"  pool      : replay keeps {100 * (state + window) / (S * state):.0f} % of write-all's "
-        f"bytes",
+        f"  pool      : replay keeps {100 * (state + window) / (S * state):.0f} % of write-all's bytes",
     ]
     if ws_rates and rs_rates:
         ratio = float(np.median(rs_rates)) / float(np.median(ws_rates))
-        lines.append(f"  decode    : replay at {ratio:.2f}x write-all's token rate (median of "
-                     f"{len(rs_rates)} timed runs)")
+        lines.append(
+            f"  decode    : replay at {ratio:.2f}x write-all's token rate (median of {len(rs_rates)} timed runs)"
+        )
     return "\n".join(lines)
 
 

@@ -77,25 +77,51 @@ _H = {name: i for i, name in enumerate(HEADER_FIELDS)}
 
 # How the bindings convert each argument (see _common.raise_argument_error).
 _STEP_KINDS = {
-    "query_start_loc": "array", "seq_lens": "array", "num_draft_tokens": "array?",
-    "num_accepted_tokens": "array?", "num_computed_tokens": "array?", "num_spec": "int",
-    "max_rows": "int", "max_tokens": "int", "mode": "str", "block_size": "int",
-    "padded_rows": "int?", "pad_id": "int",
+    "query_start_loc": "array",
+    "seq_lens": "array",
+    "num_draft_tokens": "array?",
+    "num_accepted_tokens": "array?",
+    "num_computed_tokens": "array?",
+    "num_spec": "int",
+    "max_rows": "int",
+    "max_tokens": "int",
+    "mode": "str",
+    "block_size": "int",
+    "padded_rows": "int?",
+    "pad_id": "int",
 }
 _PLAN_KINDS = {"plan": "array", **_STEP_KINDS, "replay": "bool"}
 _STATE_ROWS_KINDS = {
-    "plan": "array", "block_tables": "arrays", "spec_state_indices": "array",
-    "non_spec_state_indices": "array", "num_spec": "int", "max_rows": "int", "max_tokens": "int",
-    "pad_id": "int", "launch_rows": "int", "num_accepted_tokens": "array?",
-    "error_count": "array?", "non_spec_source_indices": "array?", "replay": "bool",
+    "plan": "array",
+    "block_tables": "arrays",
+    "spec_state_indices": "array",
+    "non_spec_state_indices": "array",
+    "num_spec": "int",
+    "max_rows": "int",
+    "max_tokens": "int",
+    "pad_id": "int",
+    "launch_rows": "int",
+    "num_accepted_tokens": "array?",
+    "error_count": "array?",
+    "non_spec_source_indices": "array?",
+    "replay": "bool",
     "checkpoint_indices": "array?",
 }
-_SHADOW_KINDS = {k: v for k, v in _STATE_ROWS_KINDS.items()
-                 if k not in ("launch_rows", "num_accepted_tokens", "error_count")}
+_SHADOW_KINDS = {
+    k: v for k, v in _STATE_ROWS_KINDS.items() if k not in ("launch_rows", "num_accepted_tokens", "error_count")
+}
 _SHADOW_KINDS.update(_STEP_KINDS)
-_BUILDER_STEP_KINDS = {k: _STEP_KINDS[k] for k in (
-    "query_start_loc", "seq_lens", "num_draft_tokens", "num_accepted_tokens",
-    "num_computed_tokens", "padded_rows")}
+_BUILDER_STEP_KINDS = {
+    k: _STEP_KINDS[k]
+    for k in (
+        "query_start_loc",
+        "seq_lens",
+        "num_draft_tokens",
+        "num_accepted_tokens",
+        "num_computed_tokens",
+        "padded_rows",
+    )
+}
 
 
 def layout(max_rows: int, max_tokens: int) -> Dict[str, Any]:
@@ -161,10 +187,20 @@ def plan(
     """
     try:
         _C.metadata_plan(
-            plan, query_start_loc, seq_lens, num_draft_tokens=num_draft_tokens,
-            num_accepted_tokens=num_accepted_tokens, num_computed_tokens=num_computed_tokens,
-            num_spec=num_spec, max_rows=max_rows, max_tokens=max_tokens, mode=mode,
-            block_size=block_size, padded_rows=padded_rows, pad_id=pad_id, replay=replay,
+            plan,
+            query_start_loc,
+            seq_lens,
+            num_draft_tokens=num_draft_tokens,
+            num_accepted_tokens=num_accepted_tokens,
+            num_computed_tokens=num_computed_tokens,
+            num_spec=num_spec,
+            max_rows=max_rows,
+            max_tokens=max_tokens,
+            mode=mode,
+            block_size=block_size,
+            padded_rows=padded_rows,
+            pad_id=pad_id,
+            replay=replay,
         )
     except TypeError:
         raise_argument_error("metadata.plan", _PLAN_KINDS, locals())
@@ -223,16 +259,28 @@ def state_rows(
     rows padded because their columns fall outside their table.
     """
     if hasattr(block_tables, "shape"):  # one array where a list of them is expected
-        raise TypeError(f"gdn.metadata.state_rows: block_tables must be a list of arrays (one "
-                        f"per KV-cache group), got one array of shape "
-                        f"{tuple(block_tables.shape)}; pass [table]")
+        raise TypeError(
+            f"gdn.metadata.state_rows: block_tables must be a list of arrays (one "
+            f"per KV-cache group), got one array of shape "
+            f"{tuple(block_tables.shape)}; pass [table]"
+        )
     try:
         return _C.metadata_state_rows(
-            plan, list(block_tables), spec_state_indices, non_spec_state_indices,
-            num_spec=num_spec, max_rows=max_rows, max_tokens=max_tokens, pad_id=pad_id,
-            launch_rows=launch_rows, num_accepted_tokens=num_accepted_tokens,
-            error_count=error_count, non_spec_source_indices=non_spec_source_indices,
-            replay=replay, checkpoint_indices=checkpoint_indices, stream=_stream_of(plan, stream),
+            plan,
+            list(block_tables),
+            spec_state_indices,
+            non_spec_state_indices,
+            num_spec=num_spec,
+            max_rows=max_rows,
+            max_tokens=max_tokens,
+            pad_id=pad_id,
+            launch_rows=launch_rows,
+            num_accepted_tokens=num_accepted_tokens,
+            error_count=error_count,
+            non_spec_source_indices=non_spec_source_indices,
+            replay=replay,
+            checkpoint_indices=checkpoint_indices,
+            stream=_stream_of(plan, stream),
         )
     except TypeError:
         raise_argument_error("metadata.state_rows", _STATE_ROWS_KINDS, locals())
@@ -272,12 +320,24 @@ def shadow_check(
     never read."""
     try:
         return _C.metadata_shadow_check(
-            plan, list(block_tables), spec_state_indices, non_spec_state_indices,
-            query_start_loc, seq_lens, num_draft_tokens=num_draft_tokens,
-            num_accepted_tokens=num_accepted_tokens, num_computed_tokens=num_computed_tokens,
-            num_spec=num_spec, max_rows=max_rows, max_tokens=max_tokens, mode=mode,
-            block_size=block_size, padded_rows=padded_rows, pad_id=pad_id,
-            non_spec_source_indices=non_spec_source_indices, replay=replay,
+            plan,
+            list(block_tables),
+            spec_state_indices,
+            non_spec_state_indices,
+            query_start_loc,
+            seq_lens,
+            num_draft_tokens=num_draft_tokens,
+            num_accepted_tokens=num_accepted_tokens,
+            num_computed_tokens=num_computed_tokens,
+            num_spec=num_spec,
+            max_rows=max_rows,
+            max_tokens=max_tokens,
+            mode=mode,
+            block_size=block_size,
+            padded_rows=padded_rows,
+            pad_id=pad_id,
+            non_spec_source_indices=non_spec_source_indices,
+            replay=replay,
             checkpoint_indices=checkpoint_indices,
         )
     except TypeError:
@@ -326,8 +386,7 @@ def step_reference(
     ns_len = qlen[~mask]
     zero = int((ns_len == 0).sum())
     n_ns_tok = int(ns_len.sum())
-    context = (lens - qlen if num_computed_tokens is None
-               else np.asarray(num_computed_tokens, np.int64))
+    context = lens - qlen if num_computed_tokens is None else np.asarray(num_computed_tokens, np.int64)
     if mask.any():  # 1-token rows run as prefills, zero-length rows in neither count
         decodes = decode_tokens = 0
         prefills = int((~mask).sum()) - zero
@@ -361,8 +420,11 @@ def step_reference(
     spec_state = np.full((len(spec_idx), S), pad_id, i32)
     spec_state[ok, :width] = table[spec_idx[ok, None], spec_cols[ok]]
     # Replay mode: the given counts are the replay counts n (absent: 0); acc = max(n, 1).
-    given = (np.asarray(num_accepted_tokens, np.int64) if num_accepted_tokens is not None
-             else np.full(N, 0 if replay else 1, np.int64))
+    given = (
+        np.asarray(num_accepted_tokens, np.int64)
+        if num_accepted_tokens is not None
+        else np.full(N, 0 if replay else 1, np.int64)
+    )
     acc = np.maximum(given, 1)
     # Non-spec rows: destination column start, source column start + acc - 1 (both or neither);
     # replay mode: both the checkpoint, column start. Without an initial state: no source.
@@ -377,13 +439,22 @@ def step_reference(
     spec_acc = acc[mask].astype(i32)
     return dict(
         counts=dict(
-            num_requests=N, num_prefills=prefills, num_prefill_tokens=n_ns_tok - decode_tokens,
-            num_decodes=decodes, num_decode_tokens=decode_tokens, num_spec_decodes=len(spec_idx),
-            num_spec_decode_tokens=int(qlen[mask].sum()), num_actual_tokens=int(qsl[-1]),
-            num_non_spec_rows=len(ns_idx), num_zero_length_rows=zero,
-            spec_rows_written=n_spec_rows, non_spec_rows_written=n_ns_rows,
-            mask_rows_written=n_mask, max_column_end=int((start + S).max()) if N else 0,
-            num_spec_columns=S, padded_rows=-1 if padded_rows is None else padded_rows,
+            num_requests=N,
+            num_prefills=prefills,
+            num_prefill_tokens=n_ns_tok - decode_tokens,
+            num_decodes=decodes,
+            num_decode_tokens=decode_tokens,
+            num_spec_decodes=len(spec_idx),
+            num_spec_decode_tokens=int(qlen[mask].sum()),
+            num_actual_tokens=int(qsl[-1]),
+            num_non_spec_rows=len(ns_idx),
+            num_zero_length_rows=zero,
+            spec_rows_written=n_spec_rows,
+            non_spec_rows_written=n_ns_rows,
+            mask_rows_written=n_mask,
+            max_column_end=int((start + S).max()) if N else 0,
+            num_spec_columns=S,
+            padded_rows=-1 if padded_rows is None else padded_rows,
             replay=int(bool(replay)),
         ),
         unreadable=int((~ok).sum() + (~ns_ok).sum()),
@@ -391,10 +462,9 @@ def step_reference(
         non_spec_token_indx=order[:n_ns_tok].astype(i32),
         spec_token_indx=order[n_ns_tok:].astype(i32),
         spec_query_start_loc=pad_to(
-            np.concatenate([[0], np.cumsum(qlen[mask])]).astype(i32), n_spec_rows + 1,
-            int(qlen[mask].sum())),
-        non_spec_query_start_loc=pad_to(
-            np.concatenate([[0], np.cumsum(ns_len)]).astype(i32), n_ns_rows + 1, n_ns_tok),
+            np.concatenate([[0], np.cumsum(qlen[mask])]).astype(i32), n_spec_rows + 1, int(qlen[mask].sum())
+        ),
+        non_spec_query_start_loc=pad_to(np.concatenate([[0], np.cumsum(ns_len)]).astype(i32), n_ns_rows + 1, n_ns_tok),
         spec_num_accepted=pad_to(spec_acc, n_spec_rows, 1),
         spec_source_column=pad_to(spec_acc - 1, n_spec_rows, 0),
         non_spec_source_column=pad_to((acc[ns_idx] - 1).astype(i32), n_ns_rows, 0),
@@ -402,11 +472,15 @@ def step_reference(
         spec_state_indices=pad_to(spec_state.reshape(-1), n_spec_rows * S, pad_id).reshape(-1, S),
         non_spec_state_indices=pad_to(ns_state, n_ns_rows, pad_id),
         non_spec_source_indices=pad_to(ns_source, n_ns_rows, pad_id),
-        **(dict(
-            replay_counts=pad_to(given[mask].astype(i32), n_spec_rows, 0),
-            non_spec_replay_counts=pad_to(given[~mask].astype(i32), n_ns_rows, 0),
-            checkpoint_indices=pad_to(spec_state[:, 0], n_spec_rows, pad_id),
-        ) if replay else {}),
+        **(
+            dict(
+                replay_counts=pad_to(given[mask].astype(i32), n_spec_rows, 0),
+                non_spec_replay_counts=pad_to(given[~mask].astype(i32), n_ns_rows, 0),
+                checkpoint_indices=pad_to(spec_state[:, 0], n_spec_rows, pad_id),
+            )
+            if replay
+            else {}
+        ),
     )
 
 
@@ -513,9 +587,7 @@ class PlanView:
 
     @property
     def spec_token_indx(self) -> Any:
-        return self._v["token_split"][
-            self.num_non_spec_tokens : int(self._c[_H["num_actual_tokens"]])
-        ]
+        return self._v["token_split"][self.num_non_spec_tokens : int(self._c[_H["num_actual_tokens"]])]
 
     @property
     def spec_request_index(self) -> Any:
@@ -655,10 +727,7 @@ class Builder:
         self.block_size = int(block_size)
         self.pad_id = int(pad_id)
         self.replay = bool(replay)
-        self.shadow = (
-            os.environ.get("GDN_METADATA_SHADOW", "0") not in ("", "0") if shadow is None
-            else shadow
-        )
+        self.shadow = os.environ.get("GDN_METADATA_SHADOW", "0") not in ("", "0") if shadow is None else shadow
         self.block_tables = tables
         S = self.num_spec + 1
         G, R = self.num_groups, self.max_rows
@@ -695,8 +764,7 @@ class Builder:
                 raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
                 index = dev.index if dev.index is not None else torch.cuda.current_device()
                 self._current_stream = (
-                    (lambda: raw(index)) if raw is not None
-                    else (lambda: torch.cuda.current_stream(dev).cuda_stream)
+                    (lambda: raw(index)) if raw is not None else (lambda: torch.cuda.current_stream(dev).cuda_stream)
                 )
         else:
             self.device = "cpu"
@@ -709,26 +777,36 @@ class Builder:
             self.host_plans = [np.zeros(words, np.int32)]
         try:
             self._native = _C.MetadataBuilder(
-                tables, self.spec_state_indices, self.non_spec_state_indices,
-                self.non_spec_source_indices, self.checkpoint_indices, self.host_plans,
-                self.device_plan, self.error_count, self.num_spec, self.max_rows,
-                self.max_tokens, mode, self.block_size, self.pad_id, self.replay, pinned, False,
+                tables,
+                self.spec_state_indices,
+                self.non_spec_state_indices,
+                self.non_spec_source_indices,
+                self.checkpoint_indices,
+                self.host_plans,
+                self.device_plan,
+                self.error_count,
+                self.num_spec,
+                self.max_rows,
+                self.max_tokens,
+                mode,
+                self.block_size,
+                self.pad_id,
+                self.replay,
+                pinned,
+                False,
             )
         except TypeError:
-            raise_argument_error("metadata.Builder", {"block_tables": "arrays", "mode": "str"},
-                                 {"block_tables": tables, "mode": mode})
+            raise_argument_error(
+                "metadata.Builder", {"block_tables": "arrays", "mode": "str"}, {"block_tables": tables, "mode": mode}
+            )
             raise
         plan_buffer = self.device_plan if self._cuda else self.host_plans[0]
         self._views = _field_views(plan_buffer, self.max_rows, self.max_tokens)
-        self._host_views = [_field_views(h, self.max_rows, self.max_tokens)
-                            for h in self.host_plans]
-        self._host_counts = [
-            (h.numpy() if self._torch else h)[: len(HEADER_FIELDS)] for h in self.host_plans
-        ]
+        self._host_views = [_field_views(h, self.max_rows, self.max_tokens) for h in self.host_plans]
+        self._host_counts = [(h.numpy() if self._torch else h)[: len(HEADER_FIELDS)] for h in self.host_plans]
         # A step's metadata is views of the buffers: one object per host plan buffer serves
         # every step that plans into it.
-        self._metadata = [StepMetadata(self, PlanView(v, c))
-                          for v, c in zip(self._host_views, self._host_counts)]
+        self._metadata = [StepMetadata(self, PlanView(v, c)) for v, c in zip(self._host_views, self._host_counts)]
 
     # -- the step ---------------------------------------------------------------------------------
 
@@ -753,14 +831,16 @@ class Builder:
         every group's state rows in one pass."""
         s = self._stream(stream)
         try:
-            k = self._native.step(query_start_loc, seq_lens, num_draft_tokens,
-                                  num_accepted_tokens, num_computed_tokens, padded_rows, s)
+            k = self._native.step(
+                query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens, num_computed_tokens, padded_rows, s
+            )
         except TypeError:
             raise_argument_error("metadata.Builder.step", _BUILDER_STEP_KINDS, locals())
             raise
         if self.shadow:
-            self._check(s, query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens,
-                        num_computed_tokens, padded_rows)
+            self._check(
+                s, query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens, num_computed_tokens, padded_rows
+            )
         return self._metadata[k]
 
     def prepare(
@@ -777,9 +857,15 @@ class Builder:
         """Plans the step and copies the plan to the device buffer, without the state-row launch:
         what precedes the replay of a CUDA graph that captured :meth:`launch`."""
         try:
-            k = self._native.prepare(query_start_loc, seq_lens, num_draft_tokens,
-                                     num_accepted_tokens, num_computed_tokens, padded_rows,
-                                     self._stream(stream))
+            k = self._native.prepare(
+                query_start_loc,
+                seq_lens,
+                num_draft_tokens,
+                num_accepted_tokens,
+                num_computed_tokens,
+                padded_rows,
+                self._stream(stream),
+            )
         except TypeError:
             raise_argument_error("metadata.Builder.prepare", _BUILDER_STEP_KINDS, locals())
             raise
@@ -797,8 +883,9 @@ class Builder:
         try:
             return self._native.launch(launch_rows, num_accepted_tokens, self._stream(stream))
         except TypeError:
-            raise_argument_error("metadata.Builder.launch",
-                                 {"launch_rows": "int", "num_accepted_tokens": "array?"}, locals())
+            raise_argument_error(
+                "metadata.Builder.launch", {"launch_rows": "int", "num_accepted_tokens": "array?"}, locals()
+            )
             raise
 
     # -- debug ------------------------------------------------------------------------------------
@@ -806,7 +893,6 @@ class Builder:
     def _check(self, stream, qsl, seq_lens, drafts, accepted, computed, padded_rows) -> None:
         """The shadow check (C++): every group rebuilt on its own from the step's inputs and
         compared with the buffers; synchronises the stream on CUDA."""
-        message = self._native.check(qsl, seq_lens, drafts, accepted, computed, padded_rows,
-                                     stream)
+        message = self._native.check(qsl, seq_lens, drafts, accepted, computed, padded_rows, stream)
         if message:
             raise RuntimeError(message)

@@ -45,8 +45,11 @@ from .replay import decode_mtp_replay as _decode_mtp_replay
 #: for it, None when the op leaves it out; why).
 SCHEMA_EXCLUDED: Dict[str, Tuple[Optional[str], str]] = {
     "stream": (None, "a raw CUDA stream handle: the op launches on torch's current stream"),
-    "mode": ("cache_mode", "torch's higher-order-op dispatch (torch.compile, opcheck) passes its "
-                           "own positional `mode`, which a keyword of that name collides with"),
+    "mode": (
+        "cache_mode",
+        "torch's higher-order-op dispatch (torch.compile, opcheck) passes its "
+        "own positional `mode`, which a keyword of that name collides with",
+    ),
 }
 
 #: The gdn function behind each op, by op name.
@@ -82,8 +85,9 @@ def _op(function: Callable[..., object], mutates_args: Sequence[str]):
         schema = torch.library.infer_schema(signature, mutates_args=tuple(mutates_args))
         _LIB.define(name + schema)
         params = inspect.signature(function).parameters
-        renamed = {op_name: arg for arg, (op_name, _) in SCHEMA_EXCLUDED.items()
-                   if op_name is not None and arg in params}
+        renamed = {
+            op_name: arg for arg, (op_name, _) in SCHEMA_EXCLUDED.items() if op_name is not None and arg in params
+        }
 
         # The dispatcher passes keyword-only arguments as keywords and strips defaulted trailing
         # ones; the function's own defaults (the schema's, by the test) fill them back in.
@@ -115,12 +119,16 @@ def _load_cpp_kernels() -> Tuple[str, str]:
         with open(os.path.join(here, "torch_ops.json")) as fh:
             built = json.load(fh)
     except FileNotFoundError:
-        return "python", ("this gdn was built without the torch op kernels (torch was not "
-                          "importable at build time, or GDN_BUILD_TORCH_OPS=OFF)")
+        return "python", (
+            "this gdn was built without the torch op kernels (torch was not "
+            "importable at build time, or GDN_BUILD_TORCH_OPS=OFF)"
+        )
     running = str(torch.__version__)
     if built["torch"] != running:
-        return "python", (f"{built['library']} was built against torch {built['torch']}, this is "
-                          f"torch {running} (a C++ torch extension runs only in its own version)")
+        return "python", (
+            f"{built['library']} was built against torch {built['torch']}, this is "
+            f"torch {running} (a C++ torch extension runs only in its own version)"
+        )
     try:
         torch.ops.load_library(os.path.join(here, built["library"]))
     except OSError as e:
@@ -167,8 +175,10 @@ def decode_mtp(
     """torch op form of :func:`gdn.decode_mtp`."""
 
 
-@_op(_decode_mtp_replay, mutates_args=("state", "out", "window_k", "window_v", "window_a",
-                                        "window_b", "window_len", "error_count"))
+@_op(
+    _decode_mtp_replay,
+    mutates_args=("state", "out", "window_k", "window_v", "window_a", "window_b", "window_len", "error_count"),
+)
 def decode_mtp_replay(
     mixed_qkv: torch.Tensor,
     a: torch.Tensor,
@@ -249,9 +259,17 @@ def metadata_plan(
     ``mode``)."""
 
 
-@_op(_metadata_state_rows,
-     mutates_args=("plan", "spec_state_indices", "non_spec_state_indices", "error_count",
-                   "non_spec_source_indices", "checkpoint_indices"))
+@_op(
+    _metadata_state_rows,
+    mutates_args=(
+        "plan",
+        "spec_state_indices",
+        "non_spec_state_indices",
+        "error_count",
+        "non_spec_source_indices",
+        "checkpoint_indices",
+    ),
+)
 def metadata_state_rows(
     plan: torch.Tensor,
     block_tables: List[torch.Tensor],

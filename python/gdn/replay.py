@@ -17,13 +17,32 @@ __all__ = ["ReplayWindow", "decode_mtp_replay"]
 
 # How the binding converts each argument (see _common.raise_argument_error).
 _KINDS = {
-    "mixed_qkv": "input", "a": "input", "b": "input", "A_log": "input", "dt_bias": "input",
-    "state": "array", "state_indices": "input", "cu_seqlens": "input", "out": "array",
-    "window_k": "array", "window_v": "array", "window_a": "array", "window_b": "array",
-    "window_len": "array", "num_accepted_tokens": "input", "z": "input?", "norm_weight": "input?",
-    "scale": "float?", "l2_eps": "float", "norm_eps": "float", "gate": "str",
-    "state_layout": "str", "first_valid_slot": "int", "num_k_heads": "int",
-    "round_core_output": "bool", "error_count": "array?",
+    "mixed_qkv": "input",
+    "a": "input",
+    "b": "input",
+    "A_log": "input",
+    "dt_bias": "input",
+    "state": "array",
+    "state_indices": "input",
+    "cu_seqlens": "input",
+    "out": "array",
+    "window_k": "array",
+    "window_v": "array",
+    "window_a": "array",
+    "window_b": "array",
+    "window_len": "array",
+    "num_accepted_tokens": "input",
+    "z": "input?",
+    "norm_weight": "input?",
+    "scale": "float?",
+    "l2_eps": "float",
+    "norm_eps": "float",
+    "gate": "str",
+    "state_layout": "str",
+    "first_valid_slot": "int",
+    "num_k_heads": "int",
+    "round_core_output": "bool",
+    "error_count": "array?",
 }
 
 
@@ -108,10 +127,33 @@ def decode_mtp_replay(
     # Positional, and stream=None lets the binding find the current stream (as decode_mtp does).
     try:
         _C.decode_mtp_replay(
-            mixed_qkv, a, b, A_log, dt_bias, state, state_indices, cu_seqlens, out, window_k,
-            window_v, window_a, window_b, window_len, num_accepted_tokens, z, norm_weight, scale,
-            l2_eps, norm_eps, gate, state_layout, first_valid_slot, num_k_heads,
-            round_core_output, error_count, None if stream is None else _stream_of(state, stream),
+            mixed_qkv,
+            a,
+            b,
+            A_log,
+            dt_bias,
+            state,
+            state_indices,
+            cu_seqlens,
+            out,
+            window_k,
+            window_v,
+            window_a,
+            window_b,
+            window_len,
+            num_accepted_tokens,
+            z,
+            norm_weight,
+            scale,
+            l2_eps,
+            norm_eps,
+            gate,
+            state_layout,
+            first_valid_slot,
+            num_k_heads,
+            round_core_output,
+            error_count,
+            None if stream is None else _stream_of(state, stream),
         )
     except TypeError:
         raise_argument_error("decode_mtp_replay", _KINDS, locals())
@@ -132,8 +174,19 @@ class ReplayWindow:
     len: Any
 
     @classmethod
-    def allocate(cls, slots: int, S: int, *, H: int, HV: int, K: int = 128, V: int = 128,
-                 dtype: Any = None, ab_dtype: Any = None, device: Any = "cpu") -> "ReplayWindow":
+    def allocate(
+        cls,
+        slots: int,
+        S: int,
+        *,
+        H: int,
+        HV: int,
+        K: int = 128,
+        V: int = 128,
+        dtype: Any = None,
+        ab_dtype: Any = None,
+        device: Any = "cpu",
+    ) -> "ReplayWindow":
         """Zero-filled window for ``slots`` slots of S tokens, as torch tensors on ``device``
         (``dtype`` = mixed_qkv's dtype, default bfloat16; ``ab_dtype`` = a and b's dtype, default
         ``dtype``)."""
@@ -144,13 +197,14 @@ class ReplayWindow:
         kv = torch.zeros(slots, S, H * K + HV * V, dtype=dtype, device=device)
         ab = torch.zeros(slots, S, 2 * HV, dtype=ab_dtype, device=device)
         length = torch.zeros(slots, dtype=torch.int32, device=device)
-        return cls(kv[..., : H * K], kv[..., H * K:], ab[..., :HV], ab[..., HV:], length)
+        return cls(kv[..., : H * K], kv[..., H * K :], ab[..., :HV], ab[..., HV:], length)
 
     def arrays(self) -> Dict[str, Any]:
-        return {"window_k": self.k, "window_v": self.v, "window_a": self.a, "window_b": self.b,
-                "window_len": self.len}
+        return {"window_k": self.k, "window_v": self.v, "window_a": self.a, "window_b": self.b, "window_len": self.len}
 
     def nbytes_per_slot(self) -> int:
         """Bytes one slot's window occupies (k, v, a, b and its length)."""
-        return sum(int(x[0].numel()) * x.element_size() for x in (self.k, self.v, self.a, self.b)) \
+        return (
+            sum(int(x[0].numel()) * x.element_size() for x in (self.k, self.v, self.a, self.b))
             + self.len.element_size()
+        )

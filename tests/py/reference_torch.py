@@ -18,9 +18,9 @@ F64 = torch.float64
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 # Bars of decode-mtp.md §6.
-FP32_BAR = 1e-5       # fp32 state and activations: outputs and every written state
-OUT16_BAR = 4e-3      # 16-bit activations: the rounding of out only
-STATE16_BAR = 1e-2    # 16-bit state after 3 chained steps
+FP32_BAR = 1e-5  # fp32 state and activations: outputs and every written state
+OUT16_BAR = 4e-3  # 16-bit activations: the rounding of out only
+STATE16_BAR = 1e-2  # 16-bit state after 3 chained steps
 
 
 def out_bar(act) -> float:
@@ -41,22 +41,39 @@ def _ints(x) -> List[int]:
 
 @dataclasses.dataclass
 class RefResult:
-    out: torch.Tensor                 # [L, HV, V] float64, NaN on rows no request covers
-    pool: torch.Tensor                # the state pool after the call, float64, caller's layout
+    out: torch.Tensor  # [L, HV, V] float64, NaN on rows no request covers
+    pool: torch.Tensor  # the state pool after the call, float64, caller's layout
     written: Dict[int, Tuple[int, int]]  # slot -> (request, token) that wrote it last
     states: Dict[Tuple[int, int], torch.Tensor]  # (request, token) -> state after it
 
 
-def decode_mtp_ref(mixed_qkv, a, b, A_log, dt_bias, state, state_indices, cu_seqlens, *, z=None,
-                   norm_weight=None, num_accepted_tokens=None, scale=None, l2_eps=1e-6,
-                   norm_eps=1e-6, gate="silu", state_layout="vk", first_valid_slot=0,
-                   round_core_output_to=None) -> RefResult:
+def decode_mtp_ref(
+    mixed_qkv,
+    a,
+    b,
+    A_log,
+    dt_bias,
+    state,
+    state_indices,
+    cu_seqlens,
+    *,
+    z=None,
+    norm_weight=None,
+    num_accepted_tokens=None,
+    scale=None,
+    l2_eps=1e-6,
+    norm_eps=1e-6,
+    gate="silu",
+    state_layout="vk",
+    first_valid_slot=0,
+    round_core_output_to=None,
+) -> RefResult:
     """float64 decode_mtp. Inputs are read exactly as stored (16-bit values upcast exactly) and
     left untouched. Expects valid input (the tests check validation against the library).
     ``round_core_output_to``: a torch dtype o is rounded to before the norm (vLLM's numerics)."""
     X = _f64(mixed_qkv)
     pool = _f64(state).clone()
-    if state_layout == "vk":      # [slots, HV, V, K] -> K-first [slots, HV, K, V]
+    if state_layout == "vk":  # [slots, HV, V, K] -> K-first [slots, HV, K, V]
         pool = pool.transpose(-1, -2)
     elif state_layout != "kv":
         raise ValueError(state_layout)
@@ -64,14 +81,14 @@ def decode_mtp_ref(mixed_qkv, a, b, A_log, dt_bias, state, state_indices, cu_seq
     H = (X.shape[1] - HV * V) // (2 * K)
     assert 2 * H * K + HV * V == X.shape[1] and HV % H == 0
     r = HV // H
-    scale = K ** -0.5 if scale is None else float(scale)
+    scale = K**-0.5 if scale is None else float(scale)
     idx = torch.as_tensor(state_indices).to(torch.int64)
     N, S = idx.shape
     cu = _ints(cu_seqlens)
     acc = [1] * N if num_accepted_tokens is None else _ints(num_accepted_tokens)
     Ts = [cu[i + 1] - cu[i] for i in range(N)]
 
-    decay_rate = torch.exp(_f64(A_log))               # g = -exp(A_log) * softplus(a + dt_bias)
+    decay_rate = torch.exp(_f64(A_log))  # g = -exp(A_log) * softplus(a + dt_bias)
     dtb = _f64(dt_bias)
     A_, B_ = _f64(a), _f64(b)
     Z = _f64(z)
@@ -95,15 +112,15 @@ def decode_mtp_ref(mixed_qkv, a, b, A_log, dt_bias, state, state_indices, cu_seq
         rows = torch.tensor([cu[i] + t for i in reqs])
         x = X[rows]
         q = heads(unit(x[:, : H * K].reshape(-1, H, K))) * scale
-        k = heads(unit(x[:, H * K: 2 * H * K].reshape(-1, H, K)))
-        v = x[:, 2 * H * K:].reshape(-1, HV, V)
+        k = heads(unit(x[:, H * K : 2 * H * K].reshape(-1, H, K)))
+        v = x[:, 2 * H * K :].reshape(-1, HV, V)
         alpha = torch.exp(-decay_rate * F.softplus(A_[rows] + dtb, beta=1.0, threshold=20.0))
         beta = torch.sigmoid(B_[rows])
-        Mt = torch.stack([M[i] for i in reqs])                            # [n, HV, K, V]
+        Mt = torch.stack([M[i] for i in reqs])  # [n, HV, K, V]
         P = eye - beta[..., None, None] * k[..., :, None] * k[..., None, :]  # I - beta k k^T
         write = beta[..., None, None] * k[..., :, None] * v[..., None, :]  # beta k v^T
         Mt = alpha[..., None, None] * (P @ Mt) + write
-        o = (Mt * q[..., :, None]).sum(-2)                                # o = M^T q, [n, HV, V]
+        o = (Mt * q[..., :, None]).sum(-2)  # o = M^T q, [n, HV, V]
         if round_core_output_to is not None:
             o = o.to(round_core_output_to).to(F64)
         if w is not None:
@@ -127,6 +144,7 @@ def decode_mtp_ref(mixed_qkv, a, b, A_log, dt_bias, state, state_indices, cu_seq
 
 # ---- comparisons ---------------------------------------------------------------------------------
 
+
 def rel_l2(x, ref) -> float:
     x, ref = _f64(x), _f64(ref)
     return float(torch.linalg.vector_norm(x - ref) / torch.linalg.vector_norm(ref))
@@ -134,7 +152,7 @@ def rel_l2(x, ref) -> float:
 
 # 16-bit state: the stored value is the fp32 state rounded to nearest even. Against the float64
 # state rounded the same way, at most one unit in the last place apart, nearly always equal.
-_ULP = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
+_ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 
 
 def assert_rounded_state(got: torch.Tensor, ref64: torch.Tensor, what: str) -> None:
@@ -146,8 +164,7 @@ def assert_rounded_state(got: torch.Tensor, ref64: torch.Tensor, what: str) -> N
     # elements that are small through cancellation.
     allowed = _ULP[dtype] * ref64.abs() + 1e-5 * ref64.pow(2).mean().sqrt()
     worst = ((g - wv).abs() / allowed).max().item()
-    assert same >= 0.99, \
-        f"{what}: only {same:.4f} of the stored {dtype} values equal RNE(reference)"
+    assert same >= 0.99, f"{what}: only {same:.4f} of the stored {dtype} values equal RNE(reference)"
     assert worst <= 1.0, f"{what}: a stored {dtype} state element is more than one ulp off"
 
 
@@ -159,12 +176,9 @@ PARAM = ("A_log", "dt_bias", "norm_weight")
 # Per-array dtypes (make_case's `dtypes`) that mix every activation and parameter dtype, and the
 # test ids of those sets.
 MIXED_DTYPES = [
-    dict(mixed_qkv=BF16, a=FP32, b=FP16, z=FP16, out=FP32, A_log=BF16, dt_bias=FP16,
-         norm_weight=BF16),
-    dict(mixed_qkv=FP16, a=BF16, b=BF16, z=FP32, out=BF16, A_log=FP32, dt_bias=BF16,
-         norm_weight=FP16),
-    dict(mixed_qkv=FP32, a=FP16, b=FP32, z=BF16, out=FP16, A_log=FP16, dt_bias=FP32,
-         norm_weight=FP32),
+    dict(mixed_qkv=BF16, a=FP32, b=FP16, z=FP16, out=FP32, A_log=BF16, dt_bias=FP16, norm_weight=BF16),
+    dict(mixed_qkv=FP16, a=BF16, b=BF16, z=FP32, out=BF16, A_log=FP32, dt_bias=BF16, norm_weight=FP16),
+    dict(mixed_qkv=FP32, a=FP16, b=FP32, z=BF16, out=FP16, A_log=FP16, dt_bias=FP32, norm_weight=FP32),
 ]
 MIXED_DTYPE_IDS = ["qkv_bf16_out_fp32", "qkv_fp16_out_bf16", "qkv_fp32_out_fp16"]
 
@@ -186,23 +200,32 @@ class Case:
     norm_weight: Optional[torch.Tensor]
     num_accepted_tokens: Optional[torch.Tensor]
     opts: Dict[str, Any]
-    pool_buffer: torch.Tensor   # storage of `state` (a bigger tensor when slots are padded)
-    out_buffer: torch.Tensor    # storage of `out` (guard rows around it when strided)
+    pool_buffer: torch.Tensor  # storage of `state` (a bigger tensor when slots are padded)
+    out_buffer: torch.Tensor  # storage of `out` (guard rows around it when strided)
     H: int
     T: List[int]
     acc: List[int]
 
     def args(self) -> tuple:
-        return (self.mixed_qkv, self.a, self.b, self.A_log, self.dt_bias, self.state,
-                self.state_indices, self.cu_seqlens, self.out)
+        return (
+            self.mixed_qkv,
+            self.a,
+            self.b,
+            self.A_log,
+            self.dt_bias,
+            self.state,
+            self.state_indices,
+            self.cu_seqlens,
+            self.out,
+        )
 
     def kwargs(self) -> Dict[str, Any]:
-        return dict(z=self.z, norm_weight=self.norm_weight,
-                    num_accepted_tokens=self.num_accepted_tokens, **self.opts)
+        return dict(z=self.z, norm_weight=self.norm_weight, num_accepted_tokens=self.num_accepted_tokens, **self.opts)
 
     def run(self, fn: Optional[Callable] = None, **extra) -> None:
         if fn is None:
             import gdn
+
             fn = gdn.decode_mtp
         fn(*self.args(), **self.kwargs(), **extra)
 
@@ -221,17 +244,39 @@ def _randn(gen, *shape, std=1.0, mean=0.0):
     return torch.randn(*shape, generator=gen, dtype=F64) * std + mean
 
 
-def make_case(gen: torch.Generator, *, H: int = 1, HV: int = 2, K: int = 32, V: int = 32,
-              S: int = 4, T: Sequence[int] = (1, 4, 0, 3), acc: Optional[Sequence[int]] = None,
-              act=torch.float32, dtypes: Optional[Dict[str, torch.dtype]] = None,
-              state_dtype=torch.float32, layout: str = "vk", gate: str = "silu",
-              norm: str = "zw", index_dtypes=(torch.int32, torch.int32, torch.int32),
-              first_valid_slot: int = 0, strided: bool = False, null_dests: bool = True,
-              extra_rows: int = 0, first_row: int = 0, spare_slots: int = 3,
-              use_acc: bool = True, padded_ids: str = "null", scale=None,
-              l2_eps: float = 1e-6, norm_eps: float = 1e-6,
-              state_std: float = 0.3, A_log_range=(-2.5, 1.0), a_mean: float = 0.0,
-              qk_scale: float = 1.0) -> Case:
+def make_case(
+    gen: torch.Generator,
+    *,
+    H: int = 1,
+    HV: int = 2,
+    K: int = 32,
+    V: int = 32,
+    S: int = 4,
+    T: Sequence[int] = (1, 4, 0, 3),
+    acc: Optional[Sequence[int]] = None,
+    act=torch.float32,
+    dtypes: Optional[Dict[str, torch.dtype]] = None,
+    state_dtype=torch.float32,
+    layout: str = "vk",
+    gate: str = "silu",
+    norm: str = "zw",
+    index_dtypes=(torch.int32, torch.int32, torch.int32),
+    first_valid_slot: int = 0,
+    strided: bool = False,
+    null_dests: bool = True,
+    extra_rows: int = 0,
+    first_row: int = 0,
+    spare_slots: int = 3,
+    use_acc: bool = True,
+    padded_ids: str = "null",
+    scale=None,
+    l2_eps: float = 1e-6,
+    norm_eps: float = 1e-6,
+    state_std: float = 0.3,
+    A_log_range=(-2.5, 1.0),
+    a_mean: float = 0.0,
+    qk_scale: float = 1.0,
+) -> Case:
     """A random, valid call. `T` lists the tokens of every request (0 = padded row); `acc` its
     num_accepted_tokens (random in 1..S when None); padded rows get null slot ids, or with
     `padded_ids="valid"` slots of their own that must stay untouched. `norm`: "zw" (z and norm
@@ -287,18 +332,18 @@ def make_case(gen: torch.Generator, *, H: int = 1, HV: int = 2, K: int = 32, V: 
 
     if strided:
         wide = _randn(gen, L, D + 11)
-        wide[:, 3: 3 + D] = qkv
-        mixed_qkv = cast(wide, "mixed_qkv")[:, 3: 3 + D]
+        wide[:, 3 : 3 + D] = qkv
+        mixed_qkv = cast(wide, "mixed_qkv")[:, 3 : 3 + D]
         if dt["a"] == dt["b"]:
             ba = cast(_randn(gen, L, 2 * HV, std=1.0), "a")
             ba[:, :HV] += a_mean
             a, b = ba[:, :HV], ba[:, HV:]
         else:
-            a = cast(_randn(gen, L, HV + 3, mean=a_mean), "a")[:, 2: 2 + HV]
+            a = cast(_randn(gen, L, HV + 3, mean=a_mean), "a")[:, 2 : 2 + HV]
             b = cast(_randn(gen, L, HV + 2), "b")[:, :HV]
         z = cast(_randn(gen, L, HV + 1, V + 3), "z")[:, 1:, :V] if norm == "zw" else None
         out_buffer = torch.empty(L + 3, HV, V, dtype=dt["out"])
-        out = out_buffer[1: 1 + L]
+        out = out_buffer[1 : 1 + L]
     else:
         mixed_qkv = cast(qkv, "mixed_qkv")
         a = cast(_randn(gen, L, HV, mean=a_mean), "a")
@@ -310,12 +355,32 @@ def make_case(gen: torch.Generator, *, H: int = 1, HV: int = 2, K: int = 32, V: 
 
     idt, cdt, adt = index_dtypes
     return Case(
-        mixed_qkv=mixed_qkv, a=a, b=b, A_log=A_log, dt_bias=dt_bias, state=state,
-        state_indices=idx.to(idt), cu_seqlens=torch.tensor(cu, dtype=cdt), out=out, z=z,
-        norm_weight=nw, num_accepted_tokens=torch.tensor(acc, dtype=adt) if use_acc else None,
-        opts=dict(scale=scale, l2_eps=l2_eps, norm_eps=norm_eps, gate=gate, state_layout=layout,
-                  first_valid_slot=first_valid_slot),
-        pool_buffer=pool_buffer, out_buffer=out_buffer, H=H, T=list(T), acc=acc)
+        mixed_qkv=mixed_qkv,
+        a=a,
+        b=b,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        state=state,
+        state_indices=idx.to(idt),
+        cu_seqlens=torch.tensor(cu, dtype=cdt),
+        out=out,
+        z=z,
+        norm_weight=nw,
+        num_accepted_tokens=torch.tensor(acc, dtype=adt) if use_acc else None,
+        opts=dict(
+            scale=scale,
+            l2_eps=l2_eps,
+            norm_eps=norm_eps,
+            gate=gate,
+            state_layout=layout,
+            first_valid_slot=first_valid_slot,
+        ),
+        pool_buffer=pool_buffer,
+        out_buffer=out_buffer,
+        H=H,
+        T=list(T),
+        acc=acc,
+    )
 
 
 def check_case(case: Case, *, out_tol: float, state_tol: float = 1e-5, fn=None) -> RefResult:
@@ -332,8 +397,7 @@ def check_case(case: Case, *, out_tol: float, state_tol: float = 1e-5, fn=None) 
     return ref
 
 
-def _compare(case: Case, ref: RefResult, before: torch.Tensor, *, out_tol: float,
-             state_tol: float) -> None:
+def _compare(case: Case, ref: RefResult, before: torch.Tensor, *, out_tol: float, state_tol: float) -> None:
     rows = case.token_rows()
     got = case.out.to(F64)
     for row in rows:
@@ -345,8 +409,7 @@ def _compare(case: Case, ref: RefResult, before: torch.Tensor, *, out_tol: float
         lead = (case.out.data_ptr() - case.out_buffer.data_ptr()) // case.out.element_size()
         flat = case.out_buffer.reshape(-1)
         n = case.out.numel()
-        assert torch.isnan(flat[:lead]).all() and torch.isnan(flat[lead + n:]).all(), \
-            "bytes outside out were written"
+        assert torch.isnan(flat[:lead]).all() and torch.isnan(flat[lead + n :]).all(), "bytes outside out were written"
     sixteen = case.state.dtype != torch.float32
     touched = set(ref.written)
     for slot in range(case.state.shape[0]):
@@ -369,6 +432,7 @@ def _compare(case: Case, ref: RefResult, before: torch.Tensor, *, out_tol: float
 
 
 # ---- CUDA availability ---------------------------------------------------------------------------
+
 
 def cuda_skip_reason() -> Optional[str]:
     """Why CUDA tests cannot run here (None when they can): no device for torch, a build of gdn

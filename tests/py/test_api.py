@@ -27,8 +27,9 @@ from reference_torch import make_case  # noqa: E402 (needs torch)
 def _python(*code: str, args=(), timeout: float = 120) -> subprocess.CompletedProcess:
     """Runs the code pieces (each dedented on its own) in a fresh interpreter."""
     source = "\n".join(textwrap.dedent(c) for c in code)
-    return subprocess.run([sys.executable, "-c", source, *args], env=dict(os.environ),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", source, *args], env=dict(os.environ), capture_output=True, text=True, timeout=timeout
+    )
 
 
 _NO_TORCH = """
@@ -49,13 +50,29 @@ _NO_TORCH = """
 def test_import_and_run_without_torch(gen, tmp_path):
     """With torch unimportable, `import gdn` works, registers no torch ops, and decode_mtp runs on
     NumPy arrays, giving the same bits as a torch-tensor call in this process."""
-    case = make_case(gen, H=1, HV=2, K=16, V=16, S=3, T=(3, 0, 2),
-                     dtypes=dict(mixed_qkv=torch.float16, z=torch.float16))
-    arrays = {name: getattr(case, name).numpy() for name in
-              ("mixed_qkv", "a", "b", "A_log", "dt_bias", "state", "state_indices", "cu_seqlens",
-               "z", "norm_weight", "num_accepted_tokens")}
+    case = make_case(
+        gen, H=1, HV=2, K=16, V=16, S=3, T=(3, 0, 2), dtypes=dict(mixed_qkv=torch.float16, z=torch.float16)
+    )
+    arrays = {
+        name: getattr(case, name).numpy()
+        for name in (
+            "mixed_qkv",
+            "a",
+            "b",
+            "A_log",
+            "dt_bias",
+            "state",
+            "state_indices",
+            "cu_seqlens",
+            "z",
+            "norm_weight",
+            "num_accepted_tokens",
+        )
+    }
     np.savez(tmp_path / "inputs.npz", **arrays)
-    result = _python(_NO_TORCH, """
+    result = _python(
+        _NO_TORCH,
+        """
         import numpy as np
         try:
             import torch  # noqa: F401
@@ -74,7 +91,9 @@ def test_import_and_run_without_torch(gen, tmp_path):
                        norm_weight=x["norm_weight"], num_accepted_tokens=x["num_accepted_tokens"])
         np.savez(sys.argv[1] + "/result.npz", out=out, state=x["state"])
         print("ran without torch")
-    """, args=[str(tmp_path)])
+    """,
+        args=[str(tmp_path)],
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "ran without torch" in result.stdout
     got = np.load(tmp_path / "result.npz")
@@ -141,8 +160,7 @@ def test_guard_rejects_bad_sizes_and_names():
 
 
 def test_guard_cuda():
-    usable = (gdn._C.built_with_cuda and gdn.cuda_device_count() > 0
-              and gdn.cuda_kernels_available(0)[0])
+    usable = gdn._C.built_with_cuda and gdn.cuda_device_count() > 0 and gdn.cuda_kernels_available(0)[0]
     fast = gdn.can_use_decode_mtp("cuda", 16, 48, 128, 128, 4, "bfloat16")
     odd_dim = gdn.can_use_decode_mtp("cuda", 16, 32, 64, 64, 4, "float32")
     deep = gdn.can_use_decode_mtp("cuda", 16, 32, 128, 128, 17, "float32")
@@ -158,16 +176,24 @@ def test_guard_cuda():
 def test_python_signature():
     params = inspect.signature(gdn.decode_mtp).parameters
     names = list(params)
-    assert names[:9] == ["mixed_qkv", "a", "b", "A_log", "dt_bias", "state", "state_indices",
-                         "cu_seqlens", "out"]
+    assert names[:9] == ["mixed_qkv", "a", "b", "A_log", "dt_bias", "state", "state_indices", "cu_seqlens", "out"]
     assert all(params[n].kind is inspect.Parameter.KEYWORD_ONLY for n in names[9:])
-    assert {"z", "norm_weight", "num_accepted_tokens", "scale", "gate", "state_layout",
-            "first_valid_slot", "num_k_heads"} <= set(names[9:])
+    assert {
+        "z",
+        "norm_weight",
+        "num_accepted_tokens",
+        "scale",
+        "gate",
+        "state_layout",
+        "first_valid_slot",
+        "num_k_heads",
+    } <= set(names[9:])
     assert "decode_mtp" in gdn.__all__ and "can_use_decode_mtp" in gdn.__all__
 
 
 def test_stream_of_host_arrays_is_none():
     from gdn._common import _stream_of
+
     assert _stream_of(torch.zeros(1), None) is None
     assert _stream_of(np.zeros(1), None) is None
     assert _stream_of(torch.zeros(1), 1234) == 1234
@@ -187,8 +213,9 @@ def test_type_stubs_present():
 
 @pytest.mark.slow
 def test_python_m_gdn_self_check():
-    result = subprocess.run([sys.executable, "-m", "gdn"], capture_output=True, text=True,
-                            env=dict(os.environ), timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "gdn"], capture_output=True, text=True, env=dict(os.environ), timeout=300
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "self-check: PASS" in result.stdout
     assert f"gdn {gdn.__version__}" in result.stdout and "FAIL" not in result.stdout
@@ -219,21 +246,33 @@ def test_package_layout_per_operation():
     assert module.can_use_decode_mtp is gdn.can_use_decode_mtp
     assert callable(gdn.decode_mtp) and gdn.decode_mtp.__module__ == "gdn.decode_mtp"
     from gdn.conv import causal_conv1d_update, causal_conv1d_update_reference
+
     assert causal_conv1d_update is gdn.causal_conv1d_update
-    from gdn.reference import (causal_conv1d_update_reference as conv_ref,
-                               decode_mtp_reference, step_reference)
+    from gdn.reference import causal_conv1d_update_reference as conv_ref, decode_mtp_reference, step_reference
+
     assert decode_mtp_reference is module.decode_mtp_reference
     assert conv_ref is causal_conv1d_update_reference and step_reference is M.step_reference
     from gdn import ops
-    assert set(ops.FUNCTIONS) == {"decode_mtp", "decode_mtp_replay", "causal_conv1d_update",
-                                  "metadata_plan", "metadata_state_rows"}
+
+    assert set(ops.FUNCTIONS) == {
+        "decode_mtp",
+        "decode_mtp_replay",
+        "causal_conv1d_update",
+        "metadata_plan",
+        "metadata_state_rows",
+    }
 
 
 # ---- self-contained contracts ------------------------------------------------------------------
 
-DOCUMENTED = {"decode_mtp": gdn.decode_mtp, "can_use_decode_mtp": gdn.can_use_decode_mtp,
-              "causal_conv1d_update": gdn.causal_conv1d_update, "metadata.plan": M.plan,
-              "metadata.state_rows": M.state_rows, "metadata.shadow_check": M.shadow_check}
+DOCUMENTED = {
+    "decode_mtp": gdn.decode_mtp,
+    "can_use_decode_mtp": gdn.can_use_decode_mtp,
+    "causal_conv1d_update": gdn.causal_conv1d_update,
+    "metadata.plan": M.plan,
+    "metadata.state_rows": M.state_rows,
+    "metadata.shadow_check": M.shadow_check,
+}
 
 
 @pytest.mark.parametrize("name", list(DOCUMENTED))
@@ -248,28 +287,57 @@ def test_help_decode_mtp_is_the_contract():
     """help(gdn.decode_mtp) alone says shapes, dtypes, layouts, the slot rules, what is mutated,
     the CPU and GPU error behaviour and the accuracy."""
     text = pydoc.render_doc(gdn.decode_mtp, renderer=pydoc.plaintext)
-    for needle in ["[L, 2*H*K + HV*V]", "[slots, HV, V, K]", "[slots, HV, K, V]", '"vk"', '"kv"',
-                   "bf16", "int32/int64", "first_valid_slot", "null", "state_indices[i, acc_i - 1]",
-                   "state_indices[i, t]", "T_i = 0", "Mutated", "error_count", "ValueError",
-                   "before anything is written", "zero-filled", "GPU", "relative L2", "1e-5"]:
+    for needle in [
+        "[L, 2*H*K + HV*V]",
+        "[slots, HV, V, K]",
+        "[slots, HV, K, V]",
+        '"vk"',
+        '"kv"',
+        "bf16",
+        "int32/int64",
+        "first_valid_slot",
+        "null",
+        "state_indices[i, acc_i - 1]",
+        "state_indices[i, t]",
+        "T_i = 0",
+        "Mutated",
+        "error_count",
+        "ValueError",
+        "before anything is written",
+        "zero-filled",
+        "GPU",
+        "relative L2",
+        "1e-5",
+    ]:
         assert needle in text, f"help(gdn.decode_mtp) does not mention {needle!r}"
 
 
 # ---- the guard: names, dtypes, devices and architectures ---------------------------------------
 
 
-@pytest.mark.parametrize("alias,canonical", [
-    ("bf16", "bfloat16"), ("BF16", "bfloat16"), (torch.bfloat16, "bfloat16"),
-    ("torch.bfloat16", "bfloat16"), ("fp32", "float32"), ("float", "float32"),
-    (torch.float32, "float32"), (np.float32, "float32"), (np.dtype("float32"), "float32"),
-    ("fp16", "float16"), ("half", "float16"), (torch.float16, "float16"), (np.float16, "float16"),
-])
+@pytest.mark.parametrize(
+    "alias,canonical",
+    [
+        ("bf16", "bfloat16"),
+        ("BF16", "bfloat16"),
+        (torch.bfloat16, "bfloat16"),
+        ("torch.bfloat16", "bfloat16"),
+        ("fp32", "float32"),
+        ("float", "float32"),
+        (torch.float32, "float32"),
+        (np.float32, "float32"),
+        (np.dtype("float32"), "float32"),
+        ("fp16", "float16"),
+        ("half", "float16"),
+        (torch.float16, "float16"),
+        (np.float16, "float16"),
+    ],
+)
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_guard_accepts_dtype_aliases(alias, canonical, device):
     args = (device, 16, 48, 128, 128, 4)
     assert gdn.can_use_decode_mtp(*args, alias) == gdn.can_use_decode_mtp(*args, canonical)
-    assert gdn.can_use_decode_mtp(*args, state_dtype=alias) == gdn.can_use_decode_mtp(*args,
-                                                                                       canonical)
+    assert gdn.can_use_decode_mtp(*args, state_dtype=alias) == gdn.can_use_decode_mtp(*args, canonical)
 
 
 @pytest.mark.parametrize("bad", ["float64", torch.float64, np.int32, "bf17"])
@@ -280,11 +348,13 @@ def test_guard_rejects_other_dtypes_by_name(bad):
 
 def test_guard_accepts_device_strings():
     for dev in ("cuda:0", torch.device("cuda", 0), "CUDA:0", " cuda "):
-        assert gdn.can_use_decode_mtp(dev, 16, 48, 128, 128, 4) == \
-            gdn.can_use_decode_mtp("cuda", 16, 48, 128, 128, 4, device_index=0)
+        assert gdn.can_use_decode_mtp(dev, 16, 48, 128, 128, 4) == gdn.can_use_decode_mtp(
+            "cuda", 16, 48, 128, 128, 4, device_index=0
+        )
     assert gdn.can_use_decode_mtp(torch.device("cpu"), 16, 48)[0] == "fast"
-    assert gdn.can_use_decode_mtp("cuda:3", 16, 48, device_index=3) == \
-        gdn.can_use_decode_mtp("cuda", 16, 48, device_index=3)
+    assert gdn.can_use_decode_mtp("cuda:3", 16, 48, device_index=3) == gdn.can_use_decode_mtp(
+        "cuda", 16, 48, device_index=3
+    )
     with pytest.raises(ValueError, match="disagree"):
         gdn.can_use_decode_mtp("cuda:1", 16, 48, device_index=0)
     for bad in ("cuda:x", "tpu", "mps:0"):
@@ -296,9 +366,11 @@ def test_guard_accepts_device_strings():
 def cuda_build(monkeypatch):
     """Makes the guard believe this build has CUDA kernels for the given architectures (the arch=
     answer is decided from that list alone, so it needs neither a GPU nor a CUDA build)."""
+
     def build(archs: str) -> None:
         monkeypatch.setattr(gdn._C, "built_with_cuda", True)
         monkeypatch.setattr(gdn._C, "cuda_architectures", archs)
+
     return build
 
 
@@ -308,17 +380,19 @@ def test_guard_names_an_architecture_in_any_spelling(cuda_build, arch):
     assert gdn.can_use_decode_mtp("cuda", 16, 48, 128, 128, 4, "bf16", arch=arch)[0] == "fast"
 
 
-@pytest.mark.parametrize("archs,arch,path,words", [
-    ("90a,80", "sm_90", "fast", "sm_90a code"),
-    ("90a,80", (8, 6), "fast", "sm_80 code"),             # same major, later minor: sm_80 binary
-    ("90a,80", "sm_100", "fast", "compute_80 PTX"),       # later major: the PTX
-    ("90a,80", "sm_75", "unsupported",
-     "no kernel image for sm_75 (compiled architectures: 90a, 80)"),
-    ("90a-real,80-real", "sm_100", "unsupported", "no kernel image for sm_100"),
-    ("90a", "sm_100", "unsupported", "no kernel image for sm_100"),  # "a" PTX runs on 9.0 only
-    ("80-virtual", "sm_120", "fast", "compute_80 PTX"),
-    ("native", "sm_90", "unsupported", "cannot tell"),
-])
+@pytest.mark.parametrize(
+    "archs,arch,path,words",
+    [
+        ("90a,80", "sm_90", "fast", "sm_90a code"),
+        ("90a,80", (8, 6), "fast", "sm_80 code"),  # same major, later minor: sm_80 binary
+        ("90a,80", "sm_100", "fast", "compute_80 PTX"),  # later major: the PTX
+        ("90a,80", "sm_75", "unsupported", "no kernel image for sm_75 (compiled architectures: 90a, 80)"),
+        ("90a-real,80-real", "sm_100", "unsupported", "no kernel image for sm_100"),
+        ("90a", "sm_100", "unsupported", "no kernel image for sm_100"),  # "a" PTX runs on 9.0 only
+        ("80-virtual", "sm_120", "fast", "compute_80 PTX"),
+        ("native", "sm_90", "unsupported", "cannot tell"),
+    ],
+)
 def test_guard_answers_for_a_named_architecture(cuda_build, archs, arch, path, words):
     cuda_build(archs)
     got, reason = gdn.can_use_decode_mtp("cuda", 16, 48, 128, 128, 4, "bf16", arch=arch)
@@ -349,10 +423,15 @@ def test_guard_with_arch_without_cuda_kernels(monkeypatch):
 
 def _guard_answers():
     for device in ("cpu", "cuda"):
-        for H, HV, K, S, layout in [(16, 48, 128, 4, "vk"), (16, 32, 128, 4, "kv"),
-                                    (1, 5, 128, 2, "vk"), (16, 32, 64, 4, "vk"),
-                                    (16, 32, 128, 17, "vk"), (4, 6, 128, 1, "vk"),
-                                    (0, 16, 128, 1, "vk")]:
+        for H, HV, K, S, layout in [
+            (16, 48, 128, 4, "vk"),
+            (16, 32, 128, 4, "kv"),
+            (1, 5, 128, 2, "vk"),
+            (16, 32, 64, 4, "vk"),
+            (16, 32, 128, 17, "vk"),
+            (4, 6, 128, 1, "vk"),
+            (0, 16, 128, 1, "vk"),
+        ]:
             yield gdn.can_use_decode_mtp(device, H, HV, K, K, S, "bf16", state_layout=layout)
 
 
@@ -365,8 +444,7 @@ def test_guard_reasons_are_one_clean_sentence():
 
 
 def test_guard_without_a_usable_device_says_why_and_what_the_configuration_takes():
-    usable = (gdn._C.built_with_cuda and gdn.cuda_device_count() > 0
-              and gdn.cuda_kernels_available(0)[0])
+    usable = gdn._C.built_with_cuda and gdn.cuda_device_count() > 0 and gdn.cuda_kernels_available(0)[0]
     if usable:
         pytest.skip("a usable CUDA device is present")
     path, reason = gdn.can_use_decode_mtp("cuda", 16, 48, 128, 128, 4, "bf16")
@@ -378,8 +456,13 @@ def test_guard_without_a_usable_device_says_why_and_what_the_configuration_takes
 
 
 def _cli(*args, python_flags=()):
-    return subprocess.run([sys.executable, *python_flags, "-m", "gdn", *args], capture_output=True,
-                          text=True, env=dict(os.environ), timeout=300)
+    return subprocess.run(
+        [sys.executable, *python_flags, "-m", "gdn", *args],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        timeout=300,
+    )
 
 
 def test_cli_version():
@@ -393,23 +476,25 @@ def test_cli_version():
 def test_cli_help_lists_every_command(flag):
     result = _cli(flag)
     assert result.returncode == 0, result.stderr
-    for command in ("all", "info", "selfcheck", "demo", "help", "--cmake-dir", "--include-dir",
-                    "--version"):
+    for command in ("all", "info", "selfcheck", "demo", "help", "--cmake-dir", "--include-dir", "--version"):
         assert re.search(rf"(^|\s|{{|,){re.escape(command)}(\s|,|}}|$)", result.stdout), command
 
 
 @pytest.mark.skipif(sys.version_info < (3, 10), reason="needs sys.orig_argv (Python 3.10+)")
-@pytest.mark.parametrize("flag,expected", [("--cmake-dir", gdn.cmake_dir()),
-                                           ("--include-dir", gdn.include_dir()),
-                                           ("--version", f"gdn {gdn.__version__}")])
+@pytest.mark.parametrize(
+    "flag,expected",
+    [("--cmake-dir", gdn.cmake_dir()), ("--include-dir", gdn.include_dir()), ("--version", f"gdn {gdn.__version__}")],
+)
 def test_cli_path_queries_do_not_import_torch(flag, expected):
     """Build systems run these: they print one line and never import torch (-X importtime lists
     every module the interpreter imported)."""
     result = _cli(flag, python_flags=("-X", "importtime"))
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == expected
-    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()
-                if line.startswith("import time:")}
+    imported = {
+        line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")
+    }
     assert "gdn" in imported
-    assert not {m for m in imported if m == "torch" or m.startswith("torch.")}, \
+    assert not {m for m in imported if m == "torch" or m.startswith("torch.")}, (
         "python -m gdn " + flag + " imported torch"
+    )

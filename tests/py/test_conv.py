@@ -18,8 +18,7 @@ CUDA = torch.cuda.is_available() and gdn.cuda_device_count() > 0 and gdn._C.buil
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device and a CUDA build of gdn")
 
 
-def reference(x, w, pool, slots, cu, acc, layout="channels_major", activation="silu",
-              first_valid_slot=0):
+def reference(x, w, pool, slots, cu, acc, layout="channels_major", activation="silu", first_valid_slot=0):
     """Per-channel loop over the rule of gdn-math.md §3.3, in float64 on the stored values.
 
     `pool` is a torch tensor (its dtype models storage rounding). Returns (out, pool_after)."""
@@ -51,8 +50,19 @@ def reference(x, w, pool, slots, cu, acc, layout="channels_major", activation="s
     return out, P
 
 
-def make_case(*, D=20, W=4, num_spec=3, T=(4, 0, 2, 3), slots=10, layout="channels_major",
-              state_dtype=torch.float32, x_dtype=torch.float32, seed=0, device="cpu"):
+def make_case(
+    *,
+    D=20,
+    W=4,
+    num_spec=3,
+    T=(4, 0, 2, 3),
+    slots=10,
+    layout="channels_major",
+    state_dtype=torch.float32,
+    x_dtype=torch.float32,
+    seed=0,
+    device="cpu",
+):
     g = torch.Generator().manual_seed(seed)
     S = num_spec + 1
     T = [min(t, S) for t in T]
@@ -75,20 +85,26 @@ def run(case, *, layout="channels_major", op=False, out=None, **kw):
     out = torch.full_like(case["x"], float("nan")) if out is None else out
     args = (case["x"], case["w"], case["pool"], case["slots"], case["cu"], out)
     if op:
-        torch.ops.gdn.causal_conv1d_update(*args, num_accepted_tokens=case["acc"],
-                                           state_layout=layout, **kw)
+        torch.ops.gdn.causal_conv1d_update(*args, num_accepted_tokens=case["acc"], state_layout=layout, **kw)
     else:
         gdn.causal_conv1d_update(*args, num_accepted_tokens=case["acc"], state_layout=layout, **kw)
     return out
 
 
 def check(case, out, pool_before, layout, **kw):
-    ref_out, ref_pool = reference(case["x"].cpu(), case["w"].cpu(), pool_before.cpu(),
-                                  case["slots"].cpu(), case["cu"].cpu(), case["acc"].cpu(),
-                                  layout=layout, **kw)
+    ref_out, ref_pool = reference(
+        case["x"].cpu(),
+        case["w"].cpu(),
+        pool_before.cpu(),
+        case["slots"].cpu(),
+        case["cu"].cpu(),
+        case["acc"].cpu(),
+        layout=layout,
+        **kw,
+    )
     got = out.double().cpu()
     written = ~torch.isnan(ref_out)
-    unit = {torch.float32: 4e-7, torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}[out.dtype]
+    unit = {torch.float32: 4e-7, torch.bfloat16: 2**-8, torch.float16: 2**-11}[out.dtype]
     err = (got[written] - ref_out[written]).abs() - unit * ref_out[written].abs()
     assert err.max().item() <= 2e-6, f"output error {err.max().item()}"
     assert torch.isnan(got[~written]).all(), "a skipped row's output was written"
@@ -97,14 +113,26 @@ def check(case, out, pool_before, layout, **kw):
 
 
 @pytest.mark.parametrize("layout", ["channels_major", "tokens_major"])
-@pytest.mark.parametrize("state_dtype,x_dtype", [(torch.float32, torch.float32),
-                                                 (torch.bfloat16, torch.bfloat16),
-                                                 (torch.bfloat16, torch.float32),
-                                                 (torch.float16, torch.float16)])
+@pytest.mark.parametrize(
+    "state_dtype,x_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float16),
+    ],
+)
 @pytest.mark.parametrize("W,num_spec", [(4, 3), (4, 0), (2, 1), (3, 7)])
 def test_matches_float64_reference(layout, state_dtype, x_dtype, W, num_spec):
-    case = make_case(W=W, num_spec=num_spec, layout=layout, state_dtype=state_dtype,
-                     x_dtype=x_dtype, seed=W * 10 + num_spec, T=(num_spec + 1, 0, 2, 1, 3))
+    case = make_case(
+        W=W,
+        num_spec=num_spec,
+        layout=layout,
+        state_dtype=state_dtype,
+        x_dtype=x_dtype,
+        seed=W * 10 + num_spec,
+        T=(num_spec + 1, 0, 2, 1, 3),
+    )
     before = case["pool"].clone()
     out = run(case, layout=layout)
     check(case, out, before, layout)
@@ -113,10 +141,14 @@ def test_matches_float64_reference(layout, state_dtype, x_dtype, W, num_spec):
 def test_package_reference_agrees():
     case = make_case(seed=3, T=(4, 1, 3))
     ref_a = reference(case["x"], case["w"], case["pool"], case["slots"], case["cu"], case["acc"])
-    ref_b = causal_conv1d_update_reference(case["x"].numpy(), case["w"].numpy(),
-                                           case["pool"].numpy(), case["slots"].numpy(),
-                                           case["cu"].numpy(),
-                                           num_accepted_tokens=case["acc"].numpy())
+    ref_b = causal_conv1d_update_reference(
+        case["x"].numpy(),
+        case["w"].numpy(),
+        case["pool"].numpy(),
+        case["slots"].numpy(),
+        case["cu"].numpy(),
+        num_accepted_tokens=case["acc"].numpy(),
+    )
     np.testing.assert_allclose(ref_b[0], ref_a[0].numpy(), rtol=1e-12, atol=1e-12)
     np.testing.assert_array_equal(ref_b[1], ref_a[1].numpy())
 
@@ -145,31 +177,41 @@ def test_opcheck(counter):
     kw = {"num_accepted_tokens": case["acc"]}
     if counter:
         kw["error_count"] = torch.zeros(1, dtype=torch.int32)
-    result = torch.library.opcheck(torch.ops.gdn.causal_conv1d_update.default,
-                                   (case["x"], case["w"], case["pool"], case["slots"], case["cu"],
-                                    out), kw)
+    result = torch.library.opcheck(
+        torch.ops.gdn.causal_conv1d_update.default,
+        (case["x"], case["w"], case["pool"], case["slots"], case["cu"], out),
+        kw,
+    )
     assert all(v == "SUCCESS" for v in result.values()), result
 
 
 def _backends():
     have_cxx = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
-    return ["eager", "aot_eager",
-            pytest.param("inductor", marks=[pytest.mark.slow, pytest.mark.skipif(
-                not have_cxx, reason="inductor on the CPU needs a C++ compiler")])]
+    return [
+        "eager",
+        "aot_eager",
+        pytest.param(
+            "inductor",
+            marks=[
+                pytest.mark.slow,
+                pytest.mark.skipif(not have_cxx, reason="inductor on the CPU needs a C++ compiler"),
+            ],
+        ),
+    ]
 
 
 def conv_step(x, weight, conv_state, conv_state_indices, cu_seqlens, out, acc, error_count):
     """The op inside a compiled graph; returns what the call added to error_count, read in the
     graph (right only if the schema declares error_count mutated)."""
     before = error_count.clone()
-    torch.ops.gdn.causal_conv1d_update(x, weight, conv_state, conv_state_indices, cu_seqlens, out,
-                                       num_accepted_tokens=acc, error_count=error_count)
+    torch.ops.gdn.causal_conv1d_update(
+        x, weight, conv_state, conv_state_indices, cu_seqlens, out, num_accepted_tokens=acc, error_count=error_count
+    )
     return error_count - before
 
 
 def compiled_conv_case(case, out, errors, compiled):
-    return compiled(case["x"], case["w"], case["pool"], case["slots"], case["cu"], out,
-                    case["acc"], errors)
+    return compiled(case["x"], case["w"], case["pool"], case["slots"], case["cu"], out, case["acc"], errors)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.jit._script")
@@ -181,8 +223,9 @@ def test_torch_compile_with_error_count(backend):
     compiled = torch.compile(conv_step, fullgraph=True, backend=backend)
     case = make_case(seed=31, T=(4, 2, 3))
     pool_e, out_e = case["pool"].clone(), torch.full_like(case["x"], float("nan"))
-    gdn.causal_conv1d_update(case["x"], case["w"], pool_e, case["slots"], case["cu"], out_e,
-                             num_accepted_tokens=case["acc"])
+    gdn.causal_conv1d_update(
+        case["x"], case["w"], pool_e, case["slots"], case["cu"], out_e, num_accepted_tokens=case["acc"]
+    )
     errors = torch.full((1,), 5, dtype=torch.int32)
     out = torch.full_like(case["x"], float("nan"))
     delta = compiled_conv_case(case, out, errors, compiled)
@@ -208,13 +251,15 @@ def test_null_slot_and_padded_rows_are_skipped():
     assert torch.equal(case["pool"][0], before[0])
 
 
-@pytest.mark.parametrize("mutate,message", [
-    (lambda c: c["acc"].__setitem__(1, 0), "request row 1: num_accepted_tokens = 0"),
-    (lambda c: c["acc"].__setitem__(2, 5), "request row 2: num_accepted_tokens = 5"),
-    (lambda c: c["slots"].__setitem__(0, 10),
-     r"request row 0: conv_state_indices\[0\] = 10 is >= the pool"),
-    (lambda c: c["cu"].__setitem__(2, 1), "request row 1: cu_seqlens"),
-])
+@pytest.mark.parametrize(
+    "mutate,message",
+    [
+        (lambda c: c["acc"].__setitem__(1, 0), "request row 1: num_accepted_tokens = 0"),
+        (lambda c: c["acc"].__setitem__(2, 5), "request row 2: num_accepted_tokens = 5"),
+        (lambda c: c["slots"].__setitem__(0, 10), r"request row 0: conv_state_indices\[0\] = 10 is >= the pool"),
+        (lambda c: c["cu"].__setitem__(2, 1), "request row 1: cu_seqlens"),
+    ],
+)
 def test_invalid_rows_raise_and_write_nothing(mutate, message):
     case = make_case(seed=8, T=(2, 3, 4))
     mutate(case)
@@ -237,8 +282,9 @@ def test_too_many_tokens_names_the_row():
 def test_argument_errors_name_the_argument():
     case = make_case(seed=10)
     with pytest.raises(ValueError, match="^weight width W = 1"):
-        gdn.causal_conv1d_update(case["x"], case["w"][:, :1], case["pool"], case["slots"],
-                                 case["cu"], torch.empty_like(case["x"]))
+        gdn.causal_conv1d_update(
+            case["x"], case["w"][:, :1], case["pool"], case["slots"], case["cu"], torch.empty_like(case["x"])
+        )
     with pytest.raises(ValueError, match="^conv_state has 6 channels but weight has D = 20"):
         run(case, layout="tokens_major")
     with pytest.raises(ValueError, match="state_layout must be"):
@@ -265,19 +311,27 @@ def spec_vs_sequential(device, state_dtype, layout, W=4, num_spec=3, steps=10, s
     for _ in range(steps):
         x = torch.randn(N * S, D, generator=g).to(device)
         out = torch.full_like(x, float("nan"))
-        gdn.causal_conv1d_update(x, w, spec_pool, slots, cu, out, num_accepted_tokens=acc,
-                                 state_layout=layout)
+        gdn.causal_conv1d_update(x, w, spec_pool, slots, cu, out, num_accepted_tokens=acc, state_layout=layout)
         n_acc = torch.randint(1, S + 1, (N,), generator=g, dtype=torch.int32)
         for i in range(N):
             for t in range(int(n_acc[i])):
                 o1 = torch.full((1, D), float("nan"), device=device)
-                gdn.causal_conv1d_update(x[i * S + t: i * S + t + 1], w, plain_pool,
-                                         torch.tensor([i], dtype=torch.int32, device=device), one,
-                                         o1, state_layout=layout)
+                gdn.causal_conv1d_update(
+                    x[i * S + t : i * S + t + 1],
+                    w,
+                    plain_pool,
+                    torch.tensor([i], dtype=torch.int32, device=device),
+                    one,
+                    o1,
+                    state_layout=layout,
+                )
                 assert torch.equal(o1[0], out[i * S + t]), "spec output != plain output"
             a = int(n_acc[i])
-            window = (spec_pool[i + 1, :, a - 1: a + W - 2] if layout == "channels_major"
-                      else spec_pool[i + 1, a - 1: a + W - 2, :])
+            window = (
+                spec_pool[i + 1, :, a - 1 : a + W - 2]
+                if layout == "channels_major"
+                else spec_pool[i + 1, a - 1 : a + W - 2, :]
+            )
             assert torch.equal(window, plain_pool[i]), "next window != plain history"
         acc = n_acc.to(device)
 
@@ -290,14 +344,15 @@ def test_spec_equals_sequential_cpu(layout, state_dtype):
 
 # ---- CUDA ----------------------------------------------------------------------------------------
 
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("layout", ["channels_major", "tokens_major"])
-@pytest.mark.parametrize("state_dtype,x_dtype", [(torch.float32, torch.float32),
-                                                 (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("state_dtype,x_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
 def test_cuda_matches_reference(layout, state_dtype, x_dtype):
-    case = make_case(D=260, layout=layout, state_dtype=state_dtype, x_dtype=x_dtype, seed=21,
-                     T=(4, 0, 2, 1, 3), device="cuda")
+    case = make_case(
+        D=260, layout=layout, state_dtype=state_dtype, x_dtype=x_dtype, seed=21, T=(4, 0, 2, 1, 3), device="cuda"
+    )
     before = case["pool"].clone()
     out = run(case, layout=layout)
     torch.cuda.synchronize()
@@ -339,8 +394,9 @@ def test_cuda_torch_compile_counts_invalid_rows(backend):
     case["slots"][2] = 1 << 30  # past the pool: invalid, rows 5..8 (cu = 0, 2, 5, 9)
     errors = torch.zeros(1, dtype=torch.int32, device="cuda")
     pool_e, out_e = case["pool"].clone(), torch.full_like(case["x"], float("nan"))
-    gdn.causal_conv1d_update(case["x"], case["w"], pool_e, case["slots"], case["cu"], out_e,
-                             num_accepted_tokens=case["acc"])
+    gdn.causal_conv1d_update(
+        case["x"], case["w"], pool_e, case["slots"], case["cu"], out_e, num_accepted_tokens=case["acc"]
+    )
     for calls in (1, 2):
         out = torch.full_like(case["x"], float("nan"))
         delta = compiled_conv_case(case, out, errors, compiled)
@@ -375,20 +431,31 @@ def test_cuda_graph_replay():
         check({k: v.cpu() for k, v in case.items()}, out, before, "channels_major")
 
 
-@pytest.mark.parametrize("name,bad,words", [
-    ("cu_seqlens", lambda c: c["cu"].tolist(), "a list of 5 items"),
-    ("conv_state", lambda c: torch.empty(c["pool"].shape, device="meta"), "device meta"),
-    ("activation", lambda c: None, "NoneType"),
-])
+@pytest.mark.parametrize(
+    "name,bad,words",
+    [
+        ("cu_seqlens", lambda c: c["cu"].tolist(), "a list of 5 items"),
+        ("conv_state", lambda c: torch.empty(c["pool"].shape, device="meta"), "device meta"),
+        ("activation", lambda c: None, "NoneType"),
+    ],
+)
 def test_wrong_python_type_names_the_argument(name, bad, words):
     case = make_case(seed=5)
-    args = dict(x=case["x"], weight=case["w"], conv_state=case["pool"],
-                conv_state_indices=case["slots"], cu_seqlens=case["cu"],
-                out=torch.full_like(case["x"], float("nan")))
+    args = dict(
+        x=case["x"],
+        weight=case["w"],
+        conv_state=case["pool"],
+        conv_state_indices=case["slots"],
+        cu_seqlens=case["cu"],
+        out=torch.full_like(case["x"], float("nan")),
+    )
     args[name] = bad(case)
     before = case["pool"].clone()
-    with pytest.raises(TypeError, match=rf"^gdn\.causal_conv1d_update: {name} must be .*, got .*"
-                                        rf"{words}") as info:
+    with pytest.raises(
+        TypeError,
+        match=rf"^gdn\.causal_conv1d_update: {name} must be .*, got .*"
+        rf"{words}",
+    ) as info:
         gdn.causal_conv1d_update(**args)
     assert "incompatible function arguments" not in str(info.value)
     assert torch.equal(case["pool"], before)

@@ -19,8 +19,23 @@ import torch
 
 import gdn
 from reference_torch import (
-    BF16, F64, FP16, FP32, FP32_BAR, MIXED_DTYPE_IDS, MIXED_DTYPES, OUT16_BAR, STATE16_BAR,
-    _compare, cuda_skip_reason, decode_mtp_ref, make_case, out_bar, rel_l2, state_bar)
+    BF16,
+    F64,
+    FP16,
+    FP32,
+    FP32_BAR,
+    MIXED_DTYPE_IDS,
+    MIXED_DTYPES,
+    OUT16_BAR,
+    STATE16_BAR,
+    _compare,
+    cuda_skip_reason,
+    decode_mtp_ref,
+    make_case,
+    out_bar,
+    rel_l2,
+    state_bar,
+)
 
 I32, I64 = torch.int32, torch.int64
 
@@ -31,6 +46,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.jit._s
 
 
 # ---- moving cases between devices, views and shared buffers intact ---------------------------------
+
 
 def map_case(case, device):
     """A copy of `case` on `device`: every tensor is a view of a copy of its own storage, so strides,
@@ -45,7 +61,8 @@ def map_case(case, device):
             raw = torch.empty(0, dtype=torch.uint8, device=x.device).set_(x.untyped_storage())
             storages[key] = raw.to(device, copy=True)
         return torch.empty(0, dtype=x.dtype, device=device).set_(
-            storages[key].untyped_storage(), x.storage_offset(), x.size(), x.stride())
+            storages[key].untyped_storage(), x.storage_offset(), x.size(), x.stride()
+        )
 
     fields = {f.name: getattr(case, f.name) for f in dataclasses.fields(case)}
     moved = {k: move(v) if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
@@ -97,14 +114,12 @@ RATIOS = [(2, 2), (2, 4), (1, 3), (1, 4), (1, 8), (1, 5), (1, 6)]
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("state_dtype", [FP32, BF16, FP16], ids=["state_fp32", "state_bf16",
-                                                                  "state_fp16"])
+@pytest.mark.parametrize("state_dtype", [FP32, BF16, FP16], ids=["state_fp32", "state_bf16", "state_fp16"])
 @pytest.mark.parametrize("layout", ["vk", "kv"])
 @pytest.mark.parametrize("H,HV", RATIOS, ids=[f"r{hv // h}" for h, hv in RATIOS])
 def test_head_ratios(gen, H, HV, layout, state_dtype):
     act = [FP32, BF16, FP16][(HV // H + (layout == "kv")) % 3]
-    case = case128(gen, H=H, HV=HV, S=4, T=(1, 4, 0, 3, 2), layout=layout, act=act,
-                   state_dtype=state_dtype)
+    case = case128(gen, H=H, HV=HV, S=4, T=(1, 4, 0, 3, 2), layout=layout, act=act, state_dtype=state_dtype)
     ref = check_cuda(case, out_tol=out_bar(act), state_tol=state_bar(state_dtype))
     assert len(ref.written) >= 3  # a real workload: several slots written
 
@@ -112,8 +127,7 @@ def test_head_ratios(gen, H, HV, layout, state_dtype):
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("act", [FP32, BF16, FP16], ids=["act_fp32", "act_bf16", "act_fp16"])
-@pytest.mark.parametrize("state_dtype", [FP32, BF16, FP16],
-                         ids=["state_fp32", "state_bf16", "state_fp16"])
+@pytest.mark.parametrize("state_dtype", [FP32, BF16, FP16], ids=["state_fp32", "state_bf16", "state_fp16"])
 def test_state_and_activation_dtypes(gen, state_dtype, act):
     case = case128(gen, H=2, HV=4, S=3, T=(3, 1, 2, 0, 3), act=act, state_dtype=state_dtype)
     check_cuda(case, out_tol=out_bar(act), state_tol=state_bar(state_dtype))
@@ -138,18 +152,24 @@ def test_every_T_and_every_acc(gen, S, first_valid_slot):
     random.Random(S).shuffle(pairs)
     if S > 9:
         pairs = pairs[:12] + [(S, S), (S, 1)]
-    case = case128(gen, H=1, HV=1 if S > 5 else 2, S=S, T=[t for t, _ in pairs],
-                   acc=[n for _, n in pairs], first_valid_slot=first_valid_slot,
-                   padded_ids="valid" if first_valid_slot else "null",
-                   layout="kv" if S % 2 else "vk")
+    case = case128(
+        gen,
+        H=1,
+        HV=1 if S > 5 else 2,
+        S=S,
+        T=[t for t, _ in pairs],
+        acc=[n for _, n in pairs],
+        first_valid_slot=first_valid_slot,
+        padded_ids="valid" if first_valid_slot else "null",
+        layout="kv" if S % 2 else "vk",
+    )
     check_cuda(case, out_tol=FP32_BAR, against_cpu=S <= 5)
 
 
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("gate", ["silu", "sigmoid"])
-@pytest.mark.parametrize("norm", ["zw", "w", "none"],
-                         ids=["z_and_norm_weight", "norm_weight_only", "no_norm"])
+@pytest.mark.parametrize("norm", ["zw", "w", "none"], ids=["z_and_norm_weight", "norm_weight_only", "no_norm"])
 def test_norm_and_gate(gen, norm, gate):
     case = case128(gen, H=2, HV=6, S=3, T=(3, 2, 1), norm=norm, gate=gate)
     check_cuda(case, out_tol=FP32_BAR)
@@ -170,8 +190,9 @@ def test_source_slot_is_also_token_0_destination(gen, layout):
 @pytest.mark.parametrize("layout", ["vk", "kv"])
 @pytest.mark.parametrize("first_valid_slot", [0, 1], ids=["null_is_-1", "vllm_null_is_0"])
 def test_null_destinations_skipped(gen, first_valid_slot, layout):
-    case = case128(gen, H=1, HV=2, S=5, T=(5, 4, 5, 3), acc=(2, 1, 5, 3),
-                   first_valid_slot=first_valid_slot, layout=layout)
+    case = case128(
+        gen, H=1, HV=2, S=5, T=(5, 4, 5, 3), acc=(2, 1, 5, 3), first_valid_slot=first_valid_slot, layout=layout
+    )
     null = first_valid_slot - 1
     case.state_indices[0, 0] = null
     case.state_indices[1, 3] = null
@@ -188,8 +209,7 @@ def test_null_destinations_skipped(gen, first_valid_slot, layout):
 def test_strided_views(gen, layout, state_dtype, act):
     """Column-sliced mixed_qkv (misaligned), a/b halves of one tensor, z with padded strides, a
     slot-padded pool (slot stride not a multiple of 4), out between guard rows."""
-    case = case128(gen, H=2, HV=6, S=4, T=(4, 1, 0, 3), strided=True, act=act,
-                   state_dtype=state_dtype, layout=layout)
+    case = case128(gen, H=2, HV=6, S=4, T=(4, 1, 0, 3), strided=True, act=act, state_dtype=state_dtype, layout=layout)
     assert case.state.stride(0) % 4 != 0
     check_cuda(case, out_tol=out_bar(act), state_tol=state_bar(state_dtype))
 
@@ -202,8 +222,7 @@ def test_padded_but_aligned_pool(gen, layout, state_dtype):
     """A paged pool whose slot stride exceeds one slot but keeps 16-byte slots: the vector path
     of either layout (bulk copies and row stores for "vk", 16-byte loads and column stores for
     "kv")."""
-    case = case128(gen, H=1, HV=4, S=3, T=(3, 2, 1), act=BF16, layout=layout,
-                   state_dtype=state_dtype)
+    case = case128(gen, H=1, HV=4, S=3, T=(3, 2, 1), act=BF16, layout=layout, state_dtype=state_dtype)
     slots, elems = case.pool_buffer.shape
     bigger = torch.randn(slots, elems + 64, dtype=F64).to(case.pool_buffer.dtype)
     bigger[:, :elems] = case.pool_buffer
@@ -214,8 +233,9 @@ def test_padded_but_aligned_pool(gen, layout, state_dtype):
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("index_dtypes", [(I32, I32, I32), (I64, I64, I64), (I64, I32, I64)],
-                         ids=["i32", "i64", "idx64_cu32_acc64"])
+@pytest.mark.parametrize(
+    "index_dtypes", [(I32, I32, I32), (I64, I64, I64), (I64, I32, I64)], ids=["i32", "i64", "idx64_cu32_acc64"]
+)
 def test_index_dtypes(gen, index_dtypes):
     case = case128(gen, H=1, HV=2, S=4, T=(4, 0, 2, 3), index_dtypes=index_dtypes)
     check_cuda(case, out_tol=FP32_BAR)
@@ -259,6 +279,7 @@ def test_every_split_gives_the_same_bits(gen, split):
 
 # ---- speculative equivalence and chained steps ---------------------------------------------------
 
+
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("state_dtype", [FP32, BF16], ids=["state_fp32", "state_bf16"])
@@ -267,8 +288,7 @@ def test_spec_equals_sequential(gen, state_dtype):
     with an fp32 state; with a 16-bit state the one-call path keeps fp32 between tokens, so it is
     compared to the rounding bar instead."""
     S, n_acc = 4, 3
-    case = case128(gen, H=2, HV=4, S=S, T=(S, S), acc=(1, 1), null_dests=False,
-                   state_dtype=state_dtype, act=BF16)
+    case = case128(gen, H=2, HV=4, S=S, T=(S, S), acc=(1, 1), null_dests=False, state_dtype=state_dtype, act=BF16)
     seq = map_case(case, "cpu")
     run_cuda(case)
     for i in range(2):
@@ -278,12 +298,17 @@ def test_spec_equals_sequential(gen, state_dtype):
         for t in range(n_acc):
             row = int(seq.cu_seqlens[i]) + t
             one = dataclasses.replace(
-                seq, mixed_qkv=seq.mixed_qkv[row: row + 1], a=seq.a[row: row + 1],
-                b=seq.b[row: row + 1], z=seq.z[row: row + 1], out=seq.out[row: row + 1],
-                out_buffer=seq.out[row: row + 1],
+                seq,
+                mixed_qkv=seq.mixed_qkv[row : row + 1],
+                a=seq.a[row : row + 1],
+                b=seq.b[row : row + 1],
+                z=seq.z[row : row + 1],
+                out=seq.out[row : row + 1],
+                out_buffer=seq.out[row : row + 1],
                 state_indices=torch.tensor([[work]], dtype=seq.state_indices.dtype),
                 cu_seqlens=torch.tensor([0, 1], dtype=seq.cu_seqlens.dtype),
-                num_accepted_tokens=None)
+                num_accepted_tokens=None,
+            )
             run_cuda(one)
             got, want = case.out[row], seq.out[row]
             spec_state = case.state[int(case.state_indices[i, t])]
@@ -297,14 +322,12 @@ def test_spec_equals_sequential(gen, state_dtype):
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("state_dtype", [FP32, BF16, FP16], ids=["state_fp32", "state_bf16",
-                                                                  "state_fp16"])
+@pytest.mark.parametrize("state_dtype", [FP32, BF16, FP16], ids=["state_fp32", "state_bf16", "state_fp16"])
 def test_chained_steps(gen, state_dtype):
     """Three verify steps, each reading the slot of the previous step's last accepted token; the
     reference carries its own float64 state (no rounding), the bars of decode-mtp.md §6."""
     S = 4
-    case = case128(gen, H=1, HV=4, S=S, T=(S, 2, 3), acc=(1, 1, 1), null_dests=False,
-                   state_dtype=state_dtype, act=BF16)
+    case = case128(gen, H=1, HV=4, S=S, T=(S, 2, 3), acc=(1, 1, 1), null_dests=False, state_dtype=state_dtype, act=BF16)
     pool64 = case.state.to(F64).clone()
     dev = map_case(case, "cuda")
     for step, acc in enumerate([(1, 1, 1), (3, 2, 1), (4, 1, 3)]):
@@ -328,6 +351,7 @@ def test_chained_steps(gen, state_dtype):
 
 # ---- hostile indices on the device ---------------------------------------------------------------
 
+
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("index_dtype", [I32, I64])
@@ -336,26 +360,38 @@ def test_hostile_indices_touch_nothing_else(gen, index_dtype):
     exact; the whole pool outside the valid rows' destination slots unchanged, bit for bit."""
     S, T = 3, 2
     N = 8
-    case = case128(gen, H=1, HV=2, S=S, T=(T,) * N, acc=(1,) * N, null_dests=False,
-                   index_dtypes=(index_dtype,) * 3, spare_slots=4, act=BF16, extra_rows=2)
+    case = case128(
+        gen,
+        H=1,
+        HV=2,
+        S=S,
+        T=(T,) * N,
+        acc=(1,) * N,
+        null_dests=False,
+        index_dtypes=(index_dtype,) * 3,
+        spare_slots=4,
+        act=BF16,
+        extra_rows=2,
+    )
     idx = case.state_indices.clone()
     acc = case.num_accepted_tokens.clone()
     cu = case.cu_seqlens.clone()
     L = case.mixed_qkv.shape[0]
     big = (1 << 40) if index_dtype == I64 else (1 << 31) - 1
-    idx[1, 2] = big                 # row 1: a slot id past the pool
-    acc[2] = 0                      # row 2: accepted count below 1
-    acc[3] = S + 1                  # row 3: ... and above S
-    idx[4, 0] = -5                  # row 4: null source
-    cu[6] = cu[5] + S + 1           # row 5: T > S
-    cu[7] = cu[6] - 1               # row 6: decreasing range
-    cu[8] = L + 7                   # row 7: runs past L
+    idx[1, 2] = big  # row 1: a slot id past the pool
+    acc[2] = 0  # row 2: accepted count below 1
+    acc[3] = S + 1  # row 3: ... and above S
+    idx[4, 0] = -5  # row 4: null source
+    cu[6] = cu[5] + S + 1  # row 5: T > S
+    cu[7] = cu[6] - 1  # row 6: decreasing range
+    cu[8] = L + 7  # row 7: runs past L
     valid = [0]
     case.state_indices, case.num_accepted_tokens, case.cu_seqlens = idx, acc, cu
 
     # Reference of the valid row alone (same tensors, that row's indices only).
-    ref_case = dataclasses.replace(case, state_indices=idx[:1].clone(), cu_seqlens=cu[:2].clone(),
-                                   num_accepted_tokens=acc[:1].clone(), T=[T])
+    ref_case = dataclasses.replace(
+        case, state_indices=idx[:1].clone(), cu_seqlens=cu[:2].clone(), num_accepted_tokens=acc[:1].clone(), T=[T]
+    )
     ref = ref_case.reference()
     before = case.pool_buffer.clone()
     dev = map_case(case, "cuda")
@@ -441,8 +477,7 @@ def test_single_token_form(gen, state_dtype, layout):
     N = (7 * sm_count + HV - 1) // HV
     assert 6 * sm_count < N * HV <= 8 * sm_count
     T = [0 if i % 17 == 5 else 1 for i in range(N)]
-    case = case128(gen, H=1, HV=HV, S=1, T=T, act=BF16, state_dtype=state_dtype,
-                   layout=layout, first_valid_slot=1)
+    case = case128(gen, H=1, HV=HV, S=1, T=T, act=BF16, state_dtype=state_dtype, layout=layout, first_valid_slot=1)
     check_invalid_rows(case, {i for i in range(3, N, 11) if T[i] == 1}, STATE16_BAR)
 
 
@@ -464,9 +499,17 @@ def batch_of(sm_count, HV, launch):
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("state_dtype", [FP32, BF16], ids=["state_fp32", "state_bf16"])
-@pytest.mark.parametrize("launch,S", [("one_to_two_per_sm", 4), ("one_to_two_per_sm", 8),
-                                      ("two_to_four_per_sm", 4), ("below_one_per_sm", 4),
-                                      ("sixteen_per_sm", 2), ("sixteen_per_sm", 4)])
+@pytest.mark.parametrize(
+    "launch,S",
+    [
+        ("one_to_two_per_sm", 4),
+        ("one_to_two_per_sm", 8),
+        ("two_to_four_per_sm", 4),
+        ("below_one_per_sm", 4),
+        ("sixteen_per_sm", 2),
+        ("sixteen_per_sm", 4),
+    ],
+)
 def test_split_launch_choices(gen, state_dtype, launch, S):
     """Batches for which the launcher splits each head over 2 CTAs: between one and two heads per
     SM (any S; the CTAs spread evenly over the SMs), and with an fp32 state and drafts from two to
@@ -478,8 +521,7 @@ def test_split_launch_choices(gen, state_dtype, launch, S):
     if N is None:
         pytest.skip(f"no batch of {HV}-head requests takes this launch on this GPU")
     T = [0 if i % 13 == 4 else 1 + i % S for i in range(N)]
-    case = case128(gen, H=2, HV=HV, S=S, T=T, act=BF16, state_dtype=state_dtype,
-                   first_valid_slot=1)
+    case = case128(gen, H=2, HV=HV, S=S, T=T, act=BF16, state_dtype=state_dtype, first_valid_slot=1)
     bar = FP32_BAR if state_dtype == FP32 else STATE16_BAR
     check_invalid_rows(case, {i for i in range(2, N, 7) if T[i] > 0}, bar)
 
@@ -506,8 +548,7 @@ def test_cuda_graph_capture_and_replay(gen, caller):
     with torch.cuda.graph(graph):
         dev.run(CALLERS[caller])
     for _ in range(2):
-        fresh = case128(gen, H=2, HV=8, S=4, T=(4, 1, 3, 2), act=BF16, state_dtype=BF16,
-                        acc=case.acc)
+        fresh = case128(gen, H=2, HV=8, S=4, T=(4, 1, 3, 2), act=BF16, state_dtype=BF16, acc=case.acc)
         fresh.state_indices = case.state_indices
         for name in ("mixed_qkv", "a", "b", "z", "state", "A_log", "dt_bias", "norm_weight"):
             getattr(dev, name).copy_(getattr(fresh, name).to("cuda"))
@@ -534,7 +575,7 @@ def test_runs_on_torch_current_stream(gen, caller):
     with torch.cuda.stream(stream):
         torch.cuda._sleep(20_000_000)  # keep the stream busy: a launch elsewhere would race ahead
         dev.run(CALLERS[caller])
-        out = dev.out.clone()          # ordered after the launch on this stream
+        out = dev.out.clone()  # ordered after the launch on this stream
     stream.synchronize()
     rows = case.token_rows()
     assert rel_l2(out.cpu()[rows], ref.out[rows]) <= OUT16_BAR
@@ -565,12 +606,22 @@ def test_runs_on_the_arrays_device(gen, caller):
 def test_torch_compile_fullgraph(gen, backend):
     torch._dynamo.reset()
 
-    def step(mixed_qkv, ba, A_log, dt_bias, z, norm_weight, state, state_indices, cu_seqlens,
-             num_accepted_tokens, out):
+    def step(mixed_qkv, ba, A_log, dt_bias, z, norm_weight, state, state_indices, cu_seqlens, num_accepted_tokens, out):
         a, b = ba[:, :4], ba[:, 4:]
-        torch.ops.gdn.decode_mtp(mixed_qkv, a, b, A_log, dt_bias, state, state_indices,
-                                 cu_seqlens, out, z=z, norm_weight=norm_weight,
-                                 num_accepted_tokens=num_accepted_tokens)
+        torch.ops.gdn.decode_mtp(
+            mixed_qkv,
+            a,
+            b,
+            A_log,
+            dt_bias,
+            state,
+            state_indices,
+            cu_seqlens,
+            out,
+            z=z,
+            norm_weight=norm_weight,
+            num_accepted_tokens=num_accepted_tokens,
+        )
         return out * 1.0
 
     compiled = torch.compile(step, fullgraph=True, backend=backend)
@@ -580,9 +631,19 @@ def test_torch_compile_fullgraph(gen, backend):
         dev = map_case(case, "cuda")
         ba = dev.a.as_strided((dev.a.shape[0], 8), dev.a.stride())
         dev.poison_out()
-        result = compiled(dev.mixed_qkv, ba, dev.A_log, dev.dt_bias, dev.z, dev.norm_weight,
-                          dev.state, dev.state_indices, dev.cu_seqlens, dev.num_accepted_tokens,
-                          dev.out)
+        result = compiled(
+            dev.mixed_qkv,
+            ba,
+            dev.A_log,
+            dev.dt_bias,
+            dev.z,
+            dev.norm_weight,
+            dev.state,
+            dev.state_indices,
+            dev.cu_seqlens,
+            dev.num_accepted_tokens,
+            dev.out,
+        )
         torch.cuda.synchronize()
         rows = case.token_rows()
         assert rel_l2(result.cpu()[rows], ref.out[rows]) <= OUT16_BAR
@@ -617,8 +678,7 @@ def test_cupy_arrays_with_explicit_stream(gen):
         dev.poison_out()
         torch.cuda.synchronize()
         arrays = [cupy.from_dlpack(x) for x in dev.args()]
-        kw = {k: (cupy.from_dlpack(v) if isinstance(v, torch.Tensor) else v)
-              for k, v in dev.kwargs().items()}
+        kw = {k: (cupy.from_dlpack(v) if isinstance(v, torch.Tensor) else v) for k, v in dev.kwargs().items()}
         if explicit:
             gdn.decode_mtp(*arrays, **kw, stream=stream.ptr)
         else:
@@ -632,18 +692,45 @@ def test_cupy_arrays_with_explicit_stream(gen):
 
 # ---- vLLM-compatible entry point (runs on the CPU too) ---------------------------------------------
 
+
 def _vllm_case(gen, K):
-    return make_case(gen, H=1, HV=4, K=K, V=K, S=4, T=(4, 2, 0), acc=(2, 1, 1), act=BF16,
-                     state_dtype=FP32, first_valid_slot=1, norm_eps=1e-5)
+    return make_case(
+        gen,
+        H=1,
+        HV=4,
+        K=K,
+        V=K,
+        S=4,
+        T=(4, 2, 0),
+        acc=(2, 1, 1),
+        act=BF16,
+        state_dtype=FP32,
+        first_valid_slot=1,
+        norm_eps=1e-5,
+    )
 
 
 def _run_vllm(case, vllm_numerics=False):
     from gdn.compat.vllm import fused_gdn_decode_post_conv_mtp
 
     return fused_gdn_decode_post_conv_mtp(
-        case.mixed_qkv, case.a, case.b, case.A_log, case.dt_bias, case.state_indices,
-        case.cu_seqlens, case.num_accepted_tokens, case.state, case.z, case.norm_weight, case.out,
-        case.state.shape[-1] ** -0.5, 1e-5, "silu", vllm_numerics=vllm_numerics)
+        case.mixed_qkv,
+        case.a,
+        case.b,
+        case.A_log,
+        case.dt_bias,
+        case.state_indices,
+        case.cu_seqlens,
+        case.num_accepted_tokens,
+        case.state,
+        case.z,
+        case.norm_weight,
+        case.out,
+        case.state.shape[-1] ** -0.5,
+        1e-5,
+        "silu",
+        vllm_numerics=vllm_numerics,
+    )
 
 
 def _bf16_mismatches(got, want64):
@@ -729,13 +816,24 @@ def test_vllm_compat_zeroes_padded_output_rows(gen, device, extra_inputs):
         return torch.cat([x, torch.randn((rows,) + x.shape[1:], device=x.device).to(x.dtype)])
 
     Li = L + extra_inputs
-    out = torch.full((Li + 5,) + case.out.shape[1:], float("nan"), dtype=case.out.dtype,
-                     device=device)
+    out = torch.full((Li + 5,) + case.out.shape[1:], float("nan"), dtype=case.out.dtype, device=device)
     got = fused_gdn_decode_post_conv_mtp(
-        pad(case.mixed_qkv, extra_inputs), pad(case.a, extra_inputs), pad(case.b, extra_inputs),
-        case.A_log, case.dt_bias, case.state_indices, case.cu_seqlens, case.num_accepted_tokens,
-        case.state, pad(case.z, extra_inputs), case.norm_weight, out,
-        case.state.shape[-1] ** -0.5, 1e-5, "silu")
+        pad(case.mixed_qkv, extra_inputs),
+        pad(case.a, extra_inputs),
+        pad(case.b, extra_inputs),
+        case.A_log,
+        case.dt_bias,
+        case.state_indices,
+        case.cu_seqlens,
+        case.num_accepted_tokens,
+        case.state,
+        pad(case.z, extra_inputs),
+        case.norm_weight,
+        out,
+        case.state.shape[-1] ** -0.5,
+        1e-5,
+        "silu",
+    )
     assert got.data_ptr() == out.data_ptr()
     live = int(case.cu_seqlens[-1])
     assert torch.equal(out[:live].cpu(), want_out[:live].cpu())
@@ -743,9 +841,20 @@ def test_vllm_compat_zeroes_padded_output_rows(gen, device, extra_inputs):
     assert torch.equal(case.pool_buffer.cpu(), want_pool.cpu())
     with pytest.raises(ValueError, match="out must be"):
         fused_gdn_decode_post_conv_mtp(
-            case.mixed_qkv, case.a, case.b, case.A_log, case.dt_bias, case.state_indices,
-            case.cu_seqlens, case.num_accepted_tokens, case.state, case.z, case.norm_weight,
-            out[: L - 1], case.state.shape[-1] ** -0.5)
+            case.mixed_qkv,
+            case.a,
+            case.b,
+            case.A_log,
+            case.dt_bias,
+            case.state_indices,
+            case.cu_seqlens,
+            case.num_accepted_tokens,
+            case.state,
+            case.z,
+            case.norm_weight,
+            out[: L - 1],
+            case.state.shape[-1] ** -0.5,
+        )
 
 
 @pytest.mark.gpu

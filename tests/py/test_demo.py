@@ -27,8 +27,23 @@ from gdn._demo_model import (  # noqa: E402
 
 # 4 rows; --late-requests defaults to 4 more, of which late requests 0 and 3 (requests 4 and 7)
 # have one-token prompts.
-SHORT = ["--repeats", "1", "--requests", "4", "--min-prompt", "2", "--max-prompt", "7", "--new-tokens", "14",
-         "--layers", "3", "--groups", "2", "--no-progress"]
+SHORT = [
+    "--repeats",
+    "1",
+    "--requests",
+    "4",
+    "--min-prompt",
+    "2",
+    "--max-prompt",
+    "7",
+    "--new-tokens",
+    "14",
+    "--layers",
+    "3",
+    "--groups",
+    "2",
+    "--no-progress",
+]
 
 CUDA = torch.cuda.is_available() and gdn._C.built_with_cuda and gdn.cuda_device_count() > 0
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device and a CUDA build of gdn")
@@ -42,8 +57,7 @@ def test_short_cpu_demo_passes(capsys):
 
 
 def test_tokens_major_conv_layout_and_three_groups(capsys):
-    assert demo.main(SHORT + ["--conv-layout", "tokens_major", "--groups", "3", "--num-spec", "2",
-                              "--seed", "5"]) == 0
+    assert demo.main(SHORT + ["--conv-layout", "tokens_major", "--groups", "3", "--num-spec", "2", "--seed", "5"]) == 0
     assert "PASS" in capsys.readouterr().out
 
 
@@ -64,8 +78,7 @@ def test_check_fails_when_the_conv_rollback_is_broken(monkeypatch, capsys):
 
 @pytest.mark.parametrize("mode", ["write-all", "replay"])
 def test_mixed_spec_and_plain_rows_pass_in_both_state_modes(capsys, mode):
-    assert demo.main(SHORT + ["--new-tokens", "24", "--mixed-every", "2", "--state-mode",
-                              mode]) == 0
+    assert demo.main(SHORT + ["--new-tokens", "24", "--mixed-every", "2", "--state-mode", mode]) == 0
     out = capsys.readouterr().out
     assert "PASS" in out and "mixed steps  :" in out
     if mode == "replay":
@@ -125,8 +138,9 @@ def test_rows_taken_over_by_late_requests_pass_in_both_state_modes(monkeypatch, 
     seen = _fresh_rows_spy(monkeypatch)
     assert demo.main(SHORT + ["--late-requests", "6", "--state-mode", mode]) == 0
     out = capsys.readouterr().out
-    assert "recycled     : 6 rows taken over by new requests (2 with one-token prompts); 10 " \
-           "requests ran on 4 rows" in out
+    assert (
+        "recycled     : 6 rows taken over by new requests (2 with one-token prompts); 10 requests ran on 4 rows" in out
+    )
     assert "in every run the metadata started all 10 requests from a zero state" in out
     assert "PASS (speculative == plain decoding)" in out
     if mode == "replay":
@@ -149,8 +163,7 @@ def _clean_start(monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["write-all", "replay"])
-def test_check_fails_when_fresh_rows_read_the_previous_occupants_garbage(monkeypatch, capsys,
-                                                                           mode):
+def test_check_fails_when_fresh_rows_read_the_previous_occupants_garbage(monkeypatch, capsys, mode):
     # A consumer that ignores has_initial_state (no zeroing) runs a late request from whatever
     # its row's previous request left: the run-specific garbage. Pools start clean here, so the
     # first requests are unaffected and every difference is a late request's.
@@ -186,17 +199,17 @@ def test_check_fails_when_first_requests_read_unwritten_blocks(monkeypatch, caps
 
 def test_dense_layers_are_batch_invariant():
     g = torch.Generator().manual_seed(0)
-    w = int8_weight((128, 96), 128 ** -0.5, g)
+    w = int8_weight((128, 96), 128**-0.5, g)
     norm = torch.ones(128, dtype=torch.float64)
     x = torch.randn(37, 128, generator=g) * torch.logspace(-8, 2, 37).unsqueeze(1)
     batched = exact_linear(exact_rms_norm(x, norm), w)
     for i in range(x.shape[0]):
-        row = exact_linear(exact_rms_norm(x[i:i + 1], norm), w)
-        assert torch.equal(row, batched[i:i + 1]), f"row {i} differs from the batched result"
+        row = exact_linear(exact_rms_norm(x[i : i + 1], norm), w)
+        assert torch.equal(row, batched[i : i + 1]), f"row {i} differs from the batched result"
     # Exact, not merely consistent: float64 sums in reverse order give the same bits.
     q = exact_rms_norm(x, norm)
     qb = q.clamp(-255, 255).to(torch.bfloat16).to(torch.float64)
-    qb = torch.where(qb.abs() < 2.0 ** -16, torch.zeros_like(qb), qb)
+    qb = torch.where(qb.abs() < 2.0**-16, torch.zeros_like(qb), qb)
     reverse = (qb.flip(1) @ w.flip(0)).to(torch.float32)
     assert torch.equal(reverse, batched)
 
@@ -206,11 +219,19 @@ def test_help_explains_every_option():
     for action in demo.build_parser()._actions:
         if action.option_strings and action.dest != "help":
             assert action.help and len(action.help) > 15, action.option_strings
-    for option in ("--device", "--graphs", "--num-spec", "--requests", "--late-requests",
-                   "--new-tokens", "--groups", "--conv-layout", "--layer-strength"):
+    for option in (
+        "--device",
+        "--graphs",
+        "--num-spec",
+        "--requests",
+        "--late-requests",
+        "--new-tokens",
+        "--groups",
+        "--conv-layout",
+        "--layer-strength",
+    ):
         assert option in text
-    r = subprocess.run([sys.executable, "-m", "gdn", "demo", "--help"], capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "gdn", "demo", "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "--graphs" in r.stdout
 
 

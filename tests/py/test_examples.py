@@ -26,8 +26,9 @@ def test_verify_step_example_cpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not (torch.cuda.is_available() and gdn._C.built_with_cuda),
-                    reason="needs a CUDA device and a CUDA build of gdn")
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and gdn._C.built_with_cuda), reason="needs a CUDA device and a CUDA build of gdn"
+)
 def test_verify_step_example_cuda():
     out = _run("--device", "cuda")
     assert out.count("finite=True") == 2

@@ -15,7 +15,14 @@ import gdn
 torch = pytest.importorskip("torch")
 
 from reference_torch import (  # noqa: E402 (needs torch)
-    BF16, FP16, FP32, OUT16_BAR, cuda_skip_reason, make_case, rel_l2)
+    BF16,
+    FP16,
+    FP32,
+    OUT16_BAR,
+    cuda_skip_reason,
+    make_case,
+    rel_l2,
+)
 
 HAS_API = hasattr(torch.Tensor, "__dlpack_c_exchange_api__")
 needs_api = pytest.mark.skipif(not HAS_API, reason="this torch has no DLPack C exchange API")
@@ -40,7 +47,7 @@ OwnExport.__module__ = "torch.gdn_test"
 
 
 def _seed(gen) -> int:
-    return int(torch.randint(2 ** 31, (1,), generator=gen))
+    return int(torch.randint(2**31, (1,), generator=gen))
 
 
 def _convert(value, fn):
@@ -49,8 +56,7 @@ def _convert(value, fn):
 
 def _run(case, fn, call=gdn.decode_mtp):
     """Runs `case` with every tensor argument mapped through `fn` (views of the same memory)."""
-    call(*[_convert(x, fn) for x in case.args()],
-         **{k: _convert(v, fn) for k, v in case.kwargs().items()})
+    call(*[_convert(x, fn) for x in case.args()], **{k: _convert(v, fn) for k, v in case.kwargs().items()})
 
 
 def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
@@ -66,6 +72,7 @@ def _error_of(fn):
 
 
 # ---- which import a tensor takes ------------------------------------------------------------------
+
 
 @needs_api
 def test_torch_tensors_take_the_fast_import():
@@ -118,8 +125,9 @@ def test_fast_import_reads_what_nanobinds_import_reads(name):
     nanobind's import of the same memory; only the path differs."""
     t = _odd_tensors()[name]
     fast = _error_of(lambda: gdn._C._array_view(t)) or gdn._C._array_view(t)
-    generic = (_error_of(lambda: gdn._C._array_view(t.as_subclass(OwnExport)))
-               or gdn._C._array_view(t.as_subclass(OwnExport)))
+    generic = _error_of(lambda: gdn._C._array_view(t.as_subclass(OwnExport))) or gdn._C._array_view(
+        t.as_subclass(OwnExport)
+    )
     if isinstance(generic[0], type):
         assert fast[0] is generic[0], (fast, generic)
         return
@@ -154,10 +162,12 @@ def test_calls_make_no_dlpack_call_for_torch_tensors(gen, monkeypatch):
 
 # ---- same results --------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("layout", ["vk", "kv"])
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
-@pytest.mark.parametrize("act,state_dtype", [(FP32, FP32), (FP16, FP16), (FP16, FP32)],
-                         ids=["fp32", "fp16", "fp16_fp32state"])
+@pytest.mark.parametrize(
+    "act,state_dtype", [(FP32, FP32), (FP16, FP16), (FP16, FP32)], ids=["fp32", "fp16", "fp16_fp32state"]
+)
 def test_decode_mtp_torch_equals_numpy(gen, act, state_dtype, strided, layout):
     """torch tensors (fast import) and NumPy views of the same data give the same bits."""
     seed = _seed(gen)
@@ -173,8 +183,9 @@ def test_decode_mtp_torch_equals_numpy(gen, act, state_dtype, strided, layout):
 
 
 @pytest.mark.parametrize("wrap", ["plain_subclass", "op"])
-@pytest.mark.parametrize("act,state_dtype", [(BF16, BF16), (BF16, FP32), (FP32, FP32)],
-                         ids=["bf16", "bf16_fp32state", "fp32"])
+@pytest.mark.parametrize(
+    "act,state_dtype", [(BF16, BF16), (BF16, FP32), (FP32, FP32)], ids=["bf16", "bf16_fp32state", "fp32"]
+)
 def test_decode_mtp_fast_equals_nanobind_import(gen, act, state_dtype, wrap):
     """Strided torch views through the fast import (as torch.Tensor, a plain subclass, or the torch
     op) and through nanobind's import give the same bits, 16-bit dtypes included."""
@@ -220,6 +231,7 @@ def test_conv_torch_equals_numpy(gen):
 
 # ---- same errors ---------------------------------------------------------------------------------
 
+
 def _breaks():
     """(argument, change) pairs that make a valid call invalid; each change maps a case tensor."""
     return {
@@ -245,8 +257,7 @@ def test_errors_are_those_of_nanobinds_import(gen, name):
         setattr(case, arg, change(getattr(case, arg)))
         if wrap == "numpy" and not all(x.dtype != torch.bfloat16 for x in case.args()):
             continue
-        fn = {"torch": lambda t: t, "nanobind": lambda t: t.as_subclass(OwnExport),
-              "numpy": lambda t: t.numpy()}[wrap]
+        fn = {"torch": lambda t: t, "nanobind": lambda t: t.as_subclass(OwnExport), "numpy": lambda t: t.numpy()}[wrap]
         case.poison_out()
         pool, out = case.pool_buffer.clone(), case.out_buffer.clone()
         errors.append(_error_of(lambda: _run(case, fn)))  # noqa: B023 (called right away)
@@ -265,12 +276,25 @@ def test_meta_tensor_is_still_refused_naming_the_argument(gen):
 
 # ---- CUDA: the fast import and the launch stream ---------------------------------------------------
 
+
 def _cuda_case(gen):
     """A small CUDA call (tensors moved one by one) and its reference, computed on the host."""
     case = make_case(gen, H=1, HV=4, K=128, V=128, S=3, T=(3, 2), act=BF16)
     ref = case.reference()
-    for name in ("mixed_qkv", "a", "b", "A_log", "dt_bias", "state", "state_indices",
-                 "cu_seqlens", "out", "z", "norm_weight", "num_accepted_tokens"):
+    for name in (
+        "mixed_qkv",
+        "a",
+        "b",
+        "A_log",
+        "dt_bias",
+        "state",
+        "state_indices",
+        "cu_seqlens",
+        "out",
+        "z",
+        "norm_weight",
+        "num_accepted_tokens",
+    ):
         setattr(case, name, getattr(case, name).cuda())
     case.pool_buffer, case.out_buffer = case.state, case.out
     return case, ref

@@ -56,8 +56,7 @@ def per_group_reference(step: Dict[str, Any], table: np.ndarray) -> Dict[str, An
             decodes, prefills, decode_tokens = 0, N, 0
         else:
             first_prefill = int(np.argmax(is_prefill))
-            decodes, prefills, decode_tokens = first_prefill, N - first_prefill, int(
-                qsl[first_prefill])
+            decodes, prefills, decode_tokens = first_prefill, N - first_prefill, int(qsl[first_prefill])
         if prefills:
             trailing = N - 1 - int(np.flatnonzero(qlen > 0)[-1])
             prefills -= trailing
@@ -118,18 +117,29 @@ def per_group_reference(step: Dict[str, Any], table: np.ndarray) -> Dict[str, An
     spec_acc = acc_all[mask]
     extra = {}
     if replay:
-        extra = dict(replay_counts=pad_to(given[mask].astype(I32), n_spec_rows, 0),
-                     non_spec_replay_counts=pad_to(given[~mask].astype(I32), n_ns_rows, 0),
-                     checkpoint_indices=pad_to(spec_state[:, 0].copy(), n_spec_rows, pad))
+        extra = dict(
+            replay_counts=pad_to(given[mask].astype(I32), n_spec_rows, 0),
+            non_spec_replay_counts=pad_to(given[~mask].astype(I32), n_ns_rows, 0),
+            checkpoint_indices=pad_to(spec_state[:, 0].copy(), n_spec_rows, pad),
+        )
     return dict(
         counts=dict(
-            num_requests=N, num_prefills=prefills, num_prefill_tokens=n_ns_tok - decode_tokens,
-            num_decodes=decodes, num_decode_tokens=decode_tokens, num_spec_decodes=len(spec_idx),
-            num_spec_decode_tokens=int(qlen[mask].sum()), num_actual_tokens=int(qsl[-1]),
-            num_non_spec_rows=len(ns_idx), num_zero_length_rows=zero,
-            spec_rows_written=n_spec_rows, non_spec_rows_written=n_ns_rows,
-            mask_rows_written=n_mask, max_column_end=max([int(c) + S for c in start], default=0),
-            num_spec_columns=S, padded_rows=-1 if padded is None else padded,
+            num_requests=N,
+            num_prefills=prefills,
+            num_prefill_tokens=n_ns_tok - decode_tokens,
+            num_decodes=decodes,
+            num_decode_tokens=decode_tokens,
+            num_spec_decodes=len(spec_idx),
+            num_spec_decode_tokens=int(qlen[mask].sum()),
+            num_actual_tokens=int(qsl[-1]),
+            num_non_spec_rows=len(ns_idx),
+            num_zero_length_rows=zero,
+            spec_rows_written=n_spec_rows,
+            non_spec_rows_written=n_ns_rows,
+            mask_rows_written=n_mask,
+            max_column_end=max([int(c) + S for c in start], default=0),
+            num_spec_columns=S,
+            padded_rows=-1 if padded is None else padded,
             replay=int(replay),
         ),
         unreadable=int((~ok).sum() + (~ns_ok).sum()),
@@ -137,10 +147,9 @@ def per_group_reference(step: Dict[str, Any], table: np.ndarray) -> Dict[str, An
         non_spec_token_indx=order[:n_ns_tok].astype(I32),
         spec_token_indx=order[n_ns_tok:].astype(I32),
         spec_query_start_loc=pad_to(
-            np.concatenate([[0], np.cumsum(qlen[mask])]).astype(I32), n_spec_rows + 1,
-            int(qlen[mask].sum())),
-        non_spec_query_start_loc=pad_to(
-            np.concatenate([[0], np.cumsum(ns_len)]).astype(I32), n_ns_rows + 1, n_ns_tok),
+            np.concatenate([[0], np.cumsum(qlen[mask])]).astype(I32), n_spec_rows + 1, int(qlen[mask].sum())
+        ),
+        non_spec_query_start_loc=pad_to(np.concatenate([[0], np.cumsum(ns_len)]).astype(I32), n_ns_rows + 1, n_ns_tok),
         spec_num_accepted=pad_to(spec_acc.astype(I32), n_spec_rows, 1),
         spec_source_column=pad_to(spec_acc.astype(I32) - 1, n_spec_rows, 0),
         non_spec_source_column=pad_to(acc_all[ns_idx].astype(I32) - 1, n_ns_rows, 0),
@@ -152,9 +161,17 @@ def per_group_reference(step: Dict[str, Any], table: np.ndarray) -> Dict[str, An
     )
 
 
-SHARED_FIELDS = ("spec_sequence_masks", "non_spec_token_indx", "spec_token_indx",
-                 "spec_query_start_loc", "non_spec_query_start_loc", "spec_num_accepted",
-                 "spec_source_column", "non_spec_source_column", "has_initial_state")
+SHARED_FIELDS = (
+    "spec_sequence_masks",
+    "non_spec_token_indx",
+    "spec_token_indx",
+    "spec_query_start_loc",
+    "non_spec_query_start_loc",
+    "spec_num_accepted",
+    "spec_source_column",
+    "non_spec_source_column",
+    "has_initial_state",
+)
 
 
 def as_np(x) -> np.ndarray:
@@ -170,27 +187,41 @@ def expect_matches_reference(md: M.StepMetadata, step: Dict[str, Any], tables) -
             assert counts[name] == value, (g, name, counts[name], value)
         for name in SHARED_FIELDS:
             np.testing.assert_array_equal(as_np(getattr(md, name)), ref[name], err_msg=name)
-        np.testing.assert_array_equal(as_np(md.spec_state_indices[g]), ref["spec_state_indices"],
-                                      err_msg=f"group {g} spec_state_indices")
-        np.testing.assert_array_equal(as_np(md.non_spec_state_indices[g]),
-                                      ref["non_spec_state_indices"],
-                                      err_msg=f"group {g} non_spec_state_indices")
-        np.testing.assert_array_equal(as_np(md.non_spec_source_indices[g]),
-                                      ref["non_spec_source_indices"],
-                                      err_msg=f"group {g} non_spec_source_indices")
+        np.testing.assert_array_equal(
+            as_np(md.spec_state_indices[g]), ref["spec_state_indices"], err_msg=f"group {g} spec_state_indices"
+        )
+        np.testing.assert_array_equal(
+            as_np(md.non_spec_state_indices[g]),
+            ref["non_spec_state_indices"],
+            err_msg=f"group {g} non_spec_state_indices",
+        )
+        np.testing.assert_array_equal(
+            as_np(md.non_spec_source_indices[g]),
+            ref["non_spec_source_indices"],
+            err_msg=f"group {g} non_spec_source_indices",
+        )
         if not step.get("replay", False):
             assert md.checkpoint_indices is None and md.replay_counts is None
             continue
         for name in ("replay_counts", "non_spec_replay_counts"):
             np.testing.assert_array_equal(as_np(getattr(md, name)), ref[name], err_msg=name)
-        np.testing.assert_array_equal(as_np(md.checkpoint_indices[g]), ref["checkpoint_indices"],
-                                      err_msg=f"group {g} checkpoint_indices")
+        np.testing.assert_array_equal(
+            as_np(md.checkpoint_indices[g]), ref["checkpoint_indices"], err_msg=f"group {g} checkpoint_indices"
+        )
 
 
-def make_step(rows: List[Tuple[int, int]], num_spec: int, *, context: Any = 5,
-              acc: Optional[List[int]] = None, mode: str = "none", block_size: int = 16,
-              padded_rows: Optional[int] = None, pad_id: int = 0,
-              replay: bool = False) -> Dict[str, Any]:
+def make_step(
+    rows: List[Tuple[int, int]],
+    num_spec: int,
+    *,
+    context: Any = 5,
+    acc: Optional[List[int]] = None,
+    mode: str = "none",
+    block_size: int = 16,
+    padded_rows: Optional[int] = None,
+    pad_id: int = 0,
+    replay: bool = False,
+) -> Dict[str, Any]:
     T = np.array([t for t, _ in rows], I32)
     return dict(
         qsl=np.concatenate([[0], np.cumsum(T)]).astype(I32),
@@ -198,8 +229,12 @@ def make_step(rows: List[Tuple[int, int]], num_spec: int, *, context: Any = 5,
         drafts=np.array([d for _, d in rows], I32),
         acc=np.array(acc if acc is not None else [1] * len(rows), I32),
         computed=np.broadcast_to(np.asarray(context, I32), (len(rows),)).copy(),
-        num_spec=num_spec, mode=mode, block_size=block_size, padded_rows=padded_rows,
-        pad_id=pad_id, replay=replay,
+        num_spec=num_spec,
+        mode=mode,
+        block_size=block_size,
+        padded_rows=padded_rows,
+        pad_id=pad_id,
+        replay=replay,
     )
 
 
@@ -211,17 +246,29 @@ def make_tables(G: int, rows: int, cols: int, *, lib=np, rng=None) -> List[Any]:
 
 def step_args(step: Dict[str, Any], convert=lambda a: a) -> Dict[str, Any]:
     c = lambda a: None if a is None else convert(a)  # noqa: E731
-    return dict(num_draft_tokens=c(step["drafts"]), num_accepted_tokens=c(step["acc"]),
-                num_computed_tokens=c(step["computed"]), padded_rows=step["padded_rows"])
+    return dict(
+        num_draft_tokens=c(step["drafts"]),
+        num_accepted_tokens=c(step["acc"]),
+        num_computed_tokens=c(step["computed"]),
+        padded_rows=step["padded_rows"],
+    )
 
 
 def run_builder(step, tables, *, max_rows=None, max_tokens=None, shadow=True, **kw):
     N = len(step["qsl"]) - 1
     rows = max(N, step["padded_rows"] or 0, 1) + 2
-    b = M.Builder(tables, num_spec=step["num_spec"], max_rows=max_rows or rows,
-                  max_tokens=max_tokens or int(step["qsl"][-1]) + 3, mode=step["mode"],
-                  block_size=step["block_size"], pad_id=step["pad_id"], shadow=shadow,
-                  replay=step.get("replay", False), **kw)
+    b = M.Builder(
+        tables,
+        num_spec=step["num_spec"],
+        max_rows=max_rows or rows,
+        max_tokens=max_tokens or int(step["qsl"][-1]) + 3,
+        mode=step["mode"],
+        block_size=step["block_size"],
+        pad_id=step["pad_id"],
+        shadow=shadow,
+        replay=step.get("replay", False),
+        **kw,
+    )
     md = b.step(step["qsl"], step["seq_lens"], **step_args(step))
     return b, md
 
@@ -231,51 +278,68 @@ def run_builder(step, tables, *, max_rows=None, max_tokens=None, shadow=True, **
 CASES = {
     # name: (rows (tokens, drafts), num_spec, expected counts)
     "mixed decode + spec -> decode reclassified": (
-        [(3, 2), (1, -1), (3, 2)], 2,
-        dict(num_prefills=1, num_prefill_tokens=1, num_decodes=0, num_spec_decodes=2,
-             num_spec_decode_tokens=6)),
+        [(3, 2), (1, -1), (3, 2)],
+        2,
+        dict(num_prefills=1, num_prefill_tokens=1, num_decodes=0, num_spec_decodes=2, num_spec_decode_tokens=6),
+    ),
     "pure spec": (
-        [(3, 2), (2, 1), (3, 2)], 2,
-        dict(num_prefills=0, num_decodes=0, num_spec_decodes=3, num_spec_decode_tokens=8)),
-    "pure decode": (
-        [(1, -1)] * 4, 3,
-        dict(num_prefills=0, num_decodes=4, num_decode_tokens=4, num_spec_decodes=0)),
+        [(3, 2), (2, 1), (3, 2)],
+        2,
+        dict(num_prefills=0, num_decodes=0, num_spec_decodes=3, num_spec_decode_tokens=8),
+    ),
+    "pure decode": ([(1, -1)] * 4, 3, dict(num_prefills=0, num_decodes=4, num_decode_tokens=4, num_spec_decodes=0)),
     "spec + prefill": (
-        [(2, 1), (7, -1), (2, 1)], 1,
-        dict(num_prefills=1, num_prefill_tokens=7, num_decodes=0, num_spec_decodes=2,
-             num_spec_decode_tokens=4)),
+        [(2, 1), (7, -1), (2, 1)],
+        1,
+        dict(num_prefills=1, num_prefill_tokens=7, num_decodes=0, num_spec_decodes=2, num_spec_decode_tokens=4),
+    ),
     "prefill + decode + spec": (
-        [(5, -1), (1, -1), (4, 3), (2, 1)], 3,
-        dict(num_prefills=2, num_prefill_tokens=6, num_decodes=0, num_spec_decodes=2)),
+        [(5, -1), (1, -1), (4, 3), (2, 1)],
+        3,
+        dict(num_prefills=2, num_prefill_tokens=6, num_decodes=0, num_spec_decodes=2),
+    ),
     "several decodes reclassified": (
-        [(1, -1), (2, 1), (1, -1), (1, -1), (2, 1)], 1,
-        dict(num_prefills=3, num_prefill_tokens=3, num_decodes=0, num_spec_decodes=2)),
+        [(1, -1), (2, 1), (1, -1), (1, -1), (2, 1)],
+        1,
+        dict(num_prefills=3, num_prefill_tokens=3, num_decodes=0, num_spec_decodes=2),
+    ),
     "zero-length padding excluded (with spec)": (
-        [(3, 2), (0, -1), (3, 2), (0, -1)], 2,
-        dict(num_prefills=0, num_decodes=0, num_spec_decodes=2, num_zero_length_rows=2,
-             num_non_spec_rows=2)),
+        [(3, 2), (0, -1), (3, 2), (0, -1)],
+        2,
+        dict(num_prefills=0, num_decodes=0, num_spec_decodes=2, num_zero_length_rows=2, num_non_spec_rows=2),
+    ),
     # Without spec rows vLLM's decodes are the leading run of rows with <= 1 token; the prefills
     # end at the last row with a token (trailing zero-length rows are padding, in neither count).
     "no spec: decodes are the leading run": (
-        [(1, -1), (4, -1), (0, -1), (1, -1), (0, -1)], 2,
-        dict(num_prefills=3, num_prefill_tokens=5, num_decodes=1, num_decode_tokens=1,
-             num_zero_length_rows=2)),
+        [(1, -1), (4, -1), (0, -1), (1, -1), (0, -1)],
+        2,
+        dict(num_prefills=3, num_prefill_tokens=5, num_decodes=1, num_decode_tokens=1, num_zero_length_rows=2),
+    ),
     "no spec: a 1-token row after a 2-token row is a prefill": (
-        [(2, -1), (1, -1)], 2,
-        dict(num_prefills=2, num_prefill_tokens=3, num_decodes=0, num_decode_tokens=0)),
+        [(2, -1), (1, -1)],
+        2,
+        dict(num_prefills=2, num_prefill_tokens=3, num_decodes=0, num_decode_tokens=0),
+    ),
     "no spec: zero-length rows in the leading run are decodes": (
-        [(0, -1), (1, -1), (0, -1), (3, -1), (0, -1)], 2,
-        dict(num_prefills=1, num_prefill_tokens=3, num_decodes=3, num_decode_tokens=1)),
+        [(0, -1), (1, -1), (0, -1), (3, -1), (0, -1)],
+        2,
+        dict(num_prefills=1, num_prefill_tokens=3, num_decodes=3, num_decode_tokens=1),
+    ),
     "no spec: only rows of <= 1 token": (
-        [(1, -1), (0, -1), (1, -1)], 1,
-        dict(num_prefills=0, num_decodes=3, num_decode_tokens=2, num_zero_length_rows=1)),
+        [(1, -1), (0, -1), (1, -1)],
+        1,
+        dict(num_prefills=0, num_decodes=3, num_decode_tokens=2, num_zero_length_rows=1),
+    ),
     "all-zero drafts keep their spec rows": (
-        [(1, 0), (1, 0), (1, -1)], 2,
-        dict(num_prefills=1, num_prefill_tokens=1, num_decodes=0, num_spec_decodes=2,
-             num_spec_decode_tokens=2)),
+        [(1, 0), (1, 0), (1, -1)],
+        2,
+        dict(num_prefills=1, num_prefill_tokens=1, num_decodes=0, num_spec_decodes=2, num_spec_decode_tokens=2),
+    ),
     "all-zero drafts with a prefill": (
-        [(1, 0), (5, -1), (1, 0)], 2,
-        dict(num_prefills=1, num_prefill_tokens=5, num_decodes=0, num_spec_decodes=2)),
+        [(1, 0), (5, -1), (1, 0)],
+        2,
+        dict(num_prefills=1, num_prefill_tokens=5, num_decodes=0, num_spec_decodes=2),
+    ),
 }
 
 
@@ -302,8 +366,7 @@ def test_a_fresh_one_token_prompt_is_a_prefill_and_reads_no_slot(device, padding
     1 prefill, has_initial_state [True, False], and request 1's source is the pad id, never the
     slot a finished request may have left full. The same with trailing padding rows."""
     rows = [(1, -1), (1, -1)] + [(0, -1)] * padding
-    step = make_step(rows, 2, context=[99, 0] + [0] * padding, acc=[2, 3] + [1] * padding,
-                     pad_id=-1)
+    step = make_step(rows, 2, context=[99, 0] + [0] * padding, acc=[2, 3] + [1] * padding, pad_id=-1)
     tables = make_tables(2, len(rows), 4, rng=np.random.default_rng(3))
     _, md = issue_builder(step, tables, device)
     assert (md.num_decodes, md.num_decode_tokens) == (1, 1)
@@ -321,8 +384,9 @@ def test_a_fresh_one_token_prompt_is_a_prefill_and_reads_no_slot(device, padding
 def test_a_fresh_row_among_spec_rows_reads_no_slot(device, replay):
     """With spec rows every non-spec row is a prefill; a fresh one still gets a null source, in
     both state modes (replay: its checkpoint is its destination, never its source)."""
-    step = make_step([(3, 2), (1, -1), (2, -1)], 2, context=[9, 0, 4],
-                     acc=[2, 0, 1] if replay else [2, 1, 1], replay=replay)
+    step = make_step(
+        [(3, 2), (1, -1), (2, -1)], 2, context=[9, 0, 4], acc=[2, 0, 1] if replay else [2, 1, 1], replay=replay
+    )
     tables = make_tables(2, 3, 3, rng=np.random.default_rng(4))
     _, md = issue_builder(step, tables, device)
     assert md.num_spec_decodes == 1 and md.num_prefills == 2 and md.num_decodes == 0
@@ -338,8 +402,9 @@ def test_a_fresh_row_among_spec_rows_reads_no_slot(device, replay):
 def test_trailing_padding_rows_are_in_neither_count(device):
     """seq_lens [10, 20, 0, 16], query lengths [1, 5, 0, 0], no spec rows: 1 decode, 1 prefill
     (the two trailing zero-length rows are padding); token counts unchanged."""
-    step = dict(make_step([(1, -1), (5, -1), (0, -1), (0, -1)], 2), computed=None,
-                seq_lens=np.array([10, 20, 0, 16], I32))
+    step = dict(
+        make_step([(1, -1), (5, -1), (0, -1), (0, -1)], 2), computed=None, seq_lens=np.array([10, 20, 0, 16], I32)
+    )
     tables = make_tables(1, 4, 3)
     _, md = issue_builder(step, tables, device)
     assert (md.num_decodes, md.num_decode_tokens) == (1, 1)
@@ -380,9 +445,17 @@ def test_plan_free_function_and_views_on_numpy():
     step = make_step([(2, 1), (7, -1), (2, 1)], 1, acc=[2, 1, 1])
     words = M.plan_words(8, 32)
     buf = np.full(words, -5, I32)
-    M.plan(buf, step["qsl"], step["seq_lens"], num_draft_tokens=step["drafts"],
-           num_accepted_tokens=step["acc"], num_computed_tokens=step["computed"], num_spec=1,
-           max_rows=8, max_tokens=32)
+    M.plan(
+        buf,
+        step["qsl"],
+        step["seq_lens"],
+        num_draft_tokens=step["drafts"],
+        num_accepted_tokens=step["acc"],
+        num_computed_tokens=step["computed"],
+        num_spec=1,
+        max_rows=8,
+        max_tokens=32,
+    )
     view = M.PlanView(M._field_views(buf, 8, 32), buf[: len(M.HEADER_FIELDS)])
     np.testing.assert_array_equal(view.non_spec_token_indx, np.arange(2, 9))
     np.testing.assert_array_equal(view.spec_token_indx, [0, 1, 9, 10])
@@ -449,13 +522,22 @@ def test_free_functions_write_exactly_the_reference_rows(data):
     poison = -777
     plan = np.full(M.plan_words(R, T), poison, I32)
     scalars = dict(num_spec=step["num_spec"], max_rows=R, max_tokens=T)
-    M.plan(plan, step["qsl"], step["seq_lens"], mode=step["mode"], block_size=step["block_size"],
-           pad_id=step["pad_id"], **step_args(step), **scalars)
+    M.plan(
+        plan,
+        step["qsl"],
+        step["seq_lens"],
+        mode=step["mode"],
+        block_size=step["block_size"],
+        pad_id=step["pad_id"],
+        **step_args(step),
+        **scalars,
+    )
     spec = np.full((G, R, S), poison, I32)
     ns, src = np.full((G, R), poison, I32), np.full((G, R), poison, I32)
     err = np.zeros(1, I32)
-    rows = M.state_rows(plan, tables, spec, ns, pad_id=step["pad_id"], error_count=err,
-                        non_spec_source_indices=src, **scalars)
+    rows = M.state_rows(
+        plan, tables, spec, ns, pad_id=step["pad_id"], error_count=err, non_spec_source_indices=src, **scalars
+    )
     view = M.PlanView(M._field_views(plan, R, T), plan[: len(M.HEADER_FIELDS)])
     expected_errors = 0
     for g, table in enumerate(tables):
@@ -475,21 +557,27 @@ def test_free_functions_write_exactly_the_reference_rows(data):
 def test_bad_counts_and_sources_are_refused_before_anything_is_written():
     step = make_step([(3, 2), (1, -1)], 2)
     b = M.Builder(make_tables(1, 4, 4), num_spec=2, max_rows=4, max_tokens=16)
-    before = [np.copy(x) for x in (b.host_plans[0], b.non_spec_state_indices,
-                                     b.non_spec_source_indices)]
+    before = [np.copy(x) for x in (b.host_plans[0], b.non_spec_state_indices, b.non_spec_source_indices)]
     kw = step_args(step)
     kw["num_accepted_tokens"] = np.array([1, 4], I32)  # a non-spec row's count is checked too
     with pytest.raises(ValueError, match=r"num_accepted_tokens\[1\] = 4 is outside \[1, S = 3\]"):
         b.step(step["qsl"], step["seq_lens"], **kw)
-    for x, y in zip(before, (b.host_plans[0], b.non_spec_state_indices,
-                             b.non_spec_source_indices)):
+    for x, y in zip(before, (b.host_plans[0], b.non_spec_state_indices, b.non_spec_source_indices)):
         np.testing.assert_array_equal(x, y)
     plan = np.zeros(M.plan_words(4, 16), I32)
     M.plan(plan, step["qsl"], step["seq_lens"], num_spec=2, max_rows=4, max_tokens=16)
     spec, ns = np.full((1, 4, 3), -5, I32), np.full((1, 4), -5, I32)
     with pytest.raises(ValueError, match="non_spec_source_indices"):
-        M.state_rows(plan, make_tables(1, 4, 4), spec, ns, num_spec=2, max_rows=4,
-                     max_tokens=16, non_spec_source_indices=np.zeros((1, 4), np.int64))
+        M.state_rows(
+            plan,
+            make_tables(1, 4, 4),
+            spec,
+            ns,
+            num_spec=2,
+            max_rows=4,
+            max_tokens=16,
+            non_spec_source_indices=np.zeros((1, 4), np.int64),
+        )
     assert (spec == -5).all() and (ns == -5).all()
 
 
@@ -510,26 +598,35 @@ def random_steps(draw, replay: Optional[bool] = False):
     zero_drafts = draw(st.booleans()) and draw(st.booleans())  # every spec row drafts 0
     rows = []
     for _ in range(N):
-        kind = draw(st.sampled_from(["spec", "spec", "decode", "prefill", "zero"])
-                    if spec_allowed else st.sampled_from(["decode", "decode", "prefill", "zero"]))
+        kind = draw(
+            st.sampled_from(["spec", "spec", "decode", "prefill", "zero"])
+            if spec_allowed
+            else st.sampled_from(["decode", "decode", "prefill", "zero"])
+        )
         if kind == "spec":
             d = 0 if zero_drafts else draw(st.integers(0, S - 1))
             rows.append((draw(st.sampled_from([d + 1, d + 1, d + 1, 0, S])), d))
         else:
             rows.append(({"decode": 1, "prefill": draw(st.integers(2, 12)), "zero": 0}[kind], -1))
     T = np.array([t for t, _ in rows], I32)
-    context = np.array(draw(st.lists(st.one_of(st.just(0), st.integers(1, 60)), min_size=N,
-                                     max_size=N)), I32)  # 0: a fresh request
+    context = np.array(
+        draw(st.lists(st.one_of(st.just(0), st.integers(1, 60)), min_size=N, max_size=N)), I32
+    )  # 0: a fresh request
     padded = draw(st.one_of(st.none(), st.integers(N, N + 6)))
     step = dict(
         qsl=np.concatenate([[0], np.cumsum(T)]).astype(I32),
         seq_lens=(T + context).astype(I32),
         drafts=np.array([d for _, d in rows], I32),
-        acc=np.array(draw(st.lists(st.integers(0 if replay else 1, S), min_size=N, max_size=N)),
-                     I32) if not (replay and draw(st.booleans()) and draw(st.booleans())) else None,
+        acc=np.array(draw(st.lists(st.integers(0 if replay else 1, S), min_size=N, max_size=N)), I32)
+        if not (replay and draw(st.booleans()) and draw(st.booleans()))
+        else None,
         computed=context if draw(st.booleans()) else None,
-        num_spec=S - 1, mode=mode, block_size=draw(st.integers(1, 16)), padded_rows=padded,
-        pad_id=draw(st.sampled_from([0, -1])), replay=replay,
+        num_spec=S - 1,
+        mode=mode,
+        block_size=draw(st.integers(1, 16)),
+        padded_rows=padded,
+        pad_id=draw(st.sampled_from([0, -1])),
+        replay=replay,
     )
     seed = draw(st.integers(0, 2**31))
     rng = np.random.default_rng(seed)
@@ -580,10 +677,19 @@ def test_package_step_reference_agrees_with_the_tests(case):
     for table in tables:
         ours = per_group_reference(step, table)
         theirs = M.step_reference(
-            step["qsl"], step["seq_lens"], table, num_draft_tokens=step["drafts"],
-            num_accepted_tokens=step["acc"], num_computed_tokens=step["computed"],
-            num_spec=step["num_spec"], mode=step["mode"], block_size=step["block_size"],
-            padded_rows=step["padded_rows"], pad_id=step["pad_id"], replay=step["replay"])
+            step["qsl"],
+            step["seq_lens"],
+            table,
+            num_draft_tokens=step["drafts"],
+            num_accepted_tokens=step["acc"],
+            num_computed_tokens=step["computed"],
+            num_spec=step["num_spec"],
+            mode=step["mode"],
+            block_size=step["block_size"],
+            padded_rows=step["padded_rows"],
+            pad_id=step["pad_id"],
+            replay=step["replay"],
+        )
         assert theirs["counts"] == ours["counts"] and theirs["unreadable"] == ours["unreadable"]
         assert set(theirs) == set(ours)
         for name, value in ours.items():
@@ -673,15 +779,15 @@ def test_prepare_then_launch_equals_step_on_the_cpu():
     b = M.Builder(tables, num_spec=2, max_rows=12, max_tokens=48, shadow=True)
     for k in range(6):
         n = int(rng.integers(1, 9))
-        rows = [(int(t), int(d)) for t, d in zip(rng.integers(0, 4, size=n),
-                                                 rng.integers(-1, 3, size=n))]
+        rows = [(int(t), int(d)) for t, d in zip(rng.integers(0, 4, size=n), rng.integers(-1, 3, size=n))]
         rows = [(min(t, d + 1) if d >= 0 else t, d) for t, d in rows]
         step = make_step(rows, 2, acc=list(rng.integers(1, 4, size=n)), padded_rows=10)
         md_a = a.step(step["qsl"], step["seq_lens"], **step_args(step))
         md_b = b.prepare(step["qsl"], step["seq_lens"], **step_args(step))
         assert b.launch(10) == int(sum(per_group_reference(step, t)["unreadable"] for t in tables))
-        b._check(None, step["qsl"], step["seq_lens"], step["drafts"], step["acc"],
-                 step["computed"], step["padded_rows"])
+        b._check(
+            None, step["qsl"], step["seq_lens"], step["drafts"], step["acc"], step["computed"], step["padded_rows"]
+        )
         assert md_a.counts() == md_b.counts()
         for name in ("spec_state_indices", "non_spec_state_indices", "non_spec_source_indices"):
             np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
@@ -705,28 +811,40 @@ def test_builder_arguments_are_checked_once():
 
 def shadow_of(b: M.Builder, step, plan=None, spec=None, non_spec=None, source=None) -> str:
     return M.shadow_check(
-        as_np(b.host_plans[0] if plan is None else plan), [as_np(t) for t in b.block_tables],
+        as_np(b.host_plans[0] if plan is None else plan),
+        [as_np(t) for t in b.block_tables],
         as_np(b.spec_state_indices if spec is None else spec),
         as_np(b.non_spec_state_indices if non_spec is None else non_spec),
-        step["qsl"], step["seq_lens"], num_draft_tokens=step["drafts"],
-        num_accepted_tokens=step["acc"], num_computed_tokens=step["computed"],
-        num_spec=b.num_spec, max_rows=b.max_rows, max_tokens=b.max_tokens, mode=step["mode"],
-        block_size=step["block_size"], padded_rows=step["padded_rows"], pad_id=step["pad_id"],
+        step["qsl"],
+        step["seq_lens"],
+        num_draft_tokens=step["drafts"],
+        num_accepted_tokens=step["acc"],
+        num_computed_tokens=step["computed"],
+        num_spec=b.num_spec,
+        max_rows=b.max_rows,
+        max_tokens=b.max_tokens,
+        mode=step["mode"],
+        block_size=step["block_size"],
+        padded_rows=step["padded_rows"],
+        pad_id=step["pad_id"],
         non_spec_source_indices=as_np(b.non_spec_source_indices if source is None else source),
     )
 
 
-def poison_unused(b: M.Builder, md: M.StepMetadata,
-                  rng) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def poison_unused(b: M.Builder, md: M.StepMetadata, rng) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Copies of the buffers with every word outside the step's rows replaced by garbage."""
-    plan, spec, ns, src = (as_np(x).copy() for x in (b.host_plans[0], b.spec_state_indices,
-                                                        b.non_spec_state_indices,
-                                                        b.non_spec_source_indices))
+    plan, spec, ns, src = (
+        as_np(x).copy()
+        for x in (b.host_plans[0], b.spec_state_indices, b.non_spec_state_indices, b.non_spec_source_indices)
+    )
     lay = M.layout(b.max_rows, b.max_tokens)
     keep = np.zeros(len(plan), bool)
-    used = {"header": len(M.HEADER_FIELDS), "token_split": md.num_actual_tokens,
-            "spec_query_start_loc": md.spec_rows + 1,
-            "non_spec_query_start_loc": md.non_spec_rows + 1}
+    used = {
+        "header": len(M.HEADER_FIELDS),
+        "token_split": md.num_actual_tokens,
+        "spec_query_start_loc": md.spec_rows + 1,
+        "non_spec_query_start_loc": md.non_spec_rows + 1,
+    }
     for f in ("spec_request", "spec_start", "spec_num_accepted", "spec_source_column"):
         used[f] = md.spec_rows
     for f in ("non_spec_request", "non_spec_start", "non_spec_source_column"):
@@ -738,8 +856,7 @@ def poison_unused(b: M.Builder, md: M.StepMetadata,
     region = (~keep) & (np.arange(len(plan)) < bool_start)
     plan[region] = garbage[region]
     as_bytes = plan.view(np.uint8)
-    for f, n in (("spec_sequence_masks", md.counts()["mask_rows_written"]),
-                 ("has_initial_state", md.non_spec_rows)):
+    for f, n in (("spec_sequence_masks", md.counts()["mask_rows_written"]), ("has_initial_state", md.non_spec_rows)):
         lo = lay[f][0] * 4
         hi = lo + 4 * ((lay[f][1] + 3) // 4)
         as_bytes[lo + n : hi] = rng.integers(0, 256, size=hi - lo - n)
@@ -759,9 +876,16 @@ def test_shadow_names_an_injected_mismatch_whatever_the_unused_rows_hold():
     plan, spec, ns, src = poison_unused(b, md, rng)
     assert shadow_of(b, step, plan, spec, ns, src) == ""  # garbage outside the rows: same verdict
     for poisoned in (False, True):
-        p, s, n, r = (plan.copy(), spec.copy(), ns.copy(), src.copy()) if poisoned else (
-            as_np(b.host_plans[0]).copy(), b.spec_state_indices.copy(),
-            b.non_spec_state_indices.copy(), b.non_spec_source_indices.copy())
+        p, s, n, r = (
+            (plan.copy(), spec.copy(), ns.copy(), src.copy())
+            if poisoned
+            else (
+                as_np(b.host_plans[0]).copy(),
+                b.spec_state_indices.copy(),
+                b.non_spec_state_indices.copy(),
+                b.non_spec_source_indices.copy(),
+            )
+        )
         r[0, 0] += 3  # the source of group 0's live non-spec row
         msg = shadow_of(b, step, p, s, n, r)
         assert "group 0, field non_spec_source_indices, row 0" in msg, msg
@@ -784,6 +908,7 @@ def test_builder_shadow_switch_raises_on_a_mismatch(monkeypatch):
     step = make_step([(3, 2), (3, 2)], 2)
     tables = make_tables(2, 2, 3)
     b, _ = run_builder(step, tables)
+
     # Corrupt the fused pass: a native builder whose state rows land in a different buffer.
     def corrupt():
         b.spec_state_indices[1, 0, 0] += 1
@@ -803,12 +928,21 @@ def op_case(device="cpu"):
     R, T, G = 6, 16, 3
     plan = torch.zeros(M.plan_words(R, T), dtype=torch.int32)
     t = lambda a: torch.from_numpy(a)  # noqa: E731
-    torch.ops.gdn.metadata_plan(plan, t(step["qsl"]), t(step["seq_lens"]),
-                                num_draft_tokens=t(step["drafts"]),
-                                num_accepted_tokens=t(step["acc"]),
-                                num_computed_tokens=t(step["computed"]), num_spec=2, max_rows=R,
-                                max_tokens=T, cache_mode="none", block_size=0, padded_rows=4,
-                                pad_id=0)
+    torch.ops.gdn.metadata_plan(
+        plan,
+        t(step["qsl"]),
+        t(step["seq_lens"]),
+        num_draft_tokens=t(step["drafts"]),
+        num_accepted_tokens=t(step["acc"]),
+        num_computed_tokens=t(step["computed"]),
+        num_spec=2,
+        max_rows=R,
+        max_tokens=T,
+        cache_mode="none",
+        block_size=0,
+        padded_rows=4,
+        pad_id=0,
+    )
     tables = [t(x).to(device) for x in make_tables(G, 3, 4)]
     return step, plan.to(device), tables, R, T, G
 
@@ -819,9 +953,19 @@ def test_torch_ops_match_the_reference_and_pass_opcheck():
     ns = torch.full((G, R), -9, dtype=torch.int32)
     src = torch.full((G, R), -9, dtype=torch.int32)
     err = torch.zeros(1, dtype=torch.int32)
-    torch.ops.gdn.metadata_state_rows(plan, tables, spec, ns, num_spec=2, max_rows=R,
-                                      max_tokens=T, pad_id=0, launch_rows=4, error_count=err,
-                                      non_spec_source_indices=src)
+    torch.ops.gdn.metadata_state_rows(
+        plan,
+        tables,
+        spec,
+        ns,
+        num_spec=2,
+        max_rows=R,
+        max_tokens=T,
+        pad_id=0,
+        launch_rows=4,
+        error_count=err,
+        non_spec_source_indices=src,
+    )
     for g in range(G):
         ref = per_group_reference(step, tables[g].numpy())
         np.testing.assert_array_equal(spec[g, :4].numpy(), ref["spec_state_indices"])
@@ -830,15 +974,37 @@ def test_torch_ops_match_the_reference_and_pass_opcheck():
     assert (spec[:, 4:] == -9).all() and (src[:, 4:] == -9).all()
     from torch.library import opcheck
 
-    opcheck(torch.ops.gdn.metadata_state_rows.default, (plan, tables, spec, ns),
-            dict(num_spec=2, max_rows=R, max_tokens=T, pad_id=0, launch_rows=4,
-                 num_accepted_tokens=None, error_count=err, non_spec_source_indices=src))
+    opcheck(
+        torch.ops.gdn.metadata_state_rows.default,
+        (plan, tables, spec, ns),
+        dict(
+            num_spec=2,
+            max_rows=R,
+            max_tokens=T,
+            pad_id=0,
+            launch_rows=4,
+            num_accepted_tokens=None,
+            error_count=err,
+            non_spec_source_indices=src,
+        ),
+    )
     t = lambda a: torch.from_numpy(a)  # noqa: E731
-    opcheck(torch.ops.gdn.metadata_plan.default,
-            (plan.clone(), t(step["qsl"]), t(step["seq_lens"])),
-            dict(num_draft_tokens=t(step["drafts"]), num_accepted_tokens=t(step["acc"]),
-                 num_computed_tokens=None, num_spec=2, max_rows=R, max_tokens=T,
-                 cache_mode="align", block_size=4, padded_rows=None, pad_id=-1))
+    opcheck(
+        torch.ops.gdn.metadata_plan.default,
+        (plan.clone(), t(step["qsl"]), t(step["seq_lens"])),
+        dict(
+            num_draft_tokens=t(step["drafts"]),
+            num_accepted_tokens=t(step["acc"]),
+            num_computed_tokens=None,
+            num_spec=2,
+            max_rows=R,
+            max_tokens=T,
+            cache_mode="align",
+            block_size=4,
+            padded_rows=None,
+            pad_id=-1,
+        ),
+    )
 
 
 # ---- decode_mtp fed straight from the builder ----------------------------------------------------
@@ -847,14 +1013,13 @@ def test_torch_ops_match_the_reference_and_pass_opcheck():
 def decode_case(rng, device="cpu", K=16):
     H, HV, V, slots, num_spec = 1, 2, K, 64, 2
     S = num_spec + 1
-    step = make_step([(3, 2), (4, -1), (2, 1), (1, 0)], num_spec, acc=[2, 1, 3, 1], padded_rows=6,
-                     pad_id=0)
+    step = make_step([(3, 2), (4, -1), (2, 1), (1, 0)], num_spec, acc=[2, 1, 3, 1], padded_rows=6, pad_id=0)
     L = int(step["qsl"][-1])
-    tables = [rng.permutation(np.arange(1, slots))[: 4 * 5].reshape(4, 5).astype(I32)
-              for _ in range(3)]
+    tables = [rng.permutation(np.arange(1, slots))[: 4 * 5].reshape(4, 5).astype(I32) for _ in range(3)]
     f = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32)).to(device)  # noqa: E731
-    arrays = dict(mixed_qkv=f(L, 2 * H * K + HV * V), a=f(L, HV), b=f(L, HV), A_log=f(HV),
-                  dt_bias=f(HV), state=f(slots, HV, V, K))
+    arrays = dict(
+        mixed_qkv=f(L, 2 * H * K + HV * V), a=f(L, HV), b=f(L, HV), A_log=f(HV), dt_bias=f(HV), state=f(slots, HV, V, K)
+    )
     return step, [torch.from_numpy(t).to(device) for t in tables], arrays, S
 
 
@@ -867,18 +1032,36 @@ def test_decode_mtp_takes_the_builder_outputs_directly():
         # Straight from the builder (padded rows carry no token and are skipped).
         state_a = x["state"].clone()
         out_a = torch.full((len(tok), 2, 16), float("nan"))
-        gdn.decode_mtp(x["mixed_qkv"][tok], x["a"][tok], x["b"][tok], x["A_log"], x["dt_bias"],
-                       state_a, out=out_a, first_valid_slot=1, **md.decode_mtp_args(g))
+        gdn.decode_mtp(
+            x["mixed_qkv"][tok],
+            x["a"][tok],
+            x["b"][tok],
+            x["A_log"],
+            x["dt_bias"],
+            state_a,
+            out=out_a,
+            first_valid_slot=1,
+            **md.decode_mtp_args(g),
+        )
         # By hand, from the step: spec requests 0, 2, 3 read columns 0..S-1 of their table row.
         spec_req = [0, 2, 3]
         qlen = np.diff(step["qsl"])
         cu = torch.tensor(np.concatenate([[0], np.cumsum(qlen[spec_req])]), dtype=torch.int32)
         state_b = x["state"].clone()
         out_b = torch.full_like(out_a, float("nan"))
-        gdn.decode_mtp(x["mixed_qkv"][tok], x["a"][tok], x["b"][tok], x["A_log"], x["dt_bias"],
-                       state_b, tables[g][spec_req, :S].contiguous(), cu, out_b,
-                       num_accepted_tokens=torch.tensor([2, 3, 1], dtype=torch.int32),
-                       first_valid_slot=1)
+        gdn.decode_mtp(
+            x["mixed_qkv"][tok],
+            x["a"][tok],
+            x["b"][tok],
+            x["A_log"],
+            x["dt_bias"],
+            state_b,
+            tables[g][spec_req, :S].contiguous(),
+            cu,
+            out_b,
+            num_accepted_tokens=torch.tensor([2, 3, 1], dtype=torch.int32),
+            first_valid_slot=1,
+        )
         assert torch.equal(out_a, out_b) and torch.equal(state_a, state_b)
         assert not torch.isnan(out_a).any()
 
@@ -893,12 +1076,10 @@ def test_replay_mode_hand_checked(lib):
     table = np.array([[11, 12, 13, 14], [21, 22, 23, 24], [31, 32, 33, 34], [41, 42, 43, 44]], I32)
     other = table + 100
     tables = [table, other] if lib == "numpy" else [torch.from_numpy(table), torch.from_numpy(other)]
-    step = make_step([(3, 2), (1, -1), (2, 1), (0, -1)], 2, acc=[0, 2, 3, 1], padded_rows=5,
-                     pad_id=-1, replay=True)
+    step = make_step([(3, 2), (1, -1), (2, 1), (0, -1)], 2, acc=[0, 2, 3, 1], padded_rows=5, pad_id=-1, replay=True)
     b, md = run_builder(step, tables, max_rows=7)
     assert md.replay == 1 and md.num_spec_decodes == 2
-    np.testing.assert_array_equal(as_np(md.checkpoint_indices),
-                                  [[11, 31, -1, -1, -1], [111, 131, -1, -1, -1]])
+    np.testing.assert_array_equal(as_np(md.checkpoint_indices), [[11, 31, -1, -1, -1], [111, 131, -1, -1, -1]])
     np.testing.assert_array_equal(as_np(md.replay_counts), [0, 3, 0, 0, 0])
     np.testing.assert_array_equal(as_np(md.spec_num_accepted), [1, 3, 1, 1, 1])
     np.testing.assert_array_equal(as_np(md.non_spec_replay_counts), [2, 1, 0, 0, 0])
@@ -907,8 +1088,7 @@ def test_replay_mode_hand_checked(lib):
     # and write their checkpoint.
     np.testing.assert_array_equal(as_np(md.spec_state_indices[:, :, 0]), as_np(md.checkpoint_indices))
     assert (as_np(md.spec_state_indices[:, :, 1:]) == -1).all()
-    np.testing.assert_array_equal(as_np(md.non_spec_state_indices),
-                                  [[21, 41, -1, -1, -1], [121, 141, -1, -1, -1]])
+    np.testing.assert_array_equal(as_np(md.non_spec_state_indices), [[21, 41, -1, -1, -1], [121, 141, -1, -1, -1]])
     np.testing.assert_array_equal(as_np(md.non_spec_source_indices), as_np(md.non_spec_state_indices))
     args = md.replay_args(1)
     np.testing.assert_array_equal(as_np(args["state_indices"]), [111, 131, -1, -1, -1])
@@ -956,13 +1136,22 @@ def test_replay_free_functions_write_exactly_the_reference_rows(case):
     poison = -777
     plan = np.full(M.plan_words(R, T), poison, I32)
     scalars = dict(num_spec=step["num_spec"], max_rows=R, max_tokens=T)
-    M.plan(plan, step["qsl"], step["seq_lens"], pad_id=step["pad_id"], replay=True,
-           **step_args(step), **scalars)
+    M.plan(plan, step["qsl"], step["seq_lens"], pad_id=step["pad_id"], replay=True, **step_args(step), **scalars)
     spec = np.full((G, R, S), poison, I32)
     ns, src, ck = (np.full((G, R), poison, I32) for _ in range(3))
     err = np.zeros(1, I32)
-    rows = M.state_rows(plan, tables, spec, ns, pad_id=step["pad_id"], error_count=err,
-                        non_spec_source_indices=src, replay=True, checkpoint_indices=ck, **scalars)
+    rows = M.state_rows(
+        plan,
+        tables,
+        spec,
+        ns,
+        pad_id=step["pad_id"],
+        error_count=err,
+        non_spec_source_indices=src,
+        replay=True,
+        checkpoint_indices=ck,
+        **scalars,
+    )
     view = M.PlanView(M._field_views(plan, R, T), plan[: len(M.HEADER_FIELDS)])
     expected_errors = 0
     for g, table in enumerate(tables):
@@ -983,40 +1172,92 @@ def test_replay_free_functions_write_exactly_the_reference_rows(case):
         offset, length, _ = lay[name]
         assert (plan[offset + n : offset + length] == poison).all(), name
     assert rows == expected_errors == int(err[0])
-    assert M.shadow_check(plan, tables, spec, ns, step["qsl"], step["seq_lens"], pad_id=step["pad_id"],
-                          non_spec_source_indices=src, replay=True, checkpoint_indices=ck,
-                          **step_args(step), **scalars) == ""
+    assert (
+        M.shadow_check(
+            plan,
+            tables,
+            spec,
+            ns,
+            step["qsl"],
+            step["seq_lens"],
+            pad_id=step["pad_id"],
+            non_spec_source_indices=src,
+            replay=True,
+            checkpoint_indices=ck,
+            **step_args(step),
+            **scalars,
+        )
+        == ""
+    )
 
 
 def test_replay_errors_name_the_argument_and_write_nothing():
     tables = make_tables(2, 4, 4)
-    with pytest.raises(ValueError, match=r"mode 'align' \(prefix caching\) cannot be combined with "
-                                         r"replay"):
-        M.Builder(tables, num_spec=2, max_rows=4, max_tokens=16, mode="align", block_size=4,
-                  replay=True)
+    with pytest.raises(
+        ValueError,
+        match=r"mode 'align' \(prefix caching\) cannot be combined with "
+        r"replay",
+    ):
+        M.Builder(tables, num_spec=2, max_rows=4, max_tokens=16, mode="align", block_size=4, replay=True)
     step = make_step([(3, 2), (1, -1)], 2, acc=[0, 3], replay=True)
     plan = np.full(M.plan_words(4, 16), -5, I32)
     with pytest.raises(ValueError, match="mode 'align'"):
-        M.plan(plan, step["qsl"], step["seq_lens"], num_spec=2, max_rows=4, max_tokens=16,
-               mode="align", block_size=4, replay=True)
+        M.plan(
+            plan,
+            step["qsl"],
+            step["seq_lens"],
+            num_spec=2,
+            max_rows=4,
+            max_tokens=16,
+            mode="align",
+            block_size=4,
+            replay=True,
+        )
     assert (plan == -5).all()
     b = M.Builder(tables, num_spec=2, max_rows=4, max_tokens=16, replay=True)
     b.step(step["qsl"], step["seq_lens"], **step_args(step))
-    before = [np.copy(x) for x in (b.host_plans[0], b.checkpoint_indices, b.spec_state_indices,
-                                   b.non_spec_state_indices, b.non_spec_source_indices)]
-    for acc, needle in (([4, 0], r"num_accepted_tokens\[0\] = 4 is outside \[0, S = 3\] \(replay"),
-                        ([0, -1], r"num_accepted_tokens\[1\] = -1 is outside \[0, S = 3\]")):
+    before = [
+        np.copy(x)
+        for x in (
+            b.host_plans[0],
+            b.checkpoint_indices,
+            b.spec_state_indices,
+            b.non_spec_state_indices,
+            b.non_spec_source_indices,
+        )
+    ]
+    for acc, needle in (
+        ([4, 0], r"num_accepted_tokens\[0\] = 4 is outside \[0, S = 3\] \(replay"),
+        ([0, -1], r"num_accepted_tokens\[1\] = -1 is outside \[0, S = 3\]"),
+    ):
         kw = step_args(step)
         kw["num_accepted_tokens"] = np.array(acc, I32)
         with pytest.raises(ValueError, match=needle):
             b.step(step["qsl"], step["seq_lens"], **kw)
-    for x, y in zip(before, (b.host_plans[0], b.checkpoint_indices, b.spec_state_indices,
-                             b.non_spec_state_indices, b.non_spec_source_indices)):
+    for x, y in zip(
+        before,
+        (
+            b.host_plans[0],
+            b.checkpoint_indices,
+            b.spec_state_indices,
+            b.non_spec_state_indices,
+            b.non_spec_source_indices,
+        ),
+    ):
         np.testing.assert_array_equal(x, y)
     # The state-row pass: the checkpoint output is required in replay mode and refused without
     # it; a plan of the other mode is refused on the CPU.
-    M.plan(plan, step["qsl"], step["seq_lens"], num_accepted_tokens=step["acc"],
-           num_draft_tokens=step["drafts"], num_spec=2, max_rows=4, max_tokens=16, replay=True)
+    M.plan(
+        plan,
+        step["qsl"],
+        step["seq_lens"],
+        num_accepted_tokens=step["acc"],
+        num_draft_tokens=step["drafts"],
+        num_spec=2,
+        max_rows=4,
+        max_tokens=16,
+        replay=True,
+    )
     spec, ns, ck = np.full((2, 4, 3), -5, I32), np.full((2, 4), -5, I32), np.full((2, 4), -5, I32)
     kw = dict(num_spec=2, max_rows=4, max_tokens=16)
     with pytest.raises(ValueError, match="checkpoint_indices is required in replay mode"):
@@ -1025,8 +1266,9 @@ def test_replay_errors_name_the_argument_and_write_nothing():
         M.state_rows(plan, tables, spec, ns, replay=True, checkpoint_indices=ck[:1], **kw)
     with pytest.raises(ValueError, match="checkpoint_indices is written only in replay mode"):
         M.state_rows(plan, tables, spec, ns, checkpoint_indices=ck, **kw)
-    with pytest.raises(ValueError, match="plan made with header word replay = 1 but the state-row "
-                                         "pass has replay = false"):
+    with pytest.raises(
+        ValueError, match="plan made with header word replay = 1 but the state-row pass has replay = false"
+    ):
         M.state_rows(plan, tables, spec, ns, **kw)
     assert (spec == -5).all() and (ns == -5).all() and (ck == -5).all()
     with pytest.raises(TypeError, match=r"^gdn\.metadata\.state_rows: checkpoint_indices must be"):
@@ -1046,18 +1288,28 @@ def test_replay_shadow_names_an_injected_mismatch():
     kw = dict(num_spec=2, max_rows=6, max_tokens=b.max_tokens, padded_rows=4, replay=True)
 
     def check(plan, ck):
-        return M.shadow_check(plan, tables, b.spec_state_indices, b.non_spec_state_indices,
-                              step["qsl"], step["seq_lens"], num_draft_tokens=step["drafts"],
-                              num_accepted_tokens=step["acc"], num_computed_tokens=step["computed"],
-                              non_spec_source_indices=b.non_spec_source_indices,
-                              checkpoint_indices=ck, **kw)
+        return M.shadow_check(
+            plan,
+            tables,
+            b.spec_state_indices,
+            b.non_spec_state_indices,
+            step["qsl"],
+            step["seq_lens"],
+            num_draft_tokens=step["drafts"],
+            num_accepted_tokens=step["acc"],
+            num_computed_tokens=step["computed"],
+            non_spec_source_indices=b.non_spec_source_indices,
+            checkpoint_indices=ck,
+            **kw,
+        )
 
     plan, ck = b.host_plans[0].copy(), b.checkpoint_indices.copy()
     assert check(plan, ck) == ""
     ck[1, 1] += 1  # group 1, spec row 1 (request 2)
     msg = check(plan, ck)
-    assert f"group 1, field checkpoint_indices, row 1: shared/fused = {ck[1, 1]}, per-group = " \
-           f"{ck[1, 1] - 1}" in msg, msg
+    assert f"group 1, field checkpoint_indices, row 1: shared/fused = {ck[1, 1]}, per-group = {ck[1, 1] - 1}" in msg, (
+        msg
+    )
     ck[1, 1] -= 1
     ck[2, 3] = 99  # a padded row a replay reads
     assert "group 2, field checkpoint_indices, row 3" in check(plan, ck)
@@ -1071,6 +1323,7 @@ def test_replay_shadow_names_an_injected_mismatch():
     assert "field non_spec_replay_counts, row 0: shared/fused = 2, per-group = 3" in check(plan, ck)
     plan[lay["non_spec_replay_counts"][0]] = 3
     assert check(plan, ck) == ""
+
     # The builder's shadow switch names a corrupted checkpoint too.
     def corrupt():
         b.checkpoint_indices[2, 0] += 1
@@ -1085,17 +1338,36 @@ def test_replay_torch_ops_match_the_reference_and_pass_opcheck():
     R, T, G = 6, 16, 3
     t = lambda a: torch.from_numpy(a)  # noqa: E731
     plan = torch.zeros(M.plan_words(R, T), dtype=torch.int32)
-    plan_kw = dict(num_draft_tokens=t(step["drafts"]), num_accepted_tokens=t(step["acc"]),
-                   num_computed_tokens=t(step["computed"]), num_spec=2, max_rows=R, max_tokens=T,
-                   cache_mode="none", block_size=0, padded_rows=4, pad_id=0, replay=True)
+    plan_kw = dict(
+        num_draft_tokens=t(step["drafts"]),
+        num_accepted_tokens=t(step["acc"]),
+        num_computed_tokens=t(step["computed"]),
+        num_spec=2,
+        max_rows=R,
+        max_tokens=T,
+        cache_mode="none",
+        block_size=0,
+        padded_rows=4,
+        pad_id=0,
+        replay=True,
+    )
     torch.ops.gdn.metadata_plan(plan, t(step["qsl"]), t(step["seq_lens"]), **plan_kw)
     tables = [t(x) for x in make_tables(G, 3, 2)]
     spec = torch.full((G, R, 3), -9, dtype=torch.int32)
     ns, src, ck = (torch.full((G, R), -9, dtype=torch.int32) for _ in range(3))
     err = torch.zeros(1, dtype=torch.int32)
-    rows_kw = dict(num_spec=2, max_rows=R, max_tokens=T, pad_id=0, launch_rows=4,
-                   num_accepted_tokens=None, error_count=err, non_spec_source_indices=src,
-                   replay=True, checkpoint_indices=ck)
+    rows_kw = dict(
+        num_spec=2,
+        max_rows=R,
+        max_tokens=T,
+        pad_id=0,
+        launch_rows=4,
+        num_accepted_tokens=None,
+        error_count=err,
+        non_spec_source_indices=src,
+        replay=True,
+        checkpoint_indices=ck,
+    )
     torch.ops.gdn.metadata_state_rows(plan, tables, spec, ns, **rows_kw)
     view = M.PlanView(M._field_views(plan.numpy(), R, T), plan.numpy()[: len(M.HEADER_FIELDS)])
     for g in range(G):
@@ -1108,8 +1380,7 @@ def test_replay_torch_ops_match_the_reference_and_pass_opcheck():
     from torch.library import opcheck
 
     opcheck(torch.ops.gdn.metadata_state_rows.default, (plan, tables, spec, ns), rows_kw)
-    opcheck(torch.ops.gdn.metadata_plan.default, (plan.clone(), t(step["qsl"]), t(step["seq_lens"])),
-            plan_kw)
+    opcheck(torch.ops.gdn.metadata_plan.default, (plan.clone(), t(step["qsl"]), t(step["seq_lens"])), plan_kw)
 
 
 def test_decode_mtp_replay_takes_the_builder_outputs_directly():
@@ -1120,13 +1391,13 @@ def test_decode_mtp_replay_takes_the_builder_outputs_directly():
     S = num_spec + 1
     # Spec rows: requests 0 (n = 2), 2 (n = 0: first step after prefill), 3 (n = 3); request 1
     # is a prefill (not a spec row). One checkpoint column per request.
-    step = make_step([(3, 2), (4, -1), (2, 1), (1, 0)], num_spec, acc=[2, 1, 0, 3], padded_rows=6,
-                     replay=True)
+    step = make_step([(3, 2), (4, -1), (2, 1), (1, 0)], num_spec, acc=[2, 1, 0, 3], padded_rows=6, replay=True)
     L = int(step["qsl"][-1])
     tables = [rng.permutation(np.arange(1, slots))[:4].reshape(4, 1).astype(I32) for _ in range(2)]
     f = lambda *s: torch.from_numpy(rng.standard_normal(s).astype(np.float32))  # noqa: E731
-    x = dict(mixed_qkv=f(L, 2 * H * K + HV * K), a=f(L, HV), b=f(L, HV), A_log=f(HV),
-             dt_bias=f(HV), state=f(slots, HV, K, K))
+    x = dict(
+        mixed_qkv=f(L, 2 * H * K + HV * K), a=f(L, HV), b=f(L, HV), A_log=f(HV), dt_bias=f(HV), state=f(slots, HV, K, K)
+    )
     window = gdn.ReplayWindow.allocate(slots, S, H=H, HV=HV, K=K, V=K, dtype=torch.float32)
     for w in (window.k, window.v, window.a, window.b):
         w.copy_(torch.from_numpy(rng.standard_normal(tuple(w.shape)).astype(np.float32)))
@@ -1141,14 +1412,25 @@ def test_decode_mtp_replay_takes_the_builder_outputs_directly():
             state, win = x["state"].clone(), {k: v.clone() for k, v in window.arrays().items()}
             out = torch.full((len(tok), HV, K), float("nan"))
             if by_hand:
-                args = dict(state_indices=torch.from_numpy(tables[g][spec_req, 0].copy()),
-                            cu_seqlens=torch.tensor(np.concatenate([[0], np.cumsum(qlen[spec_req])]),
-                                                    dtype=torch.int32),
-                            num_accepted_tokens=torch.tensor([2, 0, 3], dtype=torch.int32))
+                args = dict(
+                    state_indices=torch.from_numpy(tables[g][spec_req, 0].copy()),
+                    cu_seqlens=torch.tensor(np.concatenate([[0], np.cumsum(qlen[spec_req])]), dtype=torch.int32),
+                    num_accepted_tokens=torch.tensor([2, 0, 3], dtype=torch.int32),
+                )
             else:
                 args = md.replay_args(g)  # padded rows: null slot, no tokens, count 0
-            gdn.decode_mtp_replay(x["mixed_qkv"][tok], x["a"][tok], x["b"][tok], x["A_log"],
-                                  x["dt_bias"], state, out=out, **win, first_valid_slot=1, **args)
+            gdn.decode_mtp_replay(
+                x["mixed_qkv"][tok],
+                x["a"][tok],
+                x["b"][tok],
+                x["A_log"],
+                x["dt_bias"],
+                state,
+                out=out,
+                **win,
+                first_valid_slot=1,
+                **args,
+            )
             results.append((out, state, win))
         (out_a, state_a, win_a), (out_b, state_b, win_b) = results
         assert not torch.isnan(out_a).any()
@@ -1175,10 +1457,17 @@ def test_cuda_builder_equals_per_group_builds(case, accepted_on_device, staging)
     step, tables = case
     dev_tables = [torch.from_numpy(t).cuda() for t in tables]
     N = len(step["qsl"]) - 1
-    b = M.Builder(dev_tables, num_spec=step["num_spec"], max_rows=N + 8,
-                  max_tokens=int(step["qsl"][-1]) + 3, mode=step["mode"],
-                  block_size=step["block_size"], pad_id=step["pad_id"], shadow=True,
-                  staging=staging)
+    b = M.Builder(
+        dev_tables,
+        num_spec=step["num_spec"],
+        max_rows=N + 8,
+        max_tokens=int(step["qsl"][-1]) + 3,
+        mode=step["mode"],
+        block_size=step["block_size"],
+        pad_id=step["pad_id"],
+        shadow=True,
+        staging=staging,
+    )
     md = b.step(step["qsl"], step["seq_lens"], **cuda_step_args(step, accepted_on_device))
     torch.cuda.synchronize()
     assert md.spec_state_indices.is_cuda and md.spec_query_start_loc.is_cuda
@@ -1193,8 +1482,7 @@ def test_cuda_graph_replay_with_new_inputs_gives_the_new_rows():
     G, S, B = 6, 5, 16
     tables_np = [rng.integers(1, 1 << 20, size=(B, 12)).astype(I32) for _ in range(G)]
     tables = [torch.from_numpy(t).cuda() for t in tables_np]
-    b = M.Builder(tables, num_spec=S - 1, max_rows=32, max_tokens=32 * S, mode="align",
-                  block_size=8)
+    b = M.Builder(tables, num_spec=S - 1, max_rows=32, max_tokens=32 * S, mode="align", block_size=8)
     acc_dev = torch.ones(B, dtype=torch.int32, device="cuda")
     first = make_step([(S, S - 1)] * B, S - 1, padded_rows=B, mode="align", block_size=8)
     b.prepare(first["qsl"], first["seq_lens"], **step_args(first))
@@ -1232,12 +1520,21 @@ def test_cuda_torch_op_is_one_launch_for_all_groups():
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        torch.ops.gdn.metadata_state_rows(plan, tables, spec, ns, num_spec=2, max_rows=R,
-                                          max_tokens=T, pad_id=0, launch_rows=4, error_count=err,
-                                          non_spec_source_indices=src)
+        torch.ops.gdn.metadata_state_rows(
+            plan,
+            tables,
+            spec,
+            ns,
+            num_spec=2,
+            max_rows=R,
+            max_tokens=T,
+            pad_id=0,
+            launch_rows=4,
+            error_count=err,
+            non_spec_source_indices=src,
+        )
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and "state_rows" in e.name]
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "state_rows" in e.name]
     assert len(kernels) == 1, [e.name for e in prof.events()]
     for g in range(G):
         ref = per_group_reference(step, tables[g].cpu().numpy())
@@ -1257,16 +1554,34 @@ def test_cuda_decode_mtp_takes_the_builder_outputs_directly():
     tok = md.spec_token_indx.long()
     out = torch.full((len(tok), 2, K), float("nan"), device="cuda")
     state = x["state"].clone()
-    gdn.decode_mtp(x["mixed_qkv"][tok], x["a"][tok], x["b"][tok], x["A_log"], x["dt_bias"],
-                   state, out=out, first_valid_slot=1, **md.decode_mtp_args(0))
+    gdn.decode_mtp(
+        x["mixed_qkv"][tok],
+        x["a"][tok],
+        x["b"][tok],
+        x["A_log"],
+        x["dt_bias"],
+        state,
+        out=out,
+        first_valid_slot=1,
+        **md.decode_mtp_args(0),
+    )
     # The same step on the CPU, from a CPU builder.
     cpu = {k: v.cpu() for k, v in x.items()}
     _, md_cpu = run_builder(step, [t.cpu() for t in tables], max_rows=8)
     out_cpu = torch.full((len(tok), 2, K), float("nan"))
     state_cpu = cpu["state"].clone()
     t = md_cpu.spec_token_indx.long()
-    gdn.decode_mtp(cpu["mixed_qkv"][t], cpu["a"][t], cpu["b"][t], cpu["A_log"], cpu["dt_bias"],
-                   state_cpu, out=out_cpu, first_valid_slot=1, **md_cpu.decode_mtp_args(0))
+    gdn.decode_mtp(
+        cpu["mixed_qkv"][t],
+        cpu["a"][t],
+        cpu["b"][t],
+        cpu["A_log"],
+        cpu["dt_bias"],
+        state_cpu,
+        out=out_cpu,
+        first_valid_slot=1,
+        **md_cpu.decode_mtp_args(0),
+    )
     torch.cuda.synchronize()
     rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
     assert not torch.isnan(out).any()
@@ -1282,9 +1597,15 @@ def test_cuda_replay_builder_equals_per_group_builds(case, counts_on_device):
     step, tables = case
     dev_tables = [torch.from_numpy(t).cuda() for t in tables]
     N = len(step["qsl"]) - 1
-    b = M.Builder(dev_tables, num_spec=step["num_spec"], max_rows=N + 8,
-                  max_tokens=int(step["qsl"][-1]) + 3, pad_id=step["pad_id"], shadow=True,
-                  replay=True)
+    b = M.Builder(
+        dev_tables,
+        num_spec=step["num_spec"],
+        max_rows=N + 8,
+        max_tokens=int(step["qsl"][-1]) + 3,
+        pad_id=step["pad_id"],
+        shadow=True,
+        replay=True,
+    )
     md = b.step(step["qsl"], step["seq_lens"], **cuda_step_args(step, counts_on_device))
     torch.cuda.synchronize()
     assert md.checkpoint_indices.is_cuda and md.replay_counts.is_cuda
@@ -1305,11 +1626,17 @@ def test_wrong_python_types_name_the_argument():
     step = make_step([(3, 2), (1, -1), (2, 1)], 2)
     buf = np.zeros(M.plan_words(8, 32), I32)
     kw = dict(num_spec=2, max_rows=8, max_tokens=32)
-    with pytest.raises(TypeError, match=r"^gdn\.metadata\.plan: query_start_loc must be .*, "
-                                        r"got a list of 4 items; wrap it in an array"):
+    with pytest.raises(
+        TypeError,
+        match=r"^gdn\.metadata\.plan: query_start_loc must be .*, "
+        r"got a list of 4 items; wrap it in an array",
+    ):
         M.plan(buf, step["qsl"].tolist(), step["seq_lens"], **kw)
-    with pytest.raises(TypeError, match=r"^gdn\.metadata\.plan: plan must be a writable .*"
-                                        r"read-only\); this argument is written to"):
+    with pytest.raises(
+        TypeError,
+        match=r"^gdn\.metadata\.plan: plan must be a writable .*"
+        r"read-only\); this argument is written to",
+    ):
         M.plan(_read_only(buf), step["qsl"], step["seq_lens"], **kw)
     with pytest.raises(TypeError, match=r"^gdn\.metadata\.plan: mode must be a str, got int 1"):
         M.plan(buf, step["qsl"], step["seq_lens"], mode=1, **kw)
@@ -1318,13 +1645,22 @@ def test_wrong_python_types_name_the_argument():
     spec, ns = np.zeros((2, 8, 3), I32), np.zeros((2, 8), I32)
     with pytest.raises(TypeError, match=r"block_tables must be a list of arrays .* pass \[table\]"):
         M.state_rows(buf, tables[0], spec, ns, **kw)
-    with pytest.raises(TypeError, match=r"^gdn\.metadata\.state_rows: block_tables\[1\] must be "
-                                        r"a writable .*, got a list of 3 items"):
+    with pytest.raises(
+        TypeError,
+        match=r"^gdn\.metadata\.state_rows: block_tables\[1\] must be "
+        r"a writable .*, got a list of 3 items",
+    ):
         M.state_rows(buf, [tables[0], tables[1].tolist()], spec, ns, **kw)
-    with pytest.raises(TypeError, match=r"^gdn\.metadata\.state_rows: num_spec must be an int, "
-                                        r"got str '2'"):
+    with pytest.raises(
+        TypeError,
+        match=r"^gdn\.metadata\.state_rows: num_spec must be an int, "
+        r"got str '2'",
+    ):
         M.state_rows(buf, tables, spec, ns, **dict(kw, num_spec="2"))
     b = M.Builder(tables, num_spec=2, max_rows=8, max_tokens=32)
-    with pytest.raises(TypeError, match=r"^gdn\.metadata\.Builder\.step: seq_lens must be .*, got "
-                                        r"a list"):
+    with pytest.raises(
+        TypeError,
+        match=r"^gdn\.metadata\.Builder\.step: seq_lens must be .*, got "
+        r"a list",
+    ):
         b.step(step["qsl"], step["seq_lens"].tolist())

@@ -18,8 +18,20 @@ import pytest
 import torch
 
 import gdn
-from reference_torch import (BF16, F64, FP16, FP32, FP32_BAR, OUT16_BAR, STATE16_BAR,
-                             cuda_skip_reason, decode_mtp_ref, out_bar, rel_l2, state_bar)
+from reference_torch import (
+    BF16,
+    F64,
+    FP16,
+    FP32,
+    FP32_BAR,
+    OUT16_BAR,
+    STATE16_BAR,
+    cuda_skip_reason,
+    decode_mtp_ref,
+    out_bar,
+    rel_l2,
+    state_bar,
+)
 
 _CUDA = cuda_skip_reason()
 needs_cuda = pytest.mark.skipif(_CUDA is not None, reason=f"CUDA replay: {_CUDA}")
@@ -34,9 +46,9 @@ class Pool:
 
     state: torch.Tensor
     window: gdn.ReplayWindow
-    slots: torch.Tensor           # [N] checkpoint slot of each request
-    ref: torch.Tensor             # [N, HV, V, K] float64: the reference state of each request
-    pending: List[int]            # n of each request for the next step
+    slots: torch.Tensor  # [N] checkpoint slot of each request
+    ref: torch.Tensor  # [N, HV, V, K] float64: the reference state of each request
+    pending: List[int]  # n of each request for the next step
 
 
 def make_pool(gen, device, *, N, H, HV, K, V, S, state_dtype, act, first_valid_slot, spare=3):
@@ -45,8 +57,7 @@ def make_pool(gen, device, *, N, H, HV, K, V, S, state_dtype, act, first_valid_s
     init = torch.randn(slots_total, HV, V, K, generator=gen, dtype=F64) * 0.3
     state = init.to(state_dtype).to(device)
     ref = state[perm.to(device)].to("cpu", F64)  # the stored (rounded) values are the start
-    window = gdn.ReplayWindow.allocate(slots_total, S, H=H, HV=HV, K=K, V=V, dtype=act,
-                                       device=device)
+    window = gdn.ReplayWindow.allocate(slots_total, S, H=H, HV=HV, K=K, V=V, dtype=act, device=device)
     # Fill the windows with junk so a replay that reads past window_len would be seen.
     for x in (window.k, window.v, window.a, window.b):
         x.copy_(torch.randn(x.shape, generator=gen, dtype=F64).to(x.dtype))
@@ -59,19 +70,20 @@ def make_pool(gen, device, *, N, H, HV, K, V, S, state_dtype, act, first_valid_s
 def layer_params(gen, HV):
     """A_log and dt_bias: constants of a layer, the same for every step of a chain (replay
     recomputes the stored tokens' gates with them)."""
-    g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31, (1,), generator=gen)))
-    return ((torch.rand(HV, generator=g, dtype=F64) * 3.5 - 2.5).to(FP32),
-            torch.randn(HV, generator=g, dtype=F64).to(FP32))
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    return (
+        (torch.rand(HV, generator=g, dtype=F64) * 3.5 - 2.5).to(FP32),
+        torch.randn(HV, generator=g, dtype=F64).to(FP32),
+    )
 
 
-def random_inputs(gen, T: List[int], *, H, HV, K, V, act, norm=True, params=None,
-                  aligned=False):
+def random_inputs(gen, T: List[int], *, H, HV, K, V, act, norm=True, params=None, aligned=False):
     """aligned: mixed_qkv contiguous (16-byte rows on CUDA) instead of a strided view at an odd
     element offset."""
     L = sum(T)
     width = 2 * H * K + HV * V
     first = 0 if aligned else 3
-    qkv = torch.randn(L, width + 5, generator=gen, dtype=F64)[:, first:first + width].to(act)
+    qkv = torch.randn(L, width + 5, generator=gen, dtype=F64)[:, first : first + width].to(act)
     if aligned:
         qkv = qkv.contiguous()
     ba = torch.randn(L, 2 * HV, generator=gen, dtype=F64).to(act)
@@ -79,26 +91,38 @@ def random_inputs(gen, T: List[int], *, H, HV, K, V, act, norm=True, params=None
     w = (torch.rand(V, generator=gen, dtype=F64) + 0.5).to(act) if norm else None
     A_log, dt_bias = params if params is not None else layer_params(gen, HV)
     cu = torch.tensor([0] + list(torch.tensor(T).cumsum(0)), dtype=torch.int32)
-    return dict(mixed_qkv=qkv, a=ba[:, :HV], b=ba[:, HV:], A_log=A_log, dt_bias=dt_bias,
-                cu_seqlens=cu, z=z, norm_weight=w)
+    return dict(
+        mixed_qkv=qkv, a=ba[:, :HV], b=ba[:, HV:], A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu, z=z, norm_weight=w
+    )
 
 
 def to(d, device):
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in d.items()}
 
 
-def replay_step(pool: Pool, inputs, T, *, device, state_layout="vk", first_valid_slot=0,
-                error_count=None, fn=None):
+def replay_step(pool: Pool, inputs, T, *, device, state_layout="vk", first_valid_slot=0, error_count=None, fn=None):
     HV, V = pool.ref.shape[1], pool.ref.shape[2]
     L = inputs["mixed_qkv"].shape[0]
     out = torch.full((L, HV, V), float("nan"), dtype=inputs["mixed_qkv"].dtype, device=device)
     x = to(inputs, device)
     (fn or gdn.decode_mtp_replay)(
-        x["mixed_qkv"], x["a"], x["b"], x["A_log"], x["dt_bias"], pool.state,
-        pool.slots.to(device), x["cu_seqlens"], out, **pool.window.arrays(),
+        x["mixed_qkv"],
+        x["a"],
+        x["b"],
+        x["A_log"],
+        x["dt_bias"],
+        pool.state,
+        pool.slots.to(device),
+        x["cu_seqlens"],
+        out,
+        **pool.window.arrays(),
         num_accepted_tokens=torch.tensor(pool.pending, dtype=torch.int32, device=device),
-        z=x["z"], norm_weight=x["norm_weight"], state_layout=state_layout,
-        first_valid_slot=first_valid_slot, error_count=error_count)
+        z=x["z"],
+        norm_weight=x["norm_weight"],
+        state_layout=state_layout,
+        first_valid_slot=first_valid_slot,
+        error_count=error_count,
+    )
     return out
 
 
@@ -107,9 +131,18 @@ def reference_step(pool: Pool, inputs, T):
     N = len(T)
     S = max(max(T), 1)
     idx = torch.arange(N, dtype=torch.int64)[:, None].expand(N, S).contiguous()
-    return decode_mtp_ref(inputs["mixed_qkv"], inputs["a"], inputs["b"], inputs["A_log"],
-                          inputs["dt_bias"], pool.ref, idx, inputs["cu_seqlens"], z=inputs["z"],
-                          norm_weight=inputs["norm_weight"])
+    return decode_mtp_ref(
+        inputs["mixed_qkv"],
+        inputs["a"],
+        inputs["b"],
+        inputs["A_log"],
+        inputs["dt_bias"],
+        pool.ref,
+        idx,
+        inputs["cu_seqlens"],
+        z=inputs["z"],
+        norm_weight=inputs["norm_weight"],
+    )
 
 
 def accept(pool: Pool, ref, T, gen):
@@ -131,8 +164,8 @@ def check_window(pool: Pool, inputs, T, H, K):
         s = int(pool.slots[i])
         rows = slice(cu[i], cu[i + 1])
         assert int(pool.window.len[s]) == t
-        assert torch.equal(pool.window.k[s, :t].cpu(), inputs["mixed_qkv"][rows, H * K:2 * H * K])
-        assert torch.equal(pool.window.v[s, :t].cpu(), inputs["mixed_qkv"][rows, 2 * H * K:])
+        assert torch.equal(pool.window.k[s, :t].cpu(), inputs["mixed_qkv"][rows, H * K : 2 * H * K])
+        assert torch.equal(pool.window.v[s, :t].cpu(), inputs["mixed_qkv"][rows, 2 * H * K :])
         assert torch.equal(pool.window.a[s, :t].cpu(), inputs["a"][rows])
         assert torch.equal(pool.window.b[s, :t].cpu(), inputs["b"][rows])
 
@@ -143,22 +176,21 @@ def random_T(gen, N, S):
     return T
 
 
-def check_chain_against_reference(gen, device, *, H, HV, state_dtype, act, params, N=5, S=4,
-                                  steps=6, z_dtype=None, fn=None, aligned=False):
+def check_chain_against_reference(
+    gen, device, *, H, HV, state_dtype, act, params, N=5, S=4, steps=6, z_dtype=None, fn=None, aligned=False
+):
     """A replay chain of `steps` steps with random T and acceptance: every step's outputs and
     checkpoints against the float64 reference, and the saved windows. z_dtype: z in that dtype
     instead of the activations' (the same values). fn: the replay function (default
     gdn.decode_mtp_replay). aligned: as random_inputs."""
     K = V = 128 if device == "cuda" else 32
-    pool = make_pool(gen, device, N=N, H=H, HV=HV, K=K, V=V, S=S, state_dtype=state_dtype,
-                     act=act, first_valid_slot=1)
+    pool = make_pool(gen, device, N=N, H=H, HV=HV, K=K, V=V, S=S, state_dtype=state_dtype, act=act, first_valid_slot=1)
     out_tol = FP32_BAR if (act == FP32 and state_dtype == FP32) else OUT16_BAR
     if state_dtype != FP32:
         out_tol = STATE16_BAR
     for step in range(steps):
         T = random_T(gen, N, S)
-        inputs = random_inputs(gen, T, H=H, HV=HV, K=K, V=V, act=act, params=params,
-                               aligned=aligned)
+        inputs = random_inputs(gen, T, H=H, HV=HV, K=K, V=V, act=act, params=params, aligned=aligned)
         if z_dtype is not None:
             inputs["z"] = inputs["z"].to(z_dtype)
         # pool.ref holds each request's state after its pending tokens: the checkpoint the call
@@ -174,21 +206,24 @@ def check_chain_against_reference(gen, device, *, H, HV, state_dtype, act, param
             assert err <= out_tol, f"step {step} request {i}: out rel L2 {err:.3g}"
             got = pool.state[int(pool.slots[i])].cpu()
             err = rel_l2(got, want[i])
-            assert err <= (FP32_BAR if state_dtype == FP32 else STATE16_BAR), \
+            assert err <= (FP32_BAR if state_dtype == FP32 else STATE16_BAR), (
                 f"step {step} request {i}: checkpoint rel L2 {err:.3g}"
+            )
         check_window(pool, inputs, T, H, K)
         accept(pool, ref, T, gen)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("state_dtype,act", [(FP32, FP32), (FP32, BF16), (BF16, BF16),
-                                             (FP16, FP16)],
-                         ids=["state_fp32_act_fp32", "state_fp32_act_bf16", "state_bf16",
-                              "state_fp16"])
+@pytest.mark.parametrize(
+    "state_dtype,act",
+    [(FP32, FP32), (FP32, BF16), (BF16, BF16), (FP16, FP16)],
+    ids=["state_fp32_act_fp32", "state_fp32_act_bf16", "state_bf16", "state_fp16"],
+)
 @pytest.mark.parametrize("H,HV", [(1, 1), (2, 4), (1, 3), (1, 8)], ids=["r1", "r2", "r3", "r8"])
 def test_chain_against_float64_reference(gen, device, H, HV, state_dtype, act):
-    check_chain_against_reference(gen, device, H=H, HV=HV, state_dtype=state_dtype, act=act,
-                                  params=layer_params(gen, HV))
+    check_chain_against_reference(
+        gen, device, H=H, HV=HV, state_dtype=state_dtype, act=act, params=layer_params(gen, HV)
+    )
 
 
 def heads_per_sm_batch(HV, heads_per_sm=2):
@@ -200,9 +235,11 @@ def heads_per_sm_batch(HV, heads_per_sm=2):
 
 
 _NEEDS_CUDA = pytest.mark.skipif(_CUDA is not None, reason=f"CUDA replay: {_CUDA}")
-STRONG_DECAY_CASES = [pytest.param("cpu", "token", id="cpu"),
-                      pytest.param("cuda", "token", id="cuda-token-by-token", marks=on_cuda),
-                      pytest.param("cuda", "closed", id="cuda-closed-form", marks=on_cuda)]
+STRONG_DECAY_CASES = [
+    pytest.param("cpu", "token", id="cpu"),
+    pytest.param("cuda", "token", id="cuda-token-by-token", marks=on_cuda),
+    pytest.param("cuda", "closed", id="cuda-closed-form", marks=on_cuda),
+]
 
 
 @pytest.mark.parametrize("device,form", STRONG_DECAY_CASES)
@@ -215,24 +252,34 @@ def test_chain_with_strong_decay(gen, device, form):
     A_log = torch.tensor([4.5, 3.0, 2.0, 1.0, 0.0, -1.0, 4.0, 2.5], dtype=FP32)
     dt_bias = torch.tensor([3.0, 1.0, 0.5, 2.0, 0.0, 0.0, -1.0, 0.0], dtype=FP32)
     N = heads_per_sm_batch(HV) if form == "closed" else 4
-    check_chain_against_reference(gen, device, H=2, HV=HV, state_dtype=FP32, act=FP32,
-                                  params=(A_log, dt_bias), N=N, S=8, steps=5)
+    check_chain_against_reference(
+        gen, device, H=2, HV=HV, state_dtype=FP32, act=FP32, params=(A_log, dt_bias), N=N, S=8, steps=5
+    )
 
 
 @pytest.mark.gpu
 @_NEEDS_CUDA
-@pytest.mark.parametrize("state_dtype,act", [(FP32, FP32), (FP32, BF16), (BF16, BF16),
-                                             (FP16, FP16)],
-                         ids=["state_fp32_act_fp32", "state_fp32_act_bf16", "state_bf16",
-                              "state_fp16"])
-@pytest.mark.parametrize("H,HV", [(4, 8), (1, 8), (3, 9), (8, 8), (2, 8)],
-                         ids=["r2", "r8", "r3", "r1", "r4"])
-@pytest.mark.parametrize("S,heads_per_sm", [(8, 2), (8, 1), (6, 4), (4, 1), (4, 4), (5, 2),
-                                            (4, 7), (3, 4), (2, 4)],
-                         ids=["closed_form", "S8_one_head_per_sm", "closed_form_S6",
-                              "token_by_token_split2", "tensor_cores_four_per_sm",
-                              "tensor_cores_S5_two_per_sm", "tensor_cores_eight_ctas_per_sm",
-                              "token_by_token_S3_four_per_sm", "token_by_token_S2_four_per_sm"])
+@pytest.mark.parametrize(
+    "state_dtype,act",
+    [(FP32, FP32), (FP32, BF16), (BF16, BF16), (FP16, FP16)],
+    ids=["state_fp32_act_fp32", "state_fp32_act_bf16", "state_bf16", "state_fp16"],
+)
+@pytest.mark.parametrize("H,HV", [(4, 8), (1, 8), (3, 9), (8, 8), (2, 8)], ids=["r2", "r8", "r3", "r1", "r4"])
+@pytest.mark.parametrize(
+    "S,heads_per_sm",
+    [(8, 2), (8, 1), (6, 4), (4, 1), (4, 4), (5, 2), (4, 7), (3, 4), (2, 4)],
+    ids=[
+        "closed_form",
+        "S8_one_head_per_sm",
+        "closed_form_S6",
+        "token_by_token_split2",
+        "tensor_cores_four_per_sm",
+        "tensor_cores_S5_two_per_sm",
+        "tensor_cores_eight_ctas_per_sm",
+        "token_by_token_S3_four_per_sm",
+        "token_by_token_S2_four_per_sm",
+    ],
+)
 def test_chain_at_a_head_per_sm(gen, H, HV, state_dtype, act, S, heads_per_sm):
     """Launch choices of the CUDA replay kernel that only batches of a few heads per SM take:
     from two, deep windows (S = 8) in closed form; between one and two, S = 8 in closed form with
@@ -244,15 +291,23 @@ def test_chain_at_a_head_per_sm(gen, H, HV, state_dtype, act, S, heads_per_sm):
     replay stages its tokens before the slice (its own kernel image: S = 4 at one head per SM,
     S = 2 and 3 at four). Chained with random T and acceptance (n = 0 .. T, padded rows), against
     the float64 reference."""
-    check_chain_against_reference(gen, "cuda", H=H, HV=HV, state_dtype=state_dtype, act=act,
-                                  params=layer_params(gen, HV),
-                                  N=heads_per_sm_batch(HV, heads_per_sm), S=S, steps=4)
+    check_chain_against_reference(
+        gen,
+        "cuda",
+        H=H,
+        HV=HV,
+        state_dtype=state_dtype,
+        act=act,
+        params=layer_params(gen, HV),
+        N=heads_per_sm_batch(HV, heads_per_sm),
+        S=S,
+        steps=4,
+    )
 
 
 @pytest.mark.gpu
 @_NEEDS_CUDA
-@pytest.mark.parametrize("state_dtype", [FP32, BF16, FP16], ids=["state_fp32", "state_bf16",
-                                                                 "state_fp16"])
+@pytest.mark.parametrize("state_dtype", [FP32, BF16, FP16], ids=["state_fp32", "state_bf16", "state_fp16"])
 @pytest.mark.parametrize("act", [FP32, BF16], ids=["act_fp32", "act_bf16"])
 @pytest.mark.parametrize("H,HV", [(4, 8), (1, 8), (3, 9)], ids=["r2", "r8", "r3"])
 def test_token_by_token_with_four_rows_per_lane(gen, H, HV, act, state_dtype):
@@ -260,16 +315,27 @@ def test_token_by_token_with_four_rows_per_lane(gen, H, HV, act, state_dtype):
     (its own kernel image, use_replay_four_rows), with the run-time and the bf16 activation
     dtypes; S = 3 keeps a 16-bit state out of the closed form. Chained with random T and
     acceptance, against the float64 reference."""
-    check_chain_against_reference(gen, "cuda", H=H, HV=HV, state_dtype=state_dtype, act=act,
-                                  params=layer_params(gen, HV),
-                                  N=heads_per_sm_batch(HV, 16),
-                                  S=4 if state_dtype == FP32 else 3, steps=3)
+    check_chain_against_reference(
+        gen,
+        "cuda",
+        H=H,
+        HV=HV,
+        state_dtype=state_dtype,
+        act=act,
+        params=layer_params(gen, HV),
+        N=heads_per_sm_batch(HV, 16),
+        S=4 if state_dtype == FP32 else 3,
+        steps=3,
+    )
 
 
 @pytest.mark.gpu
 @_NEEDS_CUDA
-@pytest.mark.parametrize("state_dtype,act", [(FP32, BF16), (BF16, BF16), (FP32, FP32)],
-                         ids=["state_fp32", "state_bf16", "state_fp32_act_fp32"])
+@pytest.mark.parametrize(
+    "state_dtype,act",
+    [(FP32, BF16), (BF16, BF16), (FP32, FP32)],
+    ids=["state_fp32", "state_bf16", "state_fp32_act_fp32"],
+)
 @pytest.mark.parametrize("split", [1, 2, 8], ids=["split1", "split2", "split8"])
 @pytest.mark.parametrize("aligned", [False, True], ids=["strided_qkv", "aligned_qkv"])
 def test_window_save_with_many_ctas_per_request(gen, state_dtype, act, split, aligned):
@@ -280,27 +346,46 @@ def test_window_save_with_many_ctas_per_request(gen, state_dtype, act, split, al
     acceptance against the float64 reference, the windows compared exactly."""
     if split > 1 and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("pinning a head split needs thread-block clusters (sm_90+)")
-    fn = functools.partial(gdn._C.decode_mtp_replay, split=split,
-                           stream=torch.cuda.current_stream().cuda_stream)
-    check_chain_against_reference(gen, "cuda", H=8, HV=64, state_dtype=state_dtype, act=act,
-                                  params=layer_params(gen, 64), N=6, S=4, steps=4, fn=fn,
-                                  aligned=aligned)
+    fn = functools.partial(gdn._C.decode_mtp_replay, split=split, stream=torch.cuda.current_stream().cuda_stream)
+    check_chain_against_reference(
+        gen,
+        "cuda",
+        H=8,
+        HV=64,
+        state_dtype=state_dtype,
+        act=act,
+        params=layer_params(gen, 64),
+        N=6,
+        S=4,
+        steps=4,
+        fn=fn,
+        aligned=aligned,
+    )
 
 
 @pytest.mark.gpu
 @_NEEDS_CUDA
-@pytest.mark.parametrize("state_dtype", [FP32, BF16, FP16], ids=["state_fp32", "state_bf16",
-                                                                 "state_fp16"])
-@pytest.mark.parametrize("S,heads_per_sm", [(4, 7), (4, 4), (3, 4)],
-                         ids=["tensor_cores_eight_ctas_per_sm", "tensor_cores", "token_by_token"])
+@pytest.mark.parametrize("state_dtype", [FP32, BF16, FP16], ids=["state_fp32", "state_bf16", "state_fp16"])
+@pytest.mark.parametrize(
+    "S,heads_per_sm", [(4, 7), (4, 4), (3, 4)], ids=["tensor_cores_eight_ctas_per_sm", "tensor_cores", "token_by_token"]
+)
 def test_bf16_activations_but_z_fp32(gen, state_dtype, S, heads_per_sm):
     """Replay with every activation array bf16 takes kernel images that know those dtypes at
     compile time; a z of another dtype among them (fp32 here) must take the images that read the
     dtypes at run time, in every kernel form, and match the reference as well."""
-    check_chain_against_reference(gen, "cuda", H=16, HV=32, state_dtype=state_dtype, act=BF16,
-                                  params=layer_params(gen, 32),
-                                  N=heads_per_sm_batch(32, heads_per_sm), S=S, steps=3,
-                                  z_dtype=FP32)
+    check_chain_against_reference(
+        gen,
+        "cuda",
+        H=16,
+        HV=32,
+        state_dtype=state_dtype,
+        act=BF16,
+        params=layer_params(gen, 32),
+        N=heads_per_sm_batch(32, heads_per_sm),
+        S=S,
+        steps=3,
+        z_dtype=FP32,
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -310,13 +395,13 @@ def test_chain_equals_write_every_token(gen, device, H, HV):
     column acc - 1 over a chain with acceptance 1..T and padded rows: bit for bit on the CPU; on
     CUDA within 1e-5 relative L2 (the replay kernel holds the state in another lane layout, so its
     dot products add in another order) and the outputs within one bf16 rounding."""
+
     def same(x, y, bar):
         return torch.equal(x, y) if device == "cpu" else rel_l2(x.cpu(), y.cpu()) <= bar
 
     K = V = 128 if device == "cuda" else 32
     N, S, steps = 6, 5, 12
-    pool = make_pool(gen, device, N=N, H=H, HV=HV, K=K, V=V, S=S, state_dtype=FP32, act=BF16,
-                     first_valid_slot=0)
+    pool = make_pool(gen, device, N=N, H=H, HV=HV, K=K, V=V, S=S, state_dtype=FP32, act=BF16, first_valid_slot=0)
     # decode_mtp's pool: S columns per request, starting from the same states in column 0.
     wa_slots = torch.arange(N * S, dtype=torch.int32).reshape(N, S)
     wa = torch.empty(N * S, HV, V, K, dtype=FP32, device=device)
@@ -330,16 +415,26 @@ def test_chain_equals_write_every_token(gen, device, H, HV):
         out_rp = replay_step(pool, inputs, T, device=device)
         x = to(inputs, device)
         out_wa = torch.full_like(out_rp, float("nan"))
-        gdn.decode_mtp(x["mixed_qkv"], x["a"], x["b"], x["A_log"], x["dt_bias"], wa,
-                       wa_slots.to(device), x["cu_seqlens"], out_wa, z=x["z"],
-                       norm_weight=x["norm_weight"],
-                       num_accepted_tokens=torch.tensor(acc, dtype=torch.int32, device=device))
+        gdn.decode_mtp(
+            x["mixed_qkv"],
+            x["a"],
+            x["b"],
+            x["A_log"],
+            x["dt_bias"],
+            wa,
+            wa_slots.to(device),
+            x["cu_seqlens"],
+            out_wa,
+            z=x["z"],
+            norm_weight=x["norm_weight"],
+            num_accepted_tokens=torch.tensor(acc, dtype=torch.int32, device=device),
+        )
         assert same(out_rp, out_wa, 4e-3), f"step {step}: outputs differ"
         for i, t in enumerate(T):
             if step > 0 and t > 0:  # this call stored the previous step's accepted state
-                assert same(pool.state[int(pool.slots[i])],
-                            wa_before[int(wa_slots[i, acc_before[i] - 1])], 1e-5), \
+                assert same(pool.state[int(pool.slots[i])], wa_before[int(wa_slots[i, acc_before[i] - 1])], 1e-5), (
                     f"step {step} request {i}: checkpoint != decode_mtp's column acc - 1"
+                )
             if t > 0:
                 n = int(torch.randint(1, t + 1, (1,), generator=gen))
                 acc[i] = pool.pending[i] = n
@@ -352,20 +447,24 @@ def test_chain_equals_write_every_token(gen, device, H, HV):
 # 16-bit state replays in closed form on tensor cores (S = 4), which stores "kv" rows element by
 # element; token by token (S = 3) it stores each column of a lane's 2 rows (4 with an fp32 state
 # from 16 heads per SM: 68 requests) as one vector.
-@pytest.mark.parametrize("device,H,HV,N,state_dtype,S", [
-    ("cpu", 1, 2, 3, FP32, 3), pytest.param("cuda", 1, 2, 3, FP32, 3, marks=on_cuda),
-    pytest.param("cuda", 16, 32, 20, FP32, 3, marks=on_cuda),
-    pytest.param("cuda", 16, 32, 68, FP32, 3, marks=on_cuda, id="cuda-four-rows"),
-    pytest.param("cuda", 16, 32, 20, BF16, 3, marks=on_cuda, id="cuda-bf16-token-by-token"),
-    pytest.param("cuda", 16, 32, 20, BF16, 4, marks=on_cuda, id="cuda-tensor-cores"),
-    pytest.param("cuda", 16, 32, 20, FP16, 4, marks=on_cuda, id="cuda-tensor-cores-fp16")])
+@pytest.mark.parametrize(
+    "device,H,HV,N,state_dtype,S",
+    [
+        ("cpu", 1, 2, 3, FP32, 3),
+        pytest.param("cuda", 1, 2, 3, FP32, 3, marks=on_cuda),
+        pytest.param("cuda", 16, 32, 20, FP32, 3, marks=on_cuda),
+        pytest.param("cuda", 16, 32, 68, FP32, 3, marks=on_cuda, id="cuda-four-rows"),
+        pytest.param("cuda", 16, 32, 20, BF16, 3, marks=on_cuda, id="cuda-bf16-token-by-token"),
+        pytest.param("cuda", 16, 32, 20, BF16, 4, marks=on_cuda, id="cuda-tensor-cores"),
+        pytest.param("cuda", 16, 32, 20, FP16, 4, marks=on_cuda, id="cuda-tensor-cores-fp16"),
+    ],
+)
 def test_kv_layout_and_first_pass(gen, device, H, HV, N, state_dtype, S):
     """The "kv" state layout, and a request's first step (n = 0: nothing replayed or stored)."""
     K = V = 128 if device == "cuda" else 16
     act = state_dtype
     out_tol, state_tol = out_bar(act), state_bar(state_dtype)
-    pool = make_pool(gen, device, N=N, H=H, HV=HV, K=K, V=V, S=S, state_dtype=state_dtype,
-                     act=act, first_valid_slot=0)
+    pool = make_pool(gen, device, N=N, H=H, HV=HV, K=K, V=V, S=S, state_dtype=state_dtype, act=act, first_valid_slot=0)
     kv_state = pool.state.transpose(-1, -2).contiguous()
     before = kv_state.clone()
     T = [3, 1, 2] * (N // 3) + [2] * (N % 3)
@@ -389,11 +488,11 @@ def test_kv_layout_and_first_pass(gen, device, H, HV, N, state_dtype, S):
 
 # ---- invalid rows ------------------------------------------------------------------------------
 
+
 def _invalid_setup(gen, device):
     K = V = 128 if device == "cuda" else 16
     H, HV, N, S = 1, 2, 4, 3
-    pool = make_pool(gen, device, N=N, H=H, HV=HV, K=K, V=V, S=S, state_dtype=FP32, act=FP32,
-                     first_valid_slot=0)
+    pool = make_pool(gen, device, N=N, H=H, HV=HV, K=K, V=V, S=S, state_dtype=FP32, act=FP32, first_valid_slot=0)
     pool.window.len.fill_(2)
     pool.pending = [2, 1, 0, 2]
     T = [2, 3, 1, 2]
@@ -446,7 +545,7 @@ def test_invalid_row_isolated_on_gpu(gen, bad):
     torch.cuda.synchronize()
     assert int(errors) == 1
     cu = inputs["cu_seqlens"].tolist()
-    assert torch.equal(out[cu[1]:cu[2]], torch.zeros_like(out[cu[1]:cu[2]]))
+    assert torch.equal(out[cu[1] : cu[2]], torch.zeros_like(out[cu[1] : cu[2]]))
     bad_slot = int(pool.slots[1])
     if 0 <= bad_slot < pool.state.shape[0]:
         assert torch.equal(pool.state[bad_slot], state_before[bad_slot])
@@ -462,10 +561,9 @@ def test_invalid_row_isolated_on_gpu(gen, bad):
 def test_padded_rows_touch_nothing(gen, device):
     """T = 0 and null checkpoint slots (any replay count) read and write nothing, out included."""
     K = V = 128 if device == "cuda" else 16
-    pool = make_pool(gen, device, N=4, H=1, HV=2, K=K, V=V, S=3, state_dtype=FP32, act=FP32,
-                     first_valid_slot=1)
+    pool = make_pool(gen, device, N=4, H=1, HV=2, K=K, V=V, S=3, state_dtype=FP32, act=FP32, first_valid_slot=1)
     pool.pending = [0, 3, 0, 2]  # rows 1 and 3 would be invalid if they were live
-    pool.slots[1] = 0            # null slot
+    pool.slots[1] = 0  # null slot
     T = [2, 0, 1, 2]
     inputs = random_inputs(gen, T, H=1, HV=2, K=K, V=V, act=FP32)
     T[3] = 0
@@ -473,7 +571,7 @@ def test_padded_rows_touch_nothing(gen, device):
     state_before = pool.state.clone()
     out = replay_step(pool, inputs, T, device=device, first_valid_slot=1).cpu()
     cu = inputs["cu_seqlens"].tolist()
-    assert torch.isnan(out[cu[3]:]).all()  # the row no request covers is untouched
+    assert torch.isnan(out[cu[3] :]).all()  # the row no request covers is untouched
     for i in (1, 3):
         s = int(pool.slots[i])
         assert torch.equal(pool.state[s], state_before[s])
@@ -481,18 +579,22 @@ def test_padded_rows_touch_nothing(gen, device):
 
 # ---- the torch op ------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_torch_op_matches_function(gen, device):
     K = V = 128 if device == "cuda" else 16
     pools = []
     for _ in range(2):
         g = torch.Generator().manual_seed(7)
-        pools.append(make_pool(g, device, N=3, H=1, HV=2, K=K, V=V, S=2, state_dtype=FP32,
-                               act=BF16, first_valid_slot=0))
+        pools.append(
+            make_pool(g, device, N=3, H=1, HV=2, K=K, V=V, S=2, state_dtype=FP32, act=BF16, first_valid_slot=0)
+        )
     T = [2, 1, 2]
     inputs = random_inputs(gen, T, H=1, HV=2, K=K, V=V, act=BF16)
-    outs = [replay_step(p, inputs, T, device=device, fn=fn)
-            for p, fn in zip(pools, (gdn.decode_mtp_replay, torch.ops.gdn.decode_mtp_replay))]
+    outs = [
+        replay_step(p, inputs, T, device=device, fn=fn)
+        for p, fn in zip(pools, (gdn.decode_mtp_replay, torch.ops.gdn.decode_mtp_replay))
+    ]
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(pools[0].state, pools[1].state)
     for name in ("window_k", "window_v", "window_a", "window_b", "window_len"):
@@ -511,8 +613,7 @@ def test_window_allocation():
 def _op_inputs(gen, device="cpu"):
     K = V = 16
     H, HV, S, N = 1, 2, 3, 3
-    pool = make_pool(gen, device, N=N, H=H, HV=HV, K=K, V=V, S=S, state_dtype=FP32, act=FP32,
-                     first_valid_slot=0)
+    pool = make_pool(gen, device, N=N, H=H, HV=HV, K=K, V=V, S=S, state_dtype=FP32, act=FP32, first_valid_slot=0)
     pool.window.len.fill_(S)
     pool.pending = [2, 0, 3]
     T = [3, 1, 2]
@@ -525,11 +626,26 @@ def test_opcheck(gen):
     views of one buffer included)."""
     pool, x, T = _op_inputs(gen)
     out = torch.full((sum(T), 2, 16), float("nan"))
-    args = (x["mixed_qkv"], x["a"], x["b"], x["A_log"], x["dt_bias"], pool.state, pool.slots,
-            x["cu_seqlens"], out, pool.window.k, pool.window.v, pool.window.a, pool.window.b,
-            pool.window.len, torch.tensor(pool.pending, dtype=torch.int32))
-    result = torch.library.opcheck(torch.ops.gdn.decode_mtp_replay.default, args,
-                                   dict(z=x["z"], norm_weight=x["norm_weight"]))
+    args = (
+        x["mixed_qkv"],
+        x["a"],
+        x["b"],
+        x["A_log"],
+        x["dt_bias"],
+        pool.state,
+        pool.slots,
+        x["cu_seqlens"],
+        out,
+        pool.window.k,
+        pool.window.v,
+        pool.window.a,
+        pool.window.b,
+        pool.window.len,
+        torch.tensor(pool.pending, dtype=torch.int32),
+    )
+    result = torch.library.opcheck(
+        torch.ops.gdn.decode_mtp_replay.default, args, dict(z=x["z"], norm_weight=x["norm_weight"])
+    )
     assert all(v == "SUCCESS" for v in result.values()), result
 
 
@@ -539,12 +655,26 @@ def test_torch_compile_fullgraph(gen):
     torch._dynamo.reset()
     HV, HK = 2, 16
 
-    def step(qkv, ba, A_log, dt_bias, z, w, state, slots, cu, out, window_kv, window_ab, length,
-             accepted):
+    def step(qkv, ba, A_log, dt_bias, z, w, state, slots, cu, out, window_kv, window_ab, length, accepted):
         torch.ops.gdn.decode_mtp_replay(
-            qkv, ba[:, :HV], ba[:, HV:], A_log, dt_bias, state, slots, cu, out,
-            window_kv[..., :HK], window_kv[..., HK:], window_ab[..., :HV], window_ab[..., HV:],
-            length, accepted, z=z, norm_weight=w)
+            qkv,
+            ba[:, :HV],
+            ba[:, HV:],
+            A_log,
+            dt_bias,
+            state,
+            slots,
+            cu,
+            out,
+            window_kv[..., :HK],
+            window_kv[..., HK:],
+            window_ab[..., :HV],
+            window_ab[..., HV:],
+            length,
+            accepted,
+            z=z,
+            norm_weight=w,
+        )
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     results = []
@@ -553,14 +683,25 @@ def test_torch_compile_fullgraph(gen):
         out = torch.full((sum(T), 2, 16), float("nan"))
         ba = torch.cat([x["a"], x["b"]], 1)
         kv = pool.window.k.untyped_storage()
-        window_kv = torch.empty(0).set_(kv, 0, (pool.state.shape[0], 3, HK + 2 * 16),
-                                        pool.window.k.stride())
+        window_kv = torch.empty(0).set_(kv, 0, (pool.state.shape[0], 3, HK + 2 * 16), pool.window.k.stride())
         ab = pool.window.a.untyped_storage()
-        window_ab = torch.empty(0).set_(ab, 0, (pool.state.shape[0], 3, 2 * HV),
-                                        pool.window.a.stride())
-        fn(x["mixed_qkv"], ba, x["A_log"], x["dt_bias"], x["z"], x["norm_weight"], pool.state,
-           pool.slots, x["cu_seqlens"], out, window_kv, window_ab, pool.window.len,
-           torch.tensor(pool.pending, dtype=torch.int32))
+        window_ab = torch.empty(0).set_(ab, 0, (pool.state.shape[0], 3, 2 * HV), pool.window.a.stride())
+        fn(
+            x["mixed_qkv"],
+            ba,
+            x["A_log"],
+            x["dt_bias"],
+            x["z"],
+            x["norm_weight"],
+            pool.state,
+            pool.slots,
+            x["cu_seqlens"],
+            out,
+            window_kv,
+            window_ab,
+            pool.window.len,
+            torch.tensor(pool.pending, dtype=torch.int32),
+        )
         results.append((out, pool.state, window_kv, window_ab, pool.window.len))
     for eager, comp in zip(*results):
         assert torch.equal(eager, comp)
@@ -574,11 +715,24 @@ def test_cuda_graph_capture_and_replay(gen):
     H, HV, K, V, N, S = 1, 2, 128, 128, 3, 3
     T = [3, 2, 3]
     params = layer_params(gen, HV)
-    steps = [random_inputs(gen, T, H=H, HV=HV, K=K, V=V, act=BF16, params=params)
-             for _ in range(4)]
+    steps = [random_inputs(gen, T, H=H, HV=HV, K=K, V=V, act=BF16, params=params) for _ in range(4)]
     counts = [[0, 0, 0]] + [torch.randint(0, 3, (N,), generator=gen).tolist() for _ in range(3)]
-    pools = [make_pool(torch.Generator().manual_seed(5), "cuda", N=N, H=H, HV=HV, K=K, V=V, S=S,
-                       state_dtype=FP32, act=BF16, first_valid_slot=0) for _ in range(2)]
+    pools = [
+        make_pool(
+            torch.Generator().manual_seed(5),
+            "cuda",
+            N=N,
+            H=H,
+            HV=HV,
+            K=K,
+            V=V,
+            S=S,
+            state_dtype=FP32,
+            act=BF16,
+            first_valid_slot=0,
+        )
+        for _ in range(2)
+    ]
     eager_outs = []
     for x, n in zip(steps, counts):
         pools[0].pending = n
@@ -591,9 +745,20 @@ def test_cuda_graph_capture_and_replay(gen):
 
     def call():
         gdn.decode_mtp_replay(
-            static["mixed_qkv"], static["a"], static["b"], static["A_log"], static["dt_bias"],
-            pool.state, pool.slots.cuda(), static["cu_seqlens"], out, **pool.window.arrays(),
-            num_accepted_tokens=accepted, z=static["z"], norm_weight=static["norm_weight"])
+            static["mixed_qkv"],
+            static["a"],
+            static["b"],
+            static["A_log"],
+            static["dt_bias"],
+            pool.state,
+            pool.slots.cuda(),
+            static["cu_seqlens"],
+            out,
+            **pool.window.arrays(),
+            num_accepted_tokens=accepted,
+            z=static["z"],
+            norm_weight=static["norm_weight"],
+        )
 
     slots = pool.slots.cuda()
     pool.slots = slots  # the captured call reads this device tensor

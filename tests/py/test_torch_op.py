@@ -36,8 +36,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.jit._s
 CONFIGS = {
     "fp32_vk_silu": dict(H=2, HV=4, act=FP32, layout="vk", gate="silu"),
     "bf16_kv_sigmoid_strided": dict(H=1, HV=3, act=BF16, layout="kv", gate="sigmoid", strided=True),
-    "state_bf16_norm_only_vllm_nulls": dict(H=2, HV=8, act=BF16, state_dtype=BF16, norm="w",
-                                            first_valid_slot=1),
+    "state_bf16_norm_only_vllm_nulls": dict(H=2, HV=8, act=BF16, state_dtype=BF16, norm="w", first_valid_slot=1),
     "no_norm_no_acc": dict(H=1, HV=5, act=FP32, norm="none", use_acc=False),
 }
 
@@ -50,10 +49,12 @@ def _run_copy(case, fn, **kw):
     """Runs fn on copies of the pool and out of `case`; returns (out buffer, pool buffer)."""
     pool = case.pool_buffer.clone()
     out_buffer = torch.full_like(case.out_buffer, float("nan"))
-    state = pool.as_strided(case.state.shape, case.state.stride(),
-                            case.state.storage_offset() - case.pool_buffer.storage_offset())
-    out = out_buffer.as_strided(case.out.shape, case.out.stride(),
-                                case.out.storage_offset() - case.out_buffer.storage_offset())
+    state = pool.as_strided(
+        case.state.shape, case.state.stride(), case.state.storage_offset() - case.pool_buffer.storage_offset()
+    )
+    out = out_buffer.as_strided(
+        case.out.shape, case.out.stride(), case.out.storage_offset() - case.out_buffer.storage_offset()
+    )
     args = list(case.args())
     args[5], args[8] = state, out
     fn(*args, **case.kwargs(), **kw)
@@ -89,8 +90,7 @@ def test_positional_arguments_follow_the_schema(gen):
             fn(*case.args(), *extra)
 
 
-@pytest.mark.parametrize("cfg,counter", [("fp32_vk_silu", False),
-                                         ("bf16_kv_sigmoid_strided", True)])
+@pytest.mark.parametrize("cfg,counter", [("fp32_vk_silu", False), ("bf16_kv_sigmoid_strided", True)])
 def test_opcheck(gen, cfg, counter):
     case = _case(gen, cfg)
     args, opts = case.args(), case.kwargs()
@@ -103,21 +103,42 @@ def test_opcheck(gen, cfg, counter):
 
 def _compiled_step(H, HV, K, V):
     """A model-like step: split the packed projections, call the op, nothing else."""
-    def step(mixed_qkv, ba, A_log, dt_bias, z, norm_weight, state, state_indices, cu_seqlens,
-             num_accepted_tokens, out):
+
+    def step(mixed_qkv, ba, A_log, dt_bias, z, norm_weight, state, state_indices, cu_seqlens, num_accepted_tokens, out):
         a, b = ba[:, :HV], ba[:, HV:]
-        torch.ops.gdn.decode_mtp(mixed_qkv, a, b, A_log, dt_bias, state, state_indices,
-                                 cu_seqlens, out, z=z, norm_weight=norm_weight,
-                                 num_accepted_tokens=num_accepted_tokens, gate="silu",
-                                 state_layout="vk")
+        torch.ops.gdn.decode_mtp(
+            mixed_qkv,
+            a,
+            b,
+            A_log,
+            dt_bias,
+            state,
+            state_indices,
+            cu_seqlens,
+            out,
+            z=z,
+            norm_weight=norm_weight,
+            num_accepted_tokens=num_accepted_tokens,
+            gate="silu",
+            state_layout="vk",
+        )
+
     return step
 
 
 def _backends():
     have_cxx = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
-    return ["eager", "aot_eager",
-            pytest.param("inductor", marks=[pytest.mark.slow, pytest.mark.skipif(
-                not have_cxx, reason="inductor on the CPU needs a C++ compiler")])]
+    return [
+        "eager",
+        "aot_eager",
+        pytest.param(
+            "inductor",
+            marks=[
+                pytest.mark.slow,
+                pytest.mark.skipif(not have_cxx, reason="inductor on the CPU needs a C++ compiler"),
+            ],
+        ),
+    ]
 
 
 @pytest.mark.parametrize("backend", _backends())
@@ -143,8 +164,7 @@ def test_torch_compile_fullgraph(gen, backend):
         assert torch.equal(case.state, state_e)
 
 
-@pytest.mark.parametrize("fn", [gdn.decode_mtp, torch.ops.gdn.decode_mtp],
-                         ids=["function", "torch_op"])
+@pytest.mark.parametrize("fn", [gdn.decode_mtp, torch.ops.gdn.decode_mtp], ids=["function", "torch_op"])
 def test_model_parameters_are_accepted(gen, fn):
     """A_log, dt_bias and norm_weight are usually nn.Parameters (requires_grad) of a model."""
     case = _case(gen, "fp32_vk_silu")
@@ -164,16 +184,20 @@ _needs_cuda = pytest.mark.skipif(_CUDA_REASON is not None, reason=f"CUDA: {_CUDA
 # The Tensor arguments each gdn function may write (its contract), by op name.
 WRITES = {
     "decode_mtp": {"state", "out", "error_count"},
-    "decode_mtp_replay": {"state", "out", "window_k", "window_v", "window_a", "window_b",
-                          "window_len", "error_count"},
+    "decode_mtp_replay": {"state", "out", "window_k", "window_v", "window_a", "window_b", "window_len", "error_count"},
     "causal_conv1d_update": {"conv_state", "out", "error_count"},
     "metadata_plan": {"plan"},
-    "metadata_state_rows": {"plan", "spec_state_indices", "non_spec_state_indices", "error_count",
-                            "non_spec_source_indices", "checkpoint_indices"},
+    "metadata_state_rows": {
+        "plan",
+        "spec_state_indices",
+        "non_spec_state_indices",
+        "error_count",
+        "non_spec_source_indices",
+        "checkpoint_indices",
+    },
 }
 
-GRAD_MODES = {"grad": contextlib.nullcontext, "no_grad": torch.no_grad,
-              "inference_mode": torch.inference_mode}
+GRAD_MODES = {"grad": contextlib.nullcontext, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
 
 I32 = torch.int32
 
@@ -183,19 +207,19 @@ class OpCall:
     """Inputs `t` (keyed by schema argument name) and two calls on them: `op(t, **extra)` calls the
     torch op leaving out its trailing defaulted arguments (the optional mutated ones among them),
     `fn(t)` the gdn function with the same arguments."""
+
     t: Dict[str, Any]
     op: Callable[..., None]
     fn: Callable[[Dict[str, Any]], None]
-    written: FrozenSet[str]       # what op(t) changes
-    optional: tuple               # optional tensors in t that op(t) leaves out
+    written: FrozenSet[str]  # what op(t) changes
+    optional: tuple  # optional tensors in t that op(t) leaves out
     written_full: FrozenSet[str]  # what op(t, **optional) changes on the CPU
 
 
 def _decode_mtp_call(gen, device):
     K = 128 if device == "cuda" else 32  # the CUDA kernel's head dim
     case = make_case(gen, H=1, HV=2, K=K, V=K, S=3, T=(3, 0, 2))
-    names = ("mixed_qkv", "a", "b", "A_log", "dt_bias", "state", "state_indices", "cu_seqlens",
-             "out")
+    names = ("mixed_qkv", "a", "b", "A_log", "dt_bias", "state", "state_indices", "cu_seqlens", "out")
     opt = ("z", "norm_weight", "num_accepted_tokens")
     t = {n: getattr(case, n).to(device) for n in names + opt}
     t["out"].fill_(float("nan"))
@@ -207,61 +231,100 @@ def _decode_mtp_call(gen, device):
         f(*(t[n] for n in names), **{n: t[n] for n in opt}, **extra)
 
     # The CPU path raises on invalid rows and never writes error_count.
-    return OpCall(t, lambda t, **e: call(torch.ops.gdn.decode_mtp, t, **e),
-                  lambda t: call(gdn.decode_mtp, t), frozenset({"state", "out"}),
-                  ("error_count",), frozenset({"state", "out"}))
+    return OpCall(
+        t,
+        lambda t, **e: call(torch.ops.gdn.decode_mtp, t, **e),
+        lambda t: call(gdn.decode_mtp, t),
+        frozenset({"state", "out"}),
+        ("error_count",),
+        frozenset({"state", "out"}),
+    )
 
 
 def _conv_call(gen, device):
     D, W, num_spec, slots = 16, 4, 2, 8
     names = ("x", "weight", "conv_state", "conv_state_indices", "cu_seqlens", "out")
-    t = dict(x=torch.randn(5, D, generator=gen), weight=torch.randn(D, W, generator=gen),
-             conv_state=torch.randn(slots, D, W - 1 + num_spec, generator=gen),
-             conv_state_indices=torch.randperm(slots, generator=gen)[:3].to(I32),
-             cu_seqlens=torch.tensor([0, 3, 3, 5], dtype=I32),
-             out=torch.full((5, D), float("nan")),
-             num_accepted_tokens=torch.tensor([2, 1, 3], dtype=I32),
-             error_count=torch.zeros(1, dtype=I32))
+    t = dict(
+        x=torch.randn(5, D, generator=gen),
+        weight=torch.randn(D, W, generator=gen),
+        conv_state=torch.randn(slots, D, W - 1 + num_spec, generator=gen),
+        conv_state_indices=torch.randperm(slots, generator=gen)[:3].to(I32),
+        cu_seqlens=torch.tensor([0, 3, 3, 5], dtype=I32),
+        out=torch.full((5, D), float("nan")),
+        num_accepted_tokens=torch.tensor([2, 1, 3], dtype=I32),
+        error_count=torch.zeros(1, dtype=I32),
+    )
     t = {k: v.to(device) for k, v in t.items()}
     t["weight"].requires_grad_()
 
     def call(f, t, **extra):
         f(*(t[n] for n in names), num_accepted_tokens=t["num_accepted_tokens"], **extra)
 
-    return OpCall(t, lambda t, **e: call(torch.ops.gdn.causal_conv1d_update, t, **e),
-                  lambda t: call(gdn.causal_conv1d_update, t), frozenset({"conv_state", "out"}),
-                  ("error_count",), frozenset({"conv_state", "out"}))
+    return OpCall(
+        t,
+        lambda t, **e: call(torch.ops.gdn.causal_conv1d_update, t, **e),
+        lambda t: call(gdn.causal_conv1d_update, t),
+        frozenset({"conv_state", "out"}),
+        ("error_count",),
+        frozenset({"conv_state", "out"}),
+    )
 
 
 def _replay_call(gen, device):
     K = 128 if device == "cuda" else 32
     H, HV, S, slots = 1, 2, 3, 6
     case = make_case(gen, H=H, HV=HV, K=K, V=K, S=S, T=(3, 0, 2))
-    names = ("mixed_qkv", "a", "b", "A_log", "dt_bias", "state", "state_indices", "cu_seqlens",
-             "out", "window_k", "window_v", "window_a", "window_b", "window_len",
-             "num_accepted_tokens")
+    names = (
+        "mixed_qkv",
+        "a",
+        "b",
+        "A_log",
+        "dt_bias",
+        "state",
+        "state_indices",
+        "cu_seqlens",
+        "out",
+        "window_k",
+        "window_v",
+        "window_a",
+        "window_b",
+        "window_len",
+        "num_accepted_tokens",
+    )
     opt = ("z", "norm_weight")
     t = {n: getattr(case, n) for n in names[:9] + opt}
     t["state"] = torch.randn(slots, HV, K, K, generator=gen)
     t["state_indices"] = torch.tensor([4, 1, 2], dtype=I32)
-    window = gdn.ReplayWindow.allocate(slots, S, H=H, HV=HV, K=K, V=K, dtype=case.mixed_qkv.dtype,
-                                       ab_dtype=case.a.dtype)
+    window = gdn.ReplayWindow.allocate(
+        slots, S, H=H, HV=HV, K=K, V=K, dtype=case.mixed_qkv.dtype, ab_dtype=case.a.dtype
+    )
     for x in (window.k, window.v, window.a, window.b):
         x.copy_(torch.randn(x.shape, generator=gen))
     window.len.copy_(torch.tensor([0, 1, 2, 3, 2, 0], dtype=I32))
-    t.update(window_k=window.k, window_v=window.v, window_a=window.a, window_b=window.b,
-             window_len=window.len, num_accepted_tokens=torch.tensor([2, 3, 1], dtype=I32),
-             error_count=torch.zeros(1, dtype=I32))
+    t.update(
+        window_k=window.k,
+        window_v=window.v,
+        window_a=window.a,
+        window_b=window.b,
+        window_len=window.len,
+        num_accepted_tokens=torch.tensor([2, 3, 1], dtype=I32),
+        error_count=torch.zeros(1, dtype=I32),
+    )
     t = {n: x.to(device) for n, x in t.items()}
     t["out"].fill_(float("nan"))
 
     def call(f, t, **extra):
         f(*(t[n] for n in names), **{n: t[n] for n in opt}, **extra)
 
-    written = frozenset({"state", "out", "window_k", "window_v", "window_a", "window_b",
-                         "window_len"})
-    return OpCall(t, lambda t, **e: call(torch.ops.gdn.decode_mtp_replay, t, **e),
-                  lambda t: call(gdn.decode_mtp_replay, t), written, ("error_count",), written)
+    written = frozenset({"state", "out", "window_k", "window_v", "window_a", "window_b", "window_len"})
+    return OpCall(
+        t,
+        lambda t, **e: call(torch.ops.gdn.decode_mtp_replay, t, **e),
+        lambda t: call(gdn.decode_mtp_replay, t),
+        written,
+        ("error_count",),
+        written,
+    )
 
 
 # A host plan of 3 requests (spec, decode, spec; num_spec 2) for R rows / T tokens.
@@ -269,30 +332,46 @@ R, T_MAX, NUM_SPEC = 6, 16, 2
 
 
 def _plan_inputs():
-    return dict(plan=torch.zeros(M.plan_words(R, T_MAX), dtype=I32),
-                query_start_loc=torch.tensor([0, 3, 4, 6], dtype=I32),
-                seq_lens=torch.tensor([8, 6, 7], dtype=I32),
-                num_draft_tokens=torch.tensor([2, -1, 1], dtype=I32),
-                num_accepted_tokens=torch.tensor([2, 1, 3], dtype=I32),
-                num_computed_tokens=torch.tensor([5, 5, 5], dtype=I32))
+    return dict(
+        plan=torch.zeros(M.plan_words(R, T_MAX), dtype=I32),
+        query_start_loc=torch.tensor([0, 3, 4, 6], dtype=I32),
+        seq_lens=torch.tensor([8, 6, 7], dtype=I32),
+        num_draft_tokens=torch.tensor([2, -1, 1], dtype=I32),
+        num_accepted_tokens=torch.tensor([2, 1, 3], dtype=I32),
+        num_computed_tokens=torch.tensor([5, 5, 5], dtype=I32),
+    )
 
 
 def _plan_fn(t):
-    M.plan(t["plan"], t["query_start_loc"], t["seq_lens"], num_draft_tokens=t["num_draft_tokens"],
-           num_accepted_tokens=t["num_accepted_tokens"],
-           num_computed_tokens=t["num_computed_tokens"], num_spec=NUM_SPEC, max_rows=R,
-           max_tokens=T_MAX)
+    M.plan(
+        t["plan"],
+        t["query_start_loc"],
+        t["seq_lens"],
+        num_draft_tokens=t["num_draft_tokens"],
+        num_accepted_tokens=t["num_accepted_tokens"],
+        num_computed_tokens=t["num_computed_tokens"],
+        num_spec=NUM_SPEC,
+        max_rows=R,
+        max_tokens=T_MAX,
+    )
 
 
 def _metadata_plan_call(gen, device):
     t = _plan_inputs()  # host tensors only: there is no CUDA form of the plan
 
     def op(t, **extra):
-        torch.ops.gdn.metadata_plan(t["plan"], t["query_start_loc"], t["seq_lens"],
-                                    num_draft_tokens=t["num_draft_tokens"],
-                                    num_accepted_tokens=t["num_accepted_tokens"],
-                                    num_computed_tokens=t["num_computed_tokens"],
-                                    num_spec=NUM_SPEC, max_rows=R, max_tokens=T_MAX, **extra)
+        torch.ops.gdn.metadata_plan(
+            t["plan"],
+            t["query_start_loc"],
+            t["seq_lens"],
+            num_draft_tokens=t["num_draft_tokens"],
+            num_accepted_tokens=t["num_accepted_tokens"],
+            num_computed_tokens=t["num_computed_tokens"],
+            num_spec=NUM_SPEC,
+            max_rows=R,
+            max_tokens=T_MAX,
+            **extra,
+        )
 
     return OpCall(t, op, _plan_fn, frozenset({"plan"}), (), frozenset({"plan"}))
 
@@ -303,32 +382,44 @@ def _metadata_state_rows_call(gen, device):
     G = 2
     # The second table is too narrow for S = 3 columns: its spec rows are padded and counted.
     tables = [torch.randint(1, 1 << 20, (3, cols), generator=gen, dtype=I32) for cols in (4, 2)]
-    t = dict(plan=planned["plan"], block_tables=tables,
-             spec_state_indices=torch.full((G, R, NUM_SPEC + 1), -9, dtype=I32),
-             non_spec_state_indices=torch.full((G, R), -9, dtype=I32),
-             num_accepted_tokens=torch.tensor([1, 1, 2], dtype=I32),  # differs from the plan's
-             error_count=torch.zeros(1, dtype=I32),
-             non_spec_source_indices=torch.full((G, R), -9, dtype=I32))
-    t = {k: [x.to(device) for x in v] if isinstance(v, list) else v.to(device)
-         for k, v in t.items()}
+    t = dict(
+        plan=planned["plan"],
+        block_tables=tables,
+        spec_state_indices=torch.full((G, R, NUM_SPEC + 1), -9, dtype=I32),
+        non_spec_state_indices=torch.full((G, R), -9, dtype=I32),
+        num_accepted_tokens=torch.tensor([1, 1, 2], dtype=I32),  # differs from the plan's
+        error_count=torch.zeros(1, dtype=I32),
+        non_spec_source_indices=torch.full((G, R), -9, dtype=I32),
+    )
+    t = {k: [x.to(device) for x in v] if isinstance(v, list) else v.to(device) for k, v in t.items()}
     names = ("plan", "block_tables", "spec_state_indices", "non_spec_state_indices")
 
     def op(t, **extra):
-        torch.ops.gdn.metadata_state_rows(*(t[n] for n in names), num_spec=NUM_SPEC, max_rows=R,
-                                          max_tokens=T_MAX, **extra)
+        torch.ops.gdn.metadata_state_rows(
+            *(t[n] for n in names), num_spec=NUM_SPEC, max_rows=R, max_tokens=T_MAX, **extra
+        )
 
     def fn(t):
         M.state_rows(*(t[n] for n in names), num_spec=NUM_SPEC, max_rows=R, max_tokens=T_MAX)
 
     # checkpoint_indices is written in replay mode only (test_metadata_state_rows_op_in_replay_mode).
-    return OpCall(t, op, fn, frozenset({"spec_state_indices", "non_spec_state_indices"}),
-                  ("num_accepted_tokens", "error_count", "non_spec_source_indices"),
-                  frozenset(WRITES["metadata_state_rows"] - {"checkpoint_indices"}))
+    return OpCall(
+        t,
+        op,
+        fn,
+        frozenset({"spec_state_indices", "non_spec_state_indices"}),
+        ("num_accepted_tokens", "error_count", "non_spec_source_indices"),
+        frozenset(WRITES["metadata_state_rows"] - {"checkpoint_indices"}),
+    )
 
 
-CALLS = {"decode_mtp": _decode_mtp_call, "decode_mtp_replay": _replay_call,
-         "causal_conv1d_update": _conv_call,
-         "metadata_plan": _metadata_plan_call, "metadata_state_rows": _metadata_state_rows_call}
+CALLS = {
+    "decode_mtp": _decode_mtp_call,
+    "decode_mtp_replay": _replay_call,
+    "causal_conv1d_update": _conv_call,
+    "metadata_plan": _metadata_plan_call,
+    "metadata_state_rows": _metadata_state_rows_call,
+}
 
 
 def _clone(t):
@@ -336,6 +427,7 @@ def _clone(t):
         if isinstance(v, torch.Tensor):
             return v.detach().clone()
         return [c(x) for x in v] if isinstance(v, list) else v
+
     return {k: c(v) for k, v in t.items()}
 
 
@@ -352,15 +444,16 @@ def _changed(before, after):
 
 
 def test_every_gdn_op_is_covered():
-    names = {n.split("::", 1)[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
-             if n.startswith("gdn::")}
+    names = {n.split("::", 1)[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names() if n.startswith("gdn::")}
     assert names == set(WRITES) == set(CALLS)
 
 
-_OP_DEVICES = [pytest.param(name, dev, id=f"{name}-{dev}",
-                            marks=[pytest.mark.gpu, _needs_cuda] if dev == "cuda" else [])
-               for name in sorted(CALLS) for dev in ("cpu", "cuda")
-               if (name, dev) != ("metadata_plan", "cuda")]  # the plan is built on the host
+_OP_DEVICES = [
+    pytest.param(name, dev, id=f"{name}-{dev}", marks=[pytest.mark.gpu, _needs_cuda] if dev == "cuda" else [])
+    for name in sorted(CALLS)
+    for dev in ("cpu", "cuda")
+    if (name, dev) != ("metadata_plan", "cuda")
+]  # the plan is built on the host
 
 
 @pytest.mark.parametrize("mode", list(GRAD_MODES))
@@ -401,9 +494,13 @@ def test_schema_marks_every_written_tensor_mutable(gen, name):
 # ---- one signature: each op takes its function's arguments ---------------------------------------
 
 # The gdn function behind each op, written out here (gdn.ops.FUNCTIONS must agree).
-FUNCTIONS = {"decode_mtp": gdn.decode_mtp, "decode_mtp_replay": gdn.decode_mtp_replay,
-             "causal_conv1d_update": gdn.causal_conv1d_update, "metadata_plan": M.plan,
-             "metadata_state_rows": M.state_rows}
+FUNCTIONS = {
+    "decode_mtp": gdn.decode_mtp,
+    "decode_mtp_replay": gdn.decode_mtp_replay,
+    "causal_conv1d_update": gdn.causal_conv1d_update,
+    "metadata_plan": M.plan,
+    "metadata_state_rows": M.state_rows,
+}
 _NO_DEFAULT = "<required>"
 
 
@@ -411,6 +508,7 @@ def _from_function(fn):
     """(name, keyword-only, default) per argument the op must take: the function's arguments,
     minus the declared exclusions (renamed or left out)."""
     from gdn.ops import SCHEMA_EXCLUDED
+
     rows = []
     for p in inspect.signature(fn).parameters.values():
         assert p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY), (fn.__name__, p)
@@ -434,6 +532,7 @@ def _from_schema(schema):
 
 def test_every_op_has_its_function():
     from gdn import ops
+
     assert set(FUNCTIONS) == set(WRITES)
     assert ops.FUNCTIONS == FUNCTIONS
     used = {name for fn in FUNCTIONS.values() for name in inspect.signature(fn).parameters}
@@ -450,7 +549,8 @@ def test_op_schema_equals_function_signature(name):
     diff = [(i, e, g) for i, (e, g) in enumerate(zip(expected, got)) if e != g]
     assert not diff and len(expected) == len(got), (
         f"{name}: schema {schema} differs from the function; first differences (position, "
-        f"function, op): {diff[:3]}; lengths {len(expected)} vs {len(got)}")
+        f"function, op): {diff[:3]}; lengths {len(expected)} vs {len(got)}"
+    )
 
 
 def test_metadata_plan_op_takes_mode_as_cache_mode():
@@ -458,14 +558,20 @@ def test_metadata_plan_op_takes_mode_as_cache_mode():
     t = _plan_inputs()
     expect = _clone(t)
     kw = dict(num_spec=NUM_SPEC, max_rows=R, max_tokens=T_MAX, block_size=2)
-    M.plan(expect["plan"], expect["query_start_loc"], expect["seq_lens"], mode="align",
-           num_draft_tokens=expect["num_draft_tokens"], **kw)
-    torch.ops.gdn.metadata_plan(t["plan"], t["query_start_loc"], t["seq_lens"], cache_mode="align",
-                                num_draft_tokens=t["num_draft_tokens"], **kw)
+    M.plan(
+        expect["plan"],
+        expect["query_start_loc"],
+        expect["seq_lens"],
+        mode="align",
+        num_draft_tokens=expect["num_draft_tokens"],
+        **kw,
+    )
+    torch.ops.gdn.metadata_plan(
+        t["plan"], t["query_start_loc"], t["seq_lens"], cache_mode="align", num_draft_tokens=t["num_draft_tokens"], **kw
+    )
     assert torch.equal(t["plan"], expect["plan"])
     plain = _clone(t)
-    M.plan(plain["plan"], plain["query_start_loc"], plain["seq_lens"],
-           num_draft_tokens=plain["num_draft_tokens"], **kw)
+    M.plan(plain["plan"], plain["query_start_loc"], plain["seq_lens"], num_draft_tokens=plain["num_draft_tokens"], **kw)
     assert not torch.equal(plain["plan"], expect["plan"])  # "align" made a difference
 
 
@@ -474,29 +580,51 @@ def test_metadata_state_rows_op_in_replay_mode(gen):
     function does."""
     t = _plan_inputs()
     t["num_accepted_tokens"] = torch.tensor([0, 2, 3], dtype=I32)  # replay counts 0..S
-    M.plan(t["plan"], t["query_start_loc"], t["seq_lens"], num_draft_tokens=t["num_draft_tokens"],
-           num_accepted_tokens=t["num_accepted_tokens"], num_spec=NUM_SPEC, max_rows=R,
-           max_tokens=T_MAX, replay=True)
+    M.plan(
+        t["plan"],
+        t["query_start_loc"],
+        t["seq_lens"],
+        num_draft_tokens=t["num_draft_tokens"],
+        num_accepted_tokens=t["num_accepted_tokens"],
+        num_spec=NUM_SPEC,
+        max_rows=R,
+        max_tokens=T_MAX,
+        replay=True,
+    )
     G = 2
     tables = [torch.randint(1, 1 << 20, (3, cols), generator=gen, dtype=I32) for cols in (1, 4)]
-    outputs = dict(spec_state_indices=torch.full((G, R, NUM_SPEC + 1), -9, dtype=I32),
-                   non_spec_state_indices=torch.full((G, R), -9, dtype=I32),
-                   checkpoint_indices=torch.full((G, R), -9, dtype=I32),
-                   non_spec_source_indices=torch.full((G, R), -9, dtype=I32))
+    outputs = dict(
+        spec_state_indices=torch.full((G, R, NUM_SPEC + 1), -9, dtype=I32),
+        non_spec_state_indices=torch.full((G, R), -9, dtype=I32),
+        checkpoint_indices=torch.full((G, R), -9, dtype=I32),
+        non_spec_source_indices=torch.full((G, R), -9, dtype=I32),
+    )
     expect = _clone(outputs)
     kw = dict(num_spec=NUM_SPEC, max_rows=R, max_tokens=T_MAX, replay=True)
-    M.state_rows(t["plan"], tables, expect["spec_state_indices"], expect["non_spec_state_indices"],
-                 checkpoint_indices=expect["checkpoint_indices"],
-                 non_spec_source_indices=expect["non_spec_source_indices"], **kw)
+    M.state_rows(
+        t["plan"],
+        tables,
+        expect["spec_state_indices"],
+        expect["non_spec_state_indices"],
+        checkpoint_indices=expect["checkpoint_indices"],
+        non_spec_source_indices=expect["non_spec_source_indices"],
+        **kw,
+    )
     before = _clone(outputs)
-    torch.ops.gdn.metadata_state_rows(t["plan"], tables, outputs["spec_state_indices"],
-                                      outputs["non_spec_state_indices"],
-                                      checkpoint_indices=outputs["checkpoint_indices"],
-                                      non_spec_source_indices=outputs["non_spec_source_indices"], **kw)
+    torch.ops.gdn.metadata_state_rows(
+        t["plan"],
+        tables,
+        outputs["spec_state_indices"],
+        outputs["non_spec_state_indices"],
+        checkpoint_indices=outputs["checkpoint_indices"],
+        non_spec_source_indices=outputs["non_spec_source_indices"],
+        **kw,
+    )
     assert all(_same(outputs[k], expect[k]) for k in outputs)
     assert _changed(before, outputs) == set(outputs)
-    torch.testing.assert_close(outputs["checkpoint_indices"][:, :2],
-                               torch.stack([tables[g][[0, 2], 0] for g in range(G)]))
+    torch.testing.assert_close(
+        outputs["checkpoint_indices"][:, :2], torch.stack([tables[g][[0, 2], 0] for g in range(G)])
+    )
     schema = torch.ops.gdn.metadata_state_rows.default._schema
     mutable = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
     assert set(outputs) <= mutable
@@ -508,7 +636,7 @@ PACKAGE = pathlib.Path(gdn.__file__).parent
 
 
 def _expected_kernels() -> str:
-    """"c++" when the package holds torch op kernels built against this torch (torch_ops.json names
+    """ "c++" when the package holds torch op kernels built against this torch (torch_ops.json names
     its version) and GDN_TORCH_OP_KERNELS does not ask for Python ones, else "python"."""
     if os.environ.get("GDN_TORCH_OP_KERNELS", "").strip().lower() == "python":
         return "python"
@@ -532,6 +660,7 @@ def _cpu_kernel(name: str, key: str = "CPU") -> str:
 
 def test_each_op_has_the_builds_kernels():
     from gdn import ops
+
     expected = _expected_kernels()
     assert ops.KERNELS == expected, ops.KERNELS_REASON
     assert ops.KERNELS_REASON
@@ -540,31 +669,49 @@ def test_each_op_has_the_builds_kernels():
     expected_cuda = expected if torch.version.cuda is not None else "python"
     for name in sorted(WRITES):  # the metadata ops (once per step) always run the function
         assert _cpu_kernel(name) == (expected if name in ops.CPP_OPS else "python"), name
-        assert _cpu_kernel(name, "CUDA") == (expected_cuda if name in ops.CPP_OPS
-                                             else "python"), name
+        assert _cpu_kernel(name, "CUDA") == (expected_cuda if name in ops.CPP_OPS else "python"), name
 
 
 # Bad calls: a change to a valid call's tensors, and the argument the error must name.
 BAD_CALLS = {
-    "decode_mtp-dtype": ("decode_mtp", lambda t: t.update(state_indices=t["state_indices"].float()),
-                         "state_indices has dtype float32"),
+    "decode_mtp-dtype": (
+        "decode_mtp",
+        lambda t: t.update(state_indices=t["state_indices"].float()),
+        "state_indices has dtype float32",
+    ),
     "decode_mtp-shape": ("decode_mtp", lambda t: t.update(A_log=t["A_log"][:1]), "A_log dimension"),
-    "decode_mtp-range": ("decode_mtp", lambda t: t["num_accepted_tokens"].add_(5),
-                         "num_accepted_tokens = 8 is outside"),
-    "decode_mtp-dlpack-dtype": ("decode_mtp", lambda t: t.update(cu_seqlens=t["cu_seqlens"].byte()),
-                                "cu_seqlens has an unsupported dtype"),
-    "replay-dtype": ("decode_mtp_replay", lambda t: t.update(window_len=t["window_len"].float()),
-                     "window_len has dtype float32"),
-    "replay-shape": ("decode_mtp_replay", lambda t: t.update(window_k=t["window_k"][:, :2]),
-                     "window_v dimension 1"),
-    "replay-range": ("decode_mtp_replay", lambda t: t["num_accepted_tokens"].add_(3),
-                     "num_accepted_tokens[0] = 5 is outside"),
-    "conv-dtype": ("causal_conv1d_update", lambda t: t.update(cu_seqlens=t["cu_seqlens"].float()),
-                   "cu_seqlens has dtype float32"),
-    "conv-shape": ("causal_conv1d_update",
-                   lambda t: t.update(conv_state=t["conv_state"][:, :, :2]), "conv_state holds"),
-    "conv-range": ("causal_conv1d_update", lambda t: t["conv_state_indices"].add_(100),
-                   "conv_state_indices[0] = "),
+    "decode_mtp-range": (
+        "decode_mtp",
+        lambda t: t["num_accepted_tokens"].add_(5),
+        "num_accepted_tokens = 8 is outside",
+    ),
+    "decode_mtp-dlpack-dtype": (
+        "decode_mtp",
+        lambda t: t.update(cu_seqlens=t["cu_seqlens"].byte()),
+        "cu_seqlens has an unsupported dtype",
+    ),
+    "replay-dtype": (
+        "decode_mtp_replay",
+        lambda t: t.update(window_len=t["window_len"].float()),
+        "window_len has dtype float32",
+    ),
+    "replay-shape": ("decode_mtp_replay", lambda t: t.update(window_k=t["window_k"][:, :2]), "window_v dimension 1"),
+    "replay-range": (
+        "decode_mtp_replay",
+        lambda t: t["num_accepted_tokens"].add_(3),
+        "num_accepted_tokens[0] = 5 is outside",
+    ),
+    "conv-dtype": (
+        "causal_conv1d_update",
+        lambda t: t.update(cu_seqlens=t["cu_seqlens"].float()),
+        "cu_seqlens has dtype float32",
+    ),
+    "conv-shape": (
+        "causal_conv1d_update",
+        lambda t: t.update(conv_state=t["conv_state"][:, :, :2]),
+        "conv_state holds",
+    ),
+    "conv-range": ("causal_conv1d_update", lambda t: t["conv_state_indices"].add_(100), "conv_state_indices[0] = "),
 }
 
 
@@ -587,8 +734,7 @@ def test_op_raises_what_the_function_raises(gen, case):
     assert not _changed(before, call.t)
 
 
-@pytest.mark.parametrize("options", [dict(gate="relu"), dict(state_layout="kvv"),
-                                     dict(first_valid_slot=-1)], ids=str)
+@pytest.mark.parametrize("options", [dict(gate="relu"), dict(state_layout="kvv"), dict(first_valid_slot=-1)], ids=str)
 def test_op_raises_what_the_function_raises_for_scalars(gen, options):
     case = _case(gen, "fp32_vk_silu")
     kwargs = {**case.kwargs(), **options}
@@ -617,9 +763,13 @@ def test_python_kernels_on_request(tmp_path):
         torch.save(list(t._run_copy(case, torch.ops.gdn.decode_mtp)), sys.argv[2])
     """)
     saved = tmp_path / "python_kernels.pt"
-    result = subprocess.run([sys.executable, "-c", source, str(pathlib.Path(__file__).parent),
-                             str(saved)], env=dict(os.environ, GDN_TORCH_OP_KERNELS="python"),
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", source, str(pathlib.Path(__file__).parent), str(saved)],
+        env=dict(os.environ, GDN_TORCH_OP_KERNELS="python"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     assert _same(torch.load(saved), here)
 
@@ -628,6 +778,5 @@ def test_python_kernels_on_request(tmp_path):
 def test_unknown_kernel_choice_is_refused():
     source = "import gdn"
     env = dict(os.environ, GDN_TORCH_OP_KERNELS="fortran")
-    result = subprocess.run([sys.executable, "-c", source], env=env, capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", source], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0 and "GDN_TORCH_OP_KERNELS must be" in result.stderr

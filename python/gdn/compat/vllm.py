@@ -60,17 +60,30 @@ def fused_gdn_decode_post_conv_mtp(
     exact).
     """
     if output_gate is not None and norm_weight is None:
-        raise ValueError("output_gate needs norm_weight (the gate is applied inside the gated "
-                         "RMSNorm)")
+        raise ValueError("output_gate needs norm_weight (the gate is applied inside the gated RMSNorm)")
     L = mixed_qkv.shape[0]
     if out.dim() != 3 or out.shape[0] < L:
-        raise ValueError(f"out must be [L_out >= L = {L} (rows of mixed_qkv), HV, V], got shape "
-                         f"{list(out.shape)}")
+        raise ValueError(f"out must be [L_out >= L = {L} (rows of mixed_qkv), HV, V], got shape {list(out.shape)}")
     torch.ops.gdn.decode_mtp(
-        mixed_qkv, a, b, A_log, dt_bias, state, state_indices, cu_seqlens, out[:L],
-        z=output_gate, norm_weight=norm_weight, num_accepted_tokens=num_accepted_tokens,
-        scale=float(scale), l2_eps=1e-6, norm_eps=float(norm_eps), gate=output_gate_activation,
-        state_layout="vk", first_valid_slot=1, round_core_output=bool(vllm_numerics),
+        mixed_qkv,
+        a,
+        b,
+        A_log,
+        dt_bias,
+        state,
+        state_indices,
+        cu_seqlens,
+        out[:L],
+        z=output_gate,
+        norm_weight=norm_weight,
+        num_accepted_tokens=num_accepted_tokens,
+        scale=float(scale),
+        l2_eps=1e-6,
+        norm_eps=float(norm_eps),
+        gate=output_gate_activation,
+        state_layout="vk",
+        first_valid_slot=1,
+        round_core_output=bool(vllm_numerics),
     )
     _zero_padded_rows(out, L, cu_seqlens)
     return out
@@ -81,7 +94,7 @@ def _zero_padded_rows(out: torch.Tensor, L: int, cu_seqlens: torch.Tensor) -> No
     if out.shape[0] > L:
         out[L:].zero_()
     if cu_seqlens.device.type == "cpu":
-        out[int(cu_seqlens[-1]):L].zero_()
+        out[int(cu_seqlens[-1]) : L].zero_()
     else:  # the live token count stays on the device: no synchronisation
         rows = torch.arange(L, device=out.device, dtype=cu_seqlens.dtype)
         out[:L].masked_fill_((rows >= cu_seqlens[-1]).view(L, 1, 1), 0)
