@@ -1093,24 +1093,24 @@ struct BodyTraits {
        tensor_cores = false, eight_ctas = false, bf16_activations = false, four_rows = false,
        kv_layout = false;
 };
-constexpr BodyTraits with_image(BodyTraits t, KernelImage image) {
+GDN_HOST_DEVICE constexpr BodyTraits with_image(BodyTraits t, KernelImage image) {
   t.bf16_activations = image == KernelImage::kBf16Activations;
   t.kv_layout = image == KernelImage::kAlignedKv;
   return t;
 }
-constexpr BodyTraits body_traits(WriteAllForm form, KernelImage image) {
+GDN_HOST_DEVICE constexpr BodyTraits body_traits(WriteAllForm form, KernelImage image) {
   BodyTraits t;
   t.single_token = form == WriteAllForm::kSingleToken;
   return with_image(t, image);
 }
-constexpr BodyTraits body_traits(ReplayTokensForm form, KernelImage image) {
+GDN_HOST_DEVICE constexpr BodyTraits body_traits(ReplayTokensForm form, KernelImage image) {
   BodyTraits t;
   t.replay = true;
   t.tokens_first = form == ReplayTokensForm::kTokensFirst;
   t.four_rows = form == ReplayTokensForm::kFourRows;
   return with_image(t, image);
 }
-constexpr BodyTraits body_traits(ClosedFormMath math, KernelImage image) {
+GDN_HOST_DEVICE constexpr BodyTraits body_traits(ClosedFormMath math, KernelImage image) {
   BodyTraits t;
   t.replay = t.closed_form = true;
   t.tensor_cores = math != ClosedFormMath::kCudaCores;
