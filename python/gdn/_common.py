@@ -1,11 +1,67 @@
-"""Helpers shared by the operation modules: the launch stream and argument errors that name the
-argument."""
+"""Helpers shared by the operation modules: the argument kinds each function's signature declares,
+the launch stream, and argument errors that name the argument."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Mapping, Optional
+import inspect
+import typing
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from . import _C
+
+# ---- argument kinds ------------------------------------------------------------------------------
+#
+# Each operation's Python function is the one definition of its arguments: names, order, the
+# keyword-only split, defaults, and in the annotations what each array argument is. From it come
+# the kinds its binding converts (`argument_kinds`, for `raise_argument_error`), the torch op's
+# schema (gdn.ops) and the docstring check (tests/py/test_torch_op.py).
+
+#: An array the call only reads (the binding accepts read-only arrays).
+Input = typing.Annotated[Any, "input"]
+#: An array the binding takes as a writable array but the call only reads.
+Buffer = typing.Annotated[Any, "array"]
+#: An array the call writes (a torch op marks it mutated).
+Output = typing.Annotated[Any, "array", "written"]
+#: A list of arrays the binding takes as writable arrays, only read.
+Buffers = typing.Annotated[Any, "arrays"]
+
+_SCALAR_KINDS = {int: "int", float: "float", bool: "bool", str: "str"}
+
+
+class Argument(typing.NamedTuple):
+    """One argument of an operation's function, as its annotation declares it."""
+
+    name: str
+    kind: str  # "input", "array", "arrays", "int", "float", "bool", "str"; see _PROBES
+    optional: bool  # None is accepted (absent)
+    written: bool  # the call writes it
+
+
+def arguments(function: Callable[..., Any]) -> List[Argument]:
+    """The arguments of an operation's function from its annotations (``stream`` excluded: it is
+    resolved before the binding, see :func:`_stream_of`)."""
+    hints = typing.get_type_hints(function, include_extras=True)
+    out = []
+    for name in inspect.signature(function).parameters:
+        if name in ("self", "stream"):
+            continue
+        hint, optional = hints[name], False
+        if typing.get_origin(hint) is typing.Union:
+            members = [h for h in typing.get_args(hint) if h is not type(None)]
+            optional, hint = True, members[0]
+        if typing.get_origin(hint) is typing.Annotated:
+            meta = hint.__metadata__
+            out.append(Argument(name, meta[0], optional, "written" in meta))
+        elif hint in _SCALAR_KINDS:
+            out.append(Argument(name, _SCALAR_KINDS[hint], optional, False))
+        else:
+            raise TypeError(f"{function.__qualname__}: argument {name} has no gdn kind ({hint!r})")
+    return out
+
+
+def argument_kinds(function: Callable[..., Any]) -> Dict[str, str]:
+    """``{argument: kind}`` as :func:`raise_argument_error` takes it ("?" marks optional)."""
+    return {a.name: a.kind + ("?" if a.optional else "") for a in arguments(function)}
 
 
 def _stream_of(x: Any, stream: Any) -> Optional[int]:

@@ -6,44 +6,29 @@ Math and buffer rule: docs gdn-math.md §2.2 and §3.3.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 
 from . import _C
-from ._common import _stream_of, raise_argument_error
+from ._common import Buffer, Output, _stream_of, argument_kinds, raise_argument_error
 
 __all__ = ["causal_conv1d_update", "causal_conv1d_update_reference"]
 
-# How the binding converts each argument (see _common.raise_argument_error).
-_KINDS = {
-    "x": "array",
-    "weight": "array",
-    "conv_state": "array",
-    "conv_state_indices": "array",
-    "cu_seqlens": "array",
-    "out": "array",
-    "num_accepted_tokens": "array?",
-    "activation": "str",
-    "state_layout": "str",
-    "first_valid_slot": "int",
-    "error_count": "array?",
-}
-
 
 def causal_conv1d_update(
-    x: Any,
-    weight: Any,
-    conv_state: Any,
-    conv_state_indices: Any,
-    cu_seqlens: Any,
-    out: Any,
+    x: Buffer,
+    weight: Buffer,
+    conv_state: Output,
+    conv_state_indices: Buffer,
+    cu_seqlens: Buffer,
+    out: Output,
     *,
-    num_accepted_tokens: Any = None,
+    num_accepted_tokens: Optional[Buffer] = None,
     activation: str = "silu",
     state_layout: str = "channels_major",
     first_valid_slot: int = 0,
-    error_count: Any = None,
+    error_count: Optional[Output] = None,
     stream: Optional[int] = None,
 ) -> None:
     """Depthwise causal conv1d (width W, no bias) with speculative rollback of the conv state:
@@ -108,6 +93,10 @@ def causal_conv1d_update(
     except TypeError:
         raise_argument_error("causal_conv1d_update", _KINDS, locals())
         raise
+
+
+# How the binding converts each argument (see _common.raise_argument_error).
+_KINDS = argument_kinds(causal_conv1d_update)
 
 
 def causal_conv1d_update_reference(

@@ -13,50 +13,25 @@ from typing import Any, Optional, Tuple, Union
 import numpy as np
 
 from . import _C
-from ._common import _stream_of, raise_argument_error
+from ._common import Input, Output, _stream_of, argument_kinds, raise_argument_error
 
 __all__ = ["can_use_decode_mtp", "decode_mtp", "decode_mtp_reference"]
 
-# How the binding converts each argument (see _common.raise_argument_error).
-_KINDS = {
-    "mixed_qkv": "input",
-    "a": "input",
-    "b": "input",
-    "A_log": "input",
-    "dt_bias": "input",
-    "state": "array",
-    "state_indices": "input",
-    "cu_seqlens": "input",
-    "out": "array",
-    "z": "input?",
-    "norm_weight": "input?",
-    "num_accepted_tokens": "input?",
-    "scale": "float?",
-    "l2_eps": "float",
-    "norm_eps": "float",
-    "gate": "str",
-    "state_layout": "str",
-    "first_valid_slot": "int",
-    "num_k_heads": "int",
-    "round_core_output": "bool",
-    "error_count": "array?",
-}
-
 
 def decode_mtp(
-    mixed_qkv: Any,
-    a: Any,
-    b: Any,
-    A_log: Any,
-    dt_bias: Any,
-    state: Any,
-    state_indices: Any,
-    cu_seqlens: Any,
-    out: Any,
+    mixed_qkv: Input,
+    a: Input,
+    b: Input,
+    A_log: Input,
+    dt_bias: Input,
+    state: Output,
+    state_indices: Input,
+    cu_seqlens: Input,
+    out: Output,
     *,
-    z: Any = None,
-    norm_weight: Any = None,
-    num_accepted_tokens: Any = None,
+    z: Optional[Input] = None,
+    norm_weight: Optional[Input] = None,
+    num_accepted_tokens: Optional[Input] = None,
     scale: Optional[float] = None,
     l2_eps: float = 1e-6,
     norm_eps: float = 1e-6,
@@ -65,7 +40,7 @@ def decode_mtp(
     first_valid_slot: int = 0,
     num_k_heads: int = 0,
     round_core_output: bool = False,
-    error_count: Any = None,
+    error_count: Optional[Output] = None,
     stream: Optional[int] = None,
 ) -> None:
     """Fused GDN decode / MTP verify: updates the ``state`` pool in place and writes ``out``.
@@ -177,6 +152,10 @@ def decode_mtp(
     except TypeError:
         raise_argument_error("decode_mtp", _KINDS, locals())
         raise
+
+
+# How the binding converts each argument (see _common.raise_argument_error).
+_KINDS = argument_kinds(decode_mtp)
 
 
 # ---- the guard ----------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _C
-from ._common import _stream_of, raise_argument_error
+from ._common import Buffer, Buffers, Output, _stream_of, argument_kinds, raise_argument_error
 
 __all__ = [
     "HEADER_FIELDS",
@@ -75,55 +75,6 @@ MAX_GROUPS: int = int(_C.metadata_max_groups)
 _H = {name: i for i, name in enumerate(HEADER_FIELDS)}
 
 
-# How the bindings convert each argument (see _common.raise_argument_error).
-_STEP_KINDS = {
-    "query_start_loc": "array",
-    "seq_lens": "array",
-    "num_draft_tokens": "array?",
-    "num_accepted_tokens": "array?",
-    "num_computed_tokens": "array?",
-    "num_spec": "int",
-    "max_rows": "int",
-    "max_tokens": "int",
-    "mode": "str",
-    "block_size": "int",
-    "padded_rows": "int?",
-    "pad_id": "int",
-}
-_PLAN_KINDS = {"plan": "array", **_STEP_KINDS, "replay": "bool"}
-_STATE_ROWS_KINDS = {
-    "plan": "array",
-    "block_tables": "arrays",
-    "spec_state_indices": "array",
-    "non_spec_state_indices": "array",
-    "num_spec": "int",
-    "max_rows": "int",
-    "max_tokens": "int",
-    "pad_id": "int",
-    "launch_rows": "int",
-    "num_accepted_tokens": "array?",
-    "error_count": "array?",
-    "non_spec_source_indices": "array?",
-    "replay": "bool",
-    "checkpoint_indices": "array?",
-}
-_SHADOW_KINDS = {
-    k: v for k, v in _STATE_ROWS_KINDS.items() if k not in ("launch_rows", "num_accepted_tokens", "error_count")
-}
-_SHADOW_KINDS.update(_STEP_KINDS)
-_BUILDER_STEP_KINDS = {
-    k: _STEP_KINDS[k]
-    for k in (
-        "query_start_loc",
-        "seq_lens",
-        "num_draft_tokens",
-        "num_accepted_tokens",
-        "num_computed_tokens",
-        "padded_rows",
-    )
-}
-
-
 def layout(max_rows: int, max_tokens: int) -> Dict[str, Any]:
     """``{field: (word offset, length, dtype)}`` of a plan buffer, plus ``"total_words"``."""
     return _C.metadata_layout(max_rows, max_tokens)
@@ -136,13 +87,13 @@ def plan_words(max_rows: int, max_tokens: int) -> int:
 
 
 def plan(
-    plan: Any,
-    query_start_loc: Any,
-    seq_lens: Any,
+    plan: Output,
+    query_start_loc: Buffer,
+    seq_lens: Buffer,
     *,
-    num_draft_tokens: Any = None,
-    num_accepted_tokens: Any = None,
-    num_computed_tokens: Any = None,
+    num_draft_tokens: Optional[Buffer] = None,
+    num_accepted_tokens: Optional[Buffer] = None,
+    num_computed_tokens: Optional[Buffer] = None,
     num_spec: int,
     max_rows: int,
     max_tokens: int,
@@ -207,22 +158,26 @@ def plan(
         raise
 
 
+# How the binding converts each argument (see _common.raise_argument_error).
+_PLAN_KINDS = argument_kinds(plan)
+
+
 def state_rows(
-    plan: Any,
-    block_tables: Sequence[Any],
-    spec_state_indices: Any,
-    non_spec_state_indices: Any,
+    plan: Output,
+    block_tables: Buffers,
+    spec_state_indices: Output,
+    non_spec_state_indices: Output,
     *,
     num_spec: int,
     max_rows: int,
     max_tokens: int,
     pad_id: int = 0,
     launch_rows: int = 0,
-    num_accepted_tokens: Any = None,
-    error_count: Any = None,
-    non_spec_source_indices: Any = None,
+    num_accepted_tokens: Optional[Buffer] = None,
+    error_count: Optional[Output] = None,
+    non_spec_source_indices: Optional[Output] = None,
     replay: bool = False,
-    checkpoint_indices: Any = None,
+    checkpoint_indices: Optional[Output] = None,
     stream: Optional[int] = None,
 ) -> Optional[int]:
     """Fills every group's state rows in one pass from a planned buffer on the same device.
@@ -287,17 +242,21 @@ def state_rows(
         raise
 
 
+# How the binding converts each argument (see _common.raise_argument_error).
+_STATE_ROWS_KINDS = argument_kinds(state_rows)
+
+
 def shadow_check(
-    plan: Any,
-    block_tables: Sequence[Any],
-    spec_state_indices: Any,
-    non_spec_state_indices: Any,
-    query_start_loc: Any,
-    seq_lens: Any,
+    plan: Buffer,
+    block_tables: Buffers,
+    spec_state_indices: Buffer,
+    non_spec_state_indices: Buffer,
+    query_start_loc: Buffer,
+    seq_lens: Buffer,
     *,
-    num_draft_tokens: Any = None,
-    num_accepted_tokens: Any = None,
-    num_computed_tokens: Any = None,
+    num_draft_tokens: Optional[Buffer] = None,
+    num_accepted_tokens: Optional[Buffer] = None,
+    num_computed_tokens: Optional[Buffer] = None,
     num_spec: int,
     max_rows: int,
     max_tokens: int,
@@ -305,9 +264,9 @@ def shadow_check(
     block_size: int = 0,
     padded_rows: Optional[int] = None,
     pad_id: int = 0,
-    non_spec_source_indices: Any = None,
+    non_spec_source_indices: Optional[Buffer] = None,
     replay: bool = False,
-    checkpoint_indices: Any = None,
+    checkpoint_indices: Optional[Buffer] = None,
 ) -> str:
     """Compares a step's ``plan`` and state rows (``spec_state_indices``,
     ``non_spec_state_indices``, ``non_spec_source_indices`` when given, and in replay mode
@@ -343,6 +302,10 @@ def shadow_check(
     except TypeError:
         raise_argument_error("metadata.shadow_check", _SHADOW_KINDS, locals())
         raise
+
+
+# How the binding converts each argument (see _common.raise_argument_error).
+_SHADOW_KINDS = argument_kinds(shadow_check)
 
 
 def step_reference(
@@ -817,12 +780,12 @@ class Builder:
 
     def step(
         self,
-        query_start_loc: Any,
-        seq_lens: Any,
+        query_start_loc: Buffer,
+        seq_lens: Buffer,
         *,
-        num_draft_tokens: Any = None,
-        num_accepted_tokens: Any = None,
-        num_computed_tokens: Any = None,
+        num_draft_tokens: Optional[Buffer] = None,
+        num_accepted_tokens: Optional[Buffer] = None,
+        num_computed_tokens: Optional[Buffer] = None,
         padded_rows: Optional[int] = None,
         stream: Optional[int] = None,
     ) -> StepMetadata:
@@ -845,12 +808,12 @@ class Builder:
 
     def prepare(
         self,
-        query_start_loc: Any,
-        seq_lens: Any,
+        query_start_loc: Buffer,
+        seq_lens: Buffer,
         *,
-        num_draft_tokens: Any = None,
-        num_accepted_tokens: Any = None,
-        num_computed_tokens: Any = None,
+        num_draft_tokens: Optional[Buffer] = None,
+        num_accepted_tokens: Optional[Buffer] = None,
+        num_computed_tokens: Optional[Buffer] = None,
         padded_rows: Optional[int] = None,
         stream: Optional[int] = None,
     ) -> StepMetadata:
@@ -896,3 +859,7 @@ class Builder:
         message = self._native.check(qsl, seq_lens, drafts, accepted, computed, padded_rows, stream)
         if message:
             raise RuntimeError(message)
+
+
+# Builder.step and Builder.prepare take the same step inputs (tests/py/test_metadata.py).
+_BUILDER_STEP_KINDS = argument_kinds(Builder.step)

@@ -6,11 +6,12 @@ carry as they are; tests/py/test_torch_op.py checks this. The ops mutate their o
 nothing, so they need no fake kernels beyond a no-op and work under
 ``torch.compile(fullgraph=True)`` and CUDA graphs (launches go to torch's current stream).
 
-Every op is defined by :func:`_op`: the schema on one ``torch.library.Library``, a no-op fake
-kernel, and the gdn function as the op's Python kernel. ``torch.library.custom_op`` is not used:
-on torch 2.11 its ADInplaceOrView kernel indexes the mutated arguments in the call's ``args`` /
-``kwargs``, which the dispatcher has stripped of trailing defaults, so omitting an optional
-mutated argument (``error_count=None``) raised ``IndexError``.
+Every op is defined by :func:`_op` from its gdn function: the schema (the function's signature,
+with torch types from the argument kinds its annotations declare, gdn._common) on one
+``torch.library.Library``, a no-op fake kernel, and the gdn function as the op's Python kernel.
+``torch.library.custom_op`` is not used: on torch 2.11 its ADInplaceOrView kernel indexes the
+mutated arguments in the call's ``args`` / ``kwargs``, which the dispatcher has stripped of trailing
+defaults, so omitting an optional mutated argument (``error_count=None``) raised ``IndexError``.
 
 Kernels. The per-layer ops (:data:`CPP_OPS`: ``decode_mtp``, ``decode_mtp_replay``,
 ``causal_conv1d_update``) have C++ CPU and CUDA kernels in ``libgdn_torch_ops.so``
@@ -31,10 +32,11 @@ from __future__ import annotations
 import inspect
 import json
 import os
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from ._common import arguments
 from .conv import causal_conv1d_update as _causal_conv1d_update
 from .decode_mtp import decode_mtp as _decode_mtp
 from .metadata import plan as _metadata_plan
@@ -74,35 +76,63 @@ def _fake(*args, **kwargs) -> None:
     return None
 
 
-def _op(function: Callable[..., object], mutates_args: Sequence[str]):
-    """Defines ``torch.ops.gdn.<name>`` with the decorated signature (a stub whose annotations are
-    torch types; ``mutates_args`` are marked ``(a!)`` so torch.compile functionalizes them), its
-    fake kernel and ``function`` as its Python kernel (registered by :func:`_register_kernels`);
-    returns the op."""
+_TORCH_TYPES = {
+    "input": torch.Tensor,
+    "array": torch.Tensor,
+    "arrays": List[torch.Tensor],
+    "int": int,
+    "float": float,
+    "bool": bool,
+    "str": str,
+}
 
-    def register(signature: Callable[..., None]) -> object:
-        name = signature.__name__
-        schema = torch.library.infer_schema(signature, mutates_args=tuple(mutates_args))
-        _LIB.define(name + schema)
-        params = inspect.signature(function).parameters
-        renamed = {
-            op_name: arg for arg, (op_name, _) in SCHEMA_EXCLUDED.items() if op_name is not None and arg in params
-        }
 
-        # The dispatcher passes keyword-only arguments as keywords and strips defaulted trailing
-        # ones; the function's own defaults (the schema's, by the test) fill them back in.
-        def kernel(*args, **kwargs) -> None:
-            for op_name, arg in renamed.items():
-                if op_name in kwargs:
-                    kwargs[arg] = kwargs.pop(op_name)
-            function(*args, **kwargs)
+def _prototype(function: Callable[..., object]) -> Tuple[Callable[..., None], Tuple[str, ...]]:
+    """A stand-in with the signature the op takes (``function``'s, minus or renamed per
+    :data:`SCHEMA_EXCLUDED`, annotated with torch types from its argument kinds) and the op's
+    mutated arguments (those the function writes)."""
+    kinds = {a.name: a for a in arguments(function)}
+    params: List[inspect.Parameter] = []
+    mutated: List[str] = []
+    for p in inspect.signature(function).parameters.values():
+        name = SCHEMA_EXCLUDED[p.name][0] if p.name in SCHEMA_EXCLUDED else p.name
+        if name is None:
+            continue
+        a = kinds[p.name]
+        hint = _TORCH_TYPES[a.kind]
+        params.append(p.replace(name=name, annotation=Optional[hint] if a.optional else hint))
+        if a.written:
+            mutated.append(name)
 
-        _PYTHON_KERNELS[name] = kernel
-        torch.library.register_fake(f"gdn::{name}", _fake, lib=_LIB)
-        FUNCTIONS[name] = function
-        return getattr(torch.ops.gdn, name)
+    def stand_in(*args, **kwargs) -> None:
+        pass
 
-    return register
+    stand_in.__signature__ = inspect.Signature(params, return_annotation=None)  # type: ignore[attr-defined]
+    return stand_in, tuple(mutated)
+
+
+def _op(name: str, function: Callable[..., object]):
+    """Defines ``torch.ops.gdn.<name>`` from ``function``'s signature (:func:`_prototype`; the
+    written arrays marked ``(a!)`` so torch.compile functionalizes them), its fake kernel and
+    ``function`` as its Python kernel (registered by :func:`_register_kernels`); returns the op."""
+    prototype, mutates_args = _prototype(function)
+    schema = torch.library.infer_schema(prototype, mutates_args=mutates_args)
+    _LIB.define(name + schema)
+    params = inspect.signature(function).parameters
+    renamed = {op_name: arg for arg, (op_name, _) in SCHEMA_EXCLUDED.items() if op_name is not None and arg in params}
+
+    # The dispatcher passes keyword-only arguments as keywords and strips defaulted trailing
+    # ones; the function's own defaults (the schema's, by construction) fill them back in.
+    def kernel(*args, **kwargs) -> None:
+        for op_name, arg in renamed.items():
+            if op_name in kwargs:
+                kwargs[arg] = kwargs.pop(op_name)
+        function(*args, **kwargs)
+
+    _PYTHON_KERNELS[name] = kernel
+    torch.library.register_fake(f"gdn::{name}", _fake, lib=_LIB)
+    FUNCTIONS[name] = function
+    return getattr(torch.ops.gdn, name)
 
 
 def _load_cpp_kernels() -> Tuple[str, str]:
@@ -147,149 +177,18 @@ def _register_kernels() -> Tuple[str, str]:
     return kernels, reason
 
 
-@_op(_decode_mtp, mutates_args=("state", "out", "error_count"))
-def decode_mtp(
-    mixed_qkv: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    state: torch.Tensor,
-    state_indices: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    out: torch.Tensor,
-    *,
-    z: Optional[torch.Tensor] = None,
-    norm_weight: Optional[torch.Tensor] = None,
-    num_accepted_tokens: Optional[torch.Tensor] = None,
-    scale: Optional[float] = None,
-    l2_eps: float = 1e-6,
-    norm_eps: float = 1e-6,
-    gate: str = "silu",
-    state_layout: str = "vk",
-    first_valid_slot: int = 0,
-    num_k_heads: int = 0,
-    round_core_output: bool = False,
-    error_count: Optional[torch.Tensor] = None,
-) -> None:
-    """torch op form of :func:`gdn.decode_mtp`."""
-
-
-@_op(
-    _decode_mtp_replay,
-    mutates_args=("state", "out", "window_k", "window_v", "window_a", "window_b", "window_len", "error_count"),
-)
-def decode_mtp_replay(
-    mixed_qkv: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    state: torch.Tensor,
-    state_indices: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    out: torch.Tensor,
-    window_k: torch.Tensor,
-    window_v: torch.Tensor,
-    window_a: torch.Tensor,
-    window_b: torch.Tensor,
-    window_len: torch.Tensor,
-    num_accepted_tokens: torch.Tensor,
-    *,
-    z: Optional[torch.Tensor] = None,
-    norm_weight: Optional[torch.Tensor] = None,
-    scale: Optional[float] = None,
-    l2_eps: float = 1e-6,
-    norm_eps: float = 1e-6,
-    gate: str = "silu",
-    state_layout: str = "vk",
-    first_valid_slot: int = 0,
-    num_k_heads: int = 0,
-    round_core_output: bool = False,
-    error_count: Optional[torch.Tensor] = None,
-) -> None:
-    """torch op form of :func:`gdn.decode_mtp_replay`. The window views may share buffers (k and
-    v of one tensor, a and b of another): they are written, never aliased with an input."""
-
-
-@_op(_causal_conv1d_update, mutates_args=("conv_state", "out", "error_count"))
-def causal_conv1d_update(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    conv_state: torch.Tensor,
-    conv_state_indices: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    out: torch.Tensor,
-    *,
-    num_accepted_tokens: Optional[torch.Tensor] = None,
-    activation: str = "silu",
-    state_layout: str = "channels_major",
-    first_valid_slot: int = 0,
-    error_count: Optional[torch.Tensor] = None,
-) -> None:
-    """torch op form of :func:`gdn.causal_conv1d_update`. ``out`` must not be ``x`` here (torch
-    ops may not alias a mutated argument with another input); call the function directly for
-    in-place use."""
-
-
-# The metadata builder: ``metadata_plan`` is the host plan over CPU tensors, for code that stays in
-# torch; ``metadata_state_rows`` is the device part (one CUDA launch for every group's state rows,
-# on torch's current stream; a CPU kernel backs it for CPU tensors).
-
-
-@_op(_metadata_plan, mutates_args=("plan",))
-def metadata_plan(
-    plan: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    *,
-    num_draft_tokens: Optional[torch.Tensor] = None,
-    num_accepted_tokens: Optional[torch.Tensor] = None,
-    num_computed_tokens: Optional[torch.Tensor] = None,
-    num_spec: int,
-    max_rows: int,
-    max_tokens: int,
-    cache_mode: str = "none",
-    block_size: int = 0,
-    padded_rows: Optional[int] = None,
-    pad_id: int = 0,
-    replay: bool = False,
-) -> None:
-    """torch op form of :func:`gdn.metadata.plan` (host tensors; ``cache_mode`` is its
-    ``mode``)."""
-
-
-@_op(
-    _metadata_state_rows,
-    mutates_args=(
-        "plan",
-        "spec_state_indices",
-        "non_spec_state_indices",
-        "error_count",
-        "non_spec_source_indices",
-        "checkpoint_indices",
-    ),
-)
-def metadata_state_rows(
-    plan: torch.Tensor,
-    block_tables: List[torch.Tensor],
-    spec_state_indices: torch.Tensor,
-    non_spec_state_indices: torch.Tensor,
-    *,
-    num_spec: int,
-    max_rows: int,
-    max_tokens: int,
-    pad_id: int = 0,
-    launch_rows: int = 0,
-    num_accepted_tokens: Optional[torch.Tensor] = None,
-    error_count: Optional[torch.Tensor] = None,
-    non_spec_source_indices: Optional[torch.Tensor] = None,
-    replay: bool = False,
-    checkpoint_indices: Optional[torch.Tensor] = None,
-) -> None:
-    """torch op form of :func:`gdn.metadata.state_rows` (``plan`` is written only when
-    ``num_accepted_tokens`` is gathered; the CPU count of padded rows is not returned;
-    ``checkpoint_indices`` is written in replay mode)."""
+# Each op takes its function's arguments. Notes on the op forms: ``decode_mtp_replay``'s window views
+# may share buffers (k and v of one tensor, a and b of another): they are written, never aliased
+# with an input. ``causal_conv1d_update``'s ``out`` must not be ``x`` (a torch op may not alias a
+# mutated argument with another input; call the function for in-place use). ``metadata_plan`` is
+# the host plan over CPU tensors (``cache_mode`` is the function's ``mode``); ``metadata_state_rows``
+# is the device part (one CUDA launch for every group's state rows on torch's current stream; a
+# CPU kernel backs it for CPU tensors), whose CPU count of padded rows is not returned.
+decode_mtp = _op("decode_mtp", _decode_mtp)
+decode_mtp_replay = _op("decode_mtp_replay", _decode_mtp_replay)
+causal_conv1d_update = _op("causal_conv1d_update", _causal_conv1d_update)
+metadata_plan = _op("metadata_plan", _metadata_plan)
+metadata_state_rows = _op("metadata_state_rows", _metadata_state_rows)
 
 
 #: ``"c++"`` when the ops of :data:`CPP_OPS` run libgdn_torch_ops.so's C++ kernels, ``"python"``

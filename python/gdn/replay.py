@@ -11,60 +11,30 @@ import dataclasses
 from typing import Any, Dict, Optional
 
 from . import _C
-from ._common import _stream_of, raise_argument_error
+from ._common import Input, Output, _stream_of, argument_kinds, raise_argument_error
 
 __all__ = ["ReplayWindow", "decode_mtp_replay"]
 
-# How the binding converts each argument (see _common.raise_argument_error).
-_KINDS = {
-    "mixed_qkv": "input",
-    "a": "input",
-    "b": "input",
-    "A_log": "input",
-    "dt_bias": "input",
-    "state": "array",
-    "state_indices": "input",
-    "cu_seqlens": "input",
-    "out": "array",
-    "window_k": "array",
-    "window_v": "array",
-    "window_a": "array",
-    "window_b": "array",
-    "window_len": "array",
-    "num_accepted_tokens": "input",
-    "z": "input?",
-    "norm_weight": "input?",
-    "scale": "float?",
-    "l2_eps": "float",
-    "norm_eps": "float",
-    "gate": "str",
-    "state_layout": "str",
-    "first_valid_slot": "int",
-    "num_k_heads": "int",
-    "round_core_output": "bool",
-    "error_count": "array?",
-}
-
 
 def decode_mtp_replay(
-    mixed_qkv: Any,
-    a: Any,
-    b: Any,
-    A_log: Any,
-    dt_bias: Any,
-    state: Any,
-    state_indices: Any,
-    cu_seqlens: Any,
-    out: Any,
-    window_k: Any,
-    window_v: Any,
-    window_a: Any,
-    window_b: Any,
-    window_len: Any,
-    num_accepted_tokens: Any,
+    mixed_qkv: Input,
+    a: Input,
+    b: Input,
+    A_log: Input,
+    dt_bias: Input,
+    state: Output,
+    state_indices: Input,
+    cu_seqlens: Input,
+    out: Output,
+    window_k: Output,
+    window_v: Output,
+    window_a: Output,
+    window_b: Output,
+    window_len: Output,
+    num_accepted_tokens: Input,
     *,
-    z: Any = None,
-    norm_weight: Any = None,
+    z: Optional[Input] = None,
+    norm_weight: Optional[Input] = None,
     scale: Optional[float] = None,
     l2_eps: float = 1e-6,
     norm_eps: float = 1e-6,
@@ -73,7 +43,7 @@ def decode_mtp_replay(
     first_valid_slot: int = 0,
     num_k_heads: int = 0,
     round_core_output: bool = False,
-    error_count: Any = None,
+    error_count: Optional[Output] = None,
     stream: Optional[int] = None,
 ) -> None:
     """Replay verify: GDN decode / MTP verify with one checkpoint slot per request.
@@ -88,9 +58,9 @@ def decode_mtp_replay(
     out whatever the MTP depth.
 
     Arguments shared with :func:`gdn.decode_mtp` (``mixed_qkv``, ``a``, ``b``, ``A_log``,
-    ``dt_bias``, ``out``, ``cu_seqlens``, ``z``, ``norm_weight``, the scalars, ``state_layout``,
-    ``first_valid_slot``, ``num_k_heads``, ``round_core_output``, ``error_count``, ``stream``)
-    mean exactly what they mean there. The others:
+    ``dt_bias``, ``out``, ``cu_seqlens``, ``z``, ``norm_weight``, the scalars ``scale``, ``l2_eps``,
+    ``norm_eps`` and ``gate``, ``state_layout``, ``first_valid_slot``, ``num_k_heads``,
+    ``round_core_output``, ``error_count``, ``stream``) mean exactly what they mean there. The others:
 
     - ``state`` [slots, HV, V, K] (or [slots, HV, K, V] for ``"kv"``), f32/bf16/f16: the
       checkpoint pool, updated in place; any slot stride.
@@ -158,6 +128,10 @@ def decode_mtp_replay(
     except TypeError:
         raise_argument_error("decode_mtp_replay", _KINDS, locals())
         raise
+
+
+# How the binding converts each argument (see _common.raise_argument_error).
+_KINDS = argument_kinds(decode_mtp_replay)
 
 
 @dataclasses.dataclass

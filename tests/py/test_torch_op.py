@@ -553,6 +553,28 @@ def test_op_schema_equals_function_signature(name):
     )
 
 
+@pytest.mark.parametrize("name", sorted(FUNCTIONS))
+def test_function_docstring_names_every_argument(name):
+    """The function is the one definition of an op's arguments; its docstring documents each of
+    them by name (``name``)."""
+    fn = FUNCTIONS[name]
+    missing = [p for p in inspect.signature(fn).parameters if f"``{p}``" not in (fn.__doc__ or "")]
+    assert not missing, f"{fn.__qualname__}: the docstring does not name {missing}"
+
+
+def test_argument_kinds_come_from_the_annotations():
+    """Each argument's kind (what the binding converts) is declared by its annotation; the
+    metadata builder's step and prepare take the same step inputs."""
+    from gdn._common import argument_kinds, arguments
+
+    for fn in FUNCTIONS.values():
+        kinds = argument_kinds(fn)
+        assert list(kinds) == [p for p in inspect.signature(fn).parameters if p != "stream"]
+        written = {a.name for a in arguments(fn) if a.written}
+        assert all(kinds[n].rstrip("?") == "array" for n in written), fn.__qualname__
+    assert argument_kinds(M.Builder.step) == argument_kinds(M.Builder.prepare)
+
+
 def test_metadata_plan_op_takes_mode_as_cache_mode():
     """The one rename: the op's cache_mode is the function's mode (same value, same effect)."""
     t = _plan_inputs()
