@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "gdn/conv/params.hpp"
+#include "gdn/core/cpu_call.hpp"
 
 namespace gdn::conv {
 namespace cpu_detail {
@@ -120,11 +121,8 @@ inline void run_block(const Params& p, const Problem& pr, const RowInfo& row, in
 // written. Skipped rows (T = 0, null conv slot) leave their output rows and the pool untouched.
 inline Status run_cpu(const Params& p) {
   Problem pr;
-  GDN_RETURN_IF_ERROR(check_arguments(p, &pr));
-  if (pr.device.type != DeviceType::kCPU)
-    return Status::invalid("run_cpu was given tensors on " + to_string(pr.device));
   std::vector<RowInfo> rows;
-  GDN_RETURN_IF_ERROR(check_rows(p, pr, &rows));
+  GDN_RETURN_IF_ERROR(check_cpu_call(p, &pr, &rows));
   // Tasks of one request's block of channels keep the parallel loop balanced for small N; small
   // calls stay on one thread (a parallel region costs more than they do).
   constexpr int64_t kChannelsPerTask = cpu_detail::kBlock;

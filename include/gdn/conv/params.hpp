@@ -83,11 +83,10 @@ constexpr int64_t state_offset(StateLayout layout, int64_t slot_stride, int64_t 
 inline Status check_arguments(const Params& p, Problem* out_problem) {
   using namespace check;
   Problem pr;
-  const std::initializer_list<DType> kFloats = {DType::kBFloat16, DType::kFloat16, DType::kFloat32};
 
   GDN_RETURN_IF_ERROR(present(p.weight, "weight"));
   GDN_RETURN_IF_ERROR(ndim(p.weight, "weight", 2));
-  GDN_RETURN_IF_ERROR(dtype_in(p.weight, "weight", kFloats));
+  GDN_RETURN_IF_ERROR(dtype_in(p.weight, "weight", ActivationDTypes{}));
   GDN_RETURN_IF_ERROR(unit_stride(p.weight, "weight", 1));
   GDN_RETURN_IF_ERROR(nonnegative_strides(p.weight, "weight"));
   pr.D = p.weight.shape[0];
@@ -102,7 +101,7 @@ inline Status check_arguments(const Params& p, Problem* out_problem) {
 
   GDN_RETURN_IF_ERROR(present(p.conv_state, "conv_state"));
   GDN_RETURN_IF_ERROR(ndim(p.conv_state, "conv_state", 3));
-  GDN_RETURN_IF_ERROR(dtype_in(p.conv_state, "conv_state", kFloats));
+  GDN_RETURN_IF_ERROR(dtype_in(p.conv_state, "conv_state", ActivationDTypes{}));
   const bool channels_major = p.layout == StateLayout::kChannelsMajor;
   const char* layout_shape =
       channels_major ? "[slots, D, Lbuf] (channels_major)" : "[slots, Lbuf, D] (tokens_major)";
@@ -130,15 +129,15 @@ inline Status check_arguments(const Params& p, Problem* out_problem) {
 
   GDN_RETURN_IF_ERROR(present(p.x, "x"));
   GDN_RETURN_IF_ERROR(ndim(p.x, "x", 2));
-  GDN_RETURN_IF_ERROR(dtype_in(p.x, "x", kFloats));
+  GDN_RETURN_IF_ERROR(dtype_in(p.x, "x", ActivationDTypes{}));
   GDN_RETURN_IF_ERROR(dim(p.x, "x", 1, pr.D, "D (rows of weight)"));
   GDN_RETURN_IF_ERROR(unit_stride(p.x, "x", 1));
   GDN_RETURN_IF_ERROR(nonnegative_strides(p.x, "x"));
   GDN_RETURN_IF_ERROR(row_stride_at_least(p.x, "x", pr.D));
   pr.L = p.x.shape[0];
 
-  GDN_RETURN_IF_ERROR(
-      shaped(p.out, "out", kFloats, {{pr.L, "L (rows of x)"}, {pr.D, "D (rows of weight)"}}));
+  GDN_RETURN_IF_ERROR(shaped(p.out, "out", ActivationDTypes{},
+                             {{pr.L, "L (rows of x)"}, {pr.D, "D (rows of weight)"}}));
   GDN_RETURN_IF_ERROR(unit_stride(p.out, "out", 1));
   GDN_RETURN_IF_ERROR(nonnegative_strides(p.out, "out"));
   GDN_RETURN_IF_ERROR(row_stride_at_least(p.out, "out", pr.D));
@@ -151,16 +150,15 @@ inline Status check_arguments(const Params& p, Problem* out_problem) {
 
   GDN_RETURN_IF_ERROR(present(p.conv_state_indices, "conv_state_indices"));
   GDN_RETURN_IF_ERROR(ndim(p.conv_state_indices, "conv_state_indices", 1));
-  GDN_RETURN_IF_ERROR(
-      dtype_in(p.conv_state_indices, "conv_state_indices", {DType::kInt32, DType::kInt64}));
+  GDN_RETURN_IF_ERROR(dtype_in(p.conv_state_indices, "conv_state_indices", IndexDTypes{}));
   GDN_RETURN_IF_ERROR(nonnegative_strides(p.conv_state_indices, "conv_state_indices"));
   pr.N = p.conv_state_indices.shape[0];
 
-  GDN_RETURN_IF_ERROR(contiguous_vector(p.cu_seqlens, "cu_seqlens", {DType::kInt32, DType::kInt64},
-                                        pr.N + 1, "N + 1 (entries of conv_state_indices + 1)"));
+  GDN_RETURN_IF_ERROR(contiguous_vector(p.cu_seqlens, "cu_seqlens", IndexDTypes{}, pr.N + 1,
+                                        "N + 1 (entries of conv_state_indices + 1)"));
   if (p.num_accepted_tokens.present())
     GDN_RETURN_IF_ERROR(contiguous_vector(p.num_accepted_tokens, "num_accepted_tokens",
-                                          {DType::kInt32, DType::kInt64}, pr.N,
+                                          IndexDTypes{}, pr.N,
                                           "N (entries of conv_state_indices)"));
   GDN_RETURN_IF_ERROR(optional_counter(p.error_count, "error_count"));
 

@@ -18,8 +18,12 @@ enum class StateLayout : int {
 using HeadRatios = ValueList<1, 2, 3, 4, 8>;
 // Storage dtypes of the recurrent state (math is always fp32).
 using StateDTypes = ValueList<DType::kFloat32, DType::kBFloat16, DType::kFloat16>;
-// Dtypes of activations (mixed_qkv, a, b, z, out).
+// Dtypes of activations (mixed_qkv, a, b, z, out; the conv's x, weight and state).
 using ActivationDTypes = ValueList<DType::kBFloat16, DType::kFloat16, DType::kFloat32>;
+// Dtypes of per-head parameters (A_log, dt_bias, norm_weight).
+using ParameterDTypes = ValueList<DType::kFloat32, DType::kBFloat16, DType::kFloat16>;
+// Dtypes of index arrays (slot ids, token offsets, accepted counts).
+using IndexDTypes = ValueList<DType::kInt32, DType::kInt64>;
 // Output-gate activations of the gated RMSNorm.
 using GateActivations = ValueList<GateActivation::kSiLU, GateActivation::kSigmoid>;
 // Head dims (K = V) of the CUDA fast path. The CPU path takes any K and V.

@@ -6,6 +6,7 @@
 #include <initializer_list>
 #include <string>
 
+#include "gdn/core/dispatch.hpp"
 #include "gdn/core/dtype.hpp"
 #include "gdn/core/status.hpp"
 
@@ -104,7 +105,23 @@ inline Status dim(const TensorView& t, const char* name, int d, int64_t expected
   return Status::ok();
 }
 
-inline Status dtype_in(const TensorView& t, const char* name, std::initializer_list<DType> ok) {
+// The dtypes an argument accepts: a list of gdn/core/support.hpp (StateDTypes{}, ...) or a braced
+// list of one-off dtypes; an error lists them in this order.
+class DTypeSet {
+ public:
+  DTypeSet(std::initializer_list<DType> list) : first_(list.begin()), size_(list.size()) {}
+  template <auto... Vs>
+  constexpr DTypeSet(ValueList<Vs...>)
+      : first_(ValueList<Vs...>::values.data()), size_(sizeof...(Vs)) {}
+  const DType* begin() const { return first_; }
+  const DType* end() const { return first_ + size_; }
+
+ private:
+  const DType* first_;
+  size_t size_;
+};
+
+inline Status dtype_in(const TensorView& t, const char* name, DTypeSet ok) {
   for (DType d : ok)
     if (t.dtype == d) return Status::ok();
   std::string allowed;
@@ -166,7 +183,7 @@ struct Extent {
 
 // A present array of one of `dtypes` whose shape is exactly `extents` (one per dimension).
 // Checks in the order present, ndim, dtype_in, dim 0, dim 1, ...; strides are the caller's.
-inline Status shaped(const TensorView& t, const char* name, std::initializer_list<DType> dtypes,
+inline Status shaped(const TensorView& t, const char* name, DTypeSet dtypes,
                      std::initializer_list<Extent> extents) {
   GDN_RETURN_IF_ERROR(present(t, name));
   GDN_RETURN_IF_ERROR(ndim(t, name, int(extents.size())));
@@ -177,9 +194,8 @@ inline Status shaped(const TensorView& t, const char* name, std::initializer_lis
 }
 
 // A contiguous 1-D array of `length` elements of one of `dtypes`.
-inline Status contiguous_vector(const TensorView& t, const char* name,
-                                std::initializer_list<DType> dtypes, int64_t length,
-                                const char* what) {
+inline Status contiguous_vector(const TensorView& t, const char* name, DTypeSet dtypes,
+                                int64_t length, const char* what) {
   GDN_RETURN_IF_ERROR(shaped(t, name, dtypes, {{length, what}}));
   return contiguous_from(t, name, 0);
 }

@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "gdn/core/dispatch.hpp"
+#include "gdn/core/cpu_call.hpp"
 #include "gdn/decode_mtp/params.hpp"
 
 namespace gdn::decode_mtp {
@@ -239,16 +239,10 @@ void run_all(const Params& p, const Problem& pr, const std::vector<RowInfo>& row
 // Runs decode_mtp on host memory. Validates everything first: on error nothing is written.
 inline Status run_cpu(const Params& p) {
   Problem pr;
-  GDN_RETURN_IF_ERROR(check_arguments(p, &pr));
-  if (pr.device.type != DeviceType::kCPU)
-    return Status::invalid("run_cpu was given tensors on " + to_string(pr.device));
   std::vector<RowInfo> rows;
-  GDN_RETURN_IF_ERROR(check_rows(p, pr, &rows));
-
-  StateDTypes::dispatch(p.state.dtype, [&]<DType kState>() {
-    dispatch_or_runtime<HeadRatios>(int(pr.ratio), [&]<int kRatio>() {
-      cpu_detail::run_all<host_type_t<kState>, kRatio>(p, pr, rows);
-    });
+  GDN_RETURN_IF_ERROR(check_cpu_call(p, &pr, &rows));
+  dispatch_state_and_ratio(p.state.dtype, int(pr.ratio), [&]<class StateT, int kRatio>() {
+    cpu_detail::run_all<StateT, kRatio>(p, pr, rows);
   });
   return Status::ok();
 }

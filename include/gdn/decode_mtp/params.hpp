@@ -72,8 +72,7 @@ Status check_step_arguments(const StepArgs& p, Problem* out_problem,
   Problem pr;
   GDN_RETURN_IF_ERROR(present(p.state, "state"));
   GDN_RETURN_IF_ERROR(ndim(p.state, "state", 4));
-  GDN_RETURN_IF_ERROR(
-      dtype_in(p.state, "state", {DType::kFloat32, DType::kBFloat16, DType::kFloat16}));
+  GDN_RETURN_IF_ERROR(dtype_in(p.state, "state", StateDTypes{}));
   pr.device = p.state.device;
   pr.num_slots = p.state.shape[0];
   pr.HV = p.state.shape[1];
@@ -91,8 +90,7 @@ Status check_step_arguments(const StepArgs& p, Problem* out_problem,
 
   GDN_RETURN_IF_ERROR(present(p.mixed_qkv, "mixed_qkv"));
   GDN_RETURN_IF_ERROR(ndim(p.mixed_qkv, "mixed_qkv", 2));
-  GDN_RETURN_IF_ERROR(
-      dtype_in(p.mixed_qkv, "mixed_qkv", {DType::kBFloat16, DType::kFloat16, DType::kFloat32}));
+  GDN_RETURN_IF_ERROR(dtype_in(p.mixed_qkv, "mixed_qkv", ActivationDTypes{}));
   GDN_RETURN_IF_ERROR(unit_stride(p.mixed_qkv, "mixed_qkv", 1));
   GDN_RETURN_IF_ERROR(nonnegative_strides(p.mixed_qkv, "mixed_qkv"));
   pr.L = p.mixed_qkv.shape[0];
@@ -123,36 +121,32 @@ Status check_step_arguments(const StepArgs& p, Problem* out_problem,
   const Extent token_rows{pr.L, "L (rows of mixed_qkv)"}, value_heads{pr.HV, "HV"},
       value_dim{pr.V, "V"};
   for (auto [view, name] : {NamedView{&p.a, "a"}, NamedView{&p.b, "b"}}) {
-    GDN_RETURN_IF_ERROR(shaped(*view, name, {DType::kBFloat16, DType::kFloat16, DType::kFloat32},
-                               {token_rows, value_heads}));
+    GDN_RETURN_IF_ERROR(shaped(*view, name, ActivationDTypes{}, {token_rows, value_heads}));
     GDN_RETURN_IF_ERROR(unit_stride(*view, name, 1));
     GDN_RETURN_IF_ERROR(nonnegative_strides(*view, name));
   }
   for (auto [view, name] : {NamedView{&p.A_log, "A_log"}, NamedView{&p.dt_bias, "dt_bias"}})
-    GDN_RETURN_IF_ERROR(contiguous_vector(
-        *view, name, {DType::kFloat32, DType::kBFloat16, DType::kFloat16}, pr.HV, "HV"));
+    GDN_RETURN_IF_ERROR(contiguous_vector(*view, name, ParameterDTypes{}, pr.HV, "HV"));
   if (p.z.present()) {
-    GDN_RETURN_IF_ERROR(shaped(p.z, "z", {DType::kBFloat16, DType::kFloat16, DType::kFloat32},
-                               {token_rows, value_heads, value_dim}));
+    GDN_RETURN_IF_ERROR(shaped(p.z, "z", ActivationDTypes{}, {token_rows, value_heads, value_dim}));
     GDN_RETURN_IF_ERROR(unit_stride(p.z, "z", 2));
     GDN_RETURN_IF_ERROR(nonnegative_strides(p.z, "z"));
   }
   if (p.norm_weight.present())
-    GDN_RETURN_IF_ERROR(contiguous_vector(p.norm_weight, "norm_weight",
-                                          {DType::kFloat32, DType::kBFloat16, DType::kFloat16},
-                                          pr.V, "V"));
+    GDN_RETURN_IF_ERROR(
+        contiguous_vector(p.norm_weight, "norm_weight", ParameterDTypes{}, pr.V, "V"));
   if (p.z.present() && !p.norm_weight.present())
     return Status::invalid(
         "z (the output gate) was given without norm_weight; the gate is applied "
         "inside the gated RMSNorm, so pass norm_weight too or drop z");
 
   GDN_RETURN_IF_ERROR(check_own_sizes(pr));
-  GDN_RETURN_IF_ERROR(contiguous_vector(p.cu_seqlens, "cu_seqlens", {DType::kInt32, DType::kInt64},
-                                        pr.N + 1, "N + 1 (rows of state_indices + 1)"));
+  GDN_RETURN_IF_ERROR(contiguous_vector(p.cu_seqlens, "cu_seqlens", IndexDTypes{}, pr.N + 1,
+                                        "N + 1 (rows of state_indices + 1)"));
   GDN_RETURN_IF_ERROR(check_own_rest(pr));
 
-  GDN_RETURN_IF_ERROR(shaped(p.out, "out", {DType::kBFloat16, DType::kFloat16, DType::kFloat32},
-                             {token_rows, value_heads, value_dim}));
+  GDN_RETURN_IF_ERROR(
+      shaped(p.out, "out", ActivationDTypes{}, {token_rows, value_heads, value_dim}));
   GDN_RETURN_IF_ERROR(contiguous_from(p.out, "out", 0));
 
   GDN_RETURN_IF_ERROR(optional_counter(p.error_count, "error_count"));
@@ -184,7 +178,7 @@ inline Status check_arguments(const Params& p, Problem* out_problem) {
   const auto check_sizes = [&p](Problem& pr) -> Status {
     GDN_RETURN_IF_ERROR(present(p.state_indices, "state_indices"));
     GDN_RETURN_IF_ERROR(ndim(p.state_indices, "state_indices", 2));
-    GDN_RETURN_IF_ERROR(dtype_in(p.state_indices, "state_indices", {DType::kInt32, DType::kInt64}));
+    GDN_RETURN_IF_ERROR(dtype_in(p.state_indices, "state_indices", IndexDTypes{}));
     pr.N = p.state_indices.shape[0];
     pr.S = p.state_indices.shape[1];
     // Before the layout check, which cannot judge an array without columns.
@@ -193,8 +187,8 @@ inline Status check_arguments(const Params& p, Problem* out_problem) {
   };
   const auto check_rest = [&p](Problem& pr) -> Status {
     if (!p.num_accepted_tokens.present()) return Status::ok();
-    return contiguous_vector(p.num_accepted_tokens, "num_accepted_tokens",
-                             {DType::kInt32, DType::kInt64}, pr.N, "N (rows of state_indices)");
+    return contiguous_vector(p.num_accepted_tokens, "num_accepted_tokens", IndexDTypes{}, pr.N,
+                             "N (rows of state_indices)");
   };
   return check_step_arguments(p, out_problem, check_sizes, check_rest,
                               {NamedView{&p.state_indices, "state_indices"},

@@ -109,7 +109,7 @@ inline Status check_arguments(const Params& p, Problem* out_problem) {
   const auto check_sizes = [&p](Problem& pr) -> Status {
     GDN_RETURN_IF_ERROR(present(p.state_indices, "state_indices"));
     GDN_RETURN_IF_ERROR(ndim(p.state_indices, "state_indices", 1));
-    GDN_RETURN_IF_ERROR(dtype_in(p.state_indices, "state_indices", {DType::kInt32, DType::kInt64}));
+    GDN_RETURN_IF_ERROR(dtype_in(p.state_indices, "state_indices", IndexDTypes{}));
     GDN_RETURN_IF_ERROR(nonnegative_strides(p.state_indices, "state_indices"));
     pr.N = p.state_indices.shape[0];
     GDN_RETURN_IF_ERROR(present(p.window_k, "window_k"));
@@ -124,8 +124,7 @@ inline Status check_arguments(const Params& p, Problem* out_problem) {
   };
   const auto check_rest = [&p](Problem& pr) -> Status {
     GDN_RETURN_IF_ERROR(contiguous_vector(p.num_accepted_tokens, "num_accepted_tokens",
-                                          {DType::kInt32, DType::kInt64}, pr.N,
-                                          "N (length of state_indices)"));
+                                          IndexDTypes{}, pr.N, "N (length of state_indices)"));
     const struct {
       const TensorView& view;
       const char* name;
