@@ -74,6 +74,8 @@
 #include "gdn/core/dispatch.hpp"
 #include "gdn/core/support.hpp"
 #include "gdn/decode_mtp/cuda_launch_rules.hpp"
+#include "gdn/decode_mtp/params.hpp"
+#include "gdn/replay/params.hpp"
 
 namespace gdn::decode_mtp::cuda_detail {
 
@@ -104,6 +106,8 @@ using dev::transpose_reduce;
 using dev::transpose_sum;
 using dev::wait_for_prior_grids;
 using dev::warp_sum;
+using replay::classify_replay_row;  // the host's replay::check_row decides the same
+using replay::ReplayRow;
 
 static_assert(kCudaMaxSpecColumns <= 32, "slot ids of a row are read by the first lanes");
 static_assert(2 * kCudaMaxSpecColumns <= 32, "stage_gates: one lane per staged replay token");
@@ -163,41 +167,12 @@ struct KernelArgs {
   bool window_k_vector;  // k chunks of 4 elements of the window are naturally aligned
 };
 
-// A replay request row, decided exactly as gdn::replay::check_row decides it on the host (same
-// order of checks). `stored` = window_len[slot]; pass INT64_MAX before it is known.
-enum class ReplayRow { kPadded, kInvalid, kLive };
-__device__ __forceinline__ ReplayRow classify_replay_row(int64_t c0, int64_t c1, int64_t L,
-                                                         int64_t S, int64_t slot, int64_t num_slots,
-                                                         int64_t first_valid, int64_t n,
-                                                         int64_t stored) {
-  if (c0 < 0 || c1 < c0 || c1 > L) return ReplayRow::kInvalid;
-  if (c1 == c0) return ReplayRow::kPadded;
-  if (c1 - c0 > S || slot >= num_slots) return ReplayRow::kInvalid;
-  if (slot < first_valid || slot < 0) return ReplayRow::kPadded;  // null checkpoint slot
-  if (n < 0 || n > S || n > stored) return ReplayRow::kInvalid;
-  return ReplayRow::kLive;
-}
-
 // The request row of a CTA, read once from device memory.
 struct RowMeta {
   int64_t slot[kCudaMaxSpecColumns];
   int64_t c0, c1, acc;
   int64_t stored;  // replay: window_len[slot]
 };
-
-// A decode_mtp request row, decided from its token range, accepted count and slot ids (every
-// thread of a CTA decides the same). Padded rows (no tokens) read and write nothing; invalid rows
-// store nothing, zero their outputs and are counted.
-enum class DecodeRow { kPadded, kInvalid, kLive };
-__device__ __forceinline__ DecodeRow classify_decode_row(int64_t c0, int64_t c1, int64_t L,
-                                                         int64_t S, int64_t acc, bool slots_in_pool,
-                                                         int64_t source, int64_t first_valid) {
-  const bool range_ok = c0 >= 0 && c1 >= c0 && c1 <= L;
-  if (range_ok && c1 == c0) return DecodeRow::kPadded;
-  const bool valid = range_ok && c1 - c0 <= S && acc >= 1 && acc <= S && slots_in_pool &&
-                     source >= first_valid && source >= 0;
-  return valid ? DecodeRow::kLive : DecodeRow::kInvalid;
-}
 
 // alpha = exp(g) and beta of staged token t at gates[0], gates[1], by one thread: lane t of one
 // warp stages every token's gates (at most 2S <= 32 tokens), which costs that warp one pass of
@@ -1225,10 +1200,11 @@ __device__ __forceinline__ void decode_mtp_body(const KernelArgs& args) {
     bool slots_in_pool = true;
     for (int c = 0; c < S; ++c) slots_in_pool = slots_in_pool && meta.slot[c] < args.num_slots;
     source = acc >= 1 && acc <= S ? meta.slot[acc - 1] : -1;
-    const DecodeRow row =
-        classify_decode_row(c0, c1, args.L, S, acc, slots_in_pool, source, args.first_valid_slot);
-    if (row == DecodeRow::kPadded) return leave();  // nothing to read or write
-    valid = row == DecodeRow::kLive;
+    // classify_row (params.hpp): the host's check_row decides the same.
+    const RowClass row =
+        classify_row(c0, c1, args.L, S, acc, slots_in_pool, source, args.first_valid_slot);
+    if (row == RowClass::kPadded) return leave();  // nothing to read or write
+    valid = row == RowClass::kLive;
   }
   // The share of sum(o^2) of group g for output token t (from o_s), written as this CTA's partial
   // and pushed to every peer CTA of a split head (st.async, counted by their norm_bar). Taken from

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "gdn/core/host_device.hpp"
 #include "gdn/core/status.hpp"
 #include "gdn/core/support.hpp"
 #include "gdn/core/tensor_view.hpp"
@@ -205,20 +206,6 @@ struct RowInfo {
 // The prefix of every row error ("request row i: "); only built for a row that fails.
 inline std::string row_prefix(int64_t i) { return "request row " + std::to_string(i) + ": "; }
 
-// Reads request row i's token range from host-visible cu_seqlens and checks it lies in [0, L].
-inline Status check_token_range(const StepArgs& p, const Problem& pr, int64_t i, int64_t* begin,
-                                int64_t* T) {
-  *begin = load_index(p.cu_seqlens.data, p.cu_seqlens.dtype, i);
-  const int64_t end = load_index(p.cu_seqlens.data, p.cu_seqlens.dtype, i + 1);
-  if (*begin < 0 || end < *begin || end > pr.L)
-    return Status::invalid(
-        row_prefix(i) + "cu_seqlens[" + std::to_string(i) + "..] = (" + std::to_string(*begin) +
-        ", " + std::to_string(end) +
-        ") is not a non-decreasing range inside [0, L = " + std::to_string(pr.L) + "]");
-  *T = end - *begin;
-  return Status::ok();
-}
-
 // What every host-side row check needs first: index arrays (cu_seqlens and `indices`) in host
 // memory, and cu_seqlens[N] within the L rows.
 inline Status check_rows_readable(const StepArgs& p, const Problem& pr,
@@ -234,37 +221,66 @@ inline Status check_rows_readable(const StepArgs& p, const Problem& pr,
   return Status::ok();
 }
 
-// Validates one request row; the reason names the row and what is wrong.
+// The error of request row i whose token range [c0, c1) is not inside [0, L).
+inline Status token_range_error(int64_t i, int64_t c0, int64_t c1, int64_t L) {
+  return Status::invalid(row_prefix(i) + "cu_seqlens[" + std::to_string(i) + "..] = (" +
+                         std::to_string(c0) + ", " + std::to_string(c1) +
+                         ") is not a non-decreasing range inside [0, L = " + std::to_string(L) +
+                         "]");
+}
+
+// The one classification of a request row, on the host (check_row, which then names what is wrong)
+// and in the CUDA kernel (which pads a padded row and rejects an invalid one): live when its token
+// range [c0, c1) lies inside [0, L) with 1..S tokens, its accepted count is in [1, S], every slot
+// id of the row is inside the pool and its source slot is not null; padded when the range is empty.
+enum class RowClass { kPadded, kInvalid, kLive };
+GDN_HOST_DEVICE GDN_FORCE_INLINE RowClass classify_row(int64_t c0, int64_t c1, int64_t L, int64_t S,
+                                                       int64_t acc, bool slots_in_pool,
+                                                       int64_t source, int64_t first_valid) {
+  const bool range_ok = c0 >= 0 && c1 >= c0 && c1 <= L;
+  if (range_ok && c1 == c0) return RowClass::kPadded;
+  const bool valid = range_ok && c1 - c0 <= S && acc >= 1 && acc <= S && slots_in_pool &&
+                     source >= first_valid && source >= 0;
+  return valid ? RowClass::kLive : RowClass::kInvalid;
+}
+
+// Validates one request row (classify_row); an invalid row's reason names the row and the first
+// condition it fails.
 inline Status check_row(const Params& p, const Problem& pr, int64_t i, RowInfo* info) {
-  GDN_RETURN_IF_ERROR(check_token_range(p, pr, i, &info->begin, &info->T));
-  const int64_t T = info->T;
-  if (T == 0) return Status::ok();  // padded row: nothing is read or written
-  if (T > pr.S)
-    return Status::invalid(row_prefix(i) + "has T = " + std::to_string(T) +
-                           " tokens but state_indices has only S = " + std::to_string(pr.S) +
-                           " columns");
+  const auto at = [&](int64_t c) {
+    return load_index(p.state_indices.data, p.state_indices.dtype, i * pr.S + c);
+  };
+  const int64_t c0 = load_index(p.cu_seqlens.data, p.cu_seqlens.dtype, i);
+  const int64_t c1 = load_index(p.cu_seqlens.data, p.cu_seqlens.dtype, i + 1);
   const int64_t acc = p.num_accepted_tokens.present()
                           ? load_index(p.num_accepted_tokens.data, p.num_accepted_tokens.dtype, i)
                           : 1;
+  int64_t past_pool = -1;  // the first column whose slot id is past the pool
+  for (int64_t c = 0; c < pr.S && past_pool < 0; ++c)
+    if (at(c) >= pr.num_slots) past_pool = c;
+  const int64_t source = acc >= 1 && acc <= pr.S ? at(acc - 1) : -1;
+  info->begin = c0;
+  info->T = c1 - c0;
+  const RowClass row =
+      classify_row(c0, c1, pr.L, pr.S, acc, past_pool < 0, source, p.first_valid_slot);
+  if (row == RowClass::kLive) info->source = source;
+  if (row != RowClass::kInvalid) return Status::ok();
+  if (c0 < 0 || c1 < c0 || c1 > pr.L) return token_range_error(i, c0, c1, pr.L);
+  if (c1 - c0 > pr.S)
+    return Status::invalid(row_prefix(i) + "has T = " + std::to_string(c1 - c0) +
+                           " tokens but state_indices has only S = " + std::to_string(pr.S) +
+                           " columns");
   if (acc < 1 || acc > pr.S)
     return Status::invalid(row_prefix(i) + "num_accepted_tokens = " + std::to_string(acc) +
                            " is outside [1, S = " + std::to_string(pr.S) + "]");
-  for (int64_t c = 0; c < pr.S; ++c) {
-    const int64_t slot = load_index(p.state_indices.data, p.state_indices.dtype, i * pr.S + c);
-    if (slot >= pr.num_slots)
-      return Status::invalid(row_prefix(i) + "state_indices[" + std::to_string(i) + ", " +
-                             std::to_string(c) + "] = " + std::to_string(slot) +
-                             " is >= the pool's slot count " + std::to_string(pr.num_slots));
-  }
-  const int64_t source =
-      load_index(p.state_indices.data, p.state_indices.dtype, i * pr.S + acc - 1);
-  if (source < p.first_valid_slot)
-    return Status::invalid(
-        row_prefix(i) + "source slot state_indices[" + std::to_string(i) + ", " +
-        std::to_string(acc - 1) + "] = " + std::to_string(source) +
-        " is null (below first_valid_slot = " + std::to_string(p.first_valid_slot) + ")");
-  info->source = source;
-  return Status::ok();
+  if (past_pool >= 0)
+    return Status::invalid(row_prefix(i) + "state_indices[" + std::to_string(i) + ", " +
+                           std::to_string(past_pool) + "] = " + std::to_string(at(past_pool)) +
+                           " is >= the pool's slot count " + std::to_string(pr.num_slots));
+  return Status::invalid(
+      row_prefix(i) + "source slot state_indices[" + std::to_string(i) + ", " +
+      std::to_string(acc - 1) + "] = " + std::to_string(source) +
+      " is null (below first_valid_slot = " + std::to_string(p.first_valid_slot) + ")");
 }
 
 // Validates every row of a call whose indices are host-visible, filling `rows` (if given) with

@@ -30,9 +30,6 @@
 namespace gdn::replay {
 namespace cuda_detail {
 
-using decode_mtp::cuda_detail::classify_replay_row;
-using decode_mtp::cuda_detail::ReplayRow;
-
 inline constexpr int kSaveThreads = 256;
 // Units of k and v a thread has in flight at once (TP1 with bf16 activations: a request's k and v
 // at T = 4 are 3,072 16-byte units, one batch of 256 threads x 12).

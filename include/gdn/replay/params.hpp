@@ -167,40 +167,67 @@ inline int64_t window_offset(const TensorView& w, int64_t slot, int64_t token) {
   return slot * w.strides[0] + token * w.strides[1];
 }
 
-// Validates one request row; the reason names the row, the argument and what is wrong.
+// The one classification of a replay request row, on the host (check_row, which then names what
+// is wrong) and in the CUDA kernel: padded when it has no tokens or a null checkpoint slot (nothing
+// read or written); invalid when its token range leaves [0, L) or holds more than S tokens, its
+// slot is past the pool, or its replay count n is outside [0, S] or past the `stored` tokens of the
+// slot's window (the kernel passes INT64_MAX before it has read them).
+enum class ReplayRow { kPadded, kInvalid, kLive };
+GDN_HOST_DEVICE GDN_FORCE_INLINE ReplayRow classify_replay_row(int64_t c0, int64_t c1, int64_t L,
+                                                               int64_t S, int64_t slot,
+                                                               int64_t num_slots,
+                                                               int64_t first_valid, int64_t n,
+                                                               int64_t stored) {
+  if (c0 < 0 || c1 < c0 || c1 > L) return ReplayRow::kInvalid;
+  if (c1 == c0) return ReplayRow::kPadded;
+  if (c1 - c0 > S || slot >= num_slots) return ReplayRow::kInvalid;
+  if (slot < first_valid || slot < 0) return ReplayRow::kPadded;  // null checkpoint slot
+  if (n < 0 || n > S || n > stored) return ReplayRow::kInvalid;
+  return ReplayRow::kLive;
+}
+
+// Validates one request row (classify_replay_row); an invalid row's reason names the row, the
+// argument and the first condition it fails.
 inline Status check_row(const Params& p, const Problem& pr, int64_t i, RowInfo* info) {
   using decode_mtp::row_prefix;
   *info = RowInfo{};
-  GDN_RETURN_IF_ERROR(decode_mtp::check_token_range(p, pr, i, &info->begin, &info->T));
-  const int64_t T = info->T;
-  if (T == 0) return Status::ok();  // padded row
-  if (T > pr.S)
-    return Status::invalid(row_prefix(i) + "has T = " + std::to_string(T) +
-                           " tokens but the window holds only S = " + std::to_string(pr.S) +
-                           " (dim 1 of window_k)");
+  const int64_t c0 = load_index(p.cu_seqlens.data, p.cu_seqlens.dtype, i);
+  const int64_t c1 = load_index(p.cu_seqlens.data, p.cu_seqlens.dtype, i + 1);
   const int64_t slot =
       load_index(p.state_indices.data, p.state_indices.dtype, i * p.state_indices.strides[0]);
+  const int64_t n = load_index(p.num_accepted_tokens.data, p.num_accepted_tokens.dtype, i);
+  // The window is read only for a slot inside the pool.
+  const int64_t stored = slot >= 0 && slot < pr.num_slots
+                             ? load_index(p.window_len.data, DType::kInt32, slot)
+                             : INT64_MAX;
+  info->begin = c0;
+  info->T = c1 - c0;
+  const ReplayRow row =
+      classify_replay_row(c0, c1, pr.L, pr.S, slot, pr.num_slots, p.first_valid_slot, n, stored);
+  if (row == ReplayRow::kLive) {
+    info->slot = slot;
+    info->replay = n;
+    info->live = true;
+  }
+  if (row != ReplayRow::kInvalid) return Status::ok();
   const std::string at = "state_indices[" + std::to_string(i) + "] = " + std::to_string(slot);
+  const std::string accepted =
+      "num_accepted_tokens[" + std::to_string(i) + "] = " + std::to_string(n);
+  if (c0 < 0 || c1 < c0 || c1 > pr.L) return decode_mtp::token_range_error(i, c0, c1, pr.L);
+  if (c1 - c0 > pr.S)
+    return Status::invalid(row_prefix(i) + "has T = " + std::to_string(c1 - c0) +
+                           " tokens but the window holds only S = " + std::to_string(pr.S) +
+                           " (dim 1 of window_k)");
   if (slot >= pr.num_slots)
     return Status::invalid(row_prefix(i) + at + " is >= the pool's slot count " +
                            std::to_string(pr.num_slots));
-  if (slot < p.first_valid_slot) return Status::ok();  // null checkpoint slot: padded row
-  const int64_t n = load_index(p.num_accepted_tokens.data, p.num_accepted_tokens.dtype, i);
-  const std::string accepted =
-      "num_accepted_tokens[" + std::to_string(i) + "] = " + std::to_string(n);
   if (n < 0 || n > pr.S)
     return Status::invalid(row_prefix(i) + accepted +
                            " is outside [0, S = " + std::to_string(pr.S) + "]");
-  const int64_t stored = load_index(p.window_len.data, DType::kInt32, slot);
-  if (n > stored)
-    return Status::invalid(row_prefix(i) + accepted + " exceeds window_len[" +
-                           std::to_string(slot) + "] = " + std::to_string(stored) +
-                           ", the tokens stored in the window of checkpoint slot " +
-                           std::to_string(slot) + " (" + at + ")");
-  info->slot = slot;
-  info->replay = n;
-  info->live = true;
-  return Status::ok();
+  return Status::invalid(row_prefix(i) + accepted + " exceeds window_len[" + std::to_string(slot) +
+                         "] = " + std::to_string(stored) +
+                         ", the tokens stored in the window of checkpoint slot " +
+                         std::to_string(slot) + " (" + at + ")");
 }
 
 // Validates every row of a call whose indices are host-visible, filling `rows` (if given) with
