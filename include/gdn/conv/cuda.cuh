@@ -48,8 +48,8 @@ __global__ void __launch_bounds__(128) conv_update_kernel(const KernelArgs args)
   const int64_t c = int64_t(blockIdx.y) * blockDim.x + threadIdx.x;
   const bool reporter = blockIdx.y == 0 && threadIdx.x == 0;  // counts this row's error once
 
-  const int64_t begin = dev::load_index(args.cu_seqlens, args.cu_dtype, i);
-  const int64_t end = dev::load_index(args.cu_seqlens, args.cu_dtype, i + 1);
+  const int64_t begin = gdn::load_index(args.cu_seqlens, args.cu_dtype, i);
+  const int64_t end = gdn::load_index(args.cu_seqlens, args.cu_dtype, i + 1);
   if (begin < 0 || end < begin || end > args.L) {  // rows unknown: write nothing
     if (reporter && args.error_count) atomicAdd(args.error_count, 1);
     return;
@@ -57,10 +57,10 @@ __global__ void __launch_bounds__(128) conv_update_kernel(const KernelArgs args)
   const int64_t T = end - begin;
   if (T == 0) return;
   const int64_t slot =
-      dev::load_index(args.conv_state_indices, args.index_dtype, i * args.index_stride);
+      gdn::load_index(args.conv_state_indices, args.index_dtype, i * args.index_stride);
   if (slot < args.first_valid_slot) return;
   const int64_t acc =
-      args.num_accepted_tokens ? dev::load_index(args.num_accepted_tokens, args.acc_dtype, i) : 1;
+      args.num_accepted_tokens ? gdn::load_index(args.num_accepted_tokens, args.acc_dtype, i) : 1;
   if (slot >= args.num_slots || T > args.S || acc < 1 || acc > args.S) {
     if (reporter && args.error_count) atomicAdd(args.error_count, 1);
     if (c < args.D)

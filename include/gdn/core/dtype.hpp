@@ -6,6 +6,8 @@
 #include <cstring>
 #include <string_view>
 
+#include "gdn/core/host_device.hpp"
+
 namespace gdn {
 
 enum class DType : int { kFloat32, kBFloat16, kFloat16, kInt32, kInt64, kBool, kFloat64 };
@@ -198,8 +200,8 @@ inline float round_to(DType t, float v) noexcept {
   }
 }
 
-// Reads element i of an int32 or int64 index array.
-inline int64_t load_index(const void* p, DType t, int64_t i) noexcept {
+// Reads element i of an int32 or int64 index array (host code and the CUDA kernels).
+GDN_HOST_DEVICE GDN_FORCE_INLINE int64_t load_index(const void* p, DType t, int64_t i) noexcept {
   return t == DType::kInt64 ? static_cast<const int64_t*>(p)[i]
                             : int64_t(static_cast<const int32_t*>(p)[i]);
 }

@@ -1170,15 +1170,15 @@ __device__ __forceinline__ void decode_mtp_body(const KernelArgs& args) {
   // 1. The request's slot ids (replay: its checkpoint slot), token range and accepted count (one
   //    round trip).
   if (kReplay ? tid == 0 : tid < S) {
-    meta.slot[tid] = dev::load_index(args.state_indices, args.index_dtype,
+    meta.slot[tid] = gdn::load_index(args.state_indices, args.index_dtype,
                                      kReplay ? n * args.index_stride : n * S + tid);
   } else if (tid == 32) {
-    meta.c0 = dev::load_index(args.cu_seqlens, args.cu_dtype, n);
+    meta.c0 = gdn::load_index(args.cu_seqlens, args.cu_dtype, n);
   } else if (tid == 33) {
-    meta.c1 = dev::load_index(args.cu_seqlens, args.cu_dtype, n + 1);
+    meta.c1 = gdn::load_index(args.cu_seqlens, args.cu_dtype, n + 1);
   } else if (tid == 34) {
     meta.acc = args.num_accepted_tokens
-                   ? dev::load_index(args.num_accepted_tokens, args.acc_dtype, n)
+                   ? gdn::load_index(args.num_accepted_tokens, args.acc_dtype, n)
                    : int64_t(1);
   }
   const uint32_t w_bits =

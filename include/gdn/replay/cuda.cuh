@@ -95,13 +95,13 @@ __global__ void __launch_bounds__(kSaveThreads)
   const int tid = int(threadIdx.x);
   const int64_t i = blockIdx.x;
   if (tid == 0)
-    meta[0] = gdn::cuda::load_index(args.state_indices, args.index_dtype, i * args.index_stride);
+    meta[0] = gdn::load_index(args.state_indices, args.index_dtype, i * args.index_stride);
   else if (tid == 1)
-    meta[1] = gdn::cuda::load_index(args.cu_seqlens, args.cu_dtype, i);
+    meta[1] = gdn::load_index(args.cu_seqlens, args.cu_dtype, i);
   else if (tid == 2)
-    meta[2] = gdn::cuda::load_index(args.cu_seqlens, args.cu_dtype, i + 1);
+    meta[2] = gdn::load_index(args.cu_seqlens, args.cu_dtype, i + 1);
   else if (tid == 3)
-    meta[3] = gdn::cuda::load_index(args.num_accepted_tokens, args.acc_dtype, i);
+    meta[3] = gdn::load_index(args.num_accepted_tokens, args.acc_dtype, i);
   __syncthreads();
   const int64_t slot = meta[0], c0 = meta[1], c1 = meta[2], n = meta[3], T = c1 - c0;
   // Token range and slot first, so that every load below stays inside the arrays; the window

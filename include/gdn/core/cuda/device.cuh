@@ -190,11 +190,6 @@ __device__ __forceinline__ float round_to(DType t, float v) {
   return v;
 }
 
-__device__ __forceinline__ int64_t load_index(const void* p, DType t, int64_t i) {
-  return t == DType::kInt64 ? static_cast<const int64_t*>(p)[i]
-                            : int64_t(static_cast<const int32_t*>(p)[i]);
-}
-
 // 1 / x by the hardware's approximate reciprocal (1 ulp), one instruction: for x in the normal
 // range, where __fdividef(1, x) also spends a few on scaling huge and tiny x.
 __device__ __forceinline__ float fast_rcp(float x) {
