@@ -28,7 +28,6 @@
 // GDN_HAS_CUDA (this target links the CUDA kernels) is set only against a torch built with CUDA:
 // a CPU torch has no c10_cuda to link and no CUDA tensors to run on.
 #ifdef GDN_HAS_CUDA
-#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
 
@@ -67,15 +66,15 @@ void raising_c10_errors(Body&& body) {
   }
 }
 
-// Runs a call (binding::run): `cpu()` for a host state, else `cuda(stream)` with the state's device
-// current (restored after) on torch's current stream of that device, the stream a torch op runs
-// on. `cuda` is generic: a build without the CUDA kernels never instantiates it.
+// Runs a call (binding::run): `cpu()` for a host state, else `cuda(stream)` on torch's current
+// stream of the state's device, the stream a torch op runs on (the library's CUDA entry points make
+// that device current themselves, gdn::cuda::on_device). `cuda` is generic: a build without the
+// CUDA kernels never instantiates it.
 template <class Cpu, class Cuda>
 void run_call(const TensorView& state_view, const char* state_name, const at::Tensor& state,
               Cpu&& cpu, Cuda&& cuda) {
 #ifdef GDN_HAS_CUDA
   binding::run(state_view, state_name, cpu, [&] {
-    const c10::cuda::CUDAGuard device_guard(state.device());
     return cuda(
         static_cast<void*>(c10::cuda::getCurrentCUDAStream(state.device().index()).stream()));
   });
