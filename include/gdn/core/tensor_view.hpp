@@ -109,16 +109,21 @@ inline Status dim(const TensorView& t, const char* name, int d, int64_t expected
 // list of one-off dtypes; an error lists them in this order.
 class DTypeSet {
  public:
-  DTypeSet(std::initializer_list<DType> list) : first_(list.begin()), size_(list.size()) {}
+  DTypeSet(std::initializer_list<DType> list) {
+    for (DType d : list)
+      if (size_ < kMax) items_[size_++] = d;
+  }
   template <auto... Vs>
-  constexpr DTypeSet(ValueList<Vs...>)
-      : first_(ValueList<Vs...>::values.data()), size_(sizeof...(Vs)) {}
-  const DType* begin() const { return first_; }
-  const DType* end() const { return first_ + size_; }
+  constexpr DTypeSet(ValueList<Vs...>) : items_{Vs...}, size_(sizeof...(Vs)) {
+    static_assert(sizeof...(Vs) <= kMax, "DTypeSet holds at most kMax dtypes");
+  }
+  const DType* begin() const { return items_; }
+  const DType* end() const { return items_ + size_; }
 
  private:
-  const DType* first_;
-  size_t size_;
+  static constexpr size_t kMax = 8;
+  DType items_[kMax] = {};
+  size_t size_ = 0;
 };
 
 inline Status dtype_in(const TensorView& t, const char* name, DTypeSet ok) {
