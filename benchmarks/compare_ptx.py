@@ -33,7 +33,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UNITS = ["decode_mtp_f32", "decode_mtp_bf16", "decode_mtp_f16", "replay_f32", "replay_bf16", "replay_f16"]
 # How the kernels are compiled here (kernel_resources.py adds its own output flags).
 NVCC_BASE = ["-std=c++20", "-arch=sm_90a", "-DGDN_HAS_CUDA", "--expt-relaxed-constexpr", "-O3"]
-NVCC_FLAGS = [*NVCC_BASE, "-ptx"]
 REGISTER = re.compile(r"%(?:rd|rs|fd|hh|r|f|p|h)\d+|\$L__BB\d+_\d+")
 
 
@@ -47,37 +46,20 @@ def tree(rev, into):
     return into
 
 
-def ptx(src, unit, out):
-    subprocess.run(
-        [
-            "nvcc",
-            *NVCC_FLAGS,
-            "-I",
-            os.path.join(src, "include"),
-            os.path.join(src, "src", "cuda", unit + ".cu"),
-            "-o",
-            out,
-        ],
-        check=True,
-    )
+def compile_unit(src, unit, out, output_flag):
+    """nvcc of src/cuda/<unit>.cu of the tree `src` into `out` (output_flag: -ptx or -cubin)."""
+    source = os.path.join(src, "src", "cuda", unit + ".cu")
+    include = os.path.join(src, "include")
+    subprocess.run(["nvcc", *NVCC_BASE, output_flag, "-I", include, source, "-o", out], check=True)
     return out
+
+
+def ptx(src, unit, out):
+    return compile_unit(src, unit, out, "-ptx")
 
 
 def cubin(src, unit, out):
-    subprocess.run(
-        [
-            "nvcc",
-            *NVCC_BASE,
-            "-cubin",
-            "-I",
-            os.path.join(src, "include"),
-            os.path.join(src, "src", "cuda", unit + ".cu"),
-            "-o",
-            out,
-        ],
-        check=True,
-    )
-    return out
+    return compile_unit(src, unit, out, "-cubin")
 
 
 def elf_sections(path):
