@@ -16,5 +16,7 @@
 #include "gdn/metadata/plan.hpp"
 #include "gdn/metadata/shadow.hpp"
 #include "gdn/metadata/state_rows.hpp"
+#include "gdn/prefill/cpu.hpp"
+#include "gdn/prefill/params.hpp"
 #include "gdn/replay/cpu.hpp"
 #include "gdn/replay/params.hpp"
