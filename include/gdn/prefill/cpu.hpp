@@ -103,13 +103,10 @@ void run_all(const Params& p, const Problem& pr, const std::vector<RowInfo>& row
 // requests writing one slot, or a request's final slot being another's initial slot, is the
 // caller's bug: the order of the requests is not defined.
 inline Status run_cpu(const Params& p) {
-  Problem pr;
-  std::vector<RowInfo> rows;
-  GDN_RETURN_IF_ERROR(check_cpu_call(p, &pr, &rows));
-  dispatch_state_and_ratio(p.state.dtype, int(pr.ratio), [&]<class StateT, int kRatio>() {
-    cpu_detail::run_all<StateT, kRatio>(p, pr, rows);
-  });
-  return Status::ok();
+  return run_cpu_call<Problem, RowInfo>(
+      p, [&p]<class StateT, int kRatio>(const Problem& pr, const std::vector<RowInfo>& rows) {
+        cpu_detail::run_all<StateT, kRatio>(p, pr, rows);
+      });
 }
 
 }  // namespace gdn::prefill
