@@ -17,12 +17,8 @@
 namespace gdn::prefill {
 namespace cpu_detail {
 
-using decode_mtp::cpu_detail::delta_rule_row;
-using decode_mtp::cpu_detail::dot;
-using decode_mtp::cpu_detail::HeadInputs;
-using decode_mtp::cpu_detail::Scratch;
-using decode_mtp::cpu_detail::StateRow;
-using decode_mtp::cpu_detail::store_outputs;
+// decode_mtp's per-token building blocks (loaders, delta rule, gated RMSNorm, state rows).
+namespace step = decode_mtp::cpu_detail;
 
 // Tokens loaded and advanced at a time; a divisor of kCheckpointGranule, so that every checkpoint
 // falls on the end of a block.
@@ -33,7 +29,7 @@ static_assert(kCheckpointGranule % kBlock == 0, "a checkpoint ends a block");
 template <class StateT>
 void store_state(const Params& p, const Problem& pr, int64_t slot, int64_t hv,
                  const std::vector<float>& state) {
-  const auto dst = StateRow<StateT>::at(p, pr, slot, hv);
+  const auto dst = step::StateRow<StateT>::at(p, pr, slot, hv);
   for (int64_t r = 0; r < pr.V; ++r) dst.store(r, pr.K, state.data() + r * pr.K);
 }
 
@@ -41,13 +37,13 @@ void store_state(const Params& p, const Problem& pr, int64_t slot, int64_t hv,
 // final slot may be the initial one.
 template <class StateT, int kRatio>
 void run_head(const Params& p, const Problem& pr, const RowInfo& row, int64_t i, int64_t hv,
-              Scratch& sc, std::vector<float>& state) {
+              step::Scratch& sc, std::vector<float>& state) {
   const int64_t ratio = kRatio == kRuntimeValue ? pr.ratio : kRatio;
-  const HeadInputs inputs(p, pr, hv / ratio, hv);
+  const step::HeadInputs inputs(p, pr, hv / ratio, hv);
   const int64_t K = pr.K, V = pr.V;
   state.assign(size_t(V * K), 0.0f);
   if (row.initial >= 0) {
-    const auto src = StateRow<StateT>::at(p, pr, row.initial, hv);
+    const auto src = step::StateRow<StateT>::at(p, pr, row.initial, hv);
     for (int64_t r = 0; r < V; ++r) src.load(r, K, state.data() + r * K);
   }
   const int64_t E = p.checkpoint_indices.present() ? p.checkpoint_every : 0;
@@ -57,11 +53,11 @@ void run_head(const Params& p, const Problem& pr, const RowInfo& row, int64_t i,
     for (int64_t r = 0; r < V; ++r) {
       float* Sr = state.data() + r * K;
       for (int64_t t = 0; t < n; ++t) {
-        delta_rule_row(Sr, sc, t, r, K, V);
-        sc.o[size_t(t * V + r)] = dot(Sr, sc.q.data() + t * K, K);
+        step::delta_rule_row(Sr, sc, t, r, K, V);
+        sc.o[size_t(t * V + r)] = step::dot(Sr, sc.q.data() + t * K, K);
       }
     }
-    store_outputs(p, pr, row.begin + first, n, hv, 0, sc);
+    step::store_outputs(p, pr, row.begin + first, n, hv, 0, sc);
     const int64_t done = first + n;
     if (E > 0 && done % E == 0) {  // checkpoint j = done / E - 1 (validated to exist)
       const TensorView& t = p.checkpoint_indices;
@@ -78,13 +74,13 @@ void run_all(const Params& p, const Problem& pr, const std::vector<RowInfo>& row
   int64_t tokens = 0;
   for (const RowInfo& r : rows) tokens += r.T;
   const int64_t tasks = pr.N * pr.HV;
-  const bool parallel = decode_mtp::cpu_detail::use_threads(pr, tokens);
+  const bool parallel = step::use_threads(pr, tokens);
   (void)parallel;
 #if defined(_OPENMP)
 #pragma omp parallel if (parallel)
 #endif
   {
-    Scratch sc;
+    step::Scratch sc;
     sc.reserve(pr, kBlock);
     std::vector<float> state;
 #if defined(_OPENMP)

@@ -143,10 +143,12 @@ inline Status check_row(const Params& p, const Problem& pr, int64_t i, RowInfo* 
 inline Status check_rows(const Params& p, const Problem& pr, std::vector<RowInfo>* rows = nullptr) {
   GDN_RETURN_IF_ERROR(decode_mtp::check_rows_readable(
       p, pr, {&p.initial_state_indices, &p.final_state_indices, &p.checkpoint_indices}));
-  std::vector<RowInfo> local;
-  std::vector<RowInfo>& out = rows ? *rows : local;
-  out.assign(size_t(pr.N), RowInfo{});
-  for (int64_t i = 0; i < pr.N; ++i) GDN_RETURN_IF_ERROR(check_row(p, pr, i, &out[size_t(i)]));
+  if (rows) rows->assign(size_t(pr.N), RowInfo{});
+  for (int64_t i = 0; i < pr.N; ++i) {
+    RowInfo info;
+    GDN_RETURN_IF_ERROR(check_row(p, pr, i, &info));
+    if (rows) (*rows)[size_t(i)] = info;
+  }
   return Status::ok();
 }
 
