@@ -4,9 +4,10 @@ labels in order of first use, so that a refactor that only moves code between fu
 "same" and one that changes what the kernel executes reads as "differs".
 
 --sass compares machine code instead: both revisions are compiled to sm_90a cubins and each kernel's
-code section (and its .nv.info attributes: registers, parameters) is compared byte for byte, pairing
-kernels by content so that renamed kernels pair up. Identical machine code runs identically, so no
-benchmark is needed; PTX may differ in instruction order that ptxas schedules away.
+code section is compared byte for byte (and its .nv.info attribute section by size, since that
+section names symbols by index), pairing kernels by content so that renamed kernels pair up.
+Identical machine code runs identically, so no benchmark is needed; PTX may differ in instruction
+order that ptxas schedules away.
 
     python benchmarks/compare_ptx.py BASE_REV [NEW_REV] [--units decode_mtp_f32 replay_bf16 ...]
         [--rename PATTERN REPLACEMENT]
@@ -114,16 +115,17 @@ def anonymous(name, body):
     return body.replace(name, "KERNEL")
 
 
-def compare_by_body(unit, base, new):
-    """Pairs base and new kernels with identical code; prints each pair and what is left over."""
+def pair_by_content(unit, base, new, key):
+    """Pairs base and new kernels (name -> value) whose key(name, value) is equal, one to one;
+    prints each pair and what is left over. Returns (pairs, unmatched count)."""
     pool = {}
-    for name, body in new.items():
-        pool.setdefault(anonymous(name, body), []).append(name)
-    unmatched = 0
-    for name, body in sorted(base.items()):
-        match = pool.get(anonymous(name, body))
+    for name, value in new.items():
+        pool.setdefault(key(name, value), []).append(name)
+    pairs, unmatched = [], 0
+    for name, value in sorted(base.items()):
+        match = pool.get(key(name, value))
         if match:
-            print(f"{unit:16} same         {name} -> {match.pop(0)}")
+            pairs.append((name, match.pop(0)))
         else:
             unmatched += 1
             print(f"{unit:16} no match     {name}")
@@ -131,36 +133,33 @@ def compare_by_body(unit, base, new):
         for name in names:
             unmatched += 1
             print(f"{unit:16} only in new  {name}")
-    return unmatched
+    return pairs, unmatched
+
+
+def compile_both(args, tmp, compile_unit_to, ext):
+    """Compiles every unit of the base and new trees (in parallel); returns path(i, unit) of the
+    output of tree i (0: base, 1: new)."""
+    trees = [tree(args.base, os.path.join(tmp, "base")), tree(args.new, os.path.join(tmp, "new"))]
+    path = lambda i, u: os.path.join(tmp, f"{i}_{u}.{ext}")  # noqa: E731
+    jobs = [(t, u, path(i, u)) for i, t in enumerate(trees) for u in args.units]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        list(pool.map(lambda j: compile_unit_to(*j), jobs))
+    return path
 
 
 def compare_sass(args):
     with tempfile.TemporaryDirectory() as tmp:
-        trees = [tree(args.base, os.path.join(tmp, "base")), tree(args.new, os.path.join(tmp, "new"))]
-        jobs = [(t, u, os.path.join(tmp, f"{i}_{u}.cubin")) for i, t in enumerate(trees) for u in args.units]
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-            list(pool.map(lambda j: cubin(*j), jobs))
+        path = compile_both(args, tmp, cubin, "cubin")
         differs = total = 0
         for u in args.units:
-            base, new = (machine_code(os.path.join(tmp, f"{i}_{u}.cubin")) for i in (0, 1))
-            pool = {}
-            for name, (code, _) in new.items():
-                pool.setdefault(code, []).append(name)
-            for name, (code, info) in sorted(base.items()):
-                total += 1
-                match = pool.get(code)
-                if match:
-                    other = match.pop(0)
-                    same_info = len(info) == len(new[other][1])
-                    differs += not same_info
-                    print(f"{u:16} {'same' if same_info else 'attributes':12} {name} -> {other}")
-                else:
-                    differs += 1
-                    print(f"{u:16} {'no match':12} {name}")
-            for names in pool.values():
-                for name in names:
-                    differs += 1
-                    print(f"{u:16} {'only in new':12} {name}")
+            base, new = (machine_code(path(i, u)) for i in (0, 1))
+            total += len(base)
+            pairs, differs_here = pair_by_content(u, base, new, lambda name, value: value[0])
+            for name, other in pairs:
+                same_info = len(base[name][1]) == len(new[other][1])
+                differs_here += not same_info
+                print(f"{u:16} {'same' if same_info else 'attributes':12} {name} -> {other}")
+            differs += differs_here
         print(f"{total} kernel(s) in base, {differs} without identical machine code in new")
         return 1 if differs else 0
 
@@ -190,15 +189,15 @@ def main():
     if args.sass:
         return compare_sass(args)
     with tempfile.TemporaryDirectory() as tmp:
-        trees = [tree(args.base, os.path.join(tmp, "base")), tree(args.new, os.path.join(tmp, "new"))]
-        jobs = [(t, u, os.path.join(tmp, f"{i}_{u}.ptx")) for i, t in enumerate(trees) for u in args.units]
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-            list(pool.map(lambda j: ptx(*j), jobs))
+        path = compile_both(args, tmp, ptx, "ptx")
         differs = 0
         for u in args.units:
-            base, new = (kernels(os.path.join(tmp, f"{i}_{u}.ptx"), args.rename if i else None) for i in (0, 1))
+            base, new = (kernels(path(i, u), args.rename if i else None) for i in (0, 1))
             if args.by_body:
-                differs += compare_by_body(u, base, new)
+                pairs, unmatched = pair_by_content(u, base, new, anonymous)
+                for name, other in pairs:
+                    print(f"{u:16} same         {name} -> {other}")
+                differs += unmatched
                 continue
             for name in sorted(set(base) | set(new)):
                 state = (
