@@ -107,18 +107,20 @@ inline Status check_row(const Params& p, const Problem& pr, int64_t i, RowInfo* 
   info->begin = c0;
   info->T = c1 - c0;
   if (info->T == 0) return Status::ok();  // padded row
-  const auto slot = [&](const char* name, int64_t id, int64_t* out) -> Status {
-    if (id >= pr.num_slots)
-      return Status::invalid(row_prefix(i) + name + " = " + std::to_string(id) +
-                             " is >= the pool's slot count " + std::to_string(pr.num_slots));
-    *out = id < p.first_valid_slot ? -1 : id;
-    return Status::ok();
+  // A slot id past the pool is refused (its argument's name is only built then); one below
+  // first_valid_slot is null (-1).
+  const auto past_pool = [&](const std::string& name, int64_t id) {
+    return Status::invalid(row_prefix(i) + name + " = " + std::to_string(id) +
+                           " is >= the pool's slot count " + std::to_string(pr.num_slots));
   };
-  const std::string at = "[" + std::to_string(i) + "]";
-  GDN_RETURN_IF_ERROR(slot(("initial_state_indices" + at).c_str(),
-                           index_at(p.initial_state_indices, i), &info->initial));
-  GDN_RETURN_IF_ERROR(slot(("final_state_indices" + at).c_str(), index_at(p.final_state_indices, i),
-                           &info->final_slot));
+  const int64_t initial = index_at(p.initial_state_indices, i);
+  const int64_t final_slot = index_at(p.final_state_indices, i);
+  if (initial >= pr.num_slots)
+    return past_pool("initial_state_indices[" + std::to_string(i) + "]", initial);
+  if (final_slot >= pr.num_slots)
+    return past_pool("final_state_indices[" + std::to_string(i) + "]", final_slot);
+  info->initial = initial < p.first_valid_slot ? -1 : initial;
+  info->final_slot = final_slot < p.first_valid_slot ? -1 : final_slot;
   if (!p.checkpoint_indices.present()) return Status::ok();
   const int64_t checkpoints = info->T / p.checkpoint_every;
   if (checkpoints > pr.C)
@@ -127,13 +129,12 @@ inline Status check_row(const Params& p, const Problem& pr, int64_t i, RowInfo* 
         std::to_string(checkpoints) +
         " checkpoint boundaries (checkpoint_every = " + std::to_string(p.checkpoint_every) +
         ") but checkpoint_indices has " + std::to_string(pr.C) + " columns");
+  const TensorView& t = p.checkpoint_indices;
   for (int64_t j = 0; j < checkpoints; ++j) {
-    const TensorView& t = p.checkpoint_indices;
     const int64_t id = load_index(t.data, t.dtype, i * t.strides[0] + j * t.strides[1]);
-    int64_t ignored = 0;
-    GDN_RETURN_IF_ERROR(
-        slot(("checkpoint_indices[" + std::to_string(i) + ", " + std::to_string(j) + "]").c_str(),
-             id, &ignored));
+    if (id >= pr.num_slots)
+      return past_pool("checkpoint_indices[" + std::to_string(i) + ", " + std::to_string(j) + "]",
+                       id);
   }
   return Status::ok();
 }
