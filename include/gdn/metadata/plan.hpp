@@ -81,6 +81,11 @@ inline Status plan(const Params& p) {
   const int32_t min_accepted = replay ? 0 : 1;  // replay: n = 0 when the window is empty
 
   // ---- pass 1: validate and count (nothing is written) ----
+  // The context of request i (tokens already in its state): num_computed_tokens, else seq_lens
+  // minus the row's T tokens. A row with tokens and no context is fresh: no initial state.
+  const auto context_of = [&](int64_t i, int64_t T) -> int64_t {
+    return computed ? int64_t(computed[i]) : int64_t(seq_lens[i]) - T;
+  };
   if (qsl[0] != 0)
     return Status::invalid("query_start_loc[0] must be 0, got " + std::to_string(qsl[0]));
   // One loop: validation, plus the tallies of both classifications.
@@ -106,8 +111,7 @@ inline Status plan(const Params& p) {
       return Status::invalid("seq_lens[" + std::to_string(i) + "] = " +
                              std::to_string(seq_lens[i]) + " is smaller than the request's " +
                              std::to_string(T) + " query tokens (context would be negative)");
-    const int64_t context = computed ? int64_t(computed[i]) : int64_t(seq_lens[i]) - T;
-    if ((T > 1 || (T > 0 && context <= 0)) && leading_run == N) leading_run = i;
+    if ((T > 1 || (T > 0 && context_of(i, T) <= 0)) && leading_run == N) leading_run = i;
     if (T > 0) last_live = i;
     if (drafts) {
       if (drafts[i] < -1 || drafts[i] > p.num_spec)
@@ -197,7 +201,7 @@ inline Status plan(const Params& p) {
       ns_start[jn] = start;
       ns_src[jn] = acc - 1;
       if (replay) ns_replay[jn] = n;
-      has_init[jn] = computed ? computed[i] > 0 : (seq_lens[i] - T) > 0;
+      has_init[jn] = context_of(i, T) > 0;
       ns_tok += T;
       ns_qsl[++jn] = ns_tok;
     }
