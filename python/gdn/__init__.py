@@ -70,8 +70,12 @@ def _path_query() -> bool:
 
 if not _path_query():
     try:  # torch is optional: the package works on any DLPack arrays without it
-        import torch as _torch  # noqa: F401
+        import torch as _torch
     except ImportError:  # pragma: no cover - exercised in torch-less environments
         pass
     else:
         from . import ops  # noqa: F401  (registers torch.ops.gdn.*)
+        from . import _common
+
+        # While torch traces, the functions call their torch ops (_common.traced_as_torch_op).
+        _common._is_compiling = _torch.compiler.is_compiling

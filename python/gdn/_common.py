@@ -1,11 +1,13 @@
 """Helpers shared by the operation modules: the argument kinds each function's signature declares,
-the launch stream, and argument errors that name the argument."""
+the launch stream, argument errors that name the argument, and the routing that lets
+torch.compile trace the functions."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import typing
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, TypeVar, cast
 
 from . import _C
 
@@ -187,3 +189,62 @@ def raise_argument_error(function: str, kinds: Mapping[str, str], values: Dict[s
             bad, got, hint = name, value, _hint(value, base)
             expected = _EXPECTED[base] + (" or None" if kind.endswith("?") else "")
         raise TypeError(f"gdn.{function}: {bad} must be {expected}, got {describe(got)}{hint}") from None
+
+
+# ---- torch.compile ------------------------------------------------------------------------------
+#
+# Dynamo cannot trace into a nanobind function, so a gdn function called inside
+# torch.compile(fullgraph=True) would break the graph. While torch traces (torch.compile, or
+# torch.export), a function decorated with `traced_as_torch_op` calls its torch op instead, which
+# torch records and functionalizes like any other op; eager calls go straight to the function.
+
+
+def _never() -> bool:
+    return False
+
+
+#: ``torch.compiler.is_compiling`` once gdn has imported torch (gdn/__init__.py sets it), so that a
+#: process without torch never imports it; constant-folded to True while Dynamo traces.
+_is_compiling: Callable[[], bool] = _never
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def traced_as_torch_op(function: _F) -> _F:
+    """Decorates an operation's function so that, while torch traces, it calls its torch op
+    ``torch.ops.gdn.<function name>`` (gdn.ops registers one per function, from its signature)
+    with the same arguments: ``stream`` is left out (the op launches on torch's current stream; a
+    stream given while tracing raises, see :func:`_call_torch_op`) and ``mode`` becomes
+    ``cache_mode`` (gdn.ops.SCHEMA_EXCLUDED). Outside tracing it calls ``function``; the wrapper
+    keeps its signature, annotations and docstring."""
+    name = function.__name__
+
+    @functools.wraps(function)
+    def routed(*args: Any, **kwargs: Any) -> Any:
+        if _is_compiling():
+            return _call_torch_op(name, args, kwargs)
+        return function(*args, **kwargs)
+
+    return cast(_F, routed)
+
+
+def _call_torch_op(name: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+    """Calls ``torch.ops.gdn.<name>`` with a gdn function's arguments. The renamed and excluded
+    arguments are keyword-only in every function, so positional arguments pass as they are."""
+    import torch
+
+    from . import ops  # not at module import: gdn.ops imports the operation modules
+
+    stream = kwargs.pop("stream", None)
+    if stream is not None:
+        # The traced op runs on torch's current stream whatever is passed here; running it on
+        # another stream silently would race with the caller's work on that stream.
+        raise ValueError(
+            f"gdn.{name}: stream must be None inside torch.compile or torch.export (got {describe(stream)}): "
+            f"the traced call runs as torch.ops.gdn.{name} on torch's current stream; select the stream "
+            "with `with torch.cuda.stream(s):` around the compiled call"
+        )
+    for arg, (op_name, _) in ops.SCHEMA_EXCLUDED.items():
+        if op_name is not None and arg in kwargs:
+            kwargs[op_name] = kwargs.pop(arg)
+    getattr(torch.ops.gdn, name)(*args, **kwargs)

@@ -13,11 +13,12 @@ from typing import Any, Optional, Tuple, Union
 import numpy as np
 
 from . import _C
-from ._common import Input, Output, _stream_of, argument_kinds, raise_argument_error
+from ._common import Input, Output, _stream_of, argument_kinds, raise_argument_error, traced_as_torch_op
 
 __all__ = ["can_use_decode_mtp", "decode_mtp", "decode_mtp_reference"]
 
 
+@traced_as_torch_op
 def decode_mtp(
     mixed_qkv: Input,
     a: Input,

@@ -11,11 +11,12 @@ import dataclasses
 from typing import Any, Dict, Optional
 
 from . import _C
-from ._common import Input, Output, _stream_of, argument_kinds, raise_argument_error
+from ._common import Input, Output, _stream_of, argument_kinds, raise_argument_error, traced_as_torch_op
 
 __all__ = ["ReplayWindow", "decode_mtp_replay"]
 
 
+@traced_as_torch_op
 def decode_mtp_replay(
     mixed_qkv: Input,
     a: Input,
