@@ -211,9 +211,23 @@ ARGUMENT_ERRORS = [
     _error(
         "mixed_qkv_width",
         _qkv_width(2 * H * K + HV * V - 1),
-        r"^state has HV = 4 value heads \(dim 1 of state \[\d+, 4, 16, 16\]; K = 16, V = 16 "
-        r"from dims 3 and 2, layout \"vk\"\), but mixed_qkv width 127 = 2\*H\*K \+ HV\*V "
-        r"leaves 127 - 4\*16 = 63 columns for q\|k, not a positive multiple of 2\*K = 32",
+        r"^mixed_qkv width 127 = 2\*H\*K \+ HV\*V leaves 127 - 4\*16 = 63 columns for q\|k, not a "
+        r"multiple of 2\*K = 32 for any key head count H dividing HV \(HV = 4, V = 16, K = 16 from dims "
+        r"1, 2 and 3 of state \[\d+, 4, 16, 16\], layout \"vk\"\): check mixed_qkv's width",
+    ),
+    _error(
+        "state_wrong_K",
+        _set("state", lambda c: torch.zeros(c.state.shape[0], HV, V, K + 1)),
+        r"^state's key head dim K = 17 \(dim 3 of state \[\d+, 4, 16, 17\], layout \"vk\"\) does not fit "
+        r"mixed_qkv: .* that width fits K = 32 with H = 1, K = 16 with H = 2, K = 8 with H = 4$",
+    ),
+    _error(
+        "state_wrong_K_kv",
+        lambda c: (
+            _set("state", lambda c: torch.zeros(c.state.shape[0], HV, K - 1, V))(c),
+            c.opts.update(state_layout="kv"),
+        ),
+        r"^state's key head dim K = 15 \(dim 2 of state \[\d+, 4, 15, 16\], layout \"kv\"\) does not fit",
     ),
     _error(
         "mixed_qkv_width_too_small",

@@ -97,15 +97,38 @@ Status check_step_arguments(const StepArgs& p, Problem* out_problem,
   pr.L = p.mixed_qkv.shape[0];
   const int64_t width = p.mixed_qkv.shape[1];
   const int64_t key_width = width - pr.HV * pr.V;
-  if (key_width <= 0 || key_width % (2 * pr.K) != 0)
-    return Status::invalid(
-        "state has HV = " + std::to_string(pr.HV) + " value heads (dim 1 of state " +
-        shape_string(p.state) + "; K = " + std::to_string(pr.K) + ", V = " + std::to_string(pr.V) +
-        " from dims " + (vk ? "3 and 2" : "2 and 3") + ", layout \"" + (vk ? "vk" : "kv") +
-        "\"), but mixed_qkv width " + std::to_string(width) + " = 2*H*K + HV*V leaves " +
-        std::to_string(width) + " - " + std::to_string(pr.HV) + "*" + std::to_string(pr.V) + " = " +
-        std::to_string(key_width) + " columns for q|k, not a positive multiple of 2*K = " +
-        std::to_string(2 * pr.K) + ": check state's head count (dim 1) or mixed_qkv's width");
+  if (key_width <= 0 || key_width % (2 * pr.K) != 0) {
+    // Name the dimension most likely wrong: with q|k columns left, a K dim that no key head count
+    // fits (while another K would) is the state's K; otherwise the head count, V or the width.
+    const std::string dims = std::string(vk ? "dims 1, 2 and 3" : "dims 1, 3 and 2") +
+                             " of state " + shape_string(p.state) + ", layout \"" +
+                             (vk ? "vk" : "kv") + "\"";
+    const std::string left = "mixed_qkv width " + std::to_string(width) +
+                             " = 2*H*K + HV*V leaves " + std::to_string(width) + " - " +
+                             std::to_string(pr.HV) + "*" + std::to_string(pr.V) + " = " +
+                             std::to_string(key_width) + " columns for q|k";
+    if (key_width <= 0)
+      return Status::invalid(left + " (HV = " + std::to_string(pr.HV) +
+                             ", V = " + std::to_string(pr.V) + " from " + dims +
+                             "): check state's head count HV and V, or mixed_qkv's width");
+    std::string fits;  // the K each key head count H dividing HV would give this width
+    for (int64_t h = 1; h <= pr.HV; ++h)
+      if (pr.HV % h == 0 && key_width % (2 * h) == 0)
+        fits += std::string(fits.empty() ? "" : ", ") +
+                "K = " + std::to_string(key_width / (2 * h)) + " with H = " + std::to_string(h);
+    if (fits.empty())
+      return Status::invalid(
+          left + ", not a multiple of 2*K = " + std::to_string(2 * pr.K) +
+          " for any key head count H dividing HV (HV = " + std::to_string(pr.HV) +
+          ", V = " + std::to_string(pr.V) + ", K = " + std::to_string(pr.K) + " from " + dims +
+          "): check mixed_qkv's width and state's dims");
+    return Status::invalid("state's key head dim K = " + std::to_string(pr.K) + " (dim " +
+                           (vk ? "3" : "2") + " of state " + shape_string(p.state) + ", layout \"" +
+                           (vk ? "vk" : "kv") + "\") does not fit mixed_qkv: " + left +
+                           " (HV = " + std::to_string(pr.HV) + ", V = " + std::to_string(pr.V) +
+                           "), not a multiple of 2*K = " + std::to_string(2 * pr.K) +
+                           "; that width fits " + fits);
+  }
   pr.H = key_width / (2 * pr.K);
   if (p.num_k_heads != 0 && p.num_k_heads != pr.H)
     return Status::invalid(
