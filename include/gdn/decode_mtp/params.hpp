@@ -108,9 +108,11 @@ Status check_step_arguments(const StepArgs& p, Problem* out_problem,
                              std::to_string(pr.HV) + "*" + std::to_string(pr.V) + " = " +
                              std::to_string(key_width) + " columns for q|k";
     if (key_width <= 0)
-      return Status::invalid(left + " (HV = " + std::to_string(pr.HV) +
-                             ", V = " + std::to_string(pr.V) + " from " + dims +
-                             "): check state's head count HV and V, or mixed_qkv's width");
+      return Status::invalid("state has HV = " + std::to_string(pr.HV) +
+                             " value heads (dim 1 of state " + shape_string(p.state) +
+                             "; V = " + std::to_string(pr.V) + " from dim " + (vk ? "2" : "3") +
+                             ", layout \"" + (vk ? "vk" : "kv") + "\"), but " + left +
+                             ": check state's head count (dim 1) and V, or mixed_qkv's width");
     std::string fits;  // the K each key head count H dividing HV would give this width
     for (int64_t h = 1; h <= pr.HV; ++h)
       if (pr.HV % h == 0 && key_width % (2 * h) == 0)
