@@ -19,11 +19,13 @@ from ._C import (
 
 # One module per operation (its function, contract and float64 reference). The function
 # gdn.decode_mtp shadows its module of the same name (`import gdn.decode_mtp as m` gives the
-# function too); reach the module with importlib.import_module("gdn.decode_mtp").
+# function too); reach the module with importlib.import_module("gdn.decode_mtp"), and the float64
+# references as gdn.reference.* (docstrings name them so).
 from .decode_mtp import can_use_decode_mtp, decode_mtp
 from .conv import causal_conv1d_update
 from .replay import ReplayWindow, decode_mtp_replay
 from . import metadata
+from . import reference
 
 __version__ = _C.__version__
 
@@ -39,6 +41,7 @@ __all__ = [
     "ReplayWindow",
     "include_dir",
     "metadata",
+    "reference",
     "supported_head_ratios",
     "supported_state_dtypes",
 ]
@@ -55,8 +58,8 @@ def cmake_dir() -> str:
 
 
 def _path_query() -> bool:
-    """True for `python -m gdn --cmake-dir` / `--include-dir` / `--version`: build systems call
-    them, so they skip importing torch (seconds)."""
+    """True for `python -m gdn --cmake-dir` / `--include-dir` / `--version` / `--help` / `help`:
+    build systems and first-time users call them, so they skip importing torch (seconds)."""
     argv = list(getattr(_sys, "orig_argv", ()))
     if "-m" not in argv:
         return False
@@ -64,7 +67,7 @@ def _path_query() -> bool:
     return (
         argv[i + 1 : i + 2] == ["gdn"]
         and len(argv) == i + 3
-        and argv[i + 2] in ("--cmake-dir", "--include-dir", "--version")
+        and argv[i + 2] in ("--cmake-dir", "--include-dir", "--version", "--help", "-h", "help")
     )
 
 

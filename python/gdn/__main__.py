@@ -1,5 +1,5 @@
-"""python -m gdn [all | info | selfcheck | demo ... | help]
-                [--version | --cmake-dir | --include-dir]
+"""usage: python -m gdn [all | info | selfcheck | demo ... | help]
+                     [--version | --cmake-dir | --include-dir | -h | --help]
 
 commands:
   all        (default) info, then selfcheck
@@ -8,7 +8,13 @@ commands:
   demo       the speculative-decoding demo on a tiny hybrid model (python -m gdn demo --help)
   help       this help
 
---cmake-dir, --include-dir and --version print one line and do not import torch.
+options:
+  --version      print the version
+  --cmake-dir    print the CMake package dir (gdn_DIR for find_package(gdn))
+  --include-dir  print the C++ include dir (#include <gdn/...>)
+  -h, --help     this help
+
+help, --help, --version, --cmake-dir and --include-dir print without importing torch.
 """
 
 from __future__ import annotations
@@ -102,31 +108,22 @@ def main(argv=None) -> int:
         from gdn import demo
 
         return demo.main(argv[1:])
-    parser = argparse.ArgumentParser(
-        prog="python -m gdn",
-        description=__doc__,
-        usage=argparse.SUPPRESS,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "command",
-        nargs="?",
-        default="all",
-        choices=["all", "info", "selfcheck", "demo", "help"],
-        help="what to run (see commands above)",
-    )
+    # The module docstring is the whole help (argparse's generated sections would repeat it).
+    parser = argparse.ArgumentParser(prog="python -m gdn", usage=argparse.SUPPRESS, add_help=False)
+    parser.add_argument("command", nargs="?", default="all", choices=["all", "info", "selfcheck", "demo", "help"])
+    parser.add_argument("-h", "--help", action="store_true")
     parser.add_argument("--version", action="version", version=f"gdn {gdn.__version__}")
-    parser.add_argument("--cmake-dir", action="store_true", help="print the CMake package dir (gdn_DIR)")
-    parser.add_argument("--include-dir", action="store_true", help="print the C++ include dir")
+    parser.add_argument("--cmake-dir", action="store_true")
+    parser.add_argument("--include-dir", action="store_true")
     args = parser.parse_args(argv)
+    if args.help or args.command == "help":
+        print((__doc__ or "").rstrip())
+        return 0
     if args.cmake_dir:
         print(gdn.cmake_dir())
         return 0
     if args.include_dir:
         print(gdn.include_dir())
-        return 0
-    if args.command == "help":
-        parser.print_help()
         return 0
     if args.command == "demo":
         from gdn import demo

@@ -2,7 +2,9 @@
 
 :func:`decode_mtp` runs the step on any DLPack arrays (CPU or CUDA); :func:`can_use_decode_mtp`
 says which kernel path a configuration takes; :func:`decode_mtp_reference` is a slow, obvious
-float64 NumPy version of the same call, for self-checks and users' tests.
+float64 NumPy version of the same call, for self-checks and users' tests. The function
+``gdn.decode_mtp`` shadows this module's name in the package, so reach the reference as
+``gdn.reference.decode_mtp_reference`` (or ``from gdn.decode_mtp import decode_mtp_reference``).
 """
 
 from __future__ import annotations
@@ -114,9 +116,10 @@ def decode_mtp(
     synchronise. Duplicate destination slots across requests are the caller's bug.
 
     Accuracy: all math runs in float32 (q, k, g, beta and o never rounded to 16 bits). Against
-    :func:`decode_mtp_reference` fed the same inputs, fp32 state and activations stay within
-    1e-5 relative L2 on ``out`` and every written state; 16-bit activations add only the
-    rounding of ``out`` (<= 4e-3); a 16-bit state stays within 1e-2 after 3 chained steps.
+    the float64 reference ``gdn.reference.decode_mtp_reference`` fed the same inputs, fp32 state
+    and activations stay within 1e-5 relative L2 on ``out`` and every written state; 16-bit
+    activations add only the rounding of ``out`` (<= 4e-3); a 16-bit state stays within 1e-2
+    after 3 chained steps.
     Running T tokens in one call and accepting n of them gives the same state as n calls of
     one token (bit for bit on the CPU with an fp32 state).
 

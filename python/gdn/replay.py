@@ -8,10 +8,19 @@ allocates the per-slot window of raw k, v, a, b rows it keeps between steps.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, Dict, Optional
 
 from . import _C
-from ._common import Input, Output, _stream_of, argument_kinds, raise_argument_error, traced_as_torch_op
+from ._common import (
+    Input,
+    Output,
+    _stream_of,
+    argument_kinds,
+    describe,
+    raise_argument_error,
+    traced_as_torch_op,
+)
 
 __all__ = ["ReplayWindow", "decode_mtp_replay"]
 
@@ -156,17 +165,23 @@ class ReplayWindow:
         *,
         H: int,
         HV: int,
-        K: int = 128,
-        V: int = 128,
+        K: int,
+        V: int,
         dtype: Any = None,
         ab_dtype: Any = None,
         device: Any = "cpu",
     ) -> "ReplayWindow":
-        """Zero-filled window for ``slots`` slots of S tokens, as torch tensors on ``device``
+        """Zero-filled window for ``slots`` slots of S tokens of H key heads of dim K and HV value
+        heads of dim V (the model's sizes, as in the state pool), as torch tensors on ``device``
         (``dtype`` = mixed_qkv's dtype, default bfloat16; ``ab_dtype`` = a and b's dtype, default
         ``dtype``)."""
         import torch
 
+        sizes = {"slots": slots, "S": S, "H": H, "HV": HV, "K": K, "V": V}
+        for name, value in sizes.items():
+            if not hasattr(value, "__index__") or isinstance(value, bool) or operator.index(value) < 1:
+                raise ValueError(f"ReplayWindow.allocate: {name} must be a positive int, got {describe(value)}")
+        slots, S, H, HV, K, V = (operator.index(v) for v in sizes.values())
         dtype = torch.bfloat16 if dtype is None else dtype
         ab_dtype = dtype if ab_dtype is None else ab_dtype
         kv = torch.zeros(slots, S, H * K + HV * V, dtype=dtype, device=device)
@@ -175,6 +190,9 @@ class ReplayWindow:
         return cls(kv[..., : H * K], kv[..., H * K :], ab[..., :HV], ab[..., HV:], length)
 
     def arrays(self) -> Dict[str, Any]:
+        """The window as :func:`decode_mtp_replay`'s keyword arguments ``window_k``, ``window_v``,
+        ``window_a``, ``window_b`` and ``window_len``: ``decode_mtp_replay(..., **window.arrays(),
+        ...)``. Views of the window's buffers, not copies."""
         return {"window_k": self.k, "window_v": self.v, "window_a": self.a, "window_b": self.b, "window_len": self.len}
 
     def nbytes_per_slot(self) -> int:
@@ -183,3 +201,12 @@ class ReplayWindow:
             sum(int(x[0].numel()) * x.element_size() for x in (self.k, self.v, self.a, self.b))
             + self.len.element_size()
         )
+
+    def __repr__(self) -> str:
+        # Shapes and dtypes only: the arrays hold a whole pool's tokens.
+        def brief(x: Any) -> str:
+            return f"{list(x.shape)} {str(x.dtype).replace('torch.', '')}"
+
+        device = getattr(self.len, "device", "cpu")
+        fields = ", ".join(f"{name}={brief(getattr(self, name))}" for name in ("k", "v", "a", "b", "len"))
+        return f"ReplayWindow({fields}, device={device})"

@@ -263,6 +263,63 @@ def test_package_layout_per_operation():
     }
 
 
+def _public_docstrings():
+    """(where, docstring) of every gdn module and of the functions, classes and methods they
+    define."""
+    import pkgutil
+
+    names = [m.name for m in pkgutil.iter_modules(gdn.__path__) if not m.name.startswith(("lib", "__"))]
+    modules = [gdn] + [importlib.import_module(f"gdn.{n}") for n in names if n != "_C"]
+    for module in modules:
+        yield module.__name__, inspect.getdoc(module) or ""
+        for name, obj in vars(module).items():
+            if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
+                continue
+            yield f"{module.__name__}.{name}", inspect.getdoc(obj) or ""
+            if inspect.isclass(obj):
+                for attr, member in vars(obj).items():
+                    member = getattr(member, "__func__", member)
+                    if callable(member) and (not attr.startswith("_") or attr == "__init__"):
+                        yield f"{module.__name__}.{name}.{attr}", inspect.getdoc(member) or ""
+
+
+def _reach(dotted: str):
+    """`dotted` as a user writes it: import its longest module prefix (as `import gdn.x.y`
+    would), then attribute access from `gdn`."""
+    parts = dotted.split(".")
+    for end in range(len(parts), 1, -1):
+        try:
+            importlib.import_module(".".join(parts[:end]))
+            break
+        except ImportError:
+            continue
+    obj = gdn
+    for part in parts[1:]:
+        obj = getattr(obj, part)
+    return obj
+
+
+def test_names_in_docstrings_are_reachable_as_written():
+    """Every dotted ``gdn.x.y`` a docstring names works when typed (e.g. the float64 reference is
+    gdn.reference.decode_mtp_reference: gdn.decode_mtp is the function, not its module)."""
+    pattern = re.compile(r"(?<![\w./:])gdn(?:\.\w+)+")
+    names = {}
+    for where, doc in _public_docstrings():
+        for dotted in pattern.findall(doc):
+            names.setdefault(dotted.rstrip("."), where)
+    assert "gdn.reference.decode_mtp_reference" in names
+    unreachable = []
+    for dotted, where in sorted(names.items()):
+        try:
+            _reach(dotted)
+        except AttributeError as e:
+            unreachable.append(f"{dotted} (named in {where}): {e}")
+    assert not unreachable, unreachable
+    assert gdn.reference.decode_mtp_reference is importlib.import_module("gdn.decode_mtp").decode_mtp_reference
+    with pytest.raises(AttributeError):  # what the check above catches
+        _reach("gdn.decode_mtp.decode_mtp_reference")
+
+
 # ---- self-contained contracts ------------------------------------------------------------------
 
 DOCUMENTED = {
@@ -478,6 +535,21 @@ def test_cli_help_lists_every_command(flag):
     assert result.returncode == 0, result.stderr
     for command in ("all", "info", "selfcheck", "demo", "help", "--cmake-dir", "--include-dir", "--version"):
         assert re.search(rf"(^|\s|{{|,){re.escape(command)}(\s|,|}}|$)", result.stdout), command
+
+
+@pytest.mark.skipif(sys.version_info < (3, 10), reason="needs sys.orig_argv (Python 3.10+)")
+@pytest.mark.parametrize("flag", ["--help", "-h", "help"])
+def test_cli_help_is_printed_once_without_torch(flag):
+    """The help is the module docstring alone (no argparse sections repeating it) and, like the
+    path queries, does not import torch."""
+    result = _cli(flag, python_flags=("-X", "importtime"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.count("python -m gdn [") == 1, result.stdout
+    assert "positional arguments" not in result.stdout and result.stdout.count("--cmake-dir") == 3
+    imported = {
+        line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")
+    }
+    assert "gdn" in imported and "torch" not in imported, "python -m gdn " + flag + " imported torch"
 
 
 @pytest.mark.skipif(sys.version_info < (3, 10), reason="needs sys.orig_argv (Python 3.10+)")

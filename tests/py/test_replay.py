@@ -602,12 +602,32 @@ def test_torch_op_matches_function(gen, device):
 
 
 def test_window_allocation():
-    w = gdn.ReplayWindow.allocate(5, 4, H=16, HV=32, dtype=BF16)
+    w = gdn.ReplayWindow.allocate(5, 4, H=16, HV=32, K=128, V=128, dtype=BF16)
     assert w.k.shape == (5, 4, 16 * 128) and w.v.shape == (5, 4, 32 * 128)
     assert w.a.shape == (5, 4, 32) and w.len.dtype == torch.int32
     assert w.k.untyped_storage().data_ptr() == w.v.untyped_storage().data_ptr()
     # Qwen3-Next TP1: about 12 KB of window per stored token (vs 2 MiB of fp32 state).
     assert w.nbytes_per_slot() == 4 * (16 * 128 + 32 * 128 + 2 * 32) * 2 + 4
+
+
+def test_window_allocation_needs_every_size():
+    """K and V have no default (a window sized for other heads would only fail at the first
+    call); a size that is not a positive int is refused naming it; the repr is shapes and
+    dtypes, not tensors; arrays() documents what it gives."""
+    with pytest.raises(TypeError, match="'K' and 'V'"):
+        gdn.ReplayWindow.allocate(5, 4, H=1, HV=2)
+    for name, value in [("K", 0), ("V", -1), ("S", 2.0), ("HV", True)]:
+        sizes = dict(slots=5, S=4, H=1, HV=2, K=32, V=32)
+        sizes[name] = value
+        with pytest.raises(ValueError, match=rf"ReplayWindow.allocate: {name} must be a positive int, got"):
+            gdn.ReplayWindow.allocate(**sizes)
+    w = gdn.ReplayWindow.allocate(5, 4, H=1, HV=2, K=32, V=16)
+    assert w.k.shape == (5, 4, 32) and w.v.shape == (5, 4, 32) and w.a.shape == (5, 4, 2)
+    assert repr(w) == (
+        "ReplayWindow(k=[5, 4, 32] bfloat16, v=[5, 4, 32] bfloat16, a=[5, 4, 2] bfloat16, "
+        "b=[5, 4, 2] bfloat16, len=[5] int32, device=cpu)"
+    )
+    assert "window_len" in (gdn.ReplayWindow.arrays.__doc__ or "")
 
 
 def _op_inputs(gen, device="cpu"):
