@@ -34,7 +34,7 @@ class Argument(typing.NamedTuple):
     """One argument of an operation's function, as its annotation declares it."""
 
     name: str
-    kind: str  # "input", "array", "arrays", "int", "float", "bool", "str"; see _PROBES
+    kind: str  # "input", "array" (Buffer or Output), "arrays", "int", "float", "bool", "str"
     optional: bool  # None is accepted (absent)
     written: bool  # the call writes it
 
@@ -62,8 +62,14 @@ def arguments(function: Callable[..., Any]) -> List[Argument]:
 
 
 def argument_kinds(function: Callable[..., Any]) -> Dict[str, str]:
-    """``{argument: kind}`` as :func:`raise_argument_error` takes it ("?" marks optional)."""
-    return {a.name: a.kind + ("?" if a.optional else "") for a in arguments(function)}
+    """``{argument: kind}`` as :func:`raise_argument_error` takes it ("?" marks optional); a
+    writable array the call only reads (:data:`Buffer`) is "buffer", so that its error does not
+    call it written."""
+
+    def kind(a: Argument) -> str:
+        return "buffer" if a.kind == "array" and not a.written else a.kind
+
+    return {a.name: kind(a) + ("?" if a.optional else "") for a in arguments(function)}
 
 
 def _stream_of(x: Any, stream: Any) -> Optional[int]:
@@ -98,7 +104,8 @@ def _stream_of(x: Any, stream: Any) -> Optional[int]:
 
 # Argument kinds, as the bindings take them; a trailing "?" also allows None.
 _PROBES: Dict[str, Callable[[Any], bool]] = {
-    "array": _C._accepts_array,  # written, or taken as a writable array
+    "array": _C._accepts_array,  # written
+    "buffer": _C._accepts_array,  # only read, but taken as a writable array
     "input": _C._accepts_readonly_array,  # only read: read-only arrays are accepted
     "int": _C._accepts_int,
     "float": _C._accepts_float,
@@ -109,6 +116,7 @@ _PROBES: Dict[str, Callable[[Any], bool]] = {
 _ARRAY = "CPU or CUDA array (torch tensor, NumPy array, or any DLPack / buffer-protocol array)"
 _EXPECTED = {
     "array": "a writable " + _ARRAY,
+    "buffer": "a writable " + _ARRAY,
     "input": "a " + _ARRAY,
     "arrays": "a list of writable " + _ARRAY.replace("array (", "arrays (", 1),
     "int": "an int",
@@ -150,9 +158,11 @@ def _hint(x: Any, kind: str) -> str:
         )
     if device_type not in (None, "cpu", "cuda"):
         return f"; only CPU and CUDA arrays are supported, not device {device_type!r}"
-    if kind == "array" and getattr(getattr(x, "flags", None), "writeable", None) is False:
+    if kind in ("array", "buffer") and getattr(getattr(x, "flags", None), "writeable", None) is False:
+        if kind == "buffer":
+            return "; it is only read, but this function takes it as a writable array: pass a writable one (a .copy())"
         return "; this argument is written to: pass a writable array (e.g. a .copy())"
-    if kind in ("array", "input") and isinstance(x, (list, tuple, int, float, bool)):
+    if kind in ("array", "buffer", "input") and isinstance(x, (list, tuple, int, float, bool)):
         return "; wrap it in an array, e.g. numpy.asarray(...) or torch.tensor(...) with its dtype"
     return ""
 
@@ -177,10 +187,10 @@ def raise_argument_error(function: str, kinds: Mapping[str, str], values: Dict[s
             if items is None:
                 bad, got, hint = name, value, "; pass one array per KV-cache group, e.g. [table]"
             else:
-                index = next((i for i, item in enumerate(items) if not _accepted("array", item)), None)
+                index = next((i for i, item in enumerate(items) if not _accepted("buffer", item)), None)
                 if index is None:
                     continue
-                got, hint = items[index], _hint(items[index], "array")
+                got, hint = items[index], _hint(items[index], "buffer")
                 bad = f"{name}[{index}]"
             expected = _EXPECTED["arrays" if bad == name else "array"]
         elif _accepted(base, value):

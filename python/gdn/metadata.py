@@ -47,12 +47,12 @@ way after each step (synchronising) and raises ``RuntimeError`` naming the first
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from . import _C
-from ._common import Buffer, Buffers, Output, _stream_of, argument_kinds, raise_argument_error
+from ._common import Buffer, Buffers, Input, Output, _stream_of, argument_kinds, raise_argument_error
 
 __all__ = [
     "HEADER_FIELDS",
@@ -780,18 +780,23 @@ class Builder:
 
     def step(
         self,
-        query_start_loc: Buffer,
-        seq_lens: Buffer,
+        query_start_loc: Input,
+        seq_lens: Input,
         *,
-        num_draft_tokens: Optional[Buffer] = None,
-        num_accepted_tokens: Optional[Buffer] = None,
-        num_computed_tokens: Optional[Buffer] = None,
+        num_draft_tokens: Optional[Input] = None,
+        num_accepted_tokens: Optional[Input] = None,
+        num_computed_tokens: Optional[Input] = None,
         padded_rows: Optional[int] = None,
         stream: Optional[int] = None,
     ) -> StepMetadata:
         """Plans the step (host arrays, see :func:`plan`; ``num_accepted_tokens`` may live on the
         device, then the launch gathers it; in replay mode they are the replay counts) and fills
-        every group's state rows in one pass."""
+        every group's state rows in one pass. The inputs are only read (read-only arrays are
+        fine); host arrays may be int32 or int64 (NumPy's default integer; converted to an int32
+        copy each step, so pass int32 to save it), a device ``num_accepted_tokens`` int32."""
+        query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens, num_computed_tokens = _int32_host(
+            "step", query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens, num_computed_tokens
+        )
         s = self._stream(stream)
         try:
             k = self._native.step(
@@ -808,17 +813,21 @@ class Builder:
 
     def prepare(
         self,
-        query_start_loc: Buffer,
-        seq_lens: Buffer,
+        query_start_loc: Input,
+        seq_lens: Input,
         *,
-        num_draft_tokens: Optional[Buffer] = None,
-        num_accepted_tokens: Optional[Buffer] = None,
-        num_computed_tokens: Optional[Buffer] = None,
+        num_draft_tokens: Optional[Input] = None,
+        num_accepted_tokens: Optional[Input] = None,
+        num_computed_tokens: Optional[Input] = None,
         padded_rows: Optional[int] = None,
         stream: Optional[int] = None,
     ) -> StepMetadata:
         """Plans the step and copies the plan to the device buffer, without the state-row launch:
-        what precedes the replay of a CUDA graph that captured :meth:`launch`."""
+        what precedes the replay of a CUDA graph that captured :meth:`launch`. Inputs as
+        :meth:`step`'s."""
+        query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens, num_computed_tokens = _int32_host(
+            "prepare", query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens, num_computed_tokens
+        )
         try:
             k = self._native.prepare(
                 query_start_loc,
@@ -847,7 +856,7 @@ class Builder:
             return self._native.launch(launch_rows, num_accepted_tokens, self._stream(stream))
         except TypeError:
             raise_argument_error(
-                "metadata.Builder.launch", {"launch_rows": "int", "num_accepted_tokens": "array?"}, locals()
+                "metadata.Builder.launch", {"launch_rows": "int", "num_accepted_tokens": "buffer?"}, locals()
             )
             raise
 
@@ -863,3 +872,26 @@ class Builder:
 
 # Builder.step and Builder.prepare take the same step inputs (tests/py/test_metadata.py).
 _BUILDER_STEP_KINDS = argument_kinds(Builder.step)
+_STEP_INPUTS = [name for name in _BUILDER_STEP_KINDS if name not in ("padded_rows",)]
+_INT32 = np.iinfo(np.int32)
+
+
+def _int32_host(method: str, *arrays: Any) -> List[Any]:
+    """The builder's step inputs with each int64 host array (NumPy's default integer, or a torch
+    CPU tensor) replaced by an int32 copy: the C++ plan reads int32. Other arrays pass as they
+    are, for the binding to accept or refuse by name."""
+    out = list(arrays)
+    for i, x in enumerate(arrays):
+        if x is None or str(getattr(x, "dtype", "")) not in ("int64", "torch.int64"):
+            continue
+        device = getattr(x, "device", "cpu")
+        if getattr(device, "type", device) != "cpu":
+            continue
+        values = np.asarray(x)
+        if values.size and (values.min() < _INT32.min or values.max() > _INT32.max):
+            raise ValueError(
+                f"gdn.metadata.Builder.{method}: {_STEP_INPUTS[i]} holds a value outside int32 "
+                f"(min {values.min()}, max {values.max()}); the metadata plan reads int32"
+            )
+        out[i] = values.astype(np.int32)
+    return out

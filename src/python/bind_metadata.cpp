@@ -41,6 +41,12 @@ TensorView view_of(const OptArray& a, const char* name) {
   return a ? view_of(*a, name) : TensorView{};
 }
 
+TensorView view_of(const ConstArray& a, const char* name) { return to_view(a, name); }
+
+TensorView view_of(const OptConstArray& a, const char* name) {
+  return a ? view_of(*a, name) : TensorView{};
+}
+
 void* stream_ptr(std::optional<uintptr_t> stream) {
   return reinterpret_cast<void*>(stream.value_or(0));
 }
@@ -202,11 +208,12 @@ std::vector<std::string> header_fields_fn() {
 
 // ---- MetadataBuilder: metadata::Builder over arrays the Python Builder owns ------------------
 
-// Converts the arrays of one step; nothing else happens here.
-metadata::StepInputs step_inputs(const Array& query_start_loc, const Array& seq_lens,
-                                 const OptArray& num_draft_tokens,
-                                 const OptArray& num_accepted_tokens,
-                                 const OptArray& num_computed_tokens,
+// Converts the arrays of one step; nothing else happens here. The builder only reads them, so
+// read-only arrays are accepted.
+metadata::StepInputs step_inputs(const ConstArray& query_start_loc, const ConstArray& seq_lens,
+                                 const OptConstArray& num_draft_tokens,
+                                 const OptConstArray& num_accepted_tokens,
+                                 const OptConstArray& num_computed_tokens,
                                  std::optional<int64_t> padded_rows) {
   metadata::StepInputs in;
   in.query_start_loc = view_of(query_start_loc, "query_start_loc");
@@ -282,9 +289,10 @@ class MetadataBuilder {
   }
 
   // Plan + (copy) + state rows; returns the host plan slot the step planned into.
-  int step(const Array& query_start_loc, const Array& seq_lens, const OptArray& num_draft_tokens,
-           const OptArray& num_accepted_tokens, const OptArray& num_computed_tokens,
-           std::optional<int64_t> padded_rows, std::optional<uintptr_t> stream) {
+  int step(const ConstArray& query_start_loc, const ConstArray& seq_lens,
+           const OptConstArray& num_draft_tokens, const OptConstArray& num_accepted_tokens,
+           const OptConstArray& num_computed_tokens, std::optional<int64_t> padded_rows,
+           std::optional<uintptr_t> stream) {
     const metadata::StepInputs in =
         step_inputs(query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens,
                     num_computed_tokens, padded_rows);
@@ -293,9 +301,10 @@ class MetadataBuilder {
     return builder_.last_slot();
   }
 
-  int prepare(const Array& query_start_loc, const Array& seq_lens, const OptArray& num_draft_tokens,
-              const OptArray& num_accepted_tokens, const OptArray& num_computed_tokens,
-              std::optional<int64_t> padded_rows, std::optional<uintptr_t> stream) {
+  int prepare(const ConstArray& query_start_loc, const ConstArray& seq_lens,
+              const OptConstArray& num_draft_tokens, const OptConstArray& num_accepted_tokens,
+              const OptConstArray& num_computed_tokens, std::optional<int64_t> padded_rows,
+              std::optional<uintptr_t> stream) {
     const metadata::StepInputs in =
         step_inputs(query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens,
                     num_computed_tokens, padded_rows);
@@ -315,9 +324,9 @@ class MetadataBuilder {
   }
 
   // The shadow check of the buffers against `step`'s inputs: "" or the first mismatch.
-  std::string check(const Array& query_start_loc, const Array& seq_lens,
-                    const OptArray& num_draft_tokens, const OptArray& num_accepted_tokens,
-                    const OptArray& num_computed_tokens, std::optional<int64_t> padded_rows,
+  std::string check(const ConstArray& query_start_loc, const ConstArray& seq_lens,
+                    const OptConstArray& num_draft_tokens, const OptConstArray& num_accepted_tokens,
+                    const OptConstArray& num_computed_tokens, std::optional<int64_t> padded_rows,
                     std::optional<uintptr_t> stream) {
     const metadata::StepInputs in =
         step_inputs(query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens,

@@ -751,7 +751,7 @@ def test_errors_name_the_argument_and_write_nothing():
         (dict(num_draft_tokens=np.array([2], I32)), "num_draft_tokens"),
         (dict(padded_rows=1), "padded_rows"),
         (dict(padded_rows=5), "padded_rows"),
-        (dict(num_computed_tokens=np.array([1, 2], np.int64)), "num_computed_tokens"),
+        (dict(num_computed_tokens=np.array([1, 2], np.float32)), "num_computed_tokens has dtype float32"),
     ]
     for override, needle in bad:
         kw = step_args(step)
@@ -1664,3 +1664,50 @@ def test_wrong_python_types_name_the_argument():
         r"a list",
     ):
         b.step(step["qsl"], step["seq_lens"].tolist())
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_builder_step_takes_int64_and_read_only_host_inputs(lib):
+    """NumPy's default int64 (and torch CPU int64) step inputs give the int32 inputs' rows, as
+    decode_mtp accepts int64 indices; read-only inputs are accepted (the step only reads them); a
+    value outside int32 is refused naming the argument."""
+    step = make_step([(3, 2), (1, -1), (2, 1)], 2, padded_rows=4)
+    tables = make_tables(2, 4, 5)
+    args = step_args(step)
+    want = M.Builder(tables, num_spec=2, max_rows=8, max_tokens=32)
+    md = want.step(step["qsl"], step["seq_lens"], **args)
+    expect_matches_reference(md, step, tables)
+
+    def int64(a):
+        a = a.astype(np.int64)
+        return torch.from_numpy(a) if lib == "torch" else a
+
+    for convert in (int64, _read_only, lambda a: _read_only(a.astype(np.int64))):
+        b = M.Builder(tables, num_spec=2, max_rows=8, max_tokens=32, shadow=True)
+        got = b.step(convert(step["qsl"]), convert(step["seq_lens"]), **step_args(step, convert))
+        expect_matches_reference(got, step, tables)
+        np.testing.assert_array_equal(b.spec_state_indices, want.spec_state_indices)
+        np.testing.assert_array_equal(b.non_spec_state_indices, want.non_spec_state_indices)
+        got = b.prepare(convert(step["qsl"]), convert(step["seq_lens"]), **step_args(step, convert))
+        expect_matches_reference(got, step, tables)
+    huge = step["seq_lens"].astype(np.int64)
+    huge[1] = 2**31
+    with pytest.raises(ValueError, match=r"^gdn\.metadata\.Builder\.step: seq_lens holds a value outside int32"):
+        b.step(step["qsl"], huge, **args)
+    with pytest.raises(ValueError, match=r"^query_start_loc has dtype float64; expected one of: int32$"):
+        b.step(step["qsl"].astype(np.float64), step["seq_lens"], **args)
+
+
+def test_read_only_buffer_errors_do_not_call_it_written():
+    """An argument a function only reads but takes as a writable array (metadata.plan's inputs,
+    the block tables) is refused as such, not as an argument that is written to."""
+    step = make_step([(3, 2), (1, -1)], 2)
+    buf = np.zeros(M.plan_words(8, 32), I32)
+    kw = dict(num_spec=2, max_rows=8, max_tokens=32)
+    with pytest.raises(TypeError, match=r"read-only\); it is only read, but this function takes it as a writable"):
+        M.plan(buf, _read_only(step["qsl"]), step["seq_lens"], **kw)
+    M.plan(buf, step["qsl"], step["seq_lens"], **kw)
+    tables = make_tables(2, 3, 4)
+    spec, ns = np.zeros((2, 8, 3), I32), np.zeros((2, 8), I32)
+    with pytest.raises(TypeError, match=r"block_tables\[1\] must be a writable .*; it is only read"):
+        M.state_rows(buf, [tables[0], _read_only(tables[1])], spec, ns, **kw)
