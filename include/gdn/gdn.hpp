@@ -4,6 +4,8 @@
 
 #include "gdn/conv/cpu.hpp"
 #include "gdn/conv/params.hpp"
+#include "gdn/conv_prefill/cpu.hpp"
+#include "gdn/conv_prefill/params.hpp"
 #include "gdn/core/dispatch.hpp"
 #include "gdn/core/dtype.hpp"
 #include "gdn/core/status.hpp"

@@ -46,20 +46,27 @@ inline const char* to_string(StateLayout layout) noexcept {
   return layout == StateLayout::kChannelsMajor ? "channels_major" : "tokens_major";
 }
 
-// One call's arguments: non-owning views and scalars. Optional views are left absent (ndim = -1).
-struct Params {
-  TensorView x;           // [L, D] raw (pre-conv) inputs, unit column stride, any row stride
-  TensorView weight;      // [D, W], unit column stride, any row stride >= W
-  TensorView conv_state;  // [slots, D, Lbuf] or [slots, Lbuf, D]; inner dims contiguous
-  TensorView conv_state_indices;   // [N] int32/int64, any stride (e.g. column 0 of [N, S] indices)
-  TensorView cu_seqlens;           // [N+1] int32/int64, contiguous
-  TensorView num_accepted_tokens;  // [N] int32/int64 or absent (all 1)
-  TensorView out;                  // [L, D], unit column stride, any row stride; may be x itself
-  TensorView error_count;          // optional int32 [1] (device path: invalid rows bump it)
+// The arguments every conv operation shares (causal_conv1d_update and causal_conv1d_prefill,
+// gdn/conv_prefill/params.hpp): non-owning views and scalars. Optional views are left absent
+// (ndim = -1).
+struct ConvArgs {
+  TensorView x;            // [L, D] raw (pre-conv) inputs, unit column stride, any row stride
+  TensorView weight;       // [D, W], unit column stride, any row stride >= W
+  TensorView conv_state;   // [slots, D, Lbuf] or [slots, Lbuf, D]; inner dims contiguous
+  TensorView cu_seqlens;   // [N+1] int32/int64, contiguous
+  TensorView out;          // [L, D], unit column stride, any row stride; may be x itself
+  TensorView error_count;  // optional int32 [1] (device path: invalid rows bump it)
 
   StateLayout layout = StateLayout::kChannelsMajor;
   Activation activation = Activation::kSiLU;
-  int64_t first_valid_slot = 0;  // slot ids below this are null: the row is skipped
+  int64_t first_valid_slot = 0;  // slot ids below this are null
+};
+
+// One causal_conv1d_update call's arguments: the shared ones plus the slot and accepted count of
+// each request.
+struct Params : ConvArgs {
+  TensorView conv_state_indices;   // [N] int32/int64, any stride (e.g. column 0 of [N, S] indices)
+  TensorView num_accepted_tokens;  // [N] int32/int64 or absent (all 1)
 };
 
 // Sizes derived from (and checked against) the arguments.
@@ -79,8 +86,17 @@ constexpr int64_t state_offset(StateLayout layout, int64_t slot_stride, int64_t 
          (layout == StateLayout::kChannelsMajor ? c * buffer_len + pos : pos * D + c);
 }
 
-// Validates every shape, dtype, stride and device and derives the problem sizes. Reads no data.
-inline Status check_arguments(const Params& p, Problem* out_problem) {
+// A view and the argument name its errors carry.
+using NamedView = std::pair<const TensorView*, const char*>;
+
+// Validates the shared arguments (ConvArgs) and the operation's per-request index vectors
+// `indices` (each [N], int32/int64, any stride; the first gives N) and derives the problem sizes.
+// Reads no data. `check_own(problem)` validates the operation's other arrays once the sizes are
+// known; `own_views` are those arrays, which must be on the call's device too.
+template <class CheckOwn>
+Status check_conv_arguments(const ConvArgs& p, std::initializer_list<NamedView> indices,
+                            CheckOwn&& check_own, std::initializer_list<NamedView> own_views,
+                            Problem* out_problem) {
   using namespace check;
   Problem pr;
 
@@ -148,36 +164,51 @@ inline Status check_arguments(const Params& p, Problem* out_problem) {
         "out shares its data pointer with x but not its dtype and row stride; "
         "in-place use needs out to be x itself");
 
-  GDN_RETURN_IF_ERROR(present(p.conv_state_indices, "conv_state_indices"));
-  GDN_RETURN_IF_ERROR(ndim(p.conv_state_indices, "conv_state_indices", 1));
-  GDN_RETURN_IF_ERROR(dtype_in(p.conv_state_indices, "conv_state_indices", IndexDTypes{}));
-  GDN_RETURN_IF_ERROR(nonnegative_strides(p.conv_state_indices, "conv_state_indices"));
-  pr.N = p.conv_state_indices.shape[0];
+  const char* first_index = indices.begin()->second;
+  for (auto [view, name] : indices) {
+    if (view == indices.begin()->first) {
+      GDN_RETURN_IF_ERROR(present(*view, name));
+      GDN_RETURN_IF_ERROR(ndim(*view, name, 1));
+      GDN_RETURN_IF_ERROR(dtype_in(*view, name, IndexDTypes{}));
+      pr.N = view->shape[0];
+    } else {
+      const std::string what = "N (entries of " + std::string(first_index) + ")";
+      GDN_RETURN_IF_ERROR(shaped(*view, name, IndexDTypes{}, {{pr.N, what.c_str()}}));
+    }
+    GDN_RETURN_IF_ERROR(nonnegative_strides(*view, name));
+  }
 
-  GDN_RETURN_IF_ERROR(contiguous_vector(p.cu_seqlens, "cu_seqlens", IndexDTypes{}, pr.N + 1,
-                                        "N + 1 (entries of conv_state_indices + 1)"));
-  if (p.num_accepted_tokens.present())
-    GDN_RETURN_IF_ERROR(contiguous_vector(p.num_accepted_tokens, "num_accepted_tokens",
-                                          IndexDTypes{}, pr.N,
-                                          "N (entries of conv_state_indices)"));
+  const std::string cu_what = "N + 1 (entries of " + std::string(first_index) + " + 1)";
+  GDN_RETURN_IF_ERROR(
+      contiguous_vector(p.cu_seqlens, "cu_seqlens", IndexDTypes{}, pr.N + 1, cu_what.c_str()));
+  GDN_RETURN_IF_ERROR(check_own(static_cast<const Problem&>(pr)));
   GDN_RETURN_IF_ERROR(optional_counter(p.error_count, "error_count"));
 
   if (p.first_valid_slot < 0)
     return Status::invalid("first_valid_slot must be >= 0, got " +
                            std::to_string(p.first_valid_slot));
 
-  const std::pair<const TensorView*, const char*> all[] = {
-      {&p.x, "x"},
-      {&p.conv_state, "conv_state"},
-      {&p.conv_state_indices, "conv_state_indices"},
-      {&p.cu_seqlens, "cu_seqlens"},
-      {&p.num_accepted_tokens, "num_accepted_tokens"},
-      {&p.out, "out"},
-      {&p.error_count, "error_count"}};
-  for (auto [view, name] : all) GDN_RETURN_IF_ERROR(same_device(*view, name, pr.device));
+  for (auto [view, name] : {NamedView{&p.x, "x"}, NamedView{&p.conv_state, "conv_state"},
+                            NamedView{&p.cu_seqlens, "cu_seqlens"}, NamedView{&p.out, "out"},
+                            NamedView{&p.error_count, "error_count"}})
+    GDN_RETURN_IF_ERROR(same_device(*view, name, pr.device));
+  for (auto [view, name] : indices) GDN_RETURN_IF_ERROR(same_device(*view, name, pr.device));
+  for (auto [view, name] : own_views) GDN_RETURN_IF_ERROR(same_device(*view, name, pr.device));
 
   if (out_problem) *out_problem = pr;
   return Status::ok();
+}
+
+// Validates every shape, dtype, stride and device and derives the problem sizes. Reads no data.
+inline Status check_arguments(const Params& p, Problem* out_problem) {
+  const auto check_own = [&p](const Problem& pr) -> Status {
+    if (!p.num_accepted_tokens.present()) return Status::ok();
+    return check::contiguous_vector(p.num_accepted_tokens, "num_accepted_tokens", IndexDTypes{},
+                                    pr.N, "N (entries of conv_state_indices)");
+  };
+  return check_conv_arguments(p, {NamedView{&p.conv_state_indices, "conv_state_indices"}},
+                              check_own, {NamedView{&p.num_accepted_tokens, "num_accepted_tokens"}},
+                              out_problem);
 }
 
 // What one request row does.

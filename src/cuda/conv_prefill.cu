@@ -1,0 +1,20 @@
+// Compiled instantiation of causal_conv1d_prefill's CUDA launcher (gdn/conv_prefill/cuda.cuh).
+#include <cuda_runtime.h>
+
+#include "gdn/conv_prefill/cuda.cuh"
+#include "gdn/core/cuda/device_info.cuh"
+#include "gdn/kernels/cuda_api_conv.hpp"
+
+namespace gdn::cuda_api {
+
+Status causal_conv1d_prefill(const conv_prefill::Params& params, void* stream) {
+  if (params.conv_state.device.type != DeviceType::kCUDA)
+    return Status::invalid(
+        "causal_conv1d_prefill: the CUDA path needs CUDA arrays, conv_state is on " +
+        to_string(params.conv_state.device));
+  return cuda::on_device("causal_conv1d_prefill", params.conv_state.device.index, [&] {
+    return conv_prefill::launch_cuda(params, static_cast<cudaStream_t>(stream));
+  });
+}
+
+}  // namespace gdn::cuda_api
