@@ -1,0 +1,76 @@
+// Warp-level tensor-core building blocks (sm_80 and later): mma.sync m16n8k16 with bf16 inputs and
+// fp32 accumulators, and ldmatrix fragment loads from bf16 tiles in shared memory.
+//
+// Fragment layout (PTX ISA, m16n8k16): an accumulator tile d[4] holds rows lane / 4 (d[0], d[1])
+// and lane / 4 + 8 (d[2], d[3]), columns 2 * (lane % 4) and the next one. A tile's rows start at a
+// 16-byte aligned address; a row stride of 16 bytes times an odd number keeps ldmatrix free of
+// bank conflicts.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "gdn/core/cuda/device.cuh"
+
+namespace gdn::cuda::mma {
+
+// d += a b (16 x 8 x 16).
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const __nv_bfloat16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(p)));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const __nv_bfloat16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(p)));
+}
+
+// The A fragment (16 x 16) at (row0, k0) of a row-major tile A[m][k] with row stride ld.
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const __nv_bfloat16* tile, int ld,
+                                       int row0, int k0, int lane) {
+  ldmatrix_x4(a, tile + (row0 + (lane & 15)) * ld + k0 + (lane >> 4) * 8);
+}
+
+// The A fragment (16 x 16) at (m0, k0) of A stored transposed, At[k][m] with row stride ld.
+__device__ __forceinline__ void load_a_transposed(uint32_t (&a)[4], const __nv_bfloat16* tile,
+                                                  int ld, int m0, int k0, int lane) {
+  ldmatrix_x4_trans(
+      a, tile + (k0 + (lane & 7) + ((lane >> 4) << 3)) * ld + m0 + ((lane >> 3) & 1) * 8);
+}
+
+// The B fragments of two adjacent n tiles (n0 and n0 + 8, 16 deep from k0) of B stored as
+// Bt[n][k] (each output column's operand a contiguous row): b[0], b[1] for n0; b[2], b[3] for
+// n0 + 8.
+__device__ __forceinline__ void load_b_pair(uint32_t (&b)[4], const __nv_bfloat16* tile, int ld,
+                                            int n0, int k0, int lane) {
+  ldmatrix_x4(b, tile + (n0 + (lane & 7) + ((lane >> 4) << 3)) * ld + k0 + ((lane >> 3) & 1) * 8);
+}
+
+// The same two n tiles of B stored row-major, B[k][n].
+__device__ __forceinline__ void load_b_pair_transposed(uint32_t (&b)[4], const __nv_bfloat16* tile,
+                                                       int ld, int n0, int k0, int lane) {
+  ldmatrix_x4_trans(
+      b, tile + (k0 + (lane & 7) + (((lane >> 3) & 1) << 3)) * ld + n0 + ((lane >> 4) << 3));
+}
+
+// Two fp32 values as one bf16 pair (the lower address first).
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  uint32_t r;
+  memcpy(&r, &v, sizeof(r));
+  return r;
+}
+
+}  // namespace gdn::cuda::mma

@@ -1,0 +1,16 @@
+// Host-callable CUDA entry point of prefill (src/cuda/prefill_api.cu, target gdn::kernels).
+// Declared without CUDA headers so host-compiled code (the binding, a C++ engine) can call it;
+// cudaStream_t travels as void*.
+#pragma once
+
+#include "gdn/core/status.hpp"
+#include "gdn/prefill/params.hpp"
+
+namespace gdn::cuda_api {
+
+// Launches prefill on `stream` (on the device that holds the arrays). Validates the arguments on
+// the host; reads no device memory, never synchronises. Requests whose indices are invalid on the
+// device write nothing, get zero outputs and increment `error_count` when given.
+Status prefill(const prefill::Params& params, void* stream);
+
+}  // namespace gdn::cuda_api

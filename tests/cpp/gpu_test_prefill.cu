@@ -1,0 +1,206 @@
+// prefill on CUDA (the chunked tensor-core kernel) against the float64 token-by-token reference
+// and against the CPU path, on fresh random inputs with poisoned outputs: chunk edges (1, 63, 64,
+// 65, 127, 128, 129 tokens and long ones), null initial and final slots, in place, checkpoints,
+// every head ratio and state dtype, both layouts, padded rows, strided inputs, bf16 activations,
+// weak decay (a long memory), every output variant, and device-side invalid rows (nothing stored,
+// zero outputs, counted). The kernel's products use bf16 operands with fp32 accumulation, so it is
+// held to a relative L2 error, not to the CPU path's bits. Skips (with the reason) without a GPU.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+
+#include "device_mirror.hpp"
+#include "gdn/kernels/cuda_api_prefill.hpp"
+#include "gdn/prefill/cpu.hpp"
+#include "gpu_skip.hpp"
+#include "prefill_case.hpp"
+
+namespace gdn::prefill {
+namespace {
+
+using namespace testing;
+
+Status gpu_prefill(const Params& host) {
+  Params p = host;
+  std::vector<TensorView*> views = {&p.mixed_qkv,
+                                    &p.a,
+                                    &p.b,
+                                    &p.A_log,
+                                    &p.dt_bias,
+                                    &p.z,
+                                    &p.norm_weight,
+                                    &p.state,
+                                    &p.cu_seqlens,
+                                    &p.out,
+                                    &p.error_count,
+                                    &p.initial_state_indices,
+                                    &p.final_state_indices,
+                                    &p.checkpoint_indices};
+  return gdn::testing::run_mirrored(views, [&] { return cuda_api::prefill(p, nullptr); });
+}
+
+const Runner kGpu = gpu_prefill;
+
+// The CUDA kernel's head dims; two key heads.
+CaseConfig gpu_config(std::vector<int64_t> T, int64_t ratio = 2, DType state = DType::kFloat32,
+                      StateLayout layout = StateLayout::kVK, uint32_t seed = 1) {
+  CaseConfig g = config(std::move(T), ratio, state, layout, seed);
+  g.K = g.V = 128;
+  g.H = 1;
+  return g;
+}
+
+// Weak decay (A = -0.01 per unit of softplus): the state remembers hundreds of tokens, so an
+// error carried across chunks would grow instead of fading.
+void long_memory(PrefillCase& pc) {
+  for (int64_t hv = 0; hv < pc.c.HV; ++hv) pc.c.A_log.set(hv, std::log(0.01f));
+}
+
+TEST(PrefillCuda, ChunkEdgesRatiosDtypesAndLayoutsMatchTheReference) {
+  GDN_SKIP_WITHOUT_GPU();
+  uint32_t seed = 1;
+  for (const int64_t ratio : {1, 2, 3, 4, 8, 5})
+    for (const DType state : {DType::kFloat32, DType::kBFloat16, DType::kFloat16})
+      for (const StateLayout layout : {StateLayout::kVK, StateLayout::kKV}) {
+        PrefillCase pc(gpu_config({1, 63, 0, 64, 65, 127, 128, 129}, ratio, state, layout, seed++),
+                       {0, 1, 2, -1, 4, 5, 6, 7}, {0, 11, 12, 13, 14, 15, 16, 17});
+        SCOPED_TRACE(::testing::Message() << "ratio " << ratio << " state " << to_string(state)
+                                          << (layout == StateLayout::kVK ? " vk" : " kv"));
+        expect_matches_reference(pc, 2e-2, kGpu);
+      }
+}
+
+TEST(PrefillCuda, LongRequestsWithWeakDecayInPlace) {
+  GDN_SKIP_WITHOUT_GPU();
+  for (const DType act : {DType::kFloat32, DType::kBFloat16}) {
+    CaseConfig g = gpu_config({2000, 700, 3}, 2, DType::kFloat32, StateLayout::kVK, 7);
+    g.act_dtype = act;
+    PrefillCase pc(g, {4, -1, 6}, {4, 9, 6});
+    long_memory(pc);
+    SCOPED_TRACE(to_string(act));
+    expect_matches_reference(pc, 2e-2, kGpu);
+  }
+}
+
+TEST(PrefillCuda, CheckpointsEveryETokensAndNullSlots) {
+  GDN_SKIP_WITHOUT_GPU();
+  PrefillCase pc(gpu_config({200, 128, 40, 64, 300}), {3, -1, 5, 6, 1}, {20, 21, -1, 23, 2}, 64, 4);
+  pc.checkpoints = {7, 8, 9, -1, 10, -1, -1, -1, -1, -1, -1, -1, 17, -1, -1, -1, 18, -1, 19, 22};
+  long_memory(pc);
+  expect_matches_reference(pc, 2e-2, kGpu);
+  PrefillCase wide(gpu_config({300}, 1, DType::kBFloat16, StateLayout::kKV, 3), {1}, {1}, 128, 2);
+  wide.checkpoints = {5, 6};
+  expect_matches_reference(wide, 2e-2, kGpu);
+}
+
+// Output variants against the CPU path (itself bit-exact against decode_mtp): no gate, no norm,
+// the sigmoid gate, the core output rounded to out's dtype, bf16 outputs, null first slots.
+TEST(PrefillCuda, OutputVariantsMatchTheCpuPath) {
+  GDN_SKIP_WITHOUT_GPU();
+  struct Variant {
+    const char* name;
+    void (*apply)(CaseConfig&);
+  };
+  const Variant variants[] = {
+      {"no gate", [](CaseConfig& g) { g.gated = false; }},
+      {"no norm", [](CaseConfig& g) { g.norm = false; }},
+      {"sigmoid gate", [](CaseConfig& g) { g.gate = GateActivation::kSigmoid; }},
+      {"rounded core output",
+       [](CaseConfig& g) {
+         g.out_dtype = DType::kBFloat16;
+         g.round_core_output = true;
+       }},
+      {"bf16 activations and outputs",
+       [](CaseConfig& g) {
+         g.act_dtype = DType::kBFloat16;
+         g.out_dtype = DType::kBFloat16;
+       }},
+      {"first_valid_slot 1", [](CaseConfig& g) { g.first_valid_slot = 1; }},
+  };
+  uint32_t seed = 40;
+  for (const Variant& v : variants) {
+    SCOPED_TRACE(v.name);
+    CaseConfig g = gpu_config({5, 70, 0, 150}, 2, DType::kFloat32, StateLayout::kVK, seed++);
+    v.apply(g);
+    PrefillCase cpu(g, {0, 1, 2, 3}, {4, 5, 6, 7}), gpu(g, {0, 1, 2, 3}, {4, 5, 6, 7});
+    cpu.c.poison_out();
+    gpu.c.poison_out();
+    ASSERT_TRUE(run_cpu(cpu.params()).is_ok());
+    const Status s = gpu_prefill(gpu.params());
+    ASSERT_TRUE(s.is_ok()) << s.reason();
+    double num = 0, den = 0;
+    for (int64_t e = 0; e < cpu.c.out.count; ++e) {
+      const double want = cpu.c.out.get(e), got = gpu.c.out.get(e);
+      if (std::isnan(want)) {  // a padded row: never written
+        ASSERT_TRUE(std::isnan(got)) << e;
+        continue;
+      }
+      num += (got - want) * (got - want);
+      den += want * want;
+    }
+    EXPECT_LT(std::sqrt(num / den), 2e-2);
+    num = den = 0;
+    for (int64_t e = 0; e < cpu.c.state.count; ++e) {
+      const double want = cpu.c.state.get(e), got = gpu.c.state.get(e);
+      num += (got - want) * (got - want);
+      den += want * want;
+    }
+    EXPECT_LT(std::sqrt(num / den), 2e-2);
+  }
+}
+
+// Rows whose indices are invalid on the device: a slot past the pool (initial, final, or a
+// checkpoint the request reaches) or more checkpoint boundaries than columns store nothing, zero
+// their output rows and are counted once; a broken cu_seqlens range writes nothing; the valid
+// rows around them run normally.
+TEST(PrefillCuda, InvalidDeviceRowsWriteNothingAndAreCounted) {
+  GDN_SKIP_WITHOUT_GPU();
+  PrefillCase pc(gpu_config({10, 20, 30, 70, 130, 40}), {0, 99, 2, 3, 4, 5}, {6, 7, 50, 8, 9, 10},
+                 64, 1);
+  // Row 3 (70 tokens) checkpoints to slot 77 (past the pool); row 4 (130 tokens) crosses two
+  // boundaries with one column; rows 1 and 2 have a bad initial / final slot.
+  pc.checkpoints = {-1, -1, -1, 77, 11, -1};
+  std::vector<int32_t> err = {0};
+  pc.c.poison_out();
+  const HostArray before = pc.c.state;
+  Params p = pc.params();
+  p.error_count = TensorView::make(err.data(), DType::kInt32, {1});
+  const Status s = gpu_prefill(p);
+  ASSERT_TRUE(s.is_ok()) << s.reason();
+  EXPECT_EQ(err[0], 4);
+  const int64_t row_elems = pc.c.HV * pc.c.cfg.V;
+  for (const int64_t i : {1, 2, 3, 4}) {
+    for (int64_t e = pc.c.cu[size_t(i)] * row_elems; e < pc.c.cu[size_t(i + 1)] * row_elems; ++e)
+      ASSERT_EQ(pc.c.out.get(e), 0.0f) << "row " << i;
+  }
+  for (const int64_t slot : {7, 8, 9, 11})
+    for (int64_t e = slot * pc.c.slot_stride; e < (slot + 1) * pc.c.slot_stride; ++e)
+      ASSERT_EQ(pc.c.state.get(e), before.get(e)) << "slot " << slot;
+  // The valid rows 0 and 5 ran: their outputs are finite and their final slots changed.
+  for (const int64_t i : {0, 5})
+    for (int64_t e = pc.c.cu[size_t(i)] * row_elems; e < pc.c.cu[size_t(i + 1)] * row_elems; ++e)
+      ASSERT_TRUE(std::isfinite(pc.c.out.get(e))) << "row " << i;
+  EXPECT_NE(pc.c.state.get(6 * pc.c.slot_stride), before.get(6 * pc.c.slot_stride));
+
+  // A cu_seqlens range past L: that row writes nothing at all.
+  PrefillCase bad(gpu_config({10, 20}), {0, 1}, {2, 3});
+  bad.c.cu[2] = int32_t(bad.c.L + 5);
+  // Host validation would refuse it; the device path only sees it on the device.
+  bad.c.poison_out();
+  const HostArray bad_before = bad.c.state;
+  Params q = bad.params();
+  q.cu_seqlens = TensorView::make(bad.c.cu.data(), DType::kInt32, {3});
+  std::vector<int32_t> err2 = {0};
+  q.error_count = TensorView::make(err2.data(), DType::kInt32, {1});
+  ASSERT_TRUE(gpu_prefill(q).is_ok());
+  EXPECT_EQ(err2[0], 1);
+  for (int64_t e = 3 * bad.c.slot_stride; e < 4 * bad.c.slot_stride; ++e)
+    ASSERT_EQ(bad.c.state.get(e), bad_before.get(e));
+}
+
+}  // namespace
+}  // namespace gdn::prefill
