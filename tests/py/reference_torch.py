@@ -435,12 +435,12 @@ def _compare(case: Case, ref: RefResult, before: torch.Tensor, *, out_tol: float
 
 
 def cuda_skip_reason() -> Optional[str]:
-    """Why CUDA tests cannot run here (None when they can): no device for torch, a build of gdn
-    without CUDA kernels, or no kernel image for the device."""
+    """Why CUDA tests cannot run here (None when they can): no GPU (none visible to torch), a
+    build of gdn without CUDA kernels, or no kernel image for the device."""
     import gdn
 
     if not torch.cuda.is_available():
-        return "no CUDA device visible to torch"
+        return "no GPU (torch sees no CUDA device)"
     if not gdn._C.built_with_cuda:
         return "this build of gdn has no CUDA kernels"
     ok, why = gdn.cuda_kernels_available(torch.cuda.current_device())

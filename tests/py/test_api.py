@@ -21,7 +21,7 @@ from gdn import metadata as M
 
 torch = pytest.importorskip("torch")
 
-from reference_torch import make_case  # noqa: E402 (needs torch)
+from reference_torch import cuda_skip_reason, make_case  # noqa: E402 (needs torch)
 
 
 def _python(*code: str, args=(), timeout: float = 120) -> subprocess.CompletedProcess:
@@ -570,3 +570,11 @@ def test_cli_path_queries_do_not_import_torch(flag, expected):
     assert not {m for m in imported if m == "torch" or m.startswith("torch.")}, (
         "python -m gdn " + flag + " imported torch"
     )
+
+
+def test_gpu_skip_reason_says_no_gpu():
+    """Without a GPU the CUDA tests skip saying "no GPU" (not what the CUDA runtime reports about a
+    missing driver)."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: its tests run")
+    assert cuda_skip_reason() == "no GPU (torch sees no CUDA device)"

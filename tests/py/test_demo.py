@@ -17,6 +17,7 @@ import gdn
 torch = pytest.importorskip("torch")
 
 from gdn import demo  # noqa: E402
+from reference_torch import cuda_skip_reason  # noqa: E402 (needs torch)
 from gdn._demo_model import (  # noqa: E402
     DecodePath,
     GDNCache,
@@ -45,8 +46,9 @@ SHORT = [
     "--no-progress",
 ]
 
-CUDA = torch.cuda.is_available() and gdn._C.built_with_cuda and gdn.cuda_device_count() > 0
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device and a CUDA build of gdn")
+_CUDA_REASON = cuda_skip_reason()
+CUDA = _CUDA_REASON is None
+needs_cuda = pytest.mark.skipif(not CUDA, reason=f"CUDA: {_CUDA_REASON}")
 
 
 def test_short_cpu_demo_passes(capsys):

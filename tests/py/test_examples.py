@@ -7,7 +7,7 @@ import sys
 import pytest
 
 torch = pytest.importorskip("torch")
-import gdn  # noqa: E402
+from reference_torch import cuda_skip_reason  # noqa: E402 (needs torch)
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "verify_step.py")
 
@@ -26,9 +26,7 @@ def test_verify_step_example_cpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(
-    not (torch.cuda.is_available() and gdn._C.built_with_cuda), reason="needs a CUDA device and a CUDA build of gdn"
-)
+@pytest.mark.skipif(cuda_skip_reason() is not None, reason=f"CUDA: {cuda_skip_reason()}")
 def test_verify_step_example_cuda():
     out = _run("--device", "cuda")
     assert out.count("finite=True") == 2

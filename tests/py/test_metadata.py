@@ -18,9 +18,11 @@ torch = pytest.importorskip("torch")
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from reference_torch import cuda_skip_reason  # noqa: E402 (needs torch)
 
-CUDA = torch.cuda.is_available() and gdn.cuda_device_count() > 0 and gdn._C.built_with_cuda
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device and a CUDA build of gdn")
+_CUDA_REASON = cuda_skip_reason()
+CUDA = _CUDA_REASON is None
+needs_cuda = pytest.mark.skipif(not CUDA, reason=f"CUDA: {_CUDA_REASON}")
 
 I32 = np.int32
 
