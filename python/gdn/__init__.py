@@ -22,7 +22,7 @@ from ._C import (
 # function too); reach the module with importlib.import_module("gdn.decode_mtp"), and the float64
 # references as gdn.reference.* (docstrings name them so).
 from .decode_mtp import can_use_decode_mtp, decode_mtp
-from .conv import causal_conv1d_update
+from .conv import causal_conv1d_prefill, causal_conv1d_update
 from .replay import ReplayWindow, decode_mtp_replay
 from . import metadata
 from . import reference
@@ -32,6 +32,7 @@ __version__ = _C.__version__
 __all__ = [
     "__version__",
     "can_use_decode_mtp",
+    "causal_conv1d_prefill",
     "causal_conv1d_update",
     "cmake_dir",
     "cuda_device_count",

@@ -14,10 +14,10 @@ mutated arguments in the call's ``args`` / ``kwargs``, which the dispatcher has 
 defaults, so omitting an optional mutated argument (``error_count=None``) raised ``IndexError``.
 
 Kernels. The per-layer ops (:data:`CPP_OPS`: ``decode_mtp``, ``decode_mtp_replay``,
-``causal_conv1d_update``) have C++ CPU and CUDA kernels in ``libgdn_torch_ops.so``
-(src/torch_ops/kernels.cpp, built when torch is importable at build time): an eager call goes
-from the dispatcher straight into the library, without converting its arguments to Python
-objects and back. They raise the exception type and message the gdn function raises. A C++ torch
+``causal_conv1d_update``, ``causal_conv1d_prefill``) have C++ CPU and CUDA kernels in
+``libgdn_torch_ops.so`` (src/torch_ops/kernels.cpp, built when torch is importable at build time):
+an eager call goes from the dispatcher straight into the library, without converting its
+arguments to Python objects and back. They raise the exception type and message the gdn function raises. A C++ torch
 extension is tied to the torch it was compiled against, so the library is loaded only when the
 running torch's version equals the one recorded next to it (``torch_ops.json``). Otherwise (not
 built, another torch version, a failed load, or ``GDN_TORCH_OP_KERNELS=python`` set at import)
@@ -37,6 +37,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ._common import arguments
+from .conv import causal_conv1d_prefill as _causal_conv1d_prefill
 from .conv import causal_conv1d_update as _causal_conv1d_update
 from .decode_mtp import decode_mtp as _decode_mtp
 from .metadata import plan as _metadata_plan
@@ -58,7 +59,7 @@ SCHEMA_EXCLUDED: Dict[str, Tuple[Optional[str], str]] = {
 FUNCTIONS: Dict[str, Callable[..., object]] = {}
 
 #: The ops libgdn_torch_ops.so has C++ kernels for (when it is loaded, see :data:`KERNELS`).
-CPP_OPS = ("decode_mtp", "decode_mtp_replay", "causal_conv1d_update")
+CPP_OPS = ("decode_mtp", "decode_mtp_replay", "causal_conv1d_update", "causal_conv1d_prefill")
 
 # The dispatch keys the ops have real kernels for.
 _KEYS = ("CPU", "CUDA")
@@ -179,14 +180,16 @@ def _register_kernels() -> Tuple[str, str]:
 
 # Each op takes its function's arguments. Notes on the op forms: ``decode_mtp_replay``'s window views
 # may share buffers (k and v of one tensor, a and b of another): they are written, never aliased
-# with an input. ``causal_conv1d_update``'s ``out`` must not be ``x`` (a torch op may not alias a
-# mutated argument with another input; call the function for in-place use). ``metadata_plan`` is
-# the host plan over CPU tensors (``cache_mode`` is the function's ``mode``); ``metadata_state_rows``
-# is the device part (one CUDA launch for every group's state rows on torch's current stream; a
-# CPU kernel backs it for CPU tensors), whose CPU count of padded rows is not returned.
+# with an input. ``causal_conv1d_update``'s and ``causal_conv1d_prefill``'s ``out`` must not be
+# ``x`` (a torch op may not alias a mutated argument with another input; call the function for
+# in-place use). ``metadata_plan`` is the host plan over CPU tensors (``cache_mode`` is the
+# function's ``mode``); ``metadata_state_rows`` is the device part (one CUDA launch for every
+# group's state rows on torch's current stream; a CPU kernel backs it for CPU tensors), whose CPU
+# count of padded rows is not returned.
 decode_mtp = _op("decode_mtp", _decode_mtp)
 decode_mtp_replay = _op("decode_mtp_replay", _decode_mtp_replay)
 causal_conv1d_update = _op("causal_conv1d_update", _causal_conv1d_update)
+causal_conv1d_prefill = _op("causal_conv1d_prefill", _causal_conv1d_prefill)
 metadata_plan = _op("metadata_plan", _metadata_plan)
 metadata_state_rows = _op("metadata_state_rows", _metadata_state_rows)
 

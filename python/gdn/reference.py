@@ -3,8 +3,13 @@ module holds its function, contract and reference)."""
 
 from __future__ import annotations
 
-from .conv import causal_conv1d_update_reference
+from .conv import causal_conv1d_prefill_reference, causal_conv1d_update_reference
 from .decode_mtp import decode_mtp_reference
 from .metadata import step_reference
 
-__all__ = ["causal_conv1d_update_reference", "decode_mtp_reference", "step_reference"]
+__all__ = [
+    "causal_conv1d_prefill_reference",
+    "causal_conv1d_update_reference",
+    "decode_mtp_reference",
+    "step_reference",
+]

@@ -15,6 +15,7 @@
 #include <string_view>
 
 #include "gdn/conv/params.hpp"
+#include "gdn/conv_prefill/params.hpp"
 #include "gdn/core/status.hpp"
 #include "gdn/core/support.hpp"
 #include "gdn/core/tensor_view.hpp"
@@ -223,6 +224,33 @@ conv::Params conv_params(const ConvArgsIn<Array>& in, View&& view) {
   p.cu_seqlens = view(in.cu_seqlens, "cu_seqlens");
   p.out = view(in.out, "out");
   p.num_accepted_tokens = optional_view(in.num_accepted_tokens, "num_accepted_tokens", view);
+  p.error_count = optional_view(in.error_count, "error_count", view);
+  p.activation = parse_activation(in.activation);
+  p.layout = parse_conv_layout(in.state_layout);
+  p.first_valid_slot = in.first_valid_slot;
+  return p;
+}
+
+// causal_conv1d_prefill's arguments.
+template <class Array>
+struct ConvPrefillArgsIn {
+  const Array &x, &weight, &conv_state, &initial_state_indices, &final_state_indices, &cu_seqlens,
+      &out;
+  std::string_view activation, state_layout;
+  int64_t first_valid_slot;
+  const std::optional<Array>& error_count;
+};
+
+template <class Array, class View>
+conv_prefill::Params conv_prefill_params(const ConvPrefillArgsIn<Array>& in, View&& view) {
+  conv_prefill::Params p;
+  p.x = view(in.x, "x");
+  p.weight = view(in.weight, "weight");
+  p.conv_state = view(in.conv_state, "conv_state");
+  p.initial_state_indices = view(in.initial_state_indices, "initial_state_indices");
+  p.final_state_indices = view(in.final_state_indices, "final_state_indices");
+  p.cu_seqlens = view(in.cu_seqlens, "cu_seqlens");
+  p.out = view(in.out, "out");
   p.error_count = optional_view(in.error_count, "error_count", view);
   p.activation = parse_activation(in.activation);
   p.layout = parse_conv_layout(in.state_layout);

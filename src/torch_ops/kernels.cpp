@@ -1,8 +1,9 @@
-// The C++ kernels of the per-layer torch ops torch.ops.gdn.decode_mtp, decode_mtp_replay and
-// causal_conv1d_update, for the CPU and (against a torch built with CUDA) the CUDA dispatch key:
-// an eager call goes from torch's dispatcher straight into the library instead of back into a
-// Python kernel. The schemas are python/gdn/ops.py's; this library only implements them, and
-// ops.py loads it (torch.ops.load_library) only into the torch version it was built against.
+// The C++ kernels of the per-layer torch ops torch.ops.gdn.decode_mtp, decode_mtp_replay,
+// causal_conv1d_update and causal_conv1d_prefill, for the CPU and (against a torch built with
+// CUDA) the CUDA dispatch key: an eager call goes from torch's dispatcher straight into the
+// library instead of back into a Python kernel. The schemas are python/gdn/ops.py's; this library
+// only implements them, and ops.py loads it (torch.ops.load_library) only into the torch version it
+// was built against.
 //
 // A kernel builds the Params the nanobind binding builds (binding/op_params.hpp) and calls the
 // same CPU run or CUDA launch, so a bad call raises the exception type and message the gdn
@@ -19,6 +20,7 @@
 
 #include "binding/op_params.hpp"
 #include "gdn/conv/cpu.hpp"
+#include "gdn/conv_prefill/cpu.hpp"
 #include "gdn/decode_mtp/cpu.hpp"
 #include "gdn/kernels/cuda_api.hpp"
 #include "gdn/kernels/cuda_api_conv.hpp"
@@ -143,12 +145,30 @@ void causal_conv1d_update(const at::Tensor& x, const at::Tensor& weight, at::Ten
   });
 }
 
+void causal_conv1d_prefill(const at::Tensor& x, const at::Tensor& weight, at::Tensor& conv_state,
+                           const at::Tensor& initial_state_indices,
+                           const at::Tensor& final_state_indices, const at::Tensor& cu_seqlens,
+                           at::Tensor& out, c10::string_view activation,
+                           c10::string_view state_layout, int64_t first_valid_slot,
+                           const OptTensor& error_count) {
+  raising_c10_errors([&] {
+    const conv_prefill::Params p = binding::conv_prefill_params<at::Tensor>(
+        {x, weight, conv_state, initial_state_indices, final_state_indices, cu_seqlens, out,
+         text(activation), text(state_layout), first_valid_slot, error_count},
+        view_of);
+    run_call(
+        p.conv_state, "conv_state", conv_state, [&] { return conv_prefill::run_cpu(p); },
+        [&](auto stream) { return cuda_api::causal_conv1d_prefill(p, stream); });
+  });
+}
+
 // One kernel per op serves both keys: it runs where the state lives (a CPU state with a CUDA
 // input is refused by the library's device check, as the gdn function refuses it).
 void implement(torch::Library& m) {
   m.impl("decode_mtp", TORCH_FN(decode_mtp));
   m.impl("decode_mtp_replay", TORCH_FN(decode_mtp_replay));
   m.impl("causal_conv1d_update", TORCH_FN(causal_conv1d_update));
+  m.impl("causal_conv1d_prefill", TORCH_FN(causal_conv1d_prefill));
 }
 
 }  // namespace

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import gdn
-from gdn.conv import causal_conv1d_update_reference
+from gdn.conv import causal_conv1d_prefill_reference, causal_conv1d_update_reference
 
 torch = pytest.importorskip("torch")
 
@@ -459,3 +459,280 @@ def test_wrong_python_type_names_the_argument(name, bad, words):
         gdn.causal_conv1d_update(**args)
     assert "incompatible function arguments" not in str(info.value)
     assert torch.equal(case["pool"], before)
+
+
+# ---- causal_conv1d_prefill -----------------------------------------------------------------------
+
+ROUND = {
+    torch.float32: None,
+    torch.bfloat16: lambda v: torch.from_numpy(np.asarray(v)).to(torch.bfloat16).double().numpy(),
+    torch.float16: lambda v: torch.from_numpy(np.asarray(v)).to(torch.float16).double().numpy(),
+}
+
+
+def token_by_token(case, layout="channels_major", first_valid_slot=0, activation="silu"):
+    """The tests' reference of a prefill: the package's float64 causal_conv1d_update reference run
+    one token at a time (accepted count 1) on a buffer that starts as the initial slot's (zeros for
+    a null id) and ends in the final slot. Returns (out, pool) in float64."""
+    x, w = case["x"].cpu().double(), case["w"].cpu().double()
+    before = case["pool"].cpu()
+    rnd = ROUND[before.dtype]
+    pool = before.double().numpy().copy()
+    out = np.full(x.shape, np.nan)
+    cu = case["cu"].cpu().tolist()
+    for i, (a, f) in enumerate(zip(case["initial"].cpu().tolist(), case["final"].cpu().tolist())):
+        if cu[i + 1] == cu[i]:
+            continue
+        buf = before.double().numpy()[a] if a >= first_valid_slot else np.zeros(before.shape[1:])
+        buf = buf[None].copy()
+        for t in range(cu[i], cu[i + 1]):
+            o, buf = causal_conv1d_update_reference(
+                x[t : t + 1].numpy(),
+                w.numpy(),
+                buf,
+                np.zeros(1, np.int32),
+                np.array([0, 1], np.int32),
+                activation=activation,
+                state_layout=layout,
+                state_dtype=rnd,
+            )
+            out[t] = o[0]
+        if f >= first_valid_slot:
+            pool[f] = buf[0]
+    return out, pool
+
+
+def make_prefill_case(
+    *,
+    D=20,
+    W=4,
+    num_spec=2,
+    T=(3, 0, 1, 2, 4, 63, 64, 65, 150),
+    slots=24,
+    layout="channels_major",
+    state_dtype=torch.float32,
+    x_dtype=torch.float32,
+    seed=0,
+    device="cpu",
+):
+    g = torch.Generator().manual_seed(seed)
+    cu = torch.tensor([0] + list(np.cumsum(T)), dtype=torch.int32)
+    L = int(cu[-1])
+    Lbuf = W - 1 + num_spec
+    shape = (slots, D, Lbuf) if layout == "channels_major" else (slots, Lbuf, D)
+    perm = torch.randperm(slots, generator=g).to(torch.int32)
+    case = dict(
+        x=torch.randn(L, D, generator=g).to(x_dtype),
+        w=(0.5 * torch.randn(D, W, generator=g)),
+        pool=torch.randn(*shape, generator=g).to(state_dtype),
+        initial=perm[: len(T)].clone(),
+        final=perm[len(T) : 2 * len(T)].clone(),
+        cu=cu,
+    )
+    return {k: v.to(device) for k, v in case.items()}
+
+
+def run_prefill(case, *, layout="channels_major", op=False, out=None, **kw):
+    out = torch.full_like(case["x"], float("nan")) if out is None else out
+    args = (case["x"], case["w"], case["pool"], case["initial"], case["final"], case["cu"], out)
+    fn = torch.ops.gdn.causal_conv1d_prefill if op else gdn.causal_conv1d_prefill
+    fn(*args, state_layout=layout, **kw)
+    return out
+
+
+def check_prefill(case, out, ref):
+    ref_out, ref_pool = ref
+    got = out.double().cpu()
+    written = ~np.isnan(ref_out)
+    unit = {torch.float32: 4e-7, torch.bfloat16: 2**-8, torch.float16: 2**-11}[out.dtype]
+    want = torch.from_numpy(ref_out)
+    err = (got[written] - want[written]).abs() - unit * want[written].abs()
+    assert err.max().item() <= 2e-6, f"output error {err.max().item()}"
+    assert torch.isnan(got[~torch.from_numpy(written)]).all(), "a row of no request was written"
+    # The pool is bit-exact: final slots as the reference, every other slot unchanged.
+    assert np.array_equal(case["pool"].double().cpu().numpy(), ref_pool)
+
+
+@pytest.mark.parametrize("layout", ["channels_major", "tokens_major"])
+@pytest.mark.parametrize(
+    "state_dtype,x_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float16),
+    ],
+)
+@pytest.mark.parametrize("W,num_spec", [(4, 2), (2, 0), (3, 5)])
+def test_prefill_matches_token_by_token_reference(layout, state_dtype, x_dtype, W, num_spec):
+    case = make_prefill_case(
+        W=W, num_spec=num_spec, layout=layout, state_dtype=state_dtype, x_dtype=x_dtype, seed=W + 7 * num_spec
+    )
+    ref = token_by_token(case, layout)
+    out = run_prefill(case, layout=layout)
+    check_prefill(case, out, ref)
+
+
+def test_prefill_package_reference_agrees():
+    case = make_prefill_case(seed=3, state_dtype=torch.bfloat16, layout="tokens_major")
+    first = token_by_token(case, "tokens_major", first_valid_slot=2)
+    second = causal_conv1d_prefill_reference(
+        case["x"].double().numpy(),
+        case["w"].double().numpy(),
+        case["pool"].double().numpy(),
+        case["initial"].numpy(),
+        case["final"].numpy(),
+        case["cu"].numpy(),
+        state_layout="tokens_major",
+        first_valid_slot=2,
+        state_dtype=ROUND[torch.bfloat16],
+    )
+    np.testing.assert_allclose(second[0], first[0], rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(second[1], first[1])
+
+
+def test_prefill_null_and_in_place_slots():
+    case = make_prefill_case(seed=4, T=(2, 65, 1, 4, 3, 0))
+    # Null initial (zeros), in-place slot, null final (outputs only), negative ids, padded row.
+    case["initial"] = torch.tensor([0, 5, -3, 7, 0, 9], dtype=torch.int32)
+    case["final"] = torch.tensor([3, 5, 9, 0, -1, 0], dtype=torch.int32)
+    ref = token_by_token(case, first_valid_slot=1)
+    out = run_prefill(case, first_valid_slot=1)
+    check_prefill(case, out, ref)
+
+
+@pytest.mark.parametrize("layout", ["channels_major", "tokens_major"])
+def test_prefill_in_place_output_and_strided_inputs(layout):
+    case = make_prefill_case(seed=5, layout=layout, x_dtype=torch.bfloat16)
+    # x is a column slice of a wider projection; indices are columns of [N, 2] tables.
+    wide = torch.randn(case["x"].shape[0], 28).to(torch.bfloat16)
+    wide[:, 4:24] = case["x"]
+    x = wide[:, 4:24]
+    case_in = dict(
+        case,
+        x=x,
+        initial=torch.stack([case["initial"], case["final"]], 1)[:, 0],
+        final=torch.stack([case["initial"], case["final"]], 1)[:, 1],
+    )
+    assert x.stride(0) == 28 and case_in["initial"].stride(0) == 2
+    ref = token_by_token(dict(case_in, x=x.clone()), layout)
+    out = run_prefill(case_in, layout=layout, out=x)
+    assert out.data_ptr() == x.data_ptr()
+    check_prefill(case_in, out, ref)
+
+
+def test_prefill_then_update_equals_token_by_token():
+    """The strongest check, on the library's own calls: a prefill, then verify steps, equal the
+    same tokens going through causal_conv1d_update one at a time, bit for bit."""
+    case = make_prefill_case(seed=6, state_dtype=torch.bfloat16, x_dtype=torch.bfloat16, num_spec=3)
+    seq_pool = case["pool"].clone()
+    cu = case["cu"].tolist()
+    for i, (a, f) in enumerate(zip(case["initial"].tolist(), case["final"].tolist())):
+        if cu[i + 1] > cu[i]:  # a padded row writes nothing
+            seq_pool[f] = case["pool"][a]
+    out = run_prefill(case)
+    one = torch.tensor([0, 1], dtype=torch.int32)
+    for i, f in enumerate(case["final"].tolist()):
+        for t in range(cu[i], cu[i + 1]):
+            o1 = torch.full((1, 20), float("nan"), dtype=torch.bfloat16)
+            gdn.causal_conv1d_update(
+                case["x"][t : t + 1], case["w"], seq_pool, torch.tensor([f], dtype=torch.int32), one, o1
+            )
+            assert torch.equal(o1[0], out[t]), f"request {i} row {t}"
+    assert torch.equal(seq_pool, case["pool"])
+    g = torch.Generator().manual_seed(1)
+    slots = case["final"][torch.tensor(cu[1:]) > torch.tensor(cu[:-1])]
+    n, S = len(slots), 4
+    acc = torch.ones(n, dtype=torch.int32)
+    vcu = torch.arange(0, n * S + 1, S, dtype=torch.int32)
+    for _ in range(3):
+        x = torch.randn(n * S, 20, generator=g).to(torch.bfloat16)
+        o_a, o_b = torch.empty_like(x), torch.empty_like(x)
+        gdn.causal_conv1d_update(x, case["w"], case["pool"], slots, vcu, o_a, num_accepted_tokens=acc)
+        gdn.causal_conv1d_update(x, case["w"], seq_pool, slots, vcu, o_b, num_accepted_tokens=acc)
+        assert torch.equal(o_a, o_b) and torch.equal(case["pool"], seq_pool)
+        acc = torch.randint(1, S + 1, (n,), generator=g, dtype=torch.int32)
+
+
+def test_prefill_op_matches_function_and_opcheck():
+    case = make_prefill_case(seed=8, T=(3, 70, 0, 2))
+    pool0 = case["pool"].clone()
+    out_f = run_prefill(case)
+    pool_f = case["pool"].clone()
+    case["pool"].copy_(pool0)
+    out_o = run_prefill(case, op=True)
+    assert torch.equal(out_f, out_o) and torch.equal(pool_f, case["pool"])
+    out = torch.empty_like(case["x"])
+    for kw in ({}, {"error_count": torch.zeros(1, dtype=torch.int32)}):
+        result = torch.library.opcheck(
+            torch.ops.gdn.causal_conv1d_prefill.default,
+            (case["x"], case["w"], case["pool"], case["initial"], case["final"], case["cu"], out),
+            kw,
+        )
+        assert all(v == "SUCCESS" for v in result.values()), result
+
+
+@pytest.mark.parametrize(
+    "mutate,message",
+    [
+        (lambda c: c["initial"].__setitem__(2, 24), r"request row 2: initial_state_indices\[2\] = 24 is >= the pool"),
+        (lambda c: c["final"].__setitem__(0, 99), r"request row 0: final_state_indices\[0\] = 99"),
+        (lambda c: c["cu"].__setitem__(2, 1), r"request row 1: cu_seqlens\[1..\] = \(3, 1\)"),
+    ],
+)
+@pytest.mark.parametrize("op", [False, True], ids=["function", "op"])
+def test_prefill_invalid_rows_raise_and_write_nothing(mutate, message, op):
+    case = make_prefill_case(seed=9, T=(3, 70, 4))
+    mutate(case)
+    before = case["pool"].clone()
+    out = torch.full_like(case["x"], float("nan"))
+    with pytest.raises(ValueError, match=message):
+        run_prefill(case, out=out, op=op)
+    assert torch.equal(case["pool"], before)
+    assert torch.isnan(out).all()
+
+
+def test_prefill_argument_errors_name_the_argument():
+    case = make_prefill_case(seed=10, T=(2, 3))
+    with pytest.raises(ValueError, match="^final_state_indices dimension 0 must be N"):
+        run_prefill(dict(case, final=case["final"][:1]))
+    with pytest.raises(ValueError, match="^initial_state_indices has dtype float32"):
+        run_prefill(dict(case, initial=case["initial"].float()))
+    with pytest.raises(ValueError, match="^conv_state has 5 channels but weight has D = 20"):
+        run_prefill(case, layout="tokens_major")
+    with pytest.raises(TypeError, match=r"^gdn\.causal_conv1d_prefill: cu_seqlens must be"):
+        run_prefill(dict(case, cu=case["cu"].tolist()))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("layout", ["channels_major", "tokens_major"])
+@pytest.mark.parametrize("state_dtype,x_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("in_place", [False, True], ids=["out", "in_place"])
+def test_cuda_prefill_matches_cpu_and_reference(layout, state_dtype, x_dtype, in_place):
+    T = (3, 0, 1, 2, 4, 63, 64, 65, 700)
+    cpu = make_prefill_case(D=260, T=T, layout=layout, state_dtype=state_dtype, x_dtype=x_dtype, seed=21)
+    dev = {k: v.cuda() for k, v in cpu.items()}
+    ref = token_by_token(cpu, layout)
+    out_c = run_prefill(cpu, layout=layout)
+    out_d = run_prefill(dev, layout=layout, out=dev["x"] if in_place else None)
+    torch.cuda.synchronize()
+    check_prefill({k: v.cpu() for k, v in dev.items()}, out_d, ref)
+    assert torch.equal(dev["pool"].cpu(), cpu["pool"])
+    torch.testing.assert_close(out_d.cpu(), out_c, rtol=2e-2 if x_dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_prefill_invalid_rows_zeroed_and_counted():
+    case = make_prefill_case(D=64, seed=22, T=(2, 70, 4), device="cuda")
+    case["initial"][1] = 1 << 30
+    errors = torch.zeros(1, dtype=torch.int32, device="cuda")
+    before = case["pool"].clone()
+    out = run_prefill(case, error_count=errors)
+    torch.cuda.synchronize()
+    assert int(errors) == 1
+    assert torch.equal(out[2:72], torch.zeros_like(out[2:72]))
+    assert not torch.isnan(out).any()
+    others = [s for s in range(24) if s not in (int(case["final"][0]), int(case["final"][2]))]
+    assert torch.equal(case["pool"][others], before[others])

@@ -186,6 +186,7 @@ WRITES = {
     "decode_mtp": {"state", "out", "error_count"},
     "decode_mtp_replay": {"state", "out", "window_k", "window_v", "window_a", "window_b", "window_len", "error_count"},
     "causal_conv1d_update": {"conv_state", "out", "error_count"},
+    "causal_conv1d_prefill": {"conv_state", "out", "error_count"},
     "metadata_plan": {"plan"},
     "metadata_state_rows": {
         "plan",
@@ -264,6 +265,43 @@ def _conv_call(gen, device):
         t,
         lambda t, **e: call(torch.ops.gdn.causal_conv1d_update, t, **e),
         lambda t: call(gdn.causal_conv1d_update, t),
+        frozenset({"conv_state", "out"}),
+        ("error_count",),
+        frozenset({"conv_state", "out"}),
+    )
+
+
+def _conv_prefill_call(gen, device):
+    D, W, num_spec, slots = 16, 4, 2, 8
+    names = (
+        "x",
+        "weight",
+        "conv_state",
+        "initial_state_indices",
+        "final_state_indices",
+        "cu_seqlens",
+        "out",
+    )
+    t = dict(
+        x=torch.randn(70, D, generator=gen),
+        weight=torch.randn(D, W, generator=gen),
+        conv_state=torch.randn(slots, D, W - 1 + num_spec, generator=gen),
+        initial_state_indices=torch.tensor([2, 5, 0], dtype=I32),
+        final_state_indices=torch.tensor([3, 5, 7], dtype=I32),
+        cu_seqlens=torch.tensor([0, 2, 2, 70], dtype=I32),
+        out=torch.full((70, D), float("nan")),
+        error_count=torch.zeros(1, dtype=I32),
+    )
+    t = {k: v.to(device) for k, v in t.items()}
+    t["weight"].requires_grad_()
+
+    def call(f, t, **extra):
+        f(*(t[n] for n in names), **extra)
+
+    return OpCall(
+        t,
+        lambda t, **e: call(torch.ops.gdn.causal_conv1d_prefill, t, **e),
+        lambda t: call(gdn.causal_conv1d_prefill, t),
         frozenset({"conv_state", "out"}),
         ("error_count",),
         frozenset({"conv_state", "out"}),
@@ -417,6 +455,7 @@ CALLS = {
     "decode_mtp": _decode_mtp_call,
     "decode_mtp_replay": _replay_call,
     "causal_conv1d_update": _conv_call,
+    "causal_conv1d_prefill": _conv_prefill_call,
     "metadata_plan": _metadata_plan_call,
     "metadata_state_rows": _metadata_state_rows_call,
 }
@@ -498,6 +537,7 @@ FUNCTIONS = {
     "decode_mtp": gdn.decode_mtp,
     "decode_mtp_replay": gdn.decode_mtp_replay,
     "causal_conv1d_update": gdn.causal_conv1d_update,
+    "causal_conv1d_prefill": gdn.causal_conv1d_prefill,
     "metadata_plan": M.plan,
     "metadata_state_rows": M.state_rows,
 }
@@ -734,6 +774,16 @@ BAD_CALLS = {
         "conv_state holds",
     ),
     "conv-range": ("causal_conv1d_update", lambda t: t["conv_state_indices"].add_(100), "conv_state_indices[0] = "),
+    "conv-prefill-shape": (
+        "causal_conv1d_prefill",
+        lambda t: t.update(final_state_indices=t["final_state_indices"][:2]),
+        "final_state_indices dimension 0",
+    ),
+    "conv-prefill-range": (
+        "causal_conv1d_prefill",
+        lambda t: t["final_state_indices"].add_(100),
+        "final_state_indices[0] = ",
+    ),
 }
 
 
