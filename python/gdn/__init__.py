@@ -23,6 +23,7 @@ from ._C import (
 # references as gdn.reference.* (docstrings name them so).
 from .decode_mtp import can_use_decode_mtp, decode_mtp
 from .conv import causal_conv1d_prefill, causal_conv1d_update
+from .prefill import prefill
 from .replay import ReplayWindow, decode_mtp_replay
 from . import metadata
 from . import reference
@@ -42,6 +43,7 @@ __all__ = [
     "ReplayWindow",
     "include_dir",
     "metadata",
+    "prefill",
     "reference",
     "supported_head_ratios",
     "supported_state_dtypes",

@@ -13,7 +13,7 @@ from typing import Optional
 import numpy as np
 
 from . import _C
-from ._common import Buffer, Output, _stream_of, argument_kinds, raise_argument_error
+from ._common import Buffer, Output, _stream_of, argument_kinds, raise_argument_error, traced_as_torch_op
 
 __all__ = [
     "causal_conv1d_prefill",
@@ -159,6 +159,7 @@ def causal_conv1d_update_reference(
     return out, pool
 
 
+@traced_as_torch_op
 def causal_conv1d_prefill(
     x: Buffer,
     weight: Buffer,

@@ -13,13 +13,13 @@ with torch types from the argument kinds its annotations declare, gdn._common) o
 mutated arguments in the call's ``args`` / ``kwargs``, which the dispatcher has stripped of trailing
 defaults, so omitting an optional mutated argument (``error_count=None``) raised ``IndexError``.
 
-Kernels. The per-layer ops (:data:`CPP_OPS`: ``decode_mtp``, ``decode_mtp_replay``,
+Kernels. The per-layer ops (:data:`CPP_OPS`: ``decode_mtp``, ``decode_mtp_replay``, ``prefill``,
 ``causal_conv1d_update``, ``causal_conv1d_prefill``) have C++ CPU and CUDA kernels in
 ``libgdn_torch_ops.so`` (src/torch_ops/kernels.cpp, built when torch is importable at build time):
 an eager call goes from the dispatcher straight into the library, without converting its
-arguments to Python objects and back. They raise the exception type and message the gdn function raises. A C++ torch
-extension is tied to the torch it was compiled against, so the library is loaded only when the
-running torch's version equals the one recorded next to it (``torch_ops.json``). Otherwise (not
+arguments to Python objects and back. They raise the exception type and message the gdn function
+raises. A C++ torch extension is tied to the torch it was compiled against, so the library is
+loaded only when the running torch's version equals the one recorded next to it (``torch_ops.json``). Otherwise (not
 built, another torch version, a failed load, or ``GDN_TORCH_OP_KERNELS=python`` set at import)
 these ops keep the gdn function as their Python kernel; :data:`KERNELS` says which kernels they
 use (``"c++"`` or ``"python"``) and :data:`KERNELS_REASON` why. The metadata ops
@@ -42,6 +42,7 @@ from .conv import causal_conv1d_update as _causal_conv1d_update
 from .decode_mtp import decode_mtp as _decode_mtp
 from .metadata import plan as _metadata_plan
 from .metadata import state_rows as _metadata_state_rows
+from .prefill import prefill as _prefill
 from .replay import decode_mtp_replay as _decode_mtp_replay
 
 #: The one list of function arguments a torch op cannot take as they are: name -> (the op's name
@@ -59,7 +60,7 @@ SCHEMA_EXCLUDED: Dict[str, Tuple[Optional[str], str]] = {
 FUNCTIONS: Dict[str, Callable[..., object]] = {}
 
 #: The ops libgdn_torch_ops.so has C++ kernels for (when it is loaded, see :data:`KERNELS`).
-CPP_OPS = ("decode_mtp", "decode_mtp_replay", "causal_conv1d_update", "causal_conv1d_prefill")
+CPP_OPS = ("decode_mtp", "decode_mtp_replay", "prefill", "causal_conv1d_update", "causal_conv1d_prefill")
 
 # The dispatch keys the ops have real kernels for.
 _KEYS = ("CPU", "CUDA")
@@ -188,6 +189,7 @@ def _register_kernels() -> Tuple[str, str]:
 # count of padded rows is not returned.
 decode_mtp = _op("decode_mtp", _decode_mtp)
 decode_mtp_replay = _op("decode_mtp_replay", _decode_mtp_replay)
+prefill = _op("prefill", _prefill)
 causal_conv1d_update = _op("causal_conv1d_update", _causal_conv1d_update)
 causal_conv1d_prefill = _op("causal_conv1d_prefill", _causal_conv1d_prefill)
 metadata_plan = _op("metadata_plan", _metadata_plan)

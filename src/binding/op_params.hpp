@@ -20,6 +20,7 @@
 #include "gdn/core/support.hpp"
 #include "gdn/core/tensor_view.hpp"
 #include "gdn/decode_mtp/params.hpp"
+#include "gdn/prefill/params.hpp"
 #include "gdn/replay/params.hpp"
 
 namespace gdn::binding {
@@ -178,6 +179,22 @@ decode_mtp::Params decode_mtp_params(const StepArgsIn<In, Out>& step, const In& 
   set_step_args(step, view, p);
   p.state_indices = view(state_indices, "state_indices");
   p.num_accepted_tokens = optional_view(num_accepted_tokens, "num_accepted_tokens", view);
+  return p;
+}
+
+// prefill: the step arguments (prefill takes no round_core_output: the caller passes false) and
+// its own slot arrays and checkpoint period.
+template <class In, class Out, class View>
+prefill::Params prefill_params(const StepArgsIn<In, Out>& step, const In& initial_state_indices,
+                               const In& final_state_indices,
+                               const std::optional<In>& checkpoint_indices,
+                               int64_t checkpoint_every, View&& view) {
+  prefill::Params p;
+  set_step_args(step, view, p);
+  p.initial_state_indices = view(initial_state_indices, "initial_state_indices");
+  p.final_state_indices = view(final_state_indices, "final_state_indices");
+  p.checkpoint_indices = optional_view(checkpoint_indices, "checkpoint_indices", view);
+  p.checkpoint_every = checkpoint_every;
   return p;
 }
 

@@ -18,6 +18,7 @@ void bind_decode_mtp(nb::module_& m);
 void bind_conv(nb::module_& m);
 void bind_metadata(nb::module_& m);
 void bind_replay(nb::module_& m);
+void bind_prefill(nb::module_& m);
 }  // namespace gdn::python
 
 NB_MODULE(_C, m) {
@@ -121,4 +122,5 @@ NB_MODULE(_C, m) {
   gdn::python::bind_conv(m);
   gdn::python::bind_metadata(m);
   gdn::python::bind_replay(m);
+  gdn::python::bind_prefill(m);
 }

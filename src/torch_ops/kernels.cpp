@@ -1,4 +1,4 @@
-// The C++ kernels of the per-layer torch ops torch.ops.gdn.decode_mtp, decode_mtp_replay,
+// The C++ kernels of the per-layer torch ops torch.ops.gdn.decode_mtp, decode_mtp_replay, prefill,
 // causal_conv1d_update and causal_conv1d_prefill, for the CPU and (against a torch built with
 // CUDA) the CUDA dispatch key: an eager call goes from torch's dispatcher straight into the
 // library instead of back into a Python kernel. The schemas are python/gdn/ops.py's; this library
@@ -24,7 +24,9 @@
 #include "gdn/decode_mtp/cpu.hpp"
 #include "gdn/kernels/cuda_api.hpp"
 #include "gdn/kernels/cuda_api_conv.hpp"
+#include "gdn/kernels/cuda_api_prefill.hpp"
 #include "gdn/kernels/cuda_api_replay.hpp"
+#include "gdn/prefill/cpu.hpp"
 #include "gdn/replay/cpu.hpp"
 
 // GDN_HAS_CUDA (this target links the CUDA kernels) is set only against a torch built with CUDA:
@@ -129,6 +131,26 @@ void decode_mtp_replay(const at::Tensor& mixed_qkv, const at::Tensor& a, const a
   });
 }
 
+void prefill(const at::Tensor& mixed_qkv, const at::Tensor& a, const at::Tensor& b,
+             const at::Tensor& A_log, const at::Tensor& dt_bias, at::Tensor& state,
+             const at::Tensor& initial_state_indices, const at::Tensor& final_state_indices,
+             const at::Tensor& cu_seqlens, at::Tensor& out, const OptTensor& z,
+             const OptTensor& norm_weight, std::optional<double> scale, double l2_eps,
+             double norm_eps, c10::string_view gate, c10::string_view state_layout,
+             int64_t first_valid_slot, int64_t num_k_heads, const OptTensor& checkpoint_indices,
+             int64_t checkpoint_every, const OptTensor& error_count) {
+  raising_c10_errors([&] {
+    const prefill::Params p = binding::prefill_params<at::Tensor, at::Tensor>(
+        {mixed_qkv, a, b, A_log, dt_bias, state, cu_seqlens, out, z, norm_weight, scale, l2_eps,
+         norm_eps, text(gate), text(state_layout), first_valid_slot, num_k_heads,
+         /*round_core_output=*/false, error_count},
+        initial_state_indices, final_state_indices, checkpoint_indices, checkpoint_every, view_of);
+    run_call(
+        p.state, "state", state, [&] { return prefill::run_cpu(p); },
+        [&](auto stream) { return cuda_api::prefill(p, stream); });
+  });
+}
+
 void causal_conv1d_update(const at::Tensor& x, const at::Tensor& weight, at::Tensor& conv_state,
                           const at::Tensor& conv_state_indices, const at::Tensor& cu_seqlens,
                           at::Tensor& out, const OptTensor& num_accepted_tokens,
@@ -167,6 +189,7 @@ void causal_conv1d_prefill(const at::Tensor& x, const at::Tensor& weight, at::Te
 void implement(torch::Library& m) {
   m.impl("decode_mtp", TORCH_FN(decode_mtp));
   m.impl("decode_mtp_replay", TORCH_FN(decode_mtp_replay));
+  m.impl("prefill", TORCH_FN(prefill));
   m.impl("causal_conv1d_update", TORCH_FN(causal_conv1d_update));
   m.impl("causal_conv1d_prefill", TORCH_FN(causal_conv1d_prefill));
 }

@@ -259,6 +259,7 @@ def test_package_layout_per_operation():
         "decode_mtp_replay",
         "causal_conv1d_update",
         "causal_conv1d_prefill",
+        "prefill",
         "metadata_plan",
         "metadata_state_rows",
     }
@@ -328,6 +329,7 @@ DOCUMENTED = {
     "can_use_decode_mtp": gdn.can_use_decode_mtp,
     "causal_conv1d_update": gdn.causal_conv1d_update,
     "causal_conv1d_prefill": gdn.causal_conv1d_prefill,
+    "prefill": gdn.prefill,
     "metadata.plan": M.plan,
     "metadata.state_rows": M.state_rows,
     "metadata.shadow_check": M.shadow_check,

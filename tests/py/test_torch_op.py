@@ -187,6 +187,7 @@ WRITES = {
     "decode_mtp_replay": {"state", "out", "window_k", "window_v", "window_a", "window_b", "window_len", "error_count"},
     "causal_conv1d_update": {"conv_state", "out", "error_count"},
     "causal_conv1d_prefill": {"conv_state", "out", "error_count"},
+    "prefill": {"state", "out", "error_count"},
     "metadata_plan": {"plan"},
     "metadata_state_rows": {
         "plan",
@@ -305,6 +306,35 @@ def _conv_prefill_call(gen, device):
         frozenset({"conv_state", "out"}),
         ("error_count",),
         frozenset({"conv_state", "out"}),
+    )
+
+
+def _prefill_call(gen, device):
+    K = 128 if device == "cuda" else 32  # the CUDA kernel's head dim
+    case = make_case(gen, H=1, HV=2, K=K, V=K, S=3, T=(3, 0, 2))
+    names = ("mixed_qkv", "a", "b", "A_log", "dt_bias", "state", "initial_state_indices")
+    names += ("final_state_indices", "cu_seqlens", "out")
+    opt = ("z", "norm_weight")
+    t = {n: getattr(case, n) for n in ("mixed_qkv", "a", "b", "A_log", "dt_bias", "cu_seqlens", "out") + opt}
+    t["state"] = torch.randn(6, 2, K, K, generator=gen)
+    t["initial_state_indices"] = torch.tensor([4, 1, -1], dtype=I32)
+    t["final_state_indices"] = torch.tensor([2, 1, 3], dtype=I32)
+    t["error_count"] = torch.zeros(1, dtype=I32)
+    t = {n: x.to(device) for n, x in t.items()}
+    t["out"].fill_(float("nan"))
+    for n in ("A_log", "dt_bias", "norm_weight"):  # model parameters
+        t[n].requires_grad_()
+
+    def call(f, t, **extra):
+        f(*(t[n] for n in names), **{n: t[n] for n in opt}, **extra)
+
+    return OpCall(
+        t,
+        lambda t, **e: call(torch.ops.gdn.prefill, t, **e),
+        lambda t: call(gdn.prefill, t),
+        frozenset({"state", "out"}),
+        ("error_count",),
+        frozenset({"state", "out"}),
     )
 
 
@@ -456,6 +486,7 @@ CALLS = {
     "decode_mtp_replay": _replay_call,
     "causal_conv1d_update": _conv_call,
     "causal_conv1d_prefill": _conv_prefill_call,
+    "prefill": _prefill_call,
     "metadata_plan": _metadata_plan_call,
     "metadata_state_rows": _metadata_state_rows_call,
 }
@@ -538,6 +569,7 @@ FUNCTIONS = {
     "decode_mtp_replay": gdn.decode_mtp_replay,
     "causal_conv1d_update": gdn.causal_conv1d_update,
     "causal_conv1d_prefill": gdn.causal_conv1d_prefill,
+    "prefill": gdn.prefill,
     "metadata_plan": M.plan,
     "metadata_state_rows": M.state_rows,
 }
