@@ -87,6 +87,10 @@ if has bench; then
   python3 benchmarks/bench_decode_mtp.py ${BENCH_ARGS:-} --json "$OUT/decode_mtp_h200.json" \
     --png "$OUT/decode_mtp_h200.png" > "$OUT/bench.log" 2>&1 || status=1
   tail -n 60 "$OUT/bench.log"
+  # prefill and conv prefill against FLA's chunked layer call and a copy of the conv's bytes.
+  python3 benchmarks/bench_prefill.py --conv --json "$OUT/prefill_h200.json" > "$OUT/bench_prefill.log" 2>&1 ||
+    status=1
+  tail -n 30 "$OUT/bench_prefill.log"
   # Host cost of one eager call (function, torch op, binding) next to x.add_(1).
   python3 benchmarks/bench_host_overhead.py --device cuda --json "$OUT/host_overhead_h200.json" \
     > "$OUT/host_overhead.log" 2>&1 || status=1
@@ -136,8 +140,10 @@ if has sanitize; then
   }
   # memcheck on every device test (one of the long replay chains); racecheck where shared memory
   # is used (the decode_mtp kernel, also in replay mode and replay's closed form).
+  # The prefill kernels' shared tiles: racecheck on their checkpoint and invalid-row cases.
   for run in "memcheck:*:-*ReplayCudaChain*" "memcheck:*ReplayCudaChain*r8*" \
-             "racecheck:*DecodeMtp*:*ReplayCuda.*" "racecheck:*ReplayCudaChain*closed_form*3_steps*"; do
+             "racecheck:*DecodeMtp*:*ReplayCuda.*" "racecheck:*ReplayCudaChain*closed_form*3_steps*" \
+             "racecheck:*PrefillCuda.Checkpoints*:*PrefillCuda.Invalid*:*GpuConvPrefill*"; do
     tool=${run%%:*}
     sanitize_run "$tool" "$tool" 25 "$BUILD/tests/cpp/gdn_gpu_tests" --gtest_brief=1 \
       --gtest_filter="${run#*:}"

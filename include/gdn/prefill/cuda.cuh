@@ -14,8 +14,9 @@
 
 namespace gdn::prefill {
 
-// What the CUDA kernel supports beyond check_arguments: K = V = 128.
-inline Status check_cuda_support(const Problem& pr) {
+// What the CUDA kernel supports beyond check_arguments: K = V = 128, and one dtype for mixed_qkv,
+// z and out (each compiled kernel image reads and writes one element type).
+inline Status check_cuda_support(const Params& p, const Problem& pr) {
   if (pr.K != cuda_detail::kHeadDim || pr.V != cuda_detail::kHeadDim)
     return Status::unsupported(
         "prefill on CUDA supports K = V = " + std::to_string(cuda_detail::kHeadDim) + ", got K = " +
@@ -91,19 +92,25 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream) {
   GDN_RETURN_IF_ERROR(check_arguments(p, &pr));
   if (pr.device.type != DeviceType::kCUDA)
     return Status::invalid("launch_cuda was given tensors on " + to_string(pr.device));
-  GDN_RETURN_IF_ERROR(check_cuda_support(pr));
+  GDN_RETURN_IF_ERROR(check_cuda_support(p, pr));
   if (pr.N == 0 || pr.L == 0) return Status::ok();
   const int64_t ctas = pr.N * pr.HV;
   if (ctas > 0x7fffffff)
     return Status::unsupported("prefill: N * HV = " + std::to_string(ctas) +
                                " exceeds the launch grid");
-  static std::atomic<int> shared_set[cuda::kMaxDevices];
-  GDN_RETURN_IF_ERROR(cuda::allow_dynamic_shared(cuda_detail::prefill_kernel, pr.device.index,
-                                                 cuda_detail::kSharedBytes, shared_set));
   const cuda_detail::KernelArgs args = cuda_detail::kernel_args(p, pr);
-  cuda_detail::
-      prefill_kernel<<<unsigned(ctas), cuda_detail::kThreads, cuda_detail::kSharedBytes, stream>>>(
-          args);
+  const auto launch = [&]<class T>() -> Status {
+    static std::atomic<int> shared_set[cuda::kMaxDevices];
+    GDN_RETURN_IF_ERROR(cuda::allow_dynamic_shared(cuda_detail::prefill_kernel<T>, pr.device.index,
+                                                   cuda_detail::kSharedBytes, shared_set));
+    cuda_detail::prefill_kernel<T>
+        <<<unsigned(ctas), cuda_detail::kThreads, cuda_detail::kSharedBytes, stream>>>(args);
+    return Status::ok();
+  };
+  GDN_RETURN_IF_ERROR(p.mixed_qkv.dtype == DType::kBFloat16
+                          ? launch.template operator()<__nv_bfloat16>()
+                      : p.mixed_qkv.dtype == DType::kFloat16 ? launch.template operator()<__half>()
+                                                             : launch.template operator()<float>());
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)
     return Status(StatusCode::kCudaError,

@@ -28,6 +28,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "gdn/core/cuda/device.cuh"
 #include "gdn/core/cuda/mma.cuh"
@@ -160,6 +161,15 @@ __device__ __forceinline__ void with_element_type(DType t, F&& f) {
 __device__ __forceinline__ float to_f32(float x) { return x; }
 __device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+template <class T>
+__device__ __forceinline__ T from_f32(float x) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    return __float2bfloat16_rn(x);
+  else if constexpr (std::is_same_v<T, __half>)
+    return __float2half_rn(x);
+  else
+    return x;
+}
 
 // The warp's state accumulators from the slot (zeros for a null slot); all 64 loads in flight.
 __device__ __forceinline__ void load_state(const KernelArgs& args, int64_t slot, int64_t hv,
@@ -188,12 +198,26 @@ __device__ __forceinline__ void load_state(const KernelArgs& args, int64_t slot,
 // Loads the chunk's tokens: q, k L2-normalised into bf16 tiles, v into the Delta tile (its bf16
 // operand, dead until the writes are solved), g and beta; zeros past n. Warp w takes tokens w,
 // w + 8, ...: all their loads are issued before the first is used.
+template <class T>
 __device__ __forceinline__ void load_chunk(const KernelArgs& args, Shared& sh, int64_t first_row,
                                            int n, int64_t h, int64_t hv, float A, float dt_bias,
                                            int warp, int lane) {
   constexpr int kPerWarp = kChunk / kWarps;
-  with_element_type(args.qkv_dtype, [&](auto tag) {
-    using T = decltype(tag);
+  // Lane j < 8 of warp w: token w + 8 j's gates.
+  if (lane < kPerWarp) {
+    const int t = warp + kWarps * lane;
+    float g = 0.0f, beta = 0.0f;
+    if (t < n) {
+      const int64_t l = first_row + t;
+      const float a = dev::load_value(args.a, args.a_dtype, l * args.a_row_stride + hv);
+      const float b = dev::load_value(args.b, args.b_dtype, l * args.b_row_stride + hv);
+      g = A * dev::softplus(a + dt_bias);
+      beta = dev::sigmoid(b);
+    }
+    sh.log_decay[t] = g;
+    sh.beta[t] = beta;
+  }
+  {
     const T* x = static_cast<const T*>(args.mixed_qkv);
     float q[kPerWarp][4], k[kPerWarp][4], v[kPerWarp][4];
 #pragma unroll
@@ -233,20 +257,6 @@ __device__ __forceinline__ void load_chunk(const KernelArgs& args, Shared& sh, i
       *reinterpret_cast<uint2*>(&sh.k[t][4 * lane]) = kp;
       *reinterpret_cast<uint2*>(&sh.delta[t][4 * lane]) = vp;
     }
-  });
-  // Lane j < 8 of warp w: token w + 8 j's gates.
-  if (lane < kPerWarp) {
-    const int t = warp + kWarps * lane;
-    float g = 0.0f, beta = 0.0f;
-    if (t < n) {
-      const int64_t l = first_row + t;
-      const float a = dev::load_value(args.a, args.a_dtype, l * args.a_row_stride + hv);
-      const float b = dev::load_value(args.b, args.b_dtype, l * args.b_row_stride + hv);
-      g = A * dev::softplus(a + dt_bias);
-      beta = dev::sigmoid(b);
-    }
-    sh.log_decay[t] = g;
-    sh.beta[t] = beta;
   }
 }
 
@@ -325,33 +335,44 @@ __device__ __forceinline__ void invert_triangle(Shared& sh, int tid) {
     }
   }
   __syncthreads();
-  // 16 -> 32: blocks (1, 0) and (3, 2).
-  for (int e = tid; e < 512; e += kThreads) {
+  // 16 -> 32: blocks (1, 0) and (3, 2). The sums run over whole blocks: A and inv hold explicit
+  // zeros above their diagonals, so fixed-length unrolled loops need no bounds.
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int e = tid + kThreads * i;
     const int pair = e / 256, r = (e / 16) % 16, c = e % 16, lo = 32 * pair, hi = lo + 16;
     float x = 0.0f;
-    for (int m = c; m < 16; ++m) x += a[hi + r][lo + m] * inv[lo + m][lo + c];
+#pragma unroll
+    for (int m = 0; m < 16; ++m) x += a[hi + r][lo + m] * inv[lo + m][lo + c];
     sh.merge[16 * pair + r][c] = x;
   }
   __syncthreads();
-  for (int e = tid; e < 512; e += kThreads) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int e = tid + kThreads * i;
     const int pair = e / 256, r = (e / 16) % 16, c = e % 16, lo = 32 * pair, hi = lo + 16;
     float x = 0.0f;
-    for (int m = 0; m <= r; ++m) x += inv[hi + r][hi + m] * sh.merge[16 * pair + m][c];
+#pragma unroll
+    for (int m = 0; m < 16; ++m) x += inv[hi + r][hi + m] * sh.merge[16 * pair + m][c];
     inv[hi + r][lo + c] = -x;
   }
   __syncthreads();
   // 32 -> 64: block (rows 32.., columns ..32).
-  for (int e = tid; e < 1024; e += kThreads) {
-    const int r = e / 32, c = e % 32;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int e = tid + kThreads * i, r = e / 32, c = e % 32;
     float x = 0.0f;
-    for (int m = c; m < 32; ++m) x += a[32 + r][m] * inv[m][c];
+#pragma unroll
+    for (int m = 0; m < 32; ++m) x += a[32 + r][m] * inv[m][c];
     sh.merge[r][c] = x;
   }
   __syncthreads();
-  for (int e = tid; e < 1024; e += kThreads) {
-    const int r = e / 32, c = e % 32;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int e = tid + kThreads * i, r = e / 32, c = e % 32;
     float x = 0.0f;
-    for (int m = 0; m <= r; ++m) x += inv[32 + r][32 + m] * sh.merge[m][c];
+#pragma unroll
+    for (int m = 0; m < 32; ++m) x += inv[32 + r][32 + m] * sh.merge[m][c];
     inv[32 + r][c] = -x;
   }
   __syncthreads();
@@ -414,11 +435,13 @@ __device__ __forceinline__ void solve_writes(Shared& sh, int warp, int lane) {
   }
 }
 
+// act(z): silu(z) = z sigmoid(z), or sigmoid(z); one expression for both keeps the code small.
 __device__ __forceinline__ float gate_value(const KernelArgs& args, float z) {
-  return args.gate == GateActivation::kSiLU ? z * dev::sigmoid(z) : dev::sigmoid(z);
+  return (args.gate == GateActivation::kSiLU ? z : 1.0f) * dev::fast_sigmoid(z);
 }
 
 // Outputs of rows 16 w.. (warps 0-3): o += P Delta, then the gated RMSNorm, stored for t < n.
+template <class T>
 __device__ __forceinline__ void finish_outputs(const KernelArgs& args, Shared& sh,
                                                int64_t first_row, int n, int64_t hv, int warp,
                                                int lane, float (&o)[16][4]) {
@@ -446,7 +469,7 @@ __device__ __forceinline__ void finish_outputs(const KernelArgs& args, Shared& s
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         float& x = o[j][2 * half + e];
-        if (args.round_core_output) x = dev::round_to(args.out_dtype, x);
+        if (args.round_core_output) x = to_f32(from_f32<T>(x));
         ss += x * x;
       }
     ss += __shfl_xor_sync(0xffffffffu, ss, 1);
@@ -463,8 +486,7 @@ __device__ __forceinline__ void finish_outputs(const KernelArgs& args, Shared& s
             args.norm_weight ? o[j][2 * half + e] * rstd * sh.norm_weight[v] : o[j][2 * half + e];
       }
     if (args.z) {
-      with_element_type(args.z_dtype, [&](auto tag) {
-        using T = decltype(tag);
+      {
         const T* zrow =
             static_cast<const T*>(args.z) + l * args.z_row_stride + hv * args.z_head_stride;
         float z[16][2];
@@ -476,14 +498,14 @@ __device__ __forceinline__ void finish_outputs(const KernelArgs& args, Shared& s
         for (int j = 0; j < 16; ++j)
 #pragma unroll
           for (int e = 0; e < 2; ++e) y[j][e] *= gate_value(args, z[j][e]);
-      });
+      }
     }
     const int64_t out_row = (l * args.HV + hv) * kHeadDim;
 #pragma unroll
     for (int j = 0; j < 16; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e)
-        dev::store_value(args.out, args.out_dtype, out_row + 8 * j + 2 * (lane % 4) + e, y[j][e]);
+        static_cast<T*>(args.out)[out_row + 8 * j + 2 * (lane % 4) + e] = from_f32<T>(y[j][e]);
   }
 }
 
@@ -520,6 +542,8 @@ __device__ __forceinline__ int64_t checkpoint_slot(const KernelArgs& args, int64
                       i * args.checkpoint_row_stride + j * args.checkpoint_col_stride);
 }
 
+// Act: the element type of mixed_qkv, z and out (one dtype on CUDA).
+template <class Act>
 __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const KernelArgs args) {
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   Shared& sh = *reinterpret_cast<Shared*>(shared_bytes);
@@ -566,7 +590,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const KernelArgs a
   for (int64_t c0 = 0; c0 < T; c0 += kChunk) {
     const int n = int(T - c0 < kChunk ? T - c0 : kChunk);
     const int64_t first_row = begin + c0;
-    load_chunk(args, sh, first_row, n, h, hv, A, dt_bias, warp, lane);
+    load_chunk<Act>(args, sh, first_row, n, h, hv, A, dt_bias, warp, lane);
     __syncthreads();
     if (warp == 0) cumulative_decay(sh, lane);
     __syncthreads();
@@ -606,7 +630,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const KernelArgs a
     __syncthreads();
     solve_writes(sh, warp, lane);
     __syncthreads();
-    if (warp < 4) finish_outputs(args, sh, first_row, n, hv, warp, lane, acc);
+    if (warp < 4) finish_outputs<Act>(args, sh, first_row, n, hv, warp, lane, acc);
     advance_state(sh, warp, lane, state);
     const int64_t done = c0 + n;
     if (args.checkpoint_indices && done % args.checkpoint_every == 0) {
