@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
-# Installs what the tests need, builds libgdn (Python module + C++ tests) and runs every test:
-# ctest (labels cpu, gpu, packaging) and pytest. GPU tests skip with a reason when no device is
-# present; CUDA sources are compiled whenever nvcc is found.
+# Builds libgdn (Python module + C++ tests) and runs every test: ctest (labels cpu, gpu,
+# packaging) and pytest. GPU tests skip with a reason when no device is present; CUDA sources are
+# compiled whenever nvcc is found (GDN_ENABLE_CUDA=AUTO, here also for the package).
+#
+# What it changes outside the clone: apt-installs libgtest-dev if GoogleTest is missing (sudo),
+# and pip-installs into the current Python environment the pinned test and style tools (torch,
+# numpy, pytest, hypothesis, nanobind, scikit-build-core, ninja, ruff, clang-format, mypy) and
+# gdn itself. Inside the clone it writes build/ (a few hundred MB with CUDA: build/<wheel tag>/
+# for the package, build/ctest/ for the C++ tests); delete it when done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,9 +30,10 @@ python3 -m ruff format --check python tests benchmarks examples
 git ls-files 'include/*' 'src/*' 'tests/cpp/*' 'examples/*' | grep -E '\.(hpp|cuh|cu|cpp)$' |
   xargs clang-format --dry-run --Werror
 
-# Python package (with the CUDA kernels when nvcc is present).
+# Python package (with the CUDA kernels when nvcc is present, GPU or not: CI compiles them).
 start=$(date +%s)
-CMAKE_BUILD_PARALLEL_LEVEL=$jobs python3 -m pip install -q --no-build-isolation --no-deps .
+GDN_ENABLE_CUDA=${GDN_ENABLE_CUDA:-AUTO} CMAKE_BUILD_PARALLEL_LEVEL=$jobs \
+  python3 -m pip install -q --no-build-isolation --no-deps .
 echo "package built in $(( $(date +%s) - start )) s"
 
 # Types: mypy (pyproject.toml) on python/gdn, which reads gdn._C's types from the stub (_C.pyi)
@@ -41,7 +48,9 @@ cmake -S . -B build/ctest -G Ninja -DGDN_BUILD_TESTS=ON -DGDN_BF16_ACTIVATION_IM
   -DGDN_CUDA_ARCHITECTURES="${GDN_TEST_CUDA_ARCHITECTURES:-90a}" >/dev/null
 cmake --build build/ctest -j "$jobs"
 echo "C++ tests built in $(( $(date +%s) - start )) s"
-(cd build/ctest && ctest --output-on-failure --no-tests=error -j "$jobs")
+(cd build/ctest && ctest --output-on-failure --no-tests=error -j "$jobs") | tee build/ctest/ctest.log
+# ctest's summary counts a skipped test as passed; say how many were skipped.
+echo "ctest: $(grep -c '(Skipped)$' build/ctest/ctest.log || true) of the tests above skipped"
 if [ -x build/ctest/tests/cpp/gdn_gpu_tests ]; then  # say why device tests were skipped, if they were
   build/ctest/tests/cpp/gdn_gpu_tests 2>&1 | grep -A1 -E ": Skipped$" | grep -v -E "Skipped$|^--" | sort | uniq -c || true
 fi
