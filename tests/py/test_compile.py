@@ -51,8 +51,13 @@ def _assert_same(got: Tensors, want: Tensors) -> None:
 # `*_step` is the function that gets compiled: it takes the tensors and passes the scalars itself.
 
 
+def _head_dim(device: str) -> int:
+    return 128 if device == "cuda" else 16  # the CUDA kernels take K = V = 128 only
+
+
 def _decode_inputs(gen, device: str, T: List[int]) -> Tuple[Tensors, List[str]]:
-    case = make_case(gen, H=1, HV=2, K=16, V=16, S=3, T=T, strided=True, first_valid_slot=1)
+    D = _head_dim(device)
+    case = make_case(gen, H=1, HV=2, K=D, V=D, S=3, T=T, strided=True, first_valid_slot=1)
     names = ["mixed_qkv", "a", "b", "A_log", "dt_bias", "state", "state_indices", "cu_seqlens", "out"]
     tensors = dict(zip(names, case.args()))
     tensors.update(z=case.z, norm_weight=case.norm_weight, num_accepted_tokens=case.num_accepted_tokens)
@@ -79,13 +84,14 @@ def _decode_step(t: Tensors) -> None:
     )
 
 
-_H, _HV, _K, _V, _S = 1, 2, 16, 16, 3
+_H, _HV, _S = 1, 2, 3
 
 
 def _replay_inputs(gen, device: str, T: List[int]) -> Tuple[Tensors, List[str]]:
+    K = V = _head_dim(device)
     N, slots = len(T), len(T) + 2
     randn = lambda *shape, std=1.0: torch.randn(*shape, generator=gen) * std  # noqa: E731
-    window = gdn.ReplayWindow.allocate(slots, _S, H=_H, HV=_HV, K=_K, V=_V, dtype=torch.float32)
+    window = gdn.ReplayWindow.allocate(slots, _S, H=_H, HV=_HV, K=K, V=V, dtype=torch.float32)
     for x in (window.k, window.v, window.a, window.b):
         x.copy_(randn(*x.shape))
     window.len.copy_(torch.randint(0, _S + 1, (slots,), generator=gen))
@@ -93,18 +99,18 @@ def _replay_inputs(gen, device: str, T: List[int]) -> Tuple[Tensors, List[str]]:
     accepted = [int(torch.randint(0, int(window.len[s]) + 1, (), generator=gen)) for s in slot_of.tolist()]
     L = sum(T)
     t = dict(
-        mixed_qkv=randn(L, 2 * _H * _K + _HV * _V),
+        mixed_qkv=randn(L, 2 * _H * K + _HV * V),
         a=randn(L, _HV),
         b=randn(L, _HV),
         A_log=randn(_HV, std=0.5),
         dt_bias=randn(_HV, std=0.1),
-        state=randn(slots, _HV, _V, _K, std=0.3),
+        state=randn(slots, _HV, V, K, std=0.3),
         state_indices=slot_of,
         cu_seqlens=torch.tensor([0] + [sum(T[: i + 1]) for i in range(N)], dtype=torch.int32),
-        out=torch.full((L, _HV, _V), float("nan")),
+        out=torch.full((L, _HV, V), float("nan")),
         num_accepted_tokens=torch.tensor(accepted, dtype=torch.int64),
-        z=randn(L, _HV, _V),
-        norm_weight=randn(_V, std=0.2) + 1,
+        z=randn(L, _HV, V),
+        norm_weight=randn(V, std=0.2) + 1,
     )
     t.update(window.arrays())  # window_k and window_v share one buffer, as do window_a and window_b
     written = ["state", "out", "window_k", "window_v", "window_a", "window_b", "window_len"]
