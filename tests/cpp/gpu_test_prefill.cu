@@ -79,6 +79,7 @@ TEST(PrefillCuda, LongRequestsWithWeakDecayInPlace) {
   for (const DType act : {DType::kFloat32, DType::kBFloat16}) {
     CaseConfig g = gpu_config({2000, 700, 3}, 2, DType::kFloat32, StateLayout::kVK, 7);
     g.act_dtype = act;
+    g.out_dtype = act;  // on CUDA, mixed_qkv, z and out share one dtype
     PrefillCase pc(g, {4, -1, 6}, {4, 9, 6});
     long_memory(pc);
     SCOPED_TRACE(to_string(act));

@@ -21,6 +21,13 @@ inline Status check_cuda_support(const Params& p, const Problem& pr) {
     return Status::unsupported(
         "prefill on CUDA supports K = V = " + std::to_string(cuda_detail::kHeadDim) + ", got K = " +
         std::to_string(pr.K) + ", V = " + std::to_string(pr.V) + " (the CPU path takes any K, V)");
+  for (const auto& [view, name] :
+       {decode_mtp::NamedView{&p.z, "z"}, decode_mtp::NamedView{&p.out, "out"}})
+    if (view->present() && view->dtype != p.mixed_qkv.dtype)
+      return Status::unsupported(
+          std::string("prefill on CUDA needs ") + name + " in mixed_qkv's dtype " +
+          std::string(to_string(p.mixed_qkv.dtype)) + ", got " +
+          std::string(to_string(view->dtype)) + " (the CPU path takes any mix)");
   return Status::ok();
 }
 
