@@ -55,7 +55,8 @@ CaseConfig gpu_config(std::vector<int64_t> T, int64_t ratio = 2, DType state = D
 }
 
 // Weak decay (A = -0.01 per unit of softplus): the state remembers hundreds of tokens, so an
-// error carried across chunks would grow instead of fading.
+// error carried across chunks would grow instead of fading. The other cases' rows are 5 elements
+// longer than a token (unaligned rows); the weak-decay case's are whole 16-byte groups.
 void long_memory(PrefillCase& pc) {
   for (int64_t hv = 0; hv < pc.c.HV; ++hv) pc.c.A_log.set(hv, std::log(0.01f));
 }
@@ -80,6 +81,7 @@ TEST(PrefillCuda, LongRequestsWithWeakDecayInPlace) {
     CaseConfig g = gpu_config({2000, 700, 3}, 2, DType::kFloat32, StateLayout::kVK, 7);
     g.act_dtype = act;
     g.out_dtype = act;  // on CUDA, mixed_qkv, z and out share one dtype
+    g.qkv_row_pad = 8;  // rows of whole 16-byte groups
     PrefillCase pc(g, {4, -1, 6}, {4, 9, 6});
     long_memory(pc);
     SCOPED_TRACE(to_string(act));
