@@ -14,8 +14,12 @@ from gdn.conv import causal_conv1d_prefill_reference, causal_conv1d_update_refer
 
 torch = pytest.importorskip("torch")
 
-CUDA = torch.cuda.is_available() and gdn.cuda_device_count() > 0 and gdn._C.built_with_cuda
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device and a CUDA build of gdn")
+from reference_torch import cuda_skip_reason  # noqa: E402 (needs torch)
+
+# Why the CUDA tests cannot run here ("no GPU ...", a build without CUDA kernels, no kernel image
+# for the device), or None.
+_CUDA_REASON = cuda_skip_reason()
+needs_cuda = pytest.mark.skipif(_CUDA_REASON is not None, reason=f"CUDA conv: {_CUDA_REASON}")
 
 
 def reference(x, w, pool, slots, cu, acc, layout="channels_major", activation="silu", first_valid_slot=0):
@@ -343,6 +347,14 @@ def test_spec_equals_sequential_cpu(layout, state_dtype):
 
 
 # ---- CUDA ----------------------------------------------------------------------------------------
+
+
+def test_cuda_tests_skip_saying_why():
+    """The CUDA tests run exactly where reference_torch.cuda_skip_reason() finds nothing missing,
+    and otherwise skip with its reason ("no GPU ..." on a machine without one)."""
+    reason = cuda_skip_reason()
+    assert needs_cuda.args == (reason is not None,)
+    assert needs_cuda.kwargs["reason"] == f"CUDA conv: {reason}"
 
 
 @pytest.mark.gpu

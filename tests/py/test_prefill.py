@@ -14,8 +14,12 @@ from gdn.reference import prefill_reference
 
 torch = pytest.importorskip("torch")
 
-CUDA = torch.cuda.is_available() and gdn.cuda_device_count() > 0 and gdn._C.built_with_cuda
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device and a CUDA build of gdn")
+from reference_torch import cuda_skip_reason  # noqa: E402 (needs torch)
+
+# Why the CUDA tests cannot run here ("no GPU ...", a build without CUDA kernels, no kernel image
+# for the device), or None.
+_CUDA_REASON = cuda_skip_reason()
+needs_cuda = pytest.mark.skipif(_CUDA_REASON is not None, reason=f"CUDA prefill: {_CUDA_REASON}")
 I32 = torch.int32
 
 EDGES = (1, 63, 0, 64, 65, 127, 128, 129)  # around the 64-token blocks; row 2 padded
@@ -257,6 +261,14 @@ def test_wrong_python_type_names_the_argument(gen):
 
 
 # ---- CUDA ----------------------------------------------------------------------------------------
+
+
+def test_cuda_tests_skip_saying_why():
+    """The CUDA tests run exactly where reference_torch.cuda_skip_reason() finds nothing missing,
+    and otherwise skip with its reason ("no GPU ..." on a machine without one)."""
+    reason = cuda_skip_reason()
+    assert needs_cuda.args == (reason is not None,)
+    assert needs_cuda.kwargs["reason"] == f"CUDA prefill: {reason}"
 
 
 @pytest.mark.gpu
