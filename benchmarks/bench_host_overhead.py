@@ -16,6 +16,7 @@ Rows (T tokens per request, B requests; H = 2, HV = 4, K = V = 128 on CUDA, 8 on
   the kernels ``gdn.ops.KERNELS`` names: C++ or the Python function; recorded in the JSON) at
   T in {1, 4} and B in {1, 128}; target: each <= 2x ``x.add_(1)`` at every T and B;
 - ``gdn._C.decode_mtp`` with the stream given, positional (the binding alone);
+- ``gdn.prefill`` and ``torch.ops.gdn.prefill`` for B requests of T = 64 tokens, B in {1, 8};
 - pieces: one ``tensor.__dlpack__()`` (what nanobind's import calls per array),
   ``torch.cuda.current_stream()``, and one array through the binding's argument converter.
 
@@ -108,6 +109,30 @@ def make_call(device, B, T, dim, trivial=False):
     }
 
 
+def make_prefill_call(device, N, T, dim):
+    """The function and the op of one prefill call: N requests of T tokens from slots 1..N to
+    slots N+1..2N."""
+    g = torch.Generator(device=device.type).manual_seed(N * 10 + T + 1)
+    L = N * T
+    kw = dict(device=device, generator=g)
+    mixed_qkv = torch.randn(L, 2 * H * dim + HV * dim, **kw).bfloat16()
+    ba = torch.randn(L, 2 * HV, **kw).bfloat16()
+    A_log, dt_bias = 0.5 * torch.randn(HV, **kw), 0.1 * torch.randn(HV, **kw)
+    state = 0.01 * torch.randn(2 * N + 1, HV, dim, dim, **kw)
+    initial = torch.arange(1, N + 1, device=device, dtype=torch.int32)
+    final = initial + N
+    cu_seqlens = torch.arange(0, L + 1, T, device=device, dtype=torch.int32)
+    out = torch.empty(L, HV, dim, device=device, dtype=torch.bfloat16)
+    z = torch.randn(L, HV, dim, **kw).bfloat16()
+    norm_weight = torch.ones(dim, device=device)
+    pos = (mixed_qkv, ba[:, :HV], ba[:, HV:], A_log, dt_bias, state, initial, final, cu_seqlens, out)
+    kwargs = dict(z=z, norm_weight=norm_weight)
+    return {
+        "gdn.prefill": lambda: gdn.prefill(*pos, **kwargs),
+        "torch.ops.gdn.prefill": lambda: torch.ops.gdn.prefill(*pos, **kwargs),
+    }
+
+
 def _git_sha():
     sha = os.environ.get("GDN_GIT_SHA")
     if sha:
@@ -161,6 +186,12 @@ def main():
                     kernel="cpu, inside the call" if device.type == "cpu" else "cuda, asynchronous",
                 )
             )
+    # prefill (target: the op within 1.5x x.add_(1)); T = prompt tokens, B = requests.
+    for B, T in ((1, 64), (8, 64)):
+        for name, fn in make_prefill_call(device, B, T, dim).items():
+            us, add_us, ratio = timed(fn)
+            kernel = "cpu, inside the call" if device.type == "cpu" else "cuda, asynchronous"
+            results.append(dict(call=name, B=B, T=T, us=us, add_us=add_us, vs_add=ratio, kernel=kernel))
     if device.type == "cpu":
         for name, fn in make_call(device, 1, 1, dim, trivial=True).items():
             us, add_us, ratio = timed(fn)
