@@ -1,4 +1,4 @@
-"""prefill on CUDA: time per call, tokens/s and TFLOPS, side by side with FLA's layer call (issue 51).
+"""prefill on CUDA: time per call, tokens/s and TFLOPS, side by side with FLA's layer call.
 
 Shapes: Qwen3-Next TP1 heads (H = 16, HV = 32, K = V = 128), bf16 activations, an fp32 state pool of
 2N + 1 slots (slot 0 unused, initial slots a permutation of 1..N, final slots of N+1..2N), N requests
@@ -67,7 +67,7 @@ D_QKV = 2 * H * DIM + HV * DIM
 ROWS = [(1, 8192), (1, 32768), (8, 4096), (16, 512), (64, 128), (256, 16)]
 QUICK_ROWS = [(1, 8192), (8, 4096), (64, 128), (256, 16)]
 CONV_ROWS = [(1, 8192), (64, 128)]
-# issue 51: libgdn / FLA ratio at most, and an absolute bound in µs where there is one
+# The targets: libgdn / FLA ratio at most, and an absolute bound in µs where there is one
 TARGETS = {(1, 8192): (0.5, 260.0), (1, 32768): (0.5, None), (8, 4096): (0.5, None)}
 TARGETS.update({(16, 512): (0.6, None), (64, 128): (0.6, None), (256, 16): (0.6, None)})
 CONV_TARGET = 1.25
