@@ -71,6 +71,7 @@
 #include <type_traits>
 
 #include "gdn/core/cuda/device.cuh"
+#include "gdn/core/cuda/mma.cuh"
 #include "gdn/core/dispatch.hpp"
 #include "gdn/core/support.hpp"
 #include "gdn/decode_mtp/cuda_launch_rules.hpp"
@@ -775,28 +776,8 @@ __device__ __forceinline__ void split_pair(float x0, float x1, uint32_t& hi, uin
   lo = StateBits<Half>::pack(x0 - h.x, x1 - h.y);
 }
 
-// d += a b: mma.sync m16n8k16, Half (bf16 or fp16) inputs, fp32 accumulators (sm_80 or later: the
-// launcher takes the tensor-core form only where the kernel's image is, tensor_core_image).
-template <class Half>
-__device__ __forceinline__ void mma_16bit(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                          uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if constexpr (std::is_same_v<Half, __nv_bfloat16>)
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  else
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#elif defined(__CUDA_ARCH__)
-  __trap();
-#endif
-}
+// The launcher takes the tensor-core form only where the kernel image has it (tensor_core_image).
+using cuda::mma::mma_16bit;
 
 // Physical column of GEMM1's k-tile kt, lane column set t, pair 0 (logical k 2t, 2t + 1) or 1
 // (2t + 8, 2t + 9): the first of two adjacent columns.

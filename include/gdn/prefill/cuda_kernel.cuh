@@ -108,6 +108,7 @@ inline constexpr int kSharedBytes = int(sizeof(Shared));
 
 namespace dev = gdn::cuda;
 namespace mma = gdn::cuda::mma;
+using Bf16 = dev::StateBits<bf16>;  // packs two fp32 values as a bf16 pair
 
 // Element offset of state element (v, k) of head hv in slot `slot`.
 __device__ __forceinline__ int64_t state_offset(const KernelArgs& args, int64_t slot, int64_t hv,
@@ -141,8 +142,8 @@ __device__ __forceinline__ void stage_state(Shared& sh, int warp, int lane, cons
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
     const int k0 = 8 * j + 2 * (lane % 4);
-    *reinterpret_cast<uint32_t*>(&sh.s[v0][k0]) = mma::pack_bf16(s.d[j][0], s.d[j][1]);
-    *reinterpret_cast<uint32_t*>(&sh.s[v0 + 8][k0]) = mma::pack_bf16(s.d[j][2], s.d[j][3]);
+    *reinterpret_cast<uint32_t*>(&sh.s[v0][k0]) = Bf16::pack(s.d[j][0], s.d[j][1]);
+    *reinterpret_cast<uint32_t*>(&sh.s[v0 + 8][k0]) = Bf16::pack(s.d[j][2], s.d[j][3]);
   }
 }
 
@@ -247,12 +248,12 @@ __device__ __forceinline__ void load_chunk(const KernelArgs& args, Shared& sh, i
       const float q_scale = args.scale / sqrtf(qq + args.l2_eps);
       const float k_scale = 1.0f / sqrtf(kk + args.l2_eps);
       uint2 qp, kp, vp;
-      qp.x = mma::pack_bf16(q[j][0] * q_scale, q[j][1] * q_scale);
-      qp.y = mma::pack_bf16(q[j][2] * q_scale, q[j][3] * q_scale);
-      kp.x = mma::pack_bf16(k[j][0] * k_scale, k[j][1] * k_scale);
-      kp.y = mma::pack_bf16(k[j][2] * k_scale, k[j][3] * k_scale);
-      vp.x = mma::pack_bf16(v[j][0], v[j][1]);
-      vp.y = mma::pack_bf16(v[j][2], v[j][3]);
+      qp.x = Bf16::pack(q[j][0] * q_scale, q[j][1] * q_scale);
+      qp.y = Bf16::pack(q[j][2] * q_scale, q[j][3] * q_scale);
+      kp.x = Bf16::pack(k[j][0] * k_scale, k[j][1] * k_scale);
+      kp.y = Bf16::pack(k[j][2] * k_scale, k[j][3] * k_scale);
+      vp.x = Bf16::pack(v[j][0], v[j][1]);
+      vp.y = Bf16::pack(v[j][2], v[j][3]);
       *reinterpret_cast<uint2*>(&sh.q[t][4 * lane]) = qp;
       *reinterpret_cast<uint2*>(&sh.k[t][4 * lane]) = kp;
       *reinterpret_cast<uint2*>(&sh.delta[t][4 * lane]) = vp;
@@ -288,8 +289,8 @@ __device__ __forceinline__ void chunk_scores(Shared& sh, int warp, int lane) {
     for (int j = 0; j < 8; j += 2) {
       uint32_t b[4];
       mma::load_b_pair(b, &sh.k[0][0], kLdWide, 8 * j, kk, lane);
-      mma::mma_bf16(acc[j], a, b[0], b[1]);
-      mma::mma_bf16(acc[j + 1], a, b[2], b[3]);
+      mma::mma_16bit<bf16>(acc[j], a, b[0], b[1]);
+      mma::mma_16bit<bf16>(acc[j + 1], a, b[2], b[3]);
     }
   }
 #pragma unroll
@@ -397,8 +398,8 @@ __device__ __forceinline__ void state_products(Shared& sh, int warp, int lane,
     for (int j = 0; j < 16; j += 2) {
       uint32_t b[4];
       mma::load_b_pair(b, &sh.s[0][0], kLdWide, 8 * j, kk, lane);
-      mma::mma_bf16(acc[j], a, b[0], b[1]);
-      mma::mma_bf16(acc[j + 1], a, b[2], b[3]);
+      mma::mma_16bit<bf16>(acc[j], a, b[0], b[1]);
+      mma::mma_16bit<bf16>(acc[j + 1], a, b[2], b[3]);
     }
   }
 }
@@ -416,8 +417,8 @@ __device__ __forceinline__ void solve_writes(Shared& sh, int warp, int lane) {
     for (int j = 0; j < 8; j += 2) {
       uint32_t b[4];
       mma::load_b_pair_transposed(b, &sh.u.rhs.r[0][0], kLdWide, v0 + 8 * j, kk, lane);
-      mma::mma_bf16(acc[j], a, b[0], b[1]);
-      mma::mma_bf16(acc[j + 1], a, b[2], b[3]);
+      mma::mma_16bit<bf16>(acc[j], a, b[0], b[1]);
+      mma::mma_16bit<bf16>(acc[j + 1], a, b[2], b[3]);
     }
   }
   const float end = sh.cum[kChunk - 1];
@@ -426,12 +427,12 @@ __device__ __forceinline__ void solve_writes(Shared& sh, int warp, int lane) {
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     const int v = v0 + 8 * j + 2 * (lane % 4);
-    *reinterpret_cast<uint32_t*>(&sh.delta[ta][v]) = mma::pack_bf16(acc[j][0], acc[j][1]);
-    *reinterpret_cast<uint32_t*>(&sh.delta[tb][v]) = mma::pack_bf16(acc[j][2], acc[j][3]);
+    *reinterpret_cast<uint32_t*>(&sh.delta[ta][v]) = Bf16::pack(acc[j][0], acc[j][1]);
+    *reinterpret_cast<uint32_t*>(&sh.delta[tb][v]) = Bf16::pack(acc[j][2], acc[j][3]);
     *reinterpret_cast<uint32_t*>(&sh.u.rhs.delta_to_end[ta][v]) =
-        mma::pack_bf16(acc[j][0] * fa, acc[j][1] * fa);
+        Bf16::pack(acc[j][0] * fa, acc[j][1] * fa);
     *reinterpret_cast<uint32_t*>(&sh.u.rhs.delta_to_end[tb][v]) =
-        mma::pack_bf16(acc[j][2] * fb, acc[j][3] * fb);
+        Bf16::pack(acc[j][2] * fb, acc[j][3] * fb);
   }
 }
 
@@ -454,8 +455,8 @@ __device__ __forceinline__ void finish_outputs(const KernelArgs& args, Shared& s
     for (int j = 0; j < 16; j += 2) {
       uint32_t b[4];
       mma::load_b_pair_transposed(b, &sh.delta[0][0], kLdWide, 8 * j, kk, lane);
-      mma::mma_bf16(o[j], a, b[0], b[1]);
-      mma::mma_bf16(o[j + 1], a, b[2], b[3]);
+      mma::mma_16bit<bf16>(o[j], a, b[0], b[1]);
+      mma::mma_16bit<bf16>(o[j + 1], a, b[2], b[3]);
     }
   }
   // One row at a time (its 32 gate values in flight together): rows t0 + lane / 4 and + 8.
@@ -524,8 +525,8 @@ __device__ __forceinline__ void advance_state(Shared& sh, int warp, int lane, St
     for (int j = 0; j < 16; j += 2) {
       uint32_t b[4];
       mma::load_b_pair_transposed(b, &sh.k[0][0], kLdWide, 8 * j, kk, lane);
-      mma::mma_bf16(s.d[j], a, b[0], b[1]);
-      mma::mma_bf16(s.d[j + 1], a, b[2], b[3]);
+      mma::mma_16bit<bf16>(s.d[j], a, b[0], b[1]);
+      mma::mma_16bit<bf16>(s.d[j + 1], a, b[2], b[3]);
     }
   }
 }
@@ -621,9 +622,9 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const KernelArgs a
               __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&sh.delta[tb][v]));
           const float ba = sh.beta[ta], bb = sh.beta[tb];
           *reinterpret_cast<uint32_t*>(&sh.u.rhs.r[ta][v]) =
-              mma::pack_bf16(ba * (xa.x - ga * acc[j][0]), ba * (xa.y - ga * acc[j][1]));
+              Bf16::pack(ba * (xa.x - ga * acc[j][0]), ba * (xa.y - ga * acc[j][1]));
           *reinterpret_cast<uint32_t*>(&sh.u.rhs.r[tb][v]) =
-              mma::pack_bf16(bb * (xb.x - gb * acc[j][2]), bb * (xb.y - gb * acc[j][3]));
+              Bf16::pack(bb * (xb.x - gb * acc[j][2]), bb * (xb.y - gb * acc[j][3]));
         }
       }
     }

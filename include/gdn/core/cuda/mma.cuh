@@ -1,5 +1,5 @@
-// Warp-level tensor-core building blocks (sm_80 and later): mma.sync m16n8k16 with bf16 inputs and
-// fp32 accumulators, and ldmatrix fragment loads from bf16 tiles in shared memory.
+// Warp-level tensor-core building blocks (sm_80 and later): mma.sync m16n8k16 with 16-bit inputs
+// and fp32 accumulators, and ldmatrix fragment loads from 16-bit tiles in shared memory.
 //
 // Fragment layout (PTX ISA, m16n8k16): an accumulator tile d[4] holds rows lane / 4 (d[0], d[1])
 // and lane / 4 + 8 (d[2], d[3]), columns 2 * (lane % 4) and the next one. A tile's rows start at a
@@ -10,19 +10,33 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "gdn/core/cuda/device.cuh"
 
 namespace gdn::cuda::mma {
 
-// d += a b (16 x 8 x 16).
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+// d += a b (16 x 8 x 16): Half (bf16 or fp16) inputs, fp32 accumulators; traps on images older
+// than sm_80, which no launcher runs.
+template <class Half>
+__device__ __forceinline__ void mma_16bit(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                          uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same_v<Half, __nv_bfloat16>)
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#elif defined(__CUDA_ARCH__)
+  __trap();
+#endif
 }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const __nv_bfloat16* p) {
@@ -63,14 +77,6 @@ __device__ __forceinline__ void load_b_pair_transposed(uint32_t (&b)[4], const _
                                                        int ld, int n0, int k0, int lane) {
   ldmatrix_x4_trans(
       b, tile + (k0 + (lane & 7) + (((lane >> 3) & 1) << 3)) * ld + n0 + ((lane >> 4) << 3));
-}
-
-// Two fp32 values as one bf16 pair (the lower address first).
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  uint32_t r;
-  memcpy(&r, &v, sizeof(r));
-  return r;
 }
 
 }  // namespace gdn::cuda::mma
