@@ -124,7 +124,8 @@ def prefill(
     :func:`prefill_reference` (float64) fp32 state and activations stay within 1e-4 relative L2 on
     ``out`` and every written state over a thousand tokens; 16-bit activations add the rounding of
     ``out``, a 16-bit pool the rounding of the stored states. The CUDA kernel (the chunked form of
-    docs prefill.md §3) agrees with the CPU path up to float32 reordering.
+    docs prefill.md §3) multiplies bf16 operands with float32 accumulation and keeps the state in
+    float32: within 2e-2 relative L2 of the reference (about 5e-3 on random inputs).
     ``torch.ops.gdn.prefill`` is the same call as a torch custom op (all but ``stream``).
     """
     try:
