@@ -10,6 +10,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "conv_case.hpp"
@@ -351,6 +352,31 @@ std::string prefill_then_updates(Config g, Prefill&& prefill, Update&& update) {
     for (auto& a_i : acc) a_i = int32_t(1 + rng() % uint32_t(S));
   }
   return {};
+}
+
+// A point of the tests' grid: layout, state dtype, x and out dtype, width.
+using GridParam = std::tuple<conv::StateLayout, DType /*state*/, DType /*x and out*/, int /*W*/>;
+struct GridName {
+  template <class ParamInfo>
+  std::string operator()(const ParamInfo& info) const {
+    const auto& [layout, state, act, W] = info.param;
+    return std::string(conv::to_string(layout)) + "_state_" + std::string(to_string(state)) +
+           "_x_" + std::string(to_string(act)) + "_W" + std::to_string(W);
+  }
+};
+
+// The case of a grid point: D channels, requests of edge_lengths(long_length) tokens.
+inline Config grid_config(const GridParam& point, uint32_t seed, int64_t D, int64_t long_length) {
+  const auto& [layout, state, act, W] = point;
+  Config g;
+  g.layout = layout;
+  g.state_dtype = state;
+  g.x_dtype = g.out_dtype = act;
+  g.W = W;
+  g.D = D;
+  g.T = edge_lengths(long_length);
+  g.seed = seed + uint32_t(W);
+  return g;
 }
 
 }  // namespace gdn::testing::conv_prefill_test

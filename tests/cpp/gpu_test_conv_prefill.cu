@@ -50,35 +50,16 @@ void expect_matches_reference(Case& c) {
   EXPECT_TRUE(diff.empty()) << diff;
 }
 
-using GridParam = std::tuple<conv::StateLayout, DType /*state*/, DType /*x and out*/, int /*W*/>;
-struct GridName {
-  template <class ParamInfo>
-  std::string operator()(const ParamInfo& info) const {
-    const auto& [layout, state, act, W] = info.param;
-    return std::string(conv::to_string(layout)) + "_state_" + std::string(to_string(state)) +
-           "_x_" + std::string(to_string(act)) + "_W" + std::to_string(W);
-  }
-};
-
-Config grid_config(const GridParam& point, uint32_t seed) {
-  const auto& [layout, state, act, W] = point;
-  Config g;
-  g.layout = layout;
-  g.state_dtype = state;
-  g.x_dtype = g.out_dtype = act;
-  g.W = W;
-  g.D = 300;                 // several channel blocks, the last one partial
-  g.T = edge_lengths(1000);  // many tiles; in place, more than one segment
-  g.seed = seed + uint32_t(W);
-  return g;
-}
+// The grid: D = 300 channels (several channel blocks, the last one partial), requests up to 1000
+// tokens (many tiles; in place, more than one segment).
+constexpr int64_t kGridChannels = 300, kGridLongest = 1000;
 
 class GpuConvPrefillGrid : public ::testing::TestWithParam<GridParam> {};
 
 TEST_P(GpuConvPrefillGrid, MatchesFloat64Reference) {
   GDN_SKIP_WITHOUT_GPU();
   for (bool in_place : {false, true}) {
-    Config g = grid_config(GetParam(), 30);
+    Config g = grid_config(GetParam(), 30, kGridChannels, kGridLongest);
     g.in_place = in_place;
     Case c(g);
     SCOPED_TRACE(in_place ? "out is x" : "out is not x");
@@ -89,7 +70,7 @@ TEST_P(GpuConvPrefillGrid, MatchesFloat64Reference) {
 TEST_P(GpuConvPrefillGrid, MatchesCpu) {
   GDN_SKIP_WITHOUT_GPU();
   for (bool in_place : {false, true}) {
-    Config g = grid_config(GetParam(), 40);
+    Config g = grid_config(GetParam(), 40, kGridChannels, kGridLongest);
     g.in_place = in_place;
     g.first_valid_slot = 1;
     g.T = {70, 3, 0, 1, 300, 64};
@@ -115,7 +96,7 @@ TEST_P(GpuConvPrefillGrid, MatchesCpu) {
 TEST_P(GpuConvPrefillGrid, UpdatesContinueAsTokenByToken) {
   GDN_SKIP_WITHOUT_GPU();
   for (bool in_place : {false, true}) {
-    Config g = grid_config(GetParam(), 50);
+    Config g = grid_config(GetParam(), 50, kGridChannels, kGridLongest);
     g.in_place = in_place;
     g.D = 70;
     g.num_spec = 3;

@@ -21,38 +21,18 @@ void expect_matches_reference(Case& c) {
   EXPECT_TRUE(diff.empty()) << diff;
 }
 
-using GridParam = std::tuple<conv::StateLayout, DType /*state*/, DType /*x and out*/, int /*W*/>;
-struct GridName {
-  template <class ParamInfo>
-  std::string operator()(const ParamInfo& info) const {
-    const auto& [layout, state, act, W] = info.param;
-    return std::string(conv::to_string(layout)) + "_state_" + std::string(to_string(state)) +
-           "_x_" + std::string(to_string(act)) + "_W" + std::to_string(W);
-  }
-};
-
-Config grid_config(const GridParam& point, uint32_t seed) {
-  const auto& [layout, state, act, W] = point;
-  Config g;
-  g.layout = layout;
-  g.state_dtype = state;
-  g.x_dtype = g.out_dtype = act;
-  g.W = W;
-  g.D = 37;  // not a multiple of anything
-  g.T = edge_lengths(300);
-  g.seed = seed + uint32_t(W);
-  return g;
-}
+// The grid: D = 37 channels (not a multiple of anything), requests up to 300 tokens.
+constexpr int64_t kGridChannels = 37, kGridLongest = 300;
 
 class ConvPrefillGrid : public ::testing::TestWithParam<GridParam> {};
 
 TEST_P(ConvPrefillGrid, MatchesFloat64Reference) {
-  Case c(grid_config(GetParam(), 10));
+  Case c(grid_config(GetParam(), 10, kGridChannels, kGridLongest));
   expect_matches_reference(c);
 }
 
 TEST_P(ConvPrefillGrid, UpdatesContinueAsTokenByToken) {
-  Config g = grid_config(GetParam(), 20);
+  Config g = grid_config(GetParam(), 20, kGridChannels, kGridLongest);
   g.D = 19;
   g.num_spec = 3;
   g.T = {3, 0, 1, 2, 70, 5};
