@@ -1,15 +1,25 @@
-// One engine step of a hybrid model's GDN layers, written the way a C++ serving engine would:
+// Two engine steps of a hybrid model's GDN layers, written the way a C++ serving engine would:
 //
-//   1. the metadata builder (gdn::metadata::Builder) plans the step once and fills the state rows
-//      of both KV-cache groups in one pass (CPU) or one launch (CUDA);
-//   2. per group, causal_conv1d_update and decode_mtp run on the verify rows, reading their slots,
-//      query starts and accepted counts straight from the builder's buffers.
+//   1. a prefill step: the metadata builder (gdn::metadata::Builder) plans it and fills the state
+//      rows of both KV-cache groups; its prefill rows (non-spec rows of more than one token) run,
+//      per group, through one causal_conv1d_prefill and one prefill call: each row's initial slot
+//      is its non_spec_source_indices entry (the null id 0 when has_initial_state is false: a
+//      zero state), its final slot its non_spec_state_indices entry. Three fresh prompts (70
+//      tokens, across the 64-token chunk, 5 and 2 tokens, shorter than the conv history) and one
+//      chunked-prefill continuation (9 tokens on top of 7 in its state);
+//   2. a decode / verify step on the pools the prefill step left: the builder plans the step
+//      once and fills the state rows in one pass (CPU) or one launch (CUDA); per group,
+//      causal_conv1d_update and decode_mtp run on the verify rows, reading their slots, query
+//      starts and accepted counts straight from the builder's buffers. Its accepted counts are
+//      given as an earlier verify step would have left them (the steps in between are not run).
 //
-// The step mixes verify rows (2 drafts, 0 drafts, 1 draft) with a request that carries no drafts
-// this step: it is not a verify row, and reads its state from the slot the previous step left it
-// in (non_spec_source_indices), not from column 0. The check: each group's outputs and pools equal
-// a second run whose slots are taken from the block tables by hand. On a machine with a GPU and a
-// package built with CUDA the same step runs on the device and is compared with the CPU.
+// The verify step mixes verify rows (2 drafts, 0 drafts, 1 draft) with a request that carries no
+// drafts this step: it is not a verify row, and reads its state from the slot the previous step
+// left it in (non_spec_source_indices), not from column 0. The check: each step's outputs and
+// pools, per group, equal a second run whose slots are taken from the block tables by hand. On a
+// machine with a GPU and a package built with CUDA both steps run on the device too and are
+// compared with the CPU: the conv and decode_mtp to 1e-5, the prefill kernel (bf16 operands, the
+// chunked form) to 2e-2 relative L2 difference.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -24,6 +34,7 @@
 #include <gdn/kernels/cuda_api.hpp>
 #include <gdn/kernels/cuda_api_conv.hpp>
 #include <gdn/kernels/cuda_api_metadata.hpp>
+#include <gdn/kernels/cuda_api_prefill.hpp>
 #endif
 
 namespace {
@@ -47,6 +58,14 @@ struct Request {
 };
 const std::vector<Request> kRequests = {{3, 2, 2, 10}, {1, 0, 1, 7}, {2, 1, 3, 5}, {1, -1, 2, 9}};
 
+// The prefill step before it, same requests (same block-table rows): (prompt tokens this step,
+// tokens already in the request's state). A request with none starts from a zero state.
+struct PrefillRequest {
+  int32_t tokens, context;
+};
+const std::vector<PrefillRequest> kPrefill = {{70, 0}, {9, 7}, {2, 0}, {5, 0}};
+constexpr int64_t kMaxPrefillTokens = 128;  // the prefill builder's token capacity
+
 bool fail(const char* what, const Status& s) {
   std::printf("%s failed: %s\n", what, s.reason().c_str());
   return false;
@@ -67,6 +86,11 @@ struct Problem {
   std::vector<int32_t> qsl, seq_lens, drafts, accepted, computed;
   std::vector<float> x;  // [L, D] raw inputs of the GDN layers (the same for both groups here)
   Layer layers[G];
+  // The prefill step: its query starts, lengths, computed tokens, and inputs.
+  int64_t PL = 0;
+  std::vector<int32_t> p_qsl, p_seq_lens, p_computed;
+  std::vector<float> px;            // [PL, D]
+  std::vector<float> pa[G], pb[G];  // [PL, HV] per group
 };
 
 Problem make_problem() {
@@ -89,6 +113,18 @@ Problem make_problem() {
     return v;
   };
   p.x = randn(p.L * D, 1.0f);
+  p.p_qsl = {0};
+  for (const PrefillRequest& r : kPrefill) {
+    p.p_qsl.push_back(p.p_qsl.back() + r.tokens);
+    p.p_computed.push_back(r.context);
+    p.p_seq_lens.push_back(r.context + r.tokens);
+  }
+  p.PL = p.p_qsl.back();
+  p.px = randn(p.PL * D, 1.0f);
+  for (int g = 0; g < G; ++g) {
+    p.pa[g] = randn(p.PL * HV, 1.0f);
+    p.pb[g] = randn(p.PL * HV, 1.0f);
+  }
   for (int g = 0; g < G; ++g) {
     Layer& l = p.layers[g];
     // Distinct slots per request and column, different per group.
@@ -156,6 +192,67 @@ Status run_layer(const VerifyRows& v, const float* x, const float* conv_weight, 
 #endif
 }
 
+// The prefill rows of one group, given where their slots and query starts live.
+struct PrefillRows {
+  int64_t rows = 0, tokens = 0;
+  const int32_t* initial = nullptr;      // [rows] non_spec_source_indices (null id: zero state)
+  const int32_t* final_slots = nullptr;  // [rows] non_spec_state_indices
+  const int32_t* cu_seqlens = nullptr;   // [rows + 1]
+  gdn::Device device{};
+};
+
+// causal_conv1d_prefill then prefill over the prefill rows of a group, one call each, on the CPU
+// or (stream) CUDA. The conv history of a row that continues a state is in its destination slot
+// (column 0); the caller passes it as the conv's initial slot only where that equals the SSM
+// source (accepted count 1), so one index array serves both calls.
+Status run_prefill_layer(const PrefillRows& r, const float* x, const float* conv_weight,
+                         const float* A_log, const float* dt_bias, const float* a, const float* b,
+                         float* conv_pool, float* state_pool, float* conv_out, float* out,
+                         void* stream) {
+  const gdn::Device dev = r.device;
+  gdn::conv_prefill::Params c;
+  c.x = TensorView::make(x, DType::kFloat32, {r.tokens, D}, {}, dev);
+  c.weight = TensorView::make(conv_weight, DType::kFloat32, {D, W}, {}, dev);
+  c.conv_state = TensorView::make(conv_pool, DType::kFloat32, {kSlots, D, kBuf}, {}, dev);
+  c.initial_state_indices = TensorView::make(r.initial, DType::kInt32, {r.rows}, {}, dev);
+  c.final_state_indices = TensorView::make(r.final_slots, DType::kInt32, {r.rows}, {}, dev);
+  c.cu_seqlens = TensorView::make(r.cu_seqlens, DType::kInt32, {r.rows + 1}, {}, dev);
+  c.out = TensorView::make(conv_out, DType::kFloat32, {r.tokens, D}, {}, dev);
+  c.first_valid_slot = 1;
+  gdn::prefill::Params d;
+  d.mixed_qkv = TensorView::make(conv_out, DType::kFloat32, {r.tokens, D}, {}, dev);
+  d.a = TensorView::make(a, DType::kFloat32, {r.tokens, HV}, {}, dev);
+  d.b = TensorView::make(b, DType::kFloat32, {r.tokens, HV}, {}, dev);
+  d.A_log = TensorView::make(A_log, DType::kFloat32, {HV}, {}, dev);
+  d.dt_bias = TensorView::make(dt_bias, DType::kFloat32, {HV}, {}, dev);
+  d.state = TensorView::make(state_pool, DType::kFloat32, {kSlots, HV, V, K}, {}, dev);
+  d.initial_state_indices = c.initial_state_indices;
+  d.final_state_indices = c.final_state_indices;
+  d.cu_seqlens = c.cu_seqlens;
+  d.out = TensorView::make(out, DType::kFloat32, {r.tokens, HV, V}, {}, dev);
+  d.first_valid_slot = 1;
+  if (dev.type == gdn::DeviceType::kCPU) {
+    GDN_RETURN_IF_ERROR(gdn::conv_prefill::run_cpu(c));
+    return gdn::prefill::run_cpu(d);
+  }
+#if defined(GDN_ENGINE_STEP_CUDA)
+  GDN_RETURN_IF_ERROR(gdn::cuda_api::causal_conv1d_prefill(c, stream));
+  return gdn::cuda_api::prefill(d, stream);
+#else
+  (void)stream;
+  return Status::unsupported("this build has no CUDA kernels");
+#endif
+}
+
+// The prefill step's host inputs as the builder takes them (no drafts, accepted counts 1).
+gdn::metadata::StepInputs prefill_inputs(const Problem& p) {
+  gdn::metadata::StepInputs in;
+  in.query_start_loc = TensorView::make(p.p_qsl.data(), DType::kInt32, {p.N + 1});
+  in.seq_lens = TensorView::make(p.p_seq_lens.data(), DType::kInt32, {p.N});
+  in.num_computed_tokens = TensorView::make(p.p_computed.data(), DType::kInt32, {p.N});
+  return in;
+}
+
 // The step's host inputs as the builder takes them.
 gdn::metadata::StepInputs step_inputs(const Problem& p) {
   gdn::metadata::StepInputs in;
@@ -168,16 +265,118 @@ gdn::metadata::StepInputs step_inputs(const Problem& p) {
 }
 
 gdn::metadata::BuilderConfig builder_config(const Problem& p, const int32_t* const tables[G],
-                                            gdn::Device dev) {
+                                            gdn::Device dev, int64_t max_tokens = 8 * S) {
   gdn::metadata::BuilderConfig c;
   c.num_groups = G;
   for (int g = 0; g < G; ++g)
     c.block_tables[g] = TensorView::make(tables[g], DType::kInt32, {p.N, S + 1}, {}, dev);
   c.num_spec = kNumSpec;
   c.max_rows = 8;
-  c.max_tokens = 8 * S;
+  c.max_tokens = max_tokens;
   c.pad_id = 0;  // slot 0 is the null block
   return c;
+}
+
+// Where the prefill step's prefill rows read and write, from a planned builder: this step has
+// only prefill rows (non-spec rows of more than one token), in request order, so they are the
+// non-spec rows and their tokens are the step's rows in order. Checks that, and that a row with an
+// initial state continues from column 0 (accepted count 1), where its conv history is.
+bool prefill_rows(const gdn::metadata::Builder& builder, const int32_t* plan, int64_t L, int g,
+                  PrefillRows* r) {
+  const gdn::metadata::Layout& lay = builder.layout();
+  const int32_t* h = plan + lay.header;
+  const int64_t n = h[gdn::metadata::kNumNonSpecRows];
+  const int32_t* qsl = plan + lay.non_spec_query_start_loc;
+  const auto* has_initial = reinterpret_cast<const uint8_t*>(plan + lay.has_initial_state);
+  for (int64_t j = 0; j < n; ++j) {
+    if (qsl[j + 1] - qsl[j] < 2)
+      return fail("prefill rows", Status::invalid("a row of < 2 tokens"));
+    if (has_initial[j] && plan[lay.non_spec_source_column + j] != 0)
+      return fail("prefill rows", Status::invalid("a continuation not in column 0"));
+  }
+  for (int64_t t = 0; t < L; ++t)
+    if (plan[lay.token_split + t] != t) return fail("token order", Status::invalid("unexpected"));
+  if (h[gdn::metadata::kNumSpecDecodes] != 0 || h[gdn::metadata::kNumPrefills] != n ||
+      h[gdn::metadata::kNumPrefillTokens] != L)
+    return fail("prefill step counts", Status::invalid("unexpected"));
+  const gdn::metadata::BuilderBuffers& buf = builder.buffers();
+  const int64_t R = builder.config().max_rows;
+  r->rows = n;
+  r->tokens = L;
+  r->initial = buf.non_spec_source_indices.ptr<const int32_t>() + g * R;
+  r->final_slots = buf.non_spec_state_indices.ptr<const int32_t>() + g * R;
+  r->cu_seqlens = qsl;
+  return true;
+}
+
+// The CPU prefill step: builder, then conv prefill + prefill per group from the builder's buffers,
+// checked against slots taken by hand; the layers' pools then hold what the step left.
+bool cpu_prefill_step(Problem& p, Outputs (&result)[G]) {
+  const int32_t* tables[G];
+  for (int g = 0; g < G; ++g) tables[g] = p.layers[g].table.data();
+  gdn::metadata::BuilderConfig config = builder_config(p, tables, {}, kMaxPrefillTokens);
+  config.shadow = true;
+  gdn::metadata::Builder builder;
+  Status s = builder.initialize(config);
+  if (!s) return fail("prefill builder initialize", s);
+  s = builder.step(prefill_inputs(p));
+  if (!s) return fail("prefill builder step", s);
+  const int32_t* plan = builder.host_plan(builder.last_slot());
+  const int32_t* h = plan + builder.layout().header;
+  std::printf(
+      "prefill step: %lld prefill rows (%lld tokens), %lld decodes, %lld verify rows\n",
+      (long long)h[gdn::metadata::kNumPrefills], (long long)h[gdn::metadata::kNumPrefillTokens],
+      (long long)h[gdn::metadata::kNumDecodes], (long long)h[gdn::metadata::kNumSpecDecodes]);
+  for (int g = 0; g < G; ++g) {
+    Layer& l = p.layers[g];
+    PrefillRows r;
+    if (!prefill_rows(builder, plan, p.PL, g, &r)) return false;
+    std::printf("group %d:", g);
+    for (int64_t j = 0; j < r.rows; ++j)
+      std::printf(" request %d %d tokens, slot %d -> %d;",
+                  plan[builder.layout().non_spec_request + j],
+                  r.cu_seqlens[j + 1] - r.cu_seqlens[j], r.initial[j], r.final_slots[j]);
+    std::printf(" (0: null, a zero state)\n");
+    Outputs& o = result[g];
+    o.conv_pool = l.conv_pool;
+    o.state_pool = l.state_pool;
+    o.conv_out.assign(size_t(p.PL * D), NAN);
+    o.out.assign(size_t(p.PL * HV * V), NAN);
+    s = run_prefill_layer(r, p.px.data(), l.conv_weight.data(), l.A_log.data(), l.dt_bias.data(),
+                          p.pa[g].data(), p.pb[g].data(), o.conv_pool.data(), o.state_pool.data(),
+                          o.conv_out.data(), o.out.data(), nullptr);
+    if (!s) return fail("conv prefill + prefill", s);
+
+    // By hand: request i reads column 0 of its row if it has tokens in its state (null
+    // otherwise) and writes column 0.
+    std::vector<int32_t> initial, final_slots;
+    for (int64_t i = 0; i < p.N; ++i) {
+      const int32_t column0 = l.table[size_t(i * (S + 1))];
+      initial.push_back(kPrefill[size_t(i)].context > 0 ? column0 : 0);
+      final_slots.push_back(column0);
+    }
+    PrefillRows w = r;
+    w.initial = initial.data();
+    w.final_slots = final_slots.data();
+    w.cu_seqlens = p.p_qsl.data();
+    Outputs ref;
+    ref.conv_pool = l.conv_pool;
+    ref.state_pool = l.state_pool;
+    ref.conv_out.assign(o.conv_out.size(), NAN);
+    ref.out.assign(o.out.size(), NAN);
+    s = run_prefill_layer(w, p.px.data(), l.conv_weight.data(), l.A_log.data(), l.dt_bias.data(),
+                          p.pa[g].data(), p.pb[g].data(), ref.conv_pool.data(),
+                          ref.state_pool.data(), ref.conv_out.data(), ref.out.data(), nullptr);
+    if (!s) return fail("conv prefill + prefill (slots by hand)", s);
+    if (o.out != ref.out || o.state_pool != ref.state_pool || o.conv_pool != ref.conv_pool)
+      return fail("prefill outputs", Status::invalid("differ from the slots-by-hand run"));
+    for (float e : o.out)
+      if (!std::isfinite(e)) return fail("prefill outputs", Status::invalid("not finite"));
+    l.conv_pool = o.conv_pool;  // the verify step runs on what the prefill step left
+    l.state_pool = o.state_pool;
+  }
+  std::printf("ok: CPU prefill step (builder -> causal_conv1d_prefill -> prefill, %d groups)\n", G);
+  return true;
 }
 
 // The CPU step: builder, then conv + decode_mtp per group from the builder's buffers.
@@ -300,6 +499,61 @@ double rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
   return std::sqrt(num / (den > 0 ? den : 1));
 }
 
+// The prefill step on the GPU from the same pools: a CUDA builder, then conv prefill + prefill per
+// group on the stream, compared with the CPU prefill step. The CUDA prefill kernel is the chunked
+// form with bf16 operands: within 2e-2 relative L2 of the CPU path (which equals token-by-token
+// fp32 bit for bit); the conv prefill is exact fp32.
+bool cuda_prefill_step(const Problem& p, const Outputs (&cpu)[G]) {
+  DeviceMemory dev;
+  const gdn::Device cuda{gdn::DeviceType::kCUDA, 0};
+  const int32_t* tables[G];
+  for (int g = 0; g < G; ++g) tables[g] = dev.copy(p.layers[g].table);
+  gdn::metadata::Builder builder;
+  Status s = builder.initialize(builder_config(p, tables, cuda, kMaxPrefillTokens),
+                                &gdn::cuda_api::metadata_builder_ops());
+  if (!s) return fail("CUDA prefill builder initialize", s);
+  cudaStream_t stream = nullptr;
+  if (cudaStreamCreate(&stream) != cudaSuccess) return fail("stream", Status::invalid("none"));
+  s = builder.step(prefill_inputs(p), stream);
+  if (!s) return fail("CUDA prefill builder step", s);
+  const int32_t* plan = builder.host_plan(builder.last_slot());
+  const int32_t* device_plan = builder.buffers().device_plan.ptr<const int32_t>();
+  bool ok = true;
+  for (int g = 0; g < G && ok; ++g) {
+    const Layer& l = p.layers[g];
+    PrefillRows r;
+    if (!prefill_rows(builder, plan, p.PL, g, &r)) return false;
+    r.cu_seqlens = device_plan + builder.layout().non_spec_query_start_loc;
+    r.device = cuda;
+    float* conv_pool = dev.copy(l.conv_pool);
+    float* state_pool = dev.copy(l.state_pool);
+    float* conv_out = dev.copy(std::vector<float>(size_t(p.PL * D), 0.0f));
+    float* out = dev.copy(std::vector<float>(size_t(p.PL * HV * V), 0.0f));
+    s = run_prefill_layer(r, dev.copy(p.px), dev.copy(l.conv_weight), dev.copy(l.A_log),
+                          dev.copy(l.dt_bias), dev.copy(p.pa[g]), dev.copy(p.pb[g]), conv_pool,
+                          state_pool, conv_out, out, stream);
+    if (!s) return fail("CUDA conv prefill + prefill", s);
+    cudaStreamSynchronize(stream);
+    const double e_out = rel_diff(DeviceMemory::back(out, cpu[g].out.size()), cpu[g].out);
+    const double e_state =
+        rel_diff(DeviceMemory::back(state_pool, cpu[g].state_pool.size()), cpu[g].state_pool);
+    const double e_conv_out =
+        rel_diff(DeviceMemory::back(conv_out, cpu[g].conv_out.size()), cpu[g].conv_out);
+    const double e_conv =
+        rel_diff(DeviceMemory::back(conv_pool, cpu[g].conv_pool.size()), cpu[g].conv_pool);
+    std::printf(
+        "prefill group %d on CUDA vs CPU: relative difference out %.2e, state %.2e, conv out "
+        "%.2e, conv %.2e\n",
+        g, e_out, e_state, e_conv_out, e_conv);
+    ok = e_out <= 2e-2 && e_state <= 2e-2 && e_conv_out <= 1e-5 && e_conv <= 1e-6;
+  }
+  cudaStreamDestroy(stream);
+  if (!ok) return fail("CUDA prefill step", Status::invalid("differs from the CPU step"));
+  std::printf(
+      "ok: CUDA prefill step (one metadata launch, then conv prefill -> prefill per group)\n");
+  return true;
+}
+
 // The same step on the GPU: a CUDA builder (one plan copy + one launch for both groups), then
 // conv + decode_mtp per group on the stream, compared with the CPU step.
 bool cuda_step(const Problem& p, const Outputs (&cpu)[G]) {
@@ -358,16 +612,20 @@ bool cuda_step(const Problem& p, const Outputs (&cpu)[G]) {
 
 int main() {
   Problem p = make_problem();
-  Outputs cpu[G];
+  const Problem before_prefill = p;
+  Outputs cpu_prefill[G], cpu[G];
+  if (!cpu_prefill_step(p, cpu_prefill)) return 1;  // leaves its pools in p for the next step
   if (!cpu_step(p, cpu)) return 1;
 #if defined(GDN_ENGINE_STEP_CUDA)
   std::string why = "the CUDA driver sees no device";
   if (gdn::cuda_api::device_count() > 0 && gdn::cuda_api::kernels_available(0, &why)) {
-    if (!cuda_step(p, cpu)) return 1;
+    if (!cuda_prefill_step(before_prefill, cpu_prefill)) return 1;
+    if (!cuda_step(p, cpu)) return 1;  // from the CPU prefill step's pools
   } else {
     std::printf("CUDA: skipped (no GPU usable: %s)\n", why.c_str());
   }
 #else
+  (void)before_prefill;
   std::printf("CUDA: not in this package (built without gdn::kernels)\n");
 #endif
   return 0;

@@ -341,11 +341,18 @@ class StepSlots:
 class NonSpecRows:
     """Where a step's non-spec rows read and write, per group: ``destination`` is
     ``non_spec_state_indices``; ``source`` is ``non_spec_source_indices``, except for the fresh
-    rows (prefill rows without an initial state), which read their zeroed destination."""
+    one-token rows (prefill rows without an initial state that run through decode_mtp), which read
+    their zeroed destination. Fresh rows of more tokens keep the null source: the prefill calls
+    start them from a zero state."""
 
     destination: List[torch.Tensor]
     source: List[torch.Tensor]
-    fresh: np.ndarray  # positions (among the non-spec rows) of the fresh rows
+    fresh: np.ndarray  # positions (among the non-spec rows) of the zeroed fresh one-token rows
+    query_start: np.ndarray  # [rows + 1] host copy of non_spec_query_start_loc
+    has_initial_state: np.ndarray  # [rows] host copy
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.query_start)
 
     def tables(self) -> List[torch.Tensor]:
         """Per group [rows, 2]: [destination, source]; with accepted count 2 decode_mtp reads
@@ -400,21 +407,26 @@ class DecodePath:
     def non_spec_rows(self, md, timer: Timer) -> NonSpecRows:
         """The step's non-spec rows as an engine following vLLM's split consumes them, from the
         metadata alone: the ``md.num_decodes`` leading rows are decodes and read
-        ``non_spec_source_indices``; the rows after them are prefills, and a prefill row with
-        tokens whose ``has_initial_state`` is False starts from a zero state: its destination
-        blocks (``non_spec_state_indices``) are zeroed in every layer of each group before the
-        layers run, and it reads them (the metadata gives it no source). Prefill rows with an
-        initial state read their source."""
+        ``non_spec_source_indices``; the rows after them are prefills. A prefill row whose
+        ``has_initial_state`` is False starts from a zero state: with one token (it runs through
+        decode_mtp) its destination blocks (``non_spec_state_indices``) are zeroed in every layer
+        of each group before the layers run, and it reads them (the metadata gives it no
+        source); with more tokens (a prefill call) it passes a null initial slot instead, so
+        nothing is zeroed. Prefill rows with an initial state read their source."""
         n, host = md.non_spec_rows, md.host
         destination = [md.non_spec_state_indices[g][:n] for g in range(self.model.cfg.groups)]
         source = [md.non_spec_source_indices[g][:n] for g in range(self.model.cfg.groups)]
         if n == 0:
-            return NonSpecRows(destination, source, np.zeros(0, np.int64))
+            empty = np.zeros(0, np.int64)
+            return NonSpecRows(destination, source, empty, np.zeros(1, np.int64), np.zeros(0, bool))
         # Host copies of the plan (no device sync): query lengths and has_initial_state.
         qsl = np.asarray(host.non_spec_query_start_loc)[: n + 1].astype(np.int64)
         initial = np.asarray(host.has_initial_state)[:n].astype(bool)
+        lengths = np.diff(qsl)
         prefill = np.arange(n) >= md.num_decodes
-        fresh = np.flatnonzero(prefill & (np.diff(qsl) > 0) & ~initial)
+        fresh = np.flatnonzero(prefill & (lengths == 1) & ~initial)
+        # Rows the prefill calls start from a null initial slot (no zeroing needed).
+        self.fresh_rows += int(np.count_nonzero((lengths > 1) & ~initial))
         if len(fresh):
             with timer.host("zeroing"):
                 rows = torch.from_numpy(fresh).to(destination[0].device)
@@ -423,7 +435,7 @@ class DecodePath:
                     self.cache.zero_blocks(g, blocks.long())
                     source[g] = s.index_copy(0, rows, blocks)
             self.fresh_rows += len(fresh)
-        return NonSpecRows(destination, source, fresh)
+        return NonSpecRows(destination, source, fresh, qsl, initial)
 
     def _gdn_layer(
         self,
@@ -504,48 +516,44 @@ class DecodePath:
                 )
 
     def forward_mixed(self, rows: int, md, replay_counts, timer: Timer) -> None:
-        """Target forward over a step mixing spec rows (T tokens) and non-spec rows (1 token: a
-        request that drafted nothing this step), in request order (not captured in a graph). The
-        GDN layers run each kind on its own gathered token rows, as an engine following vLLM's
-        split does: spec rows read column acc - 1 of their state rows (decode_mtp does it);
-        non-spec rows read ``non_spec_source_indices`` (where the previous step left the state)
-        and write ``non_spec_state_indices`` (column 0). With replay verify (`replay_counts`: a
-        host array, tokens each request replays) both kinds use their column-0 block as the
-        checkpoint. Conv state lives in column 0 for both. Fresh non-spec rows (see
+        """Target forward over a step mixing spec rows (T tokens), one-token non-spec rows (a
+        request that drafted nothing this step, a decode, or a prompt fed token by token) and
+        prefill rows (non-spec rows of more than one token: whole prompts), in request order (not
+        captured in a graph). The GDN layers run each kind on its own gathered token rows, as an
+        engine following vLLM's split does: spec rows read column acc - 1 of their state rows
+        (decode_mtp does it); one-token non-spec rows read ``non_spec_source_indices`` (where the
+        previous step left the state) and write ``non_spec_state_indices`` (column 0); prefill
+        rows run one gdn.causal_conv1d_prefill and one gdn.prefill call per layer, from
+        ``non_spec_source_indices`` (a null id when ``has_initial_state`` is False) to
+        ``non_spec_state_indices``. With replay verify (`replay_counts`: a host array, tokens each
+        request replays) the spec and one-token rows use their column-0 block as the
+        checkpoint; the prefill calls write the state after the prompt to it (the window stays
+        empty). Conv state lives in column 0 for every kind. Fresh one-token rows (see
         :meth:`non_spec_rows`) start from their zeroed destination and replay nothing."""
         m, cfg = self.model, self.model.cfg
         dev = self.h.device
         kinds = []  # per kind of row: its token rows, offsets, counts and per-group slots
-        for spec in (True, False):
-            idx = (md.spec_token_indx if spec else md.non_spec_token_indx).long()
-            if idx.numel() == 0:
-                continue
-            n = md.num_spec_decodes if spec else md.non_spec_rows
-            acc = (md.spec_num_accepted if spec else (md.non_spec_source_column + 1).to(torch.int32))[:n]
-            requests = np.asarray(md.host.spec_request_index if spec else md.host.non_spec_request_index)[:n]
-            replay = None if replay_counts is None else replay_counts[requests].astype(np.int32)
-            if spec:
-                tables = [md.spec_state_indices[g][:n] for g in range(cfg.groups)]
-                column0 = [t[:, 0] for t in tables]
-            else:
-                rows_ns = self.non_spec_rows(md, timer)
-                column0 = rows_ns.destination
-                # A 1-token row of two columns reads column acc - 1 = 1 (the source) and writes
-                # column 0 (the destination).
-                tables = rows_ns.tables()
-                if replay is not None:
-                    replay[rows_ns.fresh] = 0  # no state yet: nothing in the window to replay
+        if md.num_spec_decodes > 0:
+            n = md.num_spec_decodes
+            acc = md.spec_num_accepted[:n]
+            requests = np.asarray(md.host.spec_request_index)[:n]
+            tables = [md.spec_state_indices[g][:n] for g in range(cfg.groups)]
             kinds.append(
                 dict(
-                    idx=idx,
-                    cu=(md.spec_query_start_loc if spec else md.non_spec_query_start_loc)[: n + 1],
+                    kind="spec",
+                    idx=md.spec_token_indx.long(),
+                    cu=md.spec_query_start_loc[: n + 1],
                     tables=tables,
-                    column0=[c.contiguous() for c in column0],
+                    column0=[t[:, 0].contiguous() for t in tables],
                     conv_acc=acc,
-                    decode_acc=acc if spec else torch.full_like(acc, 2),
-                    replay=None if replay is None else torch.from_numpy(replay).to(dev),
+                    decode_acc=acc,
+                    replay=None
+                    if replay_counts is None
+                    else torch.from_numpy(replay_counts[requests].astype(np.int32)).to(dev),
                 )
             )
+        if md.non_spec_rows > 0 and md.num_non_spec_tokens > 0:
+            kinds += self._non_spec_kinds(md, replay_counts, timer)
         h = self.h[:rows]
         torch.index_select(m.embed, 0, self.tokens[:rows], out=h)
         for li, layer in enumerate(m.layers):
@@ -556,22 +564,141 @@ class DecodePath:
             for k in kinds:
                 part = proj.index_select(0, k["idx"])  # this kind's token rows, contiguous
                 out = torch.empty(part.shape[0], cfg.HV, cfg.V, device=dev)
-                self._gdn_layer(
-                    li,
-                    layer,
-                    part,
-                    out,
-                    k["cu"],
-                    k["column0"][g],
-                    k["tables"][g],
-                    k["conv_acc"],
-                    k["decode_acc"],
-                    k["replay"],
-                    timer,
-                )
+                if k["kind"] == "prefill":
+                    self._gdn_prefill_layer(
+                        li, layer, part, out, k["cu"], k["conv_initial"][g], k["ssm_initial"][g], k["final"][g], timer
+                    )
+                else:
+                    self._gdn_layer(
+                        li,
+                        layer,
+                        part,
+                        out,
+                        k["cu"],
+                        k["column0"][g],
+                        k["tables"][g],
+                        k["conv_acc"],
+                        k["decode_acc"],
+                        k["replay"],
+                        timer,
+                    )
                 core.index_copy_(0, k["idx"], out)
             h.add_(exact_linear(core.reshape(rows, cfg.HV * cfg.V), layer["out_proj"]))
         torch.argmax(m.logits(h), dim=-1, out=self.pred[:rows])
+
+    def _non_spec_kinds(self, md, replay_counts, timer: Timer) -> List[dict]:
+        """The step's non-spec rows split into one-token rows (decode_mtp / replay) and prefill
+        rows (more than one token: the prefill calls), each with its token rows and slots."""
+        dev = self.h.device
+        ns = self.non_spec_rows(md, timer)
+        n = md.non_spec_rows
+        lengths, qsl = ns.lengths(), ns.query_start
+        tokens = md.non_spec_token_indx.long()  # the non-spec rows' token rows, in row order
+        requests = np.asarray(md.host.non_spec_request_index)[:n]
+        replay = None if replay_counts is None else replay_counts[requests].astype(np.int32)
+        if replay is not None:
+            replay[ns.fresh] = 0  # no state yet: nothing in the window to replay
+        kinds = []
+        one = np.flatnonzero(lengths == 1)
+        if len(one):
+            sel = torch.from_numpy(one).to(dev)
+            acc = (md.non_spec_source_column[:n] + 1).to(torch.int32).index_select(0, sel)
+            # A 1-token row of two columns reads column acc - 1 = 1 (the source) and writes
+            # column 0 (the destination).
+            kinds.append(
+                dict(
+                    kind="one",
+                    idx=tokens.index_select(0, torch.from_numpy(qsl[one]).to(dev)),
+                    cu=torch.arange(len(one) + 1, dtype=torch.int32, device=dev),
+                    tables=[t.index_select(0, sel) for t in ns.tables()],
+                    column0=[d.index_select(0, sel).contiguous() for d in ns.destination],
+                    conv_acc=acc,
+                    decode_acc=torch.full_like(acc, 2),
+                    replay=None if replay is None else torch.from_numpy(replay[one]).to(dev),
+                )
+            )
+        pre = np.flatnonzero(lengths > 1)
+        if len(pre):
+            initial = ns.has_initial_state[pre]
+            # The conv prefill reads a request's history where causal_conv1d_update reads it with
+            # an accepted count of 1, and the prefill call cannot replay a window first. The demo
+            # prefills every prompt whole in the step that admits it, so its prefill rows are
+            # fresh; a continuation would need its state in column 0 with nothing to replay.
+            column = np.asarray(md.host.non_spec_source_column)[:n][pre]
+            if np.any(initial & (column != 0)) or (replay is not None and np.any(initial & (replay[pre] != 0))):
+                raise RuntimeError("a prefill row continues a state that is not in its column 0 (not in this demo)")
+            sel = torch.from_numpy(pre).to(dev)
+            has_initial = torch.from_numpy(initial).to(dev)
+            null = torch.full((len(pre),), NULL_BLOCK, dtype=torch.int32, device=dev)
+            final = [d.index_select(0, sel) for d in ns.destination]
+            rows = np.concatenate([np.arange(qsl[j], qsl[j + 1]) for j in pre])
+            kinds.append(
+                dict(
+                    kind="prefill",
+                    idx=tokens.index_select(0, torch.from_numpy(rows).to(dev)),
+                    cu=torch.from_numpy(np.concatenate([[0], np.cumsum(lengths[pre])]).astype(np.int32)).to(dev),
+                    # SSM: non_spec_source_indices (a null id without an initial state);
+                    # conv: its history lives in the destination block (column 0).
+                    ssm_initial=[torch.where(has_initial, s.index_select(0, sel), null) for s in ns.source],
+                    conv_initial=[torch.where(has_initial, f, null) for f in final],
+                    final=final,
+                )
+            )
+        return kinds
+
+    def _gdn_prefill_layer(
+        self,
+        li: int,
+        layer,
+        proj: torch.Tensor,
+        out: torch.Tensor,
+        cu_seqlens,
+        conv_initial,
+        ssm_initial,
+        final,
+        timer: Optional[Timer],
+    ) -> None:
+        """GDN layer `li` over the prefill rows' token rows `proj` (its in_proj outputs): one
+        gdn.causal_conv1d_prefill call in place (history from `conv_initial`, the last W - 1
+        inputs to `final`, where the next causal_conv1d_update reads them), then one gdn.prefill
+        call from the states in `ssm_initial` (null: a zero state) to `final`; core output to
+        `out`."""
+        cfg = self.model.cfg
+        D, HVV = cfg.conv_dim, cfg.HV * cfg.V
+        mixed_qkv = proj[:, :D]
+        z = proj[:, D : D + HVV].unflatten(1, (cfg.HV, cfg.V))
+        b = proj[:, D + HVV : D + HVV + cfg.HV]
+        a = proj[:, D + HVV + cfg.HV :]
+        with self._region(timer, None, "conv"):
+            gdn.causal_conv1d_prefill(
+                mixed_qkv,
+                layer["conv_w"],
+                self.cache.conv[li],
+                conv_initial,
+                final,
+                cu_seqlens,
+                mixed_qkv,
+                state_layout=self.cache.conv_layout,
+                first_valid_slot=NULL_BLOCK + 1,
+                error_count=self.error_count,
+            )
+        with self._region(timer, None, "prefill"):
+            gdn.prefill(
+                mixed_qkv,
+                a,
+                b,
+                layer["A_log"],
+                layer["dt_bias"],
+                self.cache.ssm[li],
+                ssm_initial,
+                final,
+                cu_seqlens,
+                out,
+                z=z,
+                norm_weight=layer["gnorm"],
+                first_valid_slot=NULL_BLOCK + 1,
+                error_count=self.error_count,
+            )
 
     @staticmethod
     @contextmanager

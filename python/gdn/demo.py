@@ -13,15 +13,21 @@ layers split into KV-cache groups, final norm, lm_head) runs this workload twice
    T = num_spec + 1 tokens per request in one step, and greedy acceptance keeps the drafts that
    match the target's own choices plus one token from the target.
 
-Each step, every occupied row either prefills (feeds its next prompt token: T = 1, a non-spec
-row) or decodes (plain: its last token; speculative: its last token and its drafts, a spec row);
-free rows are zero-length rows. A request's first generated token is the prediction after its
-last prompt token. Every step builds its metadata with gdn.metadata (one shared plan + one pass
-filling all groups' state rows) and runs, in every GDN layer, gdn.causal_conv1d_update and
-gdn.decode_mtp over all rows at once, consuming the metadata as a vLLM-style engine does: the
-non-spec rows are md.num_decodes decode rows, which read non_spec_source_indices, then prefill
-rows; a prefill row whose has_initial_state is False starts from a zero state (its destination
-blocks, non_spec_state_indices, are zeroed in every layer before the layers run).
+Each step, every occupied row either prefills or decodes (plain: its last token; speculative: its
+last token and its drafts, a spec row); free rows are zero-length rows. With --prefill calls (the
+default) a request prefills its whole prompt in the step that admits it: a non-spec row of more
+than one token, a prefill row. With --prefill token-by-token it feeds one prompt token per step
+(T = 1, a non-spec row). A request's first generated token is the prediction after its last
+prompt token. Every step builds its metadata with gdn.metadata (one shared plan + one pass
+filling all groups' state rows) and runs, in every GDN layer, consuming the metadata as a
+vLLM-style engine does:
+- the step's prefill rows (non-spec rows of more than one token): one gdn.causal_conv1d_prefill
+  and one gdn.prefill call for all of them, from non_spec_source_indices (initial slots; a null
+  id where has_initial_state is False: a zero state) to non_spec_state_indices (final slots);
+- the other rows: gdn.causal_conv1d_update and gdn.decode_mtp. Non-spec one-token rows are
+  md.num_decodes decode rows, which read non_spec_source_indices, then prefill rows; one whose
+  has_initial_state is False starts from a zero state (its destination blocks,
+  non_spec_state_indices, are zeroed in every layer before the layers run).
 State blocks hold garbage whenever a request gets them: at the start and after every request that
 finishes, each run writes garbage from its own seeded RNG. A fresh request that the metadata sends
 to a stale state therefore generates tokens that differ from run to run, and the check fails.
@@ -30,7 +36,19 @@ With --state-mode replay a third run decodes speculatively with gdn.decode_mtp_r
 gdn.decode_mtp (one checkpoint block per request and layer, which replays the tokens the previous
 step accepted); the demo then checks both speculative runs against plain decoding and prints the
 GDN state each mode keeps per request and the verify time of each.
-The demo prints PASS when every request's generated tokens are identical in every run.
+
+With --prefill calls a fourth run, plain greedy decoding with token-by-token prefill, is the
+reference for the time to first token (from a request taking a row to its first token) and for
+the prefill calls' tokens. The demo prints PASS when every request's generated tokens are
+identical in every run with prefill calls and, on the CPU, also in the token-by-token run: there
+gdn.prefill and gdn.causal_conv1d_prefill equal the token-by-token calls bit for bit (fp32
+state). On CUDA gdn.prefill is a chunked kernel with bf16 operands (about 5e-3 relative error
+against fp32), so greedy tokens may differ from token-by-token prefill where two logits nearly
+tie: PASS then compares the runs that all prefill with the same calls (each request's prompt in
+one call, whose result does not depend on the other requests of the batch), and the demo prints
+how many requests also match token-by-token prefill. gdn.prefill on CUDA takes K = V = 128 only
+(the demo's CUDA default; decode_mtp's CUDA kernel needs it too); with other head dims on CUDA
+the demo says so and prefills token by token.
 """
 
 from __future__ import annotations
@@ -51,7 +69,7 @@ what is compared:
   exactly as it would be when decoded alone: decode_mtp writes the state after every verify
   position and the conv update keeps the raw inputs so the next step continues from the accepted
   prefix (bit for bit on the CPU with fp32 state). The check is strict: token for token, every
-  request.
+  request. Prefill calls against token-by-token prefill: see "prefill" below.
 
 rows taken over:
   Requests finish at different steps in each run, so rows change hands at different times and
@@ -68,8 +86,17 @@ time breakdown:
              blocks, host/device copies. The dense layers use int8-valued weights, bf16-valued
              inputs and float64 accumulation that never rounds, so batched GEMMs give the same
              bits for any batch shape and both runs do identical arithmetic
-  Rates count every generated token over the whole run, prefill steps included; both runs
-  prefill the same prompts one token per step.
+  prefill    gdn.prefill (all layers; gdn.causal_conv1d_prefill counts under conv)
+  Rates count every generated token over the whole run, prefill steps included; all runs
+  prefill the same prompts the same way (--prefill).
+
+prefill:
+  --prefill calls (default): each prompt runs whole in the step that admits it, through one
+  gdn.causal_conv1d_prefill + one gdn.prefill call per layer for all of the step's prefill rows.
+  A plain run with token-by-token prefill runs next to it; "first token" compares the two.
+  CPU: the prefill calls equal token by token bit for bit, so PASS requires equal tokens.
+  CUDA: the prefill kernel has bf16 operands (about 5e-3 relative error), so PASS compares the
+  runs with prefill calls with each other and reports agreement with token by token.
 
 examples:
   python -m gdn demo                          # CPU, default sizes, under a minute on 2 cores
@@ -77,6 +104,7 @@ examples:
   python -m gdn demo --requests 16 --late-requests 32 --num-spec 2 --new-tokens 96
   python -m gdn demo --late-requests 0        # one batch of requests, no row changes hands
   python -m gdn demo --state-mode replay      # also replay verify: pool sizes and verify times
+  python -m gdn demo --prefill token-by-token # prompts one token per step (the old path)
 """
 
 
@@ -111,6 +139,17 @@ def build_parser() -> argparse.ArgumentParser:
         "own block (decode_mtp, S blocks per request and layer); replay: one "
         "checkpoint block per request and layer (decode_mtp_replay), run next "
         "to write-all for comparison (default: write-all)",
+    )
+    run.add_argument(
+        "--prefill",
+        choices=["calls", "token-by-token"],
+        default="calls",
+        help="calls: a request's whole prompt runs in the step that admits it, every step's "
+        "prefill rows (non-spec rows of more than one token) through one "
+        "gdn.causal_conv1d_prefill and one gdn.prefill call per layer, and a plain run that "
+        "prefills token by token runs too, for the time to first token and the check; "
+        "token-by-token: prompts go one token per step through causal_conv1d_update + "
+        "decode_mtp, and no other run (default: calls)",
     )
     run.add_argument(
         "--seed",
@@ -257,6 +296,7 @@ class RunStats:
     fresh_rows: int = 0  # non-spec rows the metadata started from a zero state
     breakdown: Dict[str, float] = field(default_factory=dict)
     calls: Dict[str, int] = field(default_factory=dict)
+    ttft: List[float] = field(default_factory=list)  # per request: time to first token, seconds
     # Wall time and count of the steps of each kind ("plain"; "verify": pure verify steps,
     # "mixed": steps with prefilling rows or rows without drafts), scheduling included.
     step_time: Dict[str, List[float]] = field(default_factory=dict)
@@ -286,6 +326,7 @@ class Engine:
         seed: int,
         replay: bool = False,
         garbage_seed: int = 0,
+        max_prompt: int = 1,
     ):
         import torch
 
@@ -296,7 +337,8 @@ class Engine:
         self.model, self.N, self.num_spec, self.T = model, num_rows, num_spec, num_spec + 1
         self.cache = GDNCache(model, num_rows, num_spec, conv_layout, seed, replay=replay, garbage_seed=garbage_seed)
         self.replay = replay
-        self.max_tokens = num_rows * self.T
+        # A step feeds T tokens per row, or a whole prompt to a row that prefills it in one step.
+        self.max_tokens = num_rows * max(self.T, max_prompt)
         # The metadata builder: persistent buffers for all groups, one plan + one pass per step.
         # In replay mode it also gives each spec row's checkpoint block per group and the window
         # tokens each row replays (its accepted counts are the replay counts then).
@@ -321,39 +363,40 @@ class Engine:
         """The request on `row` finished: its blocks are free and hold garbage from now on."""
         self.cache.release(row)
 
-    def non_spec_step(self, feed: Sequence[Optional[int]], context: Sequence[int], timer):
-        """One step of T = 1 rows: row i feeds token feed[i] (None: a zero-length row) on top of
-        context[i] tokens already in its state. Returns the greedy next token of every row that
-        fed one (None elsewhere)."""
+    def non_spec_step(self, feed: Sequence[Optional[List[int]]], context: Sequence[int], timer):
+        """One step of non-spec rows: row i feeds the tokens feed[i] (None: a zero-length row) on
+        top of context[i] tokens already in its state: one token (a decode, or a prompt fed token
+        by token) or a whole prompt (a prefill row, run through the prefill calls). Returns the
+        greedy next token after the last token of every row that fed any (None elsewhere)."""
         from gdn._demo_model import StepSlots
 
         torch = self.torch
-        T = [0 if t is None else 1 for t in feed]
+        T = [0 if t is None else len(t) for t in feed]
         qsl = self._host(np.concatenate([[0], np.cumsum(T)]))
         with timer.host("metadata"):
             md = self.builder.step(qsl, self._host(np.add(context, T)), num_computed_tokens=self._host(context))
         rows = int(qsl[-1])
         if rows == 0:
             return [None] * len(feed)
-        active = [t for t in feed if t is not None]
+        active = [x for t in feed if t is not None for x in t]
         self.path.tokens[:rows].copy_(torch.tensor(active, dtype=torch.long))
-        # All rows are non-spec rows here: row j of the non-spec fields is batch row j. Decode
-        # rows read non_spec_source_indices, fresh prefill rows their zeroed destination.
-        ns = self.path.non_spec_rows(md, timer)
-        slots = StepSlots(
-            cu_seqlens=md.non_spec_query_start_loc,
-            state_indices=ns.tables(),
-            conv_indices=ns.destination,
-            num_accepted_tokens=None,
-            decode_accepted=self.path.twos[: md.non_spec_rows],
-        )
-        self.path.forward(rows, slots, timer)
+        if max(T) > 1:
+            # Prefill rows next to one-token rows: each kind runs on its own gathered rows.
+            self.path.forward_mixed(rows, md, None, timer)
+        else:
+            # All rows are one-token non-spec rows here: row j of the non-spec fields is batch
+            # row j. Decode rows read non_spec_source_indices, fresh rows their zeroed destination.
+            ns = self.path.non_spec_rows(md, timer)
+            slots = StepSlots(
+                cu_seqlens=md.non_spec_query_start_loc,
+                state_indices=ns.tables(),
+                conv_indices=ns.destination,
+                num_accepted_tokens=None,
+                decode_accepted=self.path.twos[: md.non_spec_rows],
+            )
+            self.path.forward(rows, slots, timer)
         pred = self.path.pred[:rows].tolist()
-        out, k = [], 0
-        for t in feed:
-            out.append(None if t is None else pred[k])
-            k += t is not None
-        return out
+        return [None if t is None else pred[int(qsl[i + 1]) - 1] for i, t in enumerate(feed)]
 
     def _spec_slots(self, md):
         from gdn._demo_model import StepSlots
@@ -439,19 +482,21 @@ class Engine:
         context: np.ndarray,
         timer,
         replay_n: np.ndarray,
+        prefill_rows: Sequence[int] = (),
     ) -> Dict[int, List[int]]:
-        """A step in which some live rows verify drafts (T tokens) and others feed one token: a
-        prompt token or a decode without drafts (a step may have no spec rows at all). vLLM's
-        rules classify the step: the 1-token rows become non-spec rows, which read their state
-        from where the previous step left it (``non_spec_source_indices``) or, as prefill rows
-        without an initial state, start from a zero state. Runs eagerly. Returns, per live row,
-        the target's greedy choice after each of its tokens."""
+        """A step in which some live rows verify drafts (T tokens) and others feed prompt tokens
+        (`prefill_rows`: one token, or a whole prompt) or one token without drafts (a step may
+        have no spec rows at all). vLLM's rules classify the step: the rows without drafts become
+        non-spec rows, which read their state from where the previous step left it
+        (``non_spec_source_indices``) or, as prefill rows without an initial state, start from a
+        zero state; those of more than one token run through the prefill calls. Runs eagerly.
+        Returns, per live row, the target's greedy choice after each of its tokens."""
         N = self.N
         q = np.zeros(N, np.int64)
         drafts = np.full(N, -1, np.int64)
         for i in live:
             q[i] = len(tokens[i])
-            if len(tokens[i]) > 1:
+            if len(tokens[i]) > 1 and i not in prefill_rows:
                 drafts[i] = len(tokens[i]) - 1
         qsl = self._host(np.concatenate([[0], np.cumsum(q)]))
         live_mask = q > 0
@@ -526,12 +571,16 @@ class Engine:
 
 class Scheduler:
     """The batch rows and the queue of waiting requests. Each row holds at most one request; a
-    request prefills (one prompt token per step) and then decodes until it has generated
-    `new_tokens`; it then leaves its row at once, and the next waiting request takes the row
-    over at the next step (:meth:`admit`)."""
+    request prefills (its whole prompt in the step that admits it with `whole_prompts`, else
+    one prompt token per step) and then decodes until it has generated `new_tokens`; it then
+    leaves its row at once, and the next waiting request takes the row over at the next step
+    (:meth:`admit`). Records each request's time to first token: from the start of the step
+    that gives it a row to the end of the step that emits its first token."""
 
-    def __init__(self, prompts: List[List[int]], rows: int, new_tokens: int):
-        self.prompts, self.new_tokens = prompts, new_tokens
+    def __init__(self, prompts: List[List[int]], rows: int, new_tokens: int, whole_prompts: bool = False):
+        self.prompts, self.new_tokens, self.whole_prompts = prompts, new_tokens, whole_prompts
+        self.admitted_at: List[float] = [0.0] * len(prompts)
+        self.ttft: List[float] = [float("nan")] * len(prompts)
         self.waiting = deque(range(len(prompts)))
         self.request: List[Optional[int]] = [None] * rows  # the request on each row
         self.used = [False] * rows
@@ -543,10 +592,12 @@ class Scheduler:
     def admit(self) -> List[int]:
         """Gives free rows, in row order, to the waiting requests; returns the rows filled."""
         filled = []
+        now = time.perf_counter()
         for r, q in enumerate(self.request):
             if q is None and self.waiting:
                 q = self.waiting.popleft()
                 self.request[r] = q
+                self.admitted_at[q] = now
                 self.context[r] = 0
                 if self.used[r]:
                     self.recycled += 1
@@ -573,14 +624,23 @@ class Scheduler:
         q = self.on(row)
         return self.prompts[q][self.fed[q]] if self.prefilling(row) else self.out[q][-1]
 
-    def prefilled(self, row: int, pred: int) -> None:
-        """The row fed one prompt token; `pred` is the target's choice after it, the request's
-        first generated token when that was its last prompt token."""
+    def next_tokens(self, row: int) -> List[int]:
+        """The tokens the row feeds next: the rest of its prompt (`whole_prompts`) or its next
+        prompt token while it prefills, else its last generated token."""
         q = self.on(row)
-        self.fed[q] += 1
-        self.context[row] += 1
+        if self.prefilling(row) and self.whole_prompts:
+            return list(self.prompts[q][self.fed[q] :])
+        return [self.next_token(row)]
+
+    def prefilled(self, row: int, pred: int, fed: int = 1) -> None:
+        """The row fed `fed` prompt tokens; `pred` is the target's choice after the last of them,
+        the request's first generated token when that was its last prompt token."""
+        q = self.on(row)
+        self.fed[q] += fed
+        self.context[row] += fed
         if self.fed[q] == len(self.prompts[q]):
             self.out[q].append(int(pred))
+            self.ttft[q] = time.perf_counter() - self.admitted_at[q]
 
     def decoded(self, row: int, fed: int, emitted: Sequence[int]) -> None:
         """The row's request now has `fed` more tokens in its state and emitted `emitted`."""
@@ -603,12 +663,17 @@ class Scheduler:
 
 
 def _garbage_seed(args, run: int) -> int:
-    """Seed of the garbage in free blocks: one per run (0 plain, 1 speculative, 2 replay)."""
+    """Seed of the garbage in free blocks: one per run (0 plain, 1 speculative, 2 replay, 3 plain
+    with token-by-token prefill next to prefill calls)."""
     return 1_000_003 * args.seed + 7919 * (run + 1)
 
 
-def run_plain(model, prompts, args, progress) -> Tuple[List[List[int]], RunStats]:
-    """Plain greedy decoding of the workload: every occupied row feeds one token per step."""
+def run_plain(
+    model, prompts, args, progress, prefill_calls: bool = False, garbage_run: int = 0
+) -> Tuple[List[List[int]], RunStats]:
+    """Plain greedy decoding of the workload: every occupied row feeds one token per step, or,
+    with `prefill_calls`, a row that prefills feeds its whole prompt in the step that admits it
+    (the prefill calls)."""
     from gdn._demo_model import Timer
 
     stats = RunStats()
@@ -619,9 +684,10 @@ def run_plain(model, prompts, args, progress) -> Tuple[List[List[int]], RunStats
         0,
         args.conv_layout,
         args.seed + 1,  # T = 1 pools
-        garbage_seed=_garbage_seed(args, 0),
+        garbage_seed=_garbage_seed(args, garbage_run),
+        max_prompt=max(map(len, prompts)) if prefill_calls else 1,
     )
-    sched = Scheduler(prompts, B, args.new_tokens)
+    sched = Scheduler(prompts, B, args.new_tokens, whole_prompts=prefill_calls)
     _sync(model)
     timer = Timer(model.device)
     t0 = time.perf_counter()
@@ -630,13 +696,14 @@ def run_plain(model, prompts, args, progress) -> Tuple[List[List[int]], RunStats
         sched.admit()
         rows = sched.occupied()
         prefilling = [sched.prefilling(r) for r in rows]
-        feed: List[Optional[int]] = [None] * B
+        feed: List[Optional[List[int]]] = [None] * B
         for r in rows:
-            feed[r] = sched.next_token(r)
+            feed[r] = sched.next_tokens(r)
         pred = engine.non_spec_step(feed, sched.context.tolist(), timer)
         for r, pre in zip(rows, prefilling):
-            if pre:
-                sched.prefilled(r, pred[r])
+            fed = feed[r]
+            if pre and fed is not None:
+                sched.prefilled(r, pred[r], len(fed))
             else:
                 sched.decoded(r, 1, [pred[r]])
         sched.retire(engine)
@@ -648,10 +715,13 @@ def run_plain(model, prompts, args, progress) -> Tuple[List[List[int]], RunStats
     return sched.out, stats
 
 
-def run_speculative(model, prompts, args, progress, replay: bool = False) -> Tuple[List[List[int]], RunStats, str]:
+def run_speculative(
+    model, prompts, args, progress, replay: bool = False, prefill_calls: bool = False
+) -> Tuple[List[List[int]], RunStats, str]:
     """MTP-style speculative decoding of the workload. Steps in which every occupied row decodes
     with drafts are pure verify steps (verify_step, the CUDA graph with --graphs); steps with
-    prefilling rows or rows without drafts run spec and non-spec rows together (mixed_step)."""
+    prefilling rows or rows without drafts run spec and non-spec rows together (mixed_step).
+    With `prefill_calls` a prefilling row feeds its whole prompt in the step that admits it."""
     import torch
 
     from gdn._demo_model import Timer
@@ -666,8 +736,9 @@ def run_speculative(model, prompts, args, progress, replay: bool = False) -> Tup
         args.seed + 2,
         replay=replay,
         garbage_seed=_garbage_seed(args, 2 if replay else 1),
+        max_prompt=max(map(len, prompts)) if prefill_calls else 1,
     )
-    sched = Scheduler(prompts, B, args.new_tokens)
+    sched = Scheduler(prompts, B, args.new_tokens, whole_prompts=prefill_calls)
     if args.graphs:
         engine.capture_verify_graph(sched.context)
     _sync(model)
@@ -691,7 +762,7 @@ def run_speculative(model, prompts, args, progress, replay: bool = False) -> Tup
         )
         if pre or plain:
             with timer.host("drafter"):
-                tok = {r: [sched.next_token(r)] for r in rows}
+                tok = {r: sched.next_tokens(r) for r in rows}
                 spec_rows = [r for r in dec if r not in plain]
                 if spec_rows:
                     cur = torch.tensor([tok[r][0] for r in spec_rows], dtype=torch.long, device=model.device)
@@ -700,11 +771,15 @@ def run_speculative(model, prompts, args, progress, replay: bool = False) -> Tup
                         drafted.append(model.draft_next(drafted[-1]))
                     for r, t in zip(spec_rows, torch.stack(drafted, 1).cpu().tolist()):
                         tok[r] = [int(x) for x in t]
-            pred_map = engine.mixed_step(rows, tok, acc, sched.context, timer, replay_n)
+            pred_map = engine.mixed_step(rows, tok, acc, sched.context, timer, replay_n, prefill_rows=pre)
             with timer.host("acceptance"):
-                for r in pre:  # one prompt token, now in the state / the window
-                    sched.prefilled(r, pred_map[r][0])
-                    acc[r] = replay_n[r] = 1
+                for r in pre:
+                    sched.prefilled(r, pred_map[r][-1], len(tok[r]))
+                    # One prompt token went through the decode path: it is in the state and the
+                    # replay window. A whole prompt went through the prefill calls: the state
+                    # after it is in column 0 (the checkpoint), the window is empty.
+                    acc[r] = 1
+                    replay_n[r] = 1 if len(tok[r]) == 1 else 0
                 for r in dec:
                     d, p = tok[r][1:], pred_map[r]
                     n = 0
@@ -762,6 +837,7 @@ def _finish_run(model, engine, sched: Scheduler, timer, stats: RunStats, t0: flo
     stats.tokens = sched.generated()
     stats.recycled, stats.recycled_one_token = sched.recycled, sched.recycled_one_token
     stats.fresh_rows = engine.path.fresh_rows
+    stats.ttft = list(sched.ttft)
     engine.path.check_device_errors()
     timer.resolve()
     stats.breakdown = dict(timer.totals)
@@ -790,6 +866,8 @@ def breakdown_line(stats: RunStats) -> str:
     b = stats.breakdown
     verify = "replay" if "replay" in b else "decode_mtp"
     parts = [(name, b.get(name, 0.0)) for name in ("metadata", "conv", verify)]
+    if "prefill" in b:
+        parts.append(("prefill", b["prefill"]))
     rest = max(total - sum(v for _, v in parts), 0.0)
     line = " | ".join(f"{name} {100 * v / total:.1f} %" for name, v in parts)
     extra = [(n, b[n]) for n in ("drafter", "acceptance", "zeroing") if n in b]
@@ -857,6 +935,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if path == "unsupported":
             print(f"decode_mtp cannot run this model on CUDA: {why}", file=sys.stderr)
             return 2
+    prefill_calls, prefill_why = prefill_path(args, cfg)
     late = args.requests if args.late_requests is None else args.late_requests
     prompts = make_workload(args.requests, late, args.min_prompt, args.max_prompt, cfg.vocab, args.seed)
     new = args.new_tokens
@@ -877,9 +956,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"  model       : {cfg.describe()}")
     print(
         f"  workload    : {R} requests on {args.requests} rows, prompts "
-        f"{min(map(len, prompts))}..{max(map(len, prompts))} tokens (prefilled through the "
-        f"decode path, T = 1), {new} new tokens each, greedy"
+        f"{min(map(len, prompts))}..{max(map(len, prompts))} tokens, {new} new tokens each, greedy"
     )
+    if prefill_calls:
+        exactness = (
+            "on the CPU bit for bit equal to token-by-token prefill (fp32 state), so the check asks for its tokens too"
+            if args.device == "cpu"
+            else "on CUDA a chunked kernel with bf16 operands (about 5e-3 relative error against "
+            "fp32), so its tokens are compared with token-by-token prefill but not required equal"
+        )
+        print(
+            f"  prefill     : whole prompts in the step that admits them: per layer one "
+            f"gdn.causal_conv1d_prefill + one gdn.prefill call over the step's prefill rows "
+            f"(non-spec rows of more than one token; one-token prompts go through the decode "
+            f"path); {exactness}; a plain run prefilling token by token runs too"
+        )
+    else:
+        print(f"  prefill     : token by token (one prompt token per step through the decode path, T = 1){prefill_why}")
     if late:
         print(
             f"  rows        : {late} requests wait in a queue; a finished request frees its row "
@@ -892,57 +985,82 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     print(
         f"  per step    : gdn.metadata (1 plan + 1 state-row pass for {cfg.groups} groups), then per "
-        f"layer gdn.causal_conv1d_update ({args.conv_layout}) + gdn.decode_mtp over all rows; "
-        f"prefill rows without an initial state (has_initial_state) start from zeroed blocks"
+        f"layer gdn.causal_conv1d_update ({args.conv_layout}) + gdn.decode_mtp over the one-token "
+        f"and verify rows; rows without an initial state (has_initial_state False) start from "
+        f"zeroed blocks (one-token rows) or a null initial slot (prefill calls)"
     )
     sys.stdout.flush()
 
     show = not args.no_progress
     total = R * new
+    pc = prefill_calls
     bar = Progress("plain greedy", total, show)
-    plain, ps = run_plain(model, prompts, args, bar)
+    plain, ps = run_plain(model, prompts, args, bar, prefill_calls=pc)
     bar.close()
     bar = Progress("speculative", total, show)
-    spec, ss, graph_note = run_speculative(model, prompts, args, bar)
+    spec, ss, graph_note = run_speculative(model, prompts, args, bar, prefill_calls=pc)
     bar.close()
     replay = args.state_mode == "replay"
     if replay:
         bar = Progress("speculative, replay", total, show)
-        spec_rp, rs, _ = run_speculative(model, prompts, args, bar, replay=True)
+        spec_rp, rs, _ = run_speculative(model, prompts, args, bar, replay=True, prefill_calls=pc)
+        bar.close()
+    if pc:  # the reference: plain greedy decoding, prompts fed token by token
+        bar = Progress("plain, token by token", total, show)
+        tbt, ts = run_plain(model, prompts, args, bar, prefill_calls=False, garbage_run=3)
         bar.close()
     # Timed repeats after the warm-up run above (single runs swing widely with machine load);
     # every repeat must generate the same tokens again.
     plain_rates, spec_rates, replay_rates = [], [], []
+    ttft: Dict[str, List[List[float]]] = {"plain": [], "speculative": [], "token-by-token": []}
     for _ in range(max(args.repeats, 1) - 1):
-        again, st = run_plain(model, prompts, args, Progress("plain greedy", total, False))
+        again, st = run_plain(model, prompts, args, Progress("plain greedy", total, False), prefill_calls=pc)
         plain_rates.append(st.tokens / st.seconds)
+        ttft["plain"].append(st.ttft)
         same = again == plain
-        again, st, _ = run_speculative(model, prompts, args, Progress("speculative", total, False))
+        again, st, _ = run_speculative(model, prompts, args, Progress("speculative", total, False), prefill_calls=pc)
         spec_rates.append(st.tokens / st.seconds)
+        ttft["speculative"].append(st.ttft)
         same = same and again == spec
         if replay:
-            again, st, _ = run_speculative(model, prompts, args, Progress("speculative", total, False), replay=True)
+            again, st, _ = run_speculative(
+                model, prompts, args, Progress("speculative", total, False), replay=True, prefill_calls=pc
+            )
             replay_rates.append(st.tokens / st.seconds)
             same = same and again == spec_rp
+        if pc:
+            again, st = run_plain(model, prompts, args, Progress("plain", total, False), garbage_run=3)
+            ttft["token-by-token"].append(st.ttft)
+            same = same and again == tbt
         if not same:
             print("FAIL (a repeated run generated different tokens)")
             return 1
+    if not ttft["plain"]:  # no timed repeats: the warm-up runs' times
+        ttft = {"plain": [ps.ttft], "speculative": [ss.ttft], "token-by-token": [ts.ttft] if pc else []}
 
     def who(i: int) -> str:
         if i < args.requests:
             return f"request {i}"
         return f"request {i} (late{', one-token prompt' if len(prompts[i]) == 1 else ''})"
 
-    mismatches = []
-    runs = [("speculative", spec)] + ([("replay", spec_rp)] if replay else [])
-    for name, tokens in runs:
+    def differences(name: str, tokens: List[List[int]]) -> List[str]:
+        lines = []
         for i, (a, b) in enumerate(zip(plain, tokens)):
             if a != b:
                 k = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-                mismatches.append(
+                lines.append(
                     f"{name} {who(i)}: first difference at generated token {k} "
                     f"(plain {a[k : k + 4]}, {name} {b[k : k + 4]})"
                 )
+        return lines
+
+    mismatches = []
+    runs = [("speculative", spec)] + ([("replay", spec_rp)] if replay else [])
+    for name, tokens in runs:
+        mismatches += differences(name, tokens)
+    # Prefill calls against token by token (plain greedy both): required equal on the CPU, where
+    # the two paths are bit-exact; on CUDA the prefill kernel's bf16 operands may flip a token.
+    tbt_differences = differences("token-by-token", tbt) if pc else []
 
     print()
     print(
@@ -950,6 +1068,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"{ps.tokens} tokens generated in {fmt_seconds(ps.seconds)} = "
         f"{tokens_per_second(ps.tokens, ps.seconds)}"
     )
+    if pc:
+        print(
+            f"token by token: {ts.steps} steps ({ts.prefill_steps} with prefilling rows), "
+            f"{ts.tokens} tokens generated in {fmt_seconds(ts.seconds)} = "
+            f"{tokens_per_second(ts.tokens, ts.seconds)} (plain greedy, prompts fed one token per step)"
+        )
     if plain_rates:
         speedup = float(np.median(spec_rates)) / float(np.median(plain_rates))
         how = f"median of {len(plain_rates)} timed runs after a warm-up"
@@ -977,11 +1101,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         )
     else:
         print(f"recycled     : no row changed hands ({R} requests on {args.requests} rows)")
-    fresh = [("plain", ps.fresh_rows), ("speculative", ss.fresh_rows)] + ([("replay", rs.fresh_rows)] if replay else [])
+    fresh = (
+        [("plain", ps.fresh_rows), ("speculative", ss.fresh_rows)]
+        + ([("replay", rs.fresh_rows)] if replay else [])
+        + ([("token-by-token", ts.fresh_rows)] if pc else [])
+    )
     if all(n == R for _, n in fresh):
         print(
             f"fresh rows   : in every run the metadata started all {R} requests from a zero "
-            f"state (prefill rows with has_initial_state False; their blocks zeroed first)"
+            f"state (prefill rows with has_initial_state False: a null initial slot for the "
+            f"prefill calls, zeroed blocks for one-token rows)"
         )
     else:
         per_run = ", ".join(f"{name} {n}" for name, n in fresh)
@@ -1005,22 +1134,91 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if graph_note:
         print(f"              ({graph_note})")
     print(f"time, plain      : {breakdown_line(ps)}")
+    if pc:
+        print(f"time, token by token: {breakdown_line(ts)}")
+    print(ttft_report(ttft, pc, timed=bool(plain_rates)))
     if replay:
         print()
         print(replay_report(cfg, args, ss, rs, spec_rates, replay_rates))
-    if mismatches:
-        print(f"check: {len(mismatches)} runs x requests differ from plain greedy decoding:")
-        for m in mismatches:
+    exact = args.device == "cpu"
+    failed = mismatches + (tbt_differences if exact else [])
+    if failed:
+        print(f"check: {len(failed)} runs x requests differ from plain greedy decoding:")
+        for m in failed:
             print("  " + m)
-        print("FAIL (speculative != plain decoding)")
+        print(
+            "FAIL (speculative != plain decoding)"
+            if mismatches
+            else "FAIL (prefill calls != token-by-token prefill; the CPU paths are bit-exact)"
+        )
         return 1
     both = " in both state modes" if replay else ""
+    how = " (all runs with prefill calls)" if pc else ""
     print(
-        f"check: all {R} requests generated exactly the plain greedy tokens{both} "
+        f"check: all {R} requests generated exactly the plain greedy tokens{both}{how} "
         f"({sum(len(s) for s in spec)} tokens compared per run, token for token)"
     )
-    print("PASS (speculative == plain decoding)")
+    if not pc:
+        print("PASS (speculative == plain decoding)")
+        return 0
+    if exact:
+        print(
+            f"check: prefill calls generated exactly the tokens of token-by-token prefill, all {R} "
+            f"requests (CPU: the two paths are bit-exact, fp32 state)"
+        )
+        print("PASS (speculative == plain decoding), prefill calls == token-by-token prefill")
+        return 0
+    agree = R - len(tbt_differences)
+    print(
+        f"check: {agree} of {R} requests generated exactly the tokens of token-by-token prefill "
+        f"(not required on CUDA: the prefill kernel uses bf16 operands, about 5e-3 relative error, "
+        f"so a near-tie of two logits may flip a greedy token)"
+    )
+    for m in tbt_differences:
+        print("  " + m)
+    print("PASS (speculative == plain decoding), all runs with prefill calls (token by token: compared, not required)")
     return 0
+
+
+def prefill_path(args, cfg) -> Tuple[bool, str]:
+    """Whether the runs prefill with the prefill calls, and why not where --prefill calls cannot:
+    on CUDA gdn.prefill takes K = V = 128 only (the CPU path any K, V)."""
+    if args.prefill != "calls":
+        return False, ""
+    if args.device == "cuda" and (cfg.K != 128 or cfg.V != 128):
+        return False, (
+            f" (--prefill calls: gdn.prefill on CUDA needs K = V = 128, this model has K = V = "
+            f"{cfg.K}, so prompts are prefilled token by token)"
+        )
+    return True, ""
+
+
+def ttft_report(ttft: Dict[str, List[List[float]]], prefill_calls: bool, timed: bool) -> str:
+    """Time to first token, from a request taking a row to its first token: median and max over
+    the requests of a run, each the median over the timed runs (the warm-up run without them)."""
+    from gdn._demo_model import fmt_seconds
+
+    def summary(runs: List[List[float]]) -> Tuple[float, float]:
+        return float(np.median([np.median(r) for r in runs])), float(np.median([np.max(r) for r in runs]))
+
+    how = f"median of {len(ttft['plain'])} timed runs after a warm-up" if timed else "one run, not warmed up"
+    lines = []
+    p_med, p_max = summary(ttft["plain"])
+    s_med, s_max = summary(ttft["speculative"])
+    label = "prefill calls" if prefill_calls else "token by token"
+    lines.append(
+        f"first token  : plain greedy, {label}: median {fmt_seconds(p_med)}, max {fmt_seconds(p_max)} "
+        f"per request (from taking a row to its first token; {how})"
+    )
+    if prefill_calls and ttft["token-by-token"]:
+        t_med, t_max = summary(ttft["token-by-token"])
+        lines.append(
+            f"               plain greedy, token by token: median {fmt_seconds(t_med)}, max "
+            f"{fmt_seconds(t_max)} -> prefill calls give the first token {t_med / p_med:.1f}x sooner "
+            f"(median), {t_max / p_max:.1f}x (max)"
+        )
+    lines.append(f"               speculative, {label}: median {fmt_seconds(s_med)}, max {fmt_seconds(s_max)}")
+    return "\n".join(lines)
 
 
 def replay_report(cfg, args, ws: RunStats, rs: RunStats, ws_rates, rs_rates) -> str:

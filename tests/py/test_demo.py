@@ -1,9 +1,11 @@
 """python -m gdn demo: a short CPU run (rows taken over by late requests, some with one-token
-prompts) prints PASS in both state modes; the check fails when the conv rollback is broken, when
-non-spec rows read a stale state, when replay counts are dropped, and when fresh rows are not
-started from a zero state (then because of the garbage a finished request leaves behind); the
-dense layers are batch-invariant by construction; CUDA variants (graphs on/off) skip without a
-GPU."""
+prompts) prints PASS in both state modes, with prompts prefilled by the prefill calls (the
+default; their tokens equal token-by-token prefill's) and token by token; the check fails when
+the conv rollback is broken, when non-spec rows read a stale state, when replay counts are
+dropped, and when fresh rows are not started from a zero state (then because of the garbage a
+finished request leaves behind), by zeroing or by a null initial slot of the prefill call; the
+dense layers are batch-invariant by construction; CUDA variants (graphs on/off, both prefill
+paths) skip without a GPU."""
 
 from __future__ import annotations
 
@@ -191,11 +193,113 @@ def test_check_fails_when_fresh_rows_read_the_previous_occupants_garbage(monkeyp
     assert "PASS" in capsys.readouterr().out
 
 
-def test_check_fails_when_first_requests_read_unwritten_blocks(monkeypatch, capsys):
+@pytest.mark.parametrize("prefill", ["token-by-token", "calls"])
+def test_check_fails_when_first_requests_read_unwritten_blocks(monkeypatch, capsys, prefill):
     # Blocks start as garbage too: without zeroing, even the first requests (no row changes
-    # hands) start from it and the check fails.
+    # hands) start from it and the check fails. With prefill calls the first prompts (2 tokens
+    # or more) start from a null initial slot and need no zeroing; the plain run that prefills
+    # token by token reads the garbage, and the check against it fails (bit-exact on the CPU).
     monkeypatch.setattr(GDNCache, "zero_blocks", lambda self, group, blocks: None)
-    assert demo.main(SHORT + ["--late-requests", "0"]) == 1
+    assert demo.main(SHORT + ["--late-requests", "0", "--prefill", prefill]) == 1
+    out = capsys.readouterr().out
+    if prefill == "token-by-token":
+        assert "FAIL (speculative != plain decoding)" in out
+    else:
+        assert "FAIL (prefill calls != token-by-token prefill" in out
+        diffs = [line for line in out.splitlines() if "first difference" in line]
+        assert diffs and all(line.lstrip().startswith("token-by-token") for line in diffs), diffs
+
+
+def _record_runs(monkeypatch):
+    """Records the tokens of every run main() makes: (kind, prefill calls, replay) -> tokens."""
+    runs = {}
+    real_plain, real_spec = demo.run_plain, demo.run_speculative
+
+    def plain(model, prompts, args, progress, prefill_calls=False, garbage_run=0):
+        tokens, stats = real_plain(model, prompts, args, progress, prefill_calls=prefill_calls, garbage_run=garbage_run)
+        runs.setdefault(("plain", prefill_calls, False), tokens)
+        return tokens, stats
+
+    def spec(model, prompts, args, progress, replay=False, prefill_calls=False):
+        tokens, stats, note = real_spec(model, prompts, args, progress, replay=replay, prefill_calls=prefill_calls)
+        runs.setdefault(("speculative", prefill_calls, replay), tokens)
+        return tokens, stats, note
+
+    monkeypatch.setattr(demo, "run_plain", plain)
+    monkeypatch.setattr(demo, "run_speculative", spec)
+    return runs
+
+
+def _spy_prefill_calls(monkeypatch):
+    """Records every gdn.prefill / gdn.causal_conv1d_prefill call: (name, token counts of its
+    requests, initial slot ids)."""
+    calls = []
+    for name in ("prefill", "causal_conv1d_prefill"):
+        real = getattr(gdn, name)
+
+        def spy(*args, _real=real, _name=name, **kw):
+            cu = args[5 if _name == "causal_conv1d_prefill" else 8].cpu().tolist()
+            initial = args[3 if _name == "causal_conv1d_prefill" else 6].cpu().tolist()
+            calls.append((_name, [e - b for b, e in zip(cu, cu[1:])], initial))
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(gdn, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["write-all", "replay"])
+def test_prefill_calls_pass_and_equal_token_by_token_prefill(monkeypatch, capsys, mode):
+    # The default --prefill calls: whole prompts through gdn.causal_conv1d_prefill + gdn.prefill
+    # (one call each per layer and step), rows taken over by late requests (some with one-token
+    # prompts, which go through the decode path). It must PASS, print the time to first token
+    # both ways, and every run's tokens must equal those of a --prefill token-by-token demo.
+    runs = _record_runs(monkeypatch)
+    calls = _spy_prefill_calls(monkeypatch)
+    args = SHORT + ["--late-requests", "6", "--state-mode", mode]
+    assert demo.main(args) == 0
+    out = capsys.readouterr().out
+    assert "PASS (speculative == plain decoding), prefill calls == token-by-token prefill" in out
+    assert "first token  : plain greedy, prefill calls: median" in out
+    assert "plain greedy, token by token: median" in out and "sooner" in out
+    assert "in every run the metadata started all 10 requests from a zero state" in out
+    # Prefill calls ran, in pairs, only on rows of more than one token, all fresh (a null
+    # initial slot: the demo's NULL_BLOCK 0, first_valid_slot 1).
+    assert calls and len(calls) % 2 == 0
+    assert {name for name, _, _ in calls} == {"prefill", "causal_conv1d_prefill"}
+    for _, lengths, initial in calls:
+        assert lengths and all(n > 1 for n in lengths)
+        assert all(i == 0 for i in initial)
+    # 3 layers: every step with prefill rows makes 3 calls of each.
+    assert sum(name == "prefill" for name, _, _ in calls) % 3 == 0
+    with_calls = dict(runs)
+    assert ("plain", False, False) in with_calls  # the token-by-token reference ran too
+
+    runs.clear()
+    calls.clear()
+    assert demo.main(args + ["--prefill", "token-by-token"]) == 0
+    out = capsys.readouterr().out
+    assert "PASS (speculative == plain decoding)" in out and "prefill calls ==" not in out
+    assert not calls  # the old path makes no prefill call
+    reference = runs[("plain", False, False)]
+    assert set(runs) == {("plain", False, False), ("speculative", False, False)} | (
+        {("speculative", False, True)} if mode == "replay" else set()
+    )
+    for key, tokens in list(with_calls.items()) + list(runs.items()):
+        assert tokens == reference, key
+
+
+@pytest.mark.parametrize("mode", ["write-all", "replay"])
+def test_check_fails_when_prefill_ignores_has_initial_state(monkeypatch, capsys, mode):
+    # A consumer that hands a fresh prefill row its destination as the initial slot (ignoring
+    # has_initial_state) runs the prompt from the garbage its blocks hold: the runs (each with its
+    # own garbage) diverge and the check fails.
+    real = gdn.prefill
+
+    def from_destination(mixed_qkv, a, b, A_log, dt_bias, state, initial, final, *args, **kw):
+        return real(mixed_qkv, a, b, A_log, dt_bias, state, final, final, *args, **kw)
+
+    monkeypatch.setattr(gdn, "prefill", from_destination)
+    assert demo.main(SHORT + ["--state-mode", mode]) == 1
     assert "FAIL (speculative != plain decoding)" in capsys.readouterr().out
 
 
@@ -248,12 +352,19 @@ def test_bad_arguments_are_refused(capsys):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("prefill", ["calls", "token-by-token"])
+@pytest.mark.parametrize("mode", ["write-all", "replay"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
-def test_short_cuda_demo_passes(graphs, capsys):
-    args = SHORT + ["--device", "cuda"] + (["--graphs"] if graphs else [])
+def test_short_cuda_demo_passes(graphs, mode, prefill, capsys):
+    # With prefill calls, PASS compares the runs that all prefill with the CUDA prefill kernel
+    # (bf16 operands); agreement with token-by-token prefill is reported, not required.
+    args = SHORT + ["--device", "cuda", "--state-mode", mode, "--prefill", prefill] + (["--graphs"] if graphs else [])
     assert demo.main(args) == 0
     out = capsys.readouterr().out
     assert "PASS (speculative == plain decoding)" in out
+    if prefill == "calls":
+        assert "requests generated exactly the tokens of token-by-token prefill" in out
+        assert "first token  : plain greedy, prefill calls" in out
 
 
 @pytest.mark.gpu
