@@ -13,6 +13,8 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "gdn/conv/params.hpp"
 #include "gdn/conv_prefill/params.hpp"
@@ -29,7 +31,7 @@ namespace gdn::binding {
 
 // The DLPack codes (dlpack.h: DLDataTypeCode, DLDeviceType) of the arrays a binding meets.
 namespace dlpack {
-enum TypeCode : uint8_t { kInt = 0, kUInt = 1, kFloat = 2, kBfloat = 4, kBool = 6 };
+enum TypeCode : uint8_t { kInt = 0, kUInt = 1, kFloat = 2, kBfloat = 4, kComplex = 5, kBool = 6 };
 enum DeviceCode : int32_t { kCPU = 1, kCUDA = 2, kCUDAHost = 3 };
 }  // namespace dlpack
 
@@ -40,7 +42,47 @@ struct ElementType {
   uint16_t lanes;
 };
 
-inline DType to_dtype(ElementType t, const char* name) {
+// The readable name of a DLPack element type: "int16", "uint8", "complex64", "float8_e4m3fn",
+// "float32x4" (4 lanes), ...; "DLPack type code C, B bits" for codes without one.
+inline std::string dtype_name(ElementType t) {
+  // dlpack.h's DLDataTypeCode from kDLFloat8_e3m4 (7) to kDLFloat4_e2m1fn (17).
+  static constexpr const char* kNarrowFloats[] = {
+      "float8_e3m4",     "float8_e4m3",   "float8_e4m3b11fnuz", "float8_e4m3fn",
+      "float8_e4m3fnuz", "float8_e5m2",   "float8_e5m2fnuz",    "float8_e8m0fnu",
+      "float6_e2m3fn",   "float6_e3m2fn", "float4_e2m1fn"};
+  const std::string bits = std::to_string(t.bits);
+  std::string name;
+  switch (t.code) {
+    case dlpack::kInt:
+      name = "int" + bits;
+      break;
+    case dlpack::kUInt:
+      name = "uint" + bits;
+      break;
+    case dlpack::kFloat:
+      name = "float" + bits;
+      break;
+    case dlpack::kBfloat:
+      name = "bfloat" + bits;
+      break;
+    case dlpack::kComplex:
+      name = "complex" + bits;
+      break;
+    case dlpack::kBool:
+      name = t.bits == 8 ? std::string("bool") : "bool (" + bits + " bits)";
+      break;
+    default:
+      if (t.code >= 7 && t.code < 7 + sizeof(kNarrowFloats) / sizeof(kNarrowFloats[0]))
+        name = kNarrowFloats[t.code - 7];
+      else
+        return "DLPack type code " + std::to_string(t.code) + ", " + bits + " bits" +
+               (t.lanes == 1 ? "" : ", " + std::to_string(t.lanes) + " lanes");
+  }
+  return t.lanes == 1 ? name : name + "x" + std::to_string(t.lanes);
+}
+
+// The library's DType of a DLPack element type, if it has one.
+inline std::optional<DType> to_dtype(ElementType t) noexcept {
   if (t.lanes == 1) {
     if (t.code == dlpack::kFloat && t.bits == 32) return DType::kFloat32;
     if (t.code == dlpack::kFloat && t.bits == 16) return DType::kFloat16;
@@ -50,9 +92,33 @@ inline DType to_dtype(ElementType t, const char* name) {
     if (t.code == dlpack::kInt && t.bits == 64) return DType::kInt64;
     if (t.code == dlpack::kBool && t.bits == 8) return DType::kBool;
   }
-  throw std::invalid_argument(std::string(name) + " has an unsupported dtype (code " +
-                              std::to_string(t.code) + ", " + std::to_string(t.bits) + " bits)");
+  return std::nullopt;
 }
+
+// The dtype of the view of an array whose element type has no DType (int16, uint8, complex64, ...):
+// a value outside the enumeration, so no argument check accepts it (each refuses it as
+// "<name> has dtype unknown").
+inline constexpr DType kForeignDType = static_cast<DType>(-1);
+
+// make_view's refusal of an array whose element type has no DType. It carries the view (its dtype
+// kForeignDType) and the element type's readable name, so that an operation's Params builder (see
+// ForeignDTypes) can refuse the call as the operation's own checks do, with its list of accepted
+// dtypes; elsewhere its message names the dtype and those gdn knows.
+class ForeignDType : public std::invalid_argument {
+ public:
+  ForeignDType(const TensorView& view, const char* name, std::string dtype)
+      : std::invalid_argument(std::string(name) + " has dtype " + dtype +
+                              ", which gdn does not take (it knows float32, bfloat16, float16, "
+                              "float64, int32, int64 and bool)"),
+        view_(view),
+        dtype_(std::move(dtype)) {}
+  const TensorView& view() const noexcept { return view_; }
+  const std::string& dtype() const noexcept { return dtype_; }
+
+ private:
+  TensorView view_;
+  std::string dtype_;
+};
 
 // The view of an array described by DLPack fields (shape and strides in elements, `ndim` of them).
 // The one place arrays become views, whichever binding or import read them, so the errors are the
@@ -66,7 +132,8 @@ inline TensorView make_view(const void* data, ElementType dtype, int32_t device_
   TensorView v;
   // Read-only arrays only ever back views the operation reads.
   v.data = const_cast<void*>(data);
-  v.dtype = to_dtype(dtype, name);
+  const std::optional<DType> known = to_dtype(dtype);
+  v.dtype = known ? *known : kForeignDType;
   v.ndim = int(ndim);
   for (int d = 0; d < v.ndim; ++d) {
     v.shape[d] = shape[d];
@@ -81,6 +148,7 @@ inline TensorView make_view(const void* data, ElementType dtype, int32_t device_
     throw std::invalid_argument(std::string(name) + " lives on an unsupported device type " +
                                 std::to_string(device_type) + " (CPU and CUDA are supported)");
   }
+  if (!known) throw ForeignDType(v, name, dtype_name(dtype));
   return v;
 }
 
@@ -99,6 +167,62 @@ inline void throw_if_error(const Status& s) {
     throw std::invalid_argument(s.reason());
   throw std::runtime_error(s.reason());
 }
+
+// Arrays of dtypes without a DType in one call. A Params builder takes the views make_view refuses
+// with ForeignDType (their dtype kForeignDType) through `taking(view)`, then `refuse_if_any`
+// refuses the call with the operation's first argument error, `check_arguments` (which reads no
+// data), in which each such array's dtype is named: "cu_seqlens has dtype int16; expected one of:
+// int32, int64", as for any other dtype the argument does not accept. Nothing runs on such views.
+class ForeignDTypes {
+ public:
+  // `view`, taking the views make_view refuses for their dtype alone.
+  template <class View>
+  auto taking(View& view) {
+    return [this, &view](const auto& array, const char* name) -> TensorView {
+      try {
+        return view(array, name);
+      } catch (const ForeignDType& e) {
+        entries_.push_back({name, e.dtype(), e.what()});
+        return e.view();
+      }
+    };
+  }
+
+  // Raises the first argument error `check_arguments()` (a Status) finds, when an array of a
+  // foreign dtype was taken; returns when none was.
+  template <class Check>
+  void refuse_if_any(Check&& check_arguments) const {
+    if (entries_.empty()) return;
+    const Status s = check_arguments();
+    // Every argument's dtype is checked, so this is not expected; the call is refused all the same.
+    if (s.is_ok()) throw std::invalid_argument(entries_.front().message);
+    std::string reason = s.reason();
+    for (const Entry& e : entries_) name_dtype(reason, e);
+    throw_if_error(Status(s.code(), std::move(reason)));
+  }
+
+ private:
+  struct Entry {
+    std::string name, dtype, message;
+  };
+
+  static bool identifier_char(char c) noexcept {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
+  }
+
+  // "<name> has dtype unknown" (to_string of kForeignDType) -> "<name> has dtype <e.dtype>".
+  static void name_dtype(std::string& reason, const Entry& e) {
+    const std::string_view unknown = to_string(kForeignDType);
+    const std::string said = e.name + " has dtype " + std::string(unknown);
+    for (size_t at = reason.find(said); at != std::string::npos; at = reason.find(said, at + 1)) {
+      if (at > 0 && identifier_char(reason[at - 1])) continue;  // another argument's name
+      reason.replace(at + said.size() - unknown.size(), unknown.size(), e.dtype);
+      return;
+    }
+  }
+
+  std::vector<Entry> entries_;
+};
 
 inline GateActivation parse_gate(std::string_view s) {
   if (s == "silu" || s == "swish") return GateActivation::kSiLU;
@@ -175,10 +299,16 @@ void set_step_args(const StepArgsIn<In, Out>& in, View& view, decode_mtp::StepAr
 template <class In, class Out, class View>
 decode_mtp::Params decode_mtp_params(const StepArgsIn<In, Out>& step, const In& state_indices,
                                      const std::optional<In>& num_accepted_tokens, View&& view) {
+  ForeignDTypes foreign;
+  auto taking = foreign.taking(view);
   decode_mtp::Params p;
-  set_step_args(step, view, p);
-  p.state_indices = view(state_indices, "state_indices");
-  p.num_accepted_tokens = optional_view(num_accepted_tokens, "num_accepted_tokens", view);
+  set_step_args(step, taking, p);
+  p.state_indices = taking(state_indices, "state_indices");
+  p.num_accepted_tokens = optional_view(num_accepted_tokens, "num_accepted_tokens", taking);
+  foreign.refuse_if_any([&p] {
+    decode_mtp::Problem pr;
+    return decode_mtp::check_arguments(p, &pr);
+  });
   return p;
 }
 
@@ -189,12 +319,18 @@ prefill::Params prefill_params(const StepArgsIn<In, Out>& step, const In& initia
                                const In& final_state_indices,
                                const std::optional<In>& checkpoint_indices,
                                int64_t checkpoint_every, View&& view) {
+  ForeignDTypes foreign;
+  auto taking = foreign.taking(view);
   prefill::Params p;
-  set_step_args(step, view, p);
-  p.initial_state_indices = view(initial_state_indices, "initial_state_indices");
-  p.final_state_indices = view(final_state_indices, "final_state_indices");
-  p.checkpoint_indices = optional_view(checkpoint_indices, "checkpoint_indices", view);
+  set_step_args(step, taking, p);
+  p.initial_state_indices = taking(initial_state_indices, "initial_state_indices");
+  p.final_state_indices = taking(final_state_indices, "final_state_indices");
+  p.checkpoint_indices = optional_view(checkpoint_indices, "checkpoint_indices", taking);
   p.checkpoint_every = checkpoint_every;
+  foreign.refuse_if_any([&p] {
+    prefill::Problem pr;
+    return prefill::check_arguments(p, &pr);
+  });
   return p;
 }
 
@@ -209,15 +345,21 @@ struct ReplayArraysIn {
 template <class In, class Out, class View>
 replay::Params replay_params(const StepArgsIn<In, Out>& step, const ReplayArraysIn<In, Out>& own,
                              View&& view) {
+  ForeignDTypes foreign;
+  auto taking = foreign.taking(view);
   replay::Params p;
-  set_step_args(step, view, p);
-  p.state_indices = view(own.state_indices, "state_indices");
-  p.num_accepted_tokens = view(own.num_accepted_tokens, "num_accepted_tokens");
-  p.window_k = view(own.window_k, "window_k");
-  p.window_v = view(own.window_v, "window_v");
-  p.window_a = view(own.window_a, "window_a");
-  p.window_b = view(own.window_b, "window_b");
-  p.window_len = view(own.window_len, "window_len");
+  set_step_args(step, taking, p);
+  p.state_indices = taking(own.state_indices, "state_indices");
+  p.num_accepted_tokens = taking(own.num_accepted_tokens, "num_accepted_tokens");
+  p.window_k = taking(own.window_k, "window_k");
+  p.window_v = taking(own.window_v, "window_v");
+  p.window_a = taking(own.window_a, "window_a");
+  p.window_b = taking(own.window_b, "window_b");
+  p.window_len = taking(own.window_len, "window_len");
+  foreign.refuse_if_any([&p] {
+    replay::Problem pr;
+    return replay::check_arguments(p, &pr);
+  });
   return p;
 }
 
@@ -233,18 +375,24 @@ struct ConvArgsIn {
 
 template <class Array, class View>
 conv::Params conv_params(const ConvArgsIn<Array>& in, View&& view) {
+  ForeignDTypes foreign;
+  auto taking = foreign.taking(view);
   conv::Params p;
-  p.x = view(in.x, "x");
-  p.weight = view(in.weight, "weight");
-  p.conv_state = view(in.conv_state, "conv_state");
-  p.conv_state_indices = view(in.conv_state_indices, "conv_state_indices");
-  p.cu_seqlens = view(in.cu_seqlens, "cu_seqlens");
-  p.out = view(in.out, "out");
-  p.num_accepted_tokens = optional_view(in.num_accepted_tokens, "num_accepted_tokens", view);
-  p.error_count = optional_view(in.error_count, "error_count", view);
+  p.x = taking(in.x, "x");
+  p.weight = taking(in.weight, "weight");
+  p.conv_state = taking(in.conv_state, "conv_state");
+  p.conv_state_indices = taking(in.conv_state_indices, "conv_state_indices");
+  p.cu_seqlens = taking(in.cu_seqlens, "cu_seqlens");
+  p.out = taking(in.out, "out");
+  p.num_accepted_tokens = optional_view(in.num_accepted_tokens, "num_accepted_tokens", taking);
+  p.error_count = optional_view(in.error_count, "error_count", taking);
   p.activation = parse_activation(in.activation);
   p.layout = parse_conv_layout(in.state_layout);
   p.first_valid_slot = in.first_valid_slot;
+  foreign.refuse_if_any([&p] {
+    conv::Problem pr;
+    return conv::check_arguments(p, &pr);
+  });
   return p;
 }
 
@@ -260,18 +408,24 @@ struct ConvPrefillArgsIn {
 
 template <class Array, class View>
 conv_prefill::Params conv_prefill_params(const ConvPrefillArgsIn<Array>& in, View&& view) {
+  ForeignDTypes foreign;
+  auto taking = foreign.taking(view);
   conv_prefill::Params p;
-  p.x = view(in.x, "x");
-  p.weight = view(in.weight, "weight");
-  p.conv_state = view(in.conv_state, "conv_state");
-  p.initial_state_indices = view(in.initial_state_indices, "initial_state_indices");
-  p.final_state_indices = view(in.final_state_indices, "final_state_indices");
-  p.cu_seqlens = view(in.cu_seqlens, "cu_seqlens");
-  p.out = view(in.out, "out");
-  p.error_count = optional_view(in.error_count, "error_count", view);
+  p.x = taking(in.x, "x");
+  p.weight = taking(in.weight, "weight");
+  p.conv_state = taking(in.conv_state, "conv_state");
+  p.initial_state_indices = taking(in.initial_state_indices, "initial_state_indices");
+  p.final_state_indices = taking(in.final_state_indices, "final_state_indices");
+  p.cu_seqlens = taking(in.cu_seqlens, "cu_seqlens");
+  p.out = taking(in.out, "out");
+  p.error_count = optional_view(in.error_count, "error_count", taking);
   p.activation = parse_activation(in.activation);
   p.layout = parse_conv_layout(in.state_layout);
   p.first_valid_slot = in.first_valid_slot;
+  foreign.refuse_if_any([&p] {
+    conv_prefill::Problem pr;
+    return conv_prefill::check_arguments(p, &pr);
+  });
   return p;
 }
 

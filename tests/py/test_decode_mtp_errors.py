@@ -155,7 +155,7 @@ ARGUMENT_ERRORS = [
     _error(
         "state_indices_int16",
         _set("state_indices", lambda c: c.state_indices.short()),
-        r"state_indices has an unsupported dtype",
+        r"^state_indices has dtype int16; expected one of: int32, int64$",
     ),
     _error("cu_seqlens_float", _set("cu_seqlens", lambda c: c.cu_seqlens.float()), r"cu_seqlens has dtype float32"),
     _error(
@@ -164,7 +164,11 @@ ARGUMENT_ERRORS = [
         r"num_accepted_tokens has dtype bool",
     ),
     _error("state_float64", _set("state", lambda c: c.state.double()), r"state has dtype float64"),
-    _error("state_uint8", _set("state", lambda c: c.state.view(torch.uint8)), r"state has an unsupported dtype"),
+    _error(
+        "state_uint8",
+        _set("state", lambda c: c.state.view(torch.uint8)),
+        r"^state has dtype uint8; expected one of: float32, bfloat16, float16$",
+    ),
     _error("mixed_qkv_float64", _set("mixed_qkv", lambda c: c.mixed_qkv.double()), r"mixed_qkv has dtype float64"),
     _error("a_int32", _set("a", lambda c: c.a.int()), r"^a has dtype int32"),
     _error("b_float64", _set("b", lambda c: c.b.double()), r"^b has dtype float64"),

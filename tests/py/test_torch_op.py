@@ -782,7 +782,7 @@ BAD_CALLS = {
     "decode_mtp-dlpack-dtype": (
         "decode_mtp",
         lambda t: t.update(cu_seqlens=t["cu_seqlens"].byte()),
-        "cu_seqlens has an unsupported dtype",
+        "cu_seqlens has dtype uint8; expected one of: int32, int64",
     ),
     "replay-dtype": (
         "decode_mtp_replay",
@@ -836,6 +836,64 @@ def test_op_raises_what_the_function_raises(gen, case):
     before = _clone(call.t)
     assert _raised(call.op, call.t) == raised
     assert not _changed(before, call.t)
+
+
+# Element types gdn has no dtype for, by their DLPack names (the names errors give them).
+FOREIGN_DTYPES = {
+    name: getattr(torch, name)
+    for name in (
+        "int8",
+        "int16",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "complex64",
+        "complex128",
+        "float8_e4m3fn",
+        "float8_e5m2",
+    )
+    if hasattr(torch, name)
+}
+
+
+@pytest.mark.parametrize(
+    "name", ["decode_mtp", "decode_mtp_replay", "prefill", "causal_conv1d_update", "causal_conv1d_prefill"]
+)
+def test_foreign_dtype_errors_name_the_dtype_and_the_accepted_ones(gen, name):
+    """An array of a dtype gdn has no type for is refused as one of a dtype the argument does not take
+    (float64, which no argument takes): the argument, its dtype by name, the dtypes it accepts. The
+    function and the op raise the same, and nothing is written."""
+    call = CALLS[name](gen, "cpu")
+    arrays = [k for k, v in call.t.items() if isinstance(v, torch.Tensor) and k not in call.optional]
+    assert "cu_seqlens" in arrays
+    for arg in arrays:
+        as_float64 = _clone(call.t)
+        as_float64[arg] = torch.zeros(call.t[arg].shape, dtype=torch.float64)
+        kind, message = _raised(call.fn, as_float64)
+        assert kind is ValueError and message.startswith(f"{arg} has dtype float64"), (arg, message)
+        for dtype_name, dtype in FOREIGN_DTYPES.items():
+            t = _clone(call.t)
+            t[arg] = torch.zeros(call.t[arg].shape, dtype=dtype)
+            expected = (ValueError, message.replace("has dtype float64", f"has dtype {dtype_name}", 1))
+            before = _clone(t)
+            assert _raised(call.fn, t) == expected, (arg, dtype_name)
+            assert _raised(call.op, t) == expected, (arg, dtype_name)
+            assert not _changed(before, t), (arg, dtype_name)
+
+
+def test_cu_seqlens_int16_error(gen):
+    """The reported case: a NumPy int16 cu_seqlens."""
+    case = _case(gen, "fp32_vk_silu")
+    args = list(case.args())
+    args[7] = args[7].numpy().astype("int16")
+    message = "cu_seqlens has dtype int16; expected one of: int32, int64"
+    assert _raised(gdn.decode_mtp, *(a.numpy() if isinstance(a, torch.Tensor) else a for a in args)) == (
+        ValueError,
+        message,
+    )
+    args[7] = torch.from_numpy(args[7])
+    assert _raised(torch.ops.gdn.decode_mtp, *args, **case.kwargs()) == (ValueError, message)
 
 
 @pytest.mark.parametrize("options", [dict(gate="relu"), dict(state_layout="kvv"), dict(first_valid_slot=-1)], ids=str)
