@@ -23,6 +23,7 @@ __all__ = [
 ]
 
 
+@traced_as_torch_op
 def causal_conv1d_update(
     x: Buffer,
     weight: Buffer,

@@ -1,9 +1,9 @@
-"""The gdn functions inside torch.compile(fullgraph=True): gdn.decode_mtp and gdn.decode_mtp_replay
-called from a compiled function (backends eager, aot_eager, inductor) trace as their torch ops
-(gdn._common.traced_as_torch_op) and give the eager call's outputs, states and windows bit for bit,
-on the CPU and on CUDA, where the compiled function is also captured in a CUDA graph and replayed
-on new inputs. A stream argument inside a traced call is refused, naming it; eager calls never go
-through the op."""
+"""The gdn functions inside torch.compile(fullgraph=True): gdn.decode_mtp, gdn.decode_mtp_replay,
+gdn.prefill, gdn.causal_conv1d_update and gdn.causal_conv1d_prefill called from a compiled function
+(backends eager, aot_eager, inductor) trace as their torch ops (gdn._common.traced_as_torch_op) and
+give the eager call's outputs, states and windows bit for bit, on the CPU and on CUDA, where the
+compiled function is also captured in a CUDA graph and replayed on new inputs. A stream argument
+inside a traced call is refused, naming it; eager calls never go through the op."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def _assert_same(got: Tensors, want: Tensors) -> None:
         assert torch.equal(_bits(got[name]), _bits(want[name])), f"{name} differs from the eager call"
 
 
-# ---- the two calls, as a model step would make them ----------------------------------------------
+# ---- the calls, as a model step would make them ----------------------------------------------
 #
 # Each `*_inputs` returns the call's tensors (written ones included) and the names it writes; each
 # `*_step` is the function that gets compiled: it takes the tensors and passes the scalars itself.
@@ -140,9 +140,132 @@ def _replay_step(t: Tensors) -> None:
     )
 
 
+def _offsets(T: List[int]) -> torch.Tensor:
+    return torch.tensor([0] + [sum(T[: i + 1]) for i in range(len(T))], dtype=torch.int32)
+
+
+def _slots(gen, N: int) -> Tuple[int, torch.Tensor, torch.Tensor]:
+    """A pool of 2N + 2 slots, slot 0 null (first_valid_slot=1); N initial slots (the first null:
+    a new request) and N distinct final slots, apart from them."""
+    slots = 2 * N + 2
+    perm = (torch.randperm(slots - 1, generator=gen) + 1).to(torch.int32)
+    initial, final = perm[:N].clone(), perm[N : 2 * N].clone()
+    initial[0] = 0
+    return slots, initial, final
+
+
+_D, _W, _NUM_SPEC = 16, 4, 2  # conv channels, width and speculative tokens
+_PREFILL_SCALE = 3  # a prefill request has 3 times the tokens of a verify request of the same test
+
+
+def _conv_inputs(gen, device: str, T: List[int]) -> Tuple[Tensors, List[str]]:
+    N, slots, L = len(T), len(T) + 2, sum(T)
+    randn = lambda *shape, std=1.0: torch.randn(*shape, generator=gen) * std  # noqa: E731
+    t = dict(
+        x=randn(L, _D),
+        weight=randn(_D, _W, std=0.5),
+        conv_state=randn(slots, _D, _W - 1 + _NUM_SPEC),
+        conv_state_indices=torch.randperm(slots, generator=gen)[:N].to(torch.int32),
+        cu_seqlens=_offsets(T),
+        out=torch.full((L, _D), float("nan")),
+        num_accepted_tokens=torch.randint(1, _NUM_SPEC + 2, (N,), generator=gen, dtype=torch.int32),
+    )
+    return {k: v.to(device) for k, v in t.items()}, ["conv_state", "out"]
+
+
+def _conv_step(t: Tensors) -> None:
+    gdn.causal_conv1d_update(
+        t["x"],
+        t["weight"],
+        t["conv_state"],
+        t["conv_state_indices"],
+        t["cu_seqlens"],
+        t["out"],
+        num_accepted_tokens=t["num_accepted_tokens"],
+        activation="silu",
+        state_layout="channels_major",
+    )
+
+
+def _conv_prefill_inputs(gen, device: str, T: List[int]) -> Tuple[Tensors, List[str]]:
+    T = [n * _PREFILL_SCALE for n in T]
+    slots, initial, final = _slots(gen, len(T))
+    L = sum(T)
+    t = dict(
+        x=torch.randn(L, _D, generator=gen),
+        weight=torch.randn(_D, _W, generator=gen) * 0.5,
+        conv_state=torch.randn(slots, _W - 1 + _NUM_SPEC, _D, generator=gen),  # tokens_major
+        initial_state_indices=initial,
+        final_state_indices=final,
+        cu_seqlens=_offsets(T),
+        out=torch.full((L, _D), float("nan")),
+    )
+    return {k: v.to(device) for k, v in t.items()}, ["conv_state", "out"]
+
+
+def _conv_prefill_step(t: Tensors) -> None:
+    gdn.causal_conv1d_prefill(
+        t["x"],
+        t["weight"],
+        t["conv_state"],
+        t["initial_state_indices"],
+        t["final_state_indices"],
+        t["cu_seqlens"],
+        t["out"],
+        activation="silu",
+        state_layout="tokens_major",
+        first_valid_slot=1,
+    )
+
+
+def _prefill_inputs(gen, device: str, T: List[int]) -> Tuple[Tensors, List[str]]:
+    K = V = _head_dim(device)
+    T = [n * _PREFILL_SCALE for n in T]
+    slots, initial, final = _slots(gen, len(T))
+    L = sum(T)
+    randn = lambda *shape, std=1.0: torch.randn(*shape, generator=gen) * std  # noqa: E731
+    t = dict(
+        mixed_qkv=randn(L, 2 * _H * K + _HV * V),
+        a=randn(L, _HV),
+        b=randn(L, _HV),
+        A_log=randn(_HV, std=0.5),
+        dt_bias=randn(_HV, std=0.1),
+        state=randn(slots, _HV, V, K, std=0.3),
+        initial_state_indices=initial,
+        final_state_indices=final,
+        cu_seqlens=_offsets(T),
+        out=torch.full((L, _HV, V), float("nan")),
+        z=randn(L, _HV, V),
+        norm_weight=randn(V, std=0.2) + 1,
+    )
+    return {k: v.to(device) for k, v in t.items()}, ["state", "out"]
+
+
+def _prefill_step(t: Tensors) -> None:
+    gdn.prefill(
+        t["mixed_qkv"],
+        t["a"],
+        t["b"],
+        t["A_log"],
+        t["dt_bias"],
+        t["state"],
+        t["initial_state_indices"],
+        t["final_state_indices"],
+        t["cu_seqlens"],
+        t["out"],
+        z=t["z"],
+        norm_weight=t["norm_weight"],
+        gate="silu",
+        first_valid_slot=1,
+    )
+
+
 CALLS: Dict[str, Tuple[Callable[..., Tuple[Tensors, List[str]]], Callable[[Tensors], None]]] = {
     "decode_mtp": (_decode_inputs, _decode_step),
     "decode_mtp_replay": (_replay_inputs, _replay_step),
+    "prefill": (_prefill_inputs, _prefill_step),
+    "causal_conv1d_update": (_conv_inputs, _conv_step),
+    "causal_conv1d_prefill": (_conv_prefill_inputs, _conv_prefill_step),
 }
 
 
