@@ -2,8 +2,9 @@
 // and against the CPU path, on fresh random inputs with poisoned outputs: chunk edges (1, 63, 64,
 // 65, 127, 128, 129 tokens and long ones), null initial and final slots, in place, checkpoints,
 // every head ratio and state dtype, both layouts, padded rows, strided inputs, bf16 activations,
-// weak decay (a long memory), every output variant, and device-side invalid rows (nothing stored,
-// zero outputs, counted). The kernel's products use bf16 operands with fp32 accumulation, so it is
+// weak decay (a long memory), every output variant, device-side invalid rows (nothing stored,
+// zero outputs, counted), a caller's workspace, and rows whose chunk slots collide under a broken
+// cu_seqlens. The kernel's products use bf16 operands with fp32 accumulation, so it is
 // held to a relative L2 error, not to the CPU path's bits. Skips (with the reason) without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -39,7 +40,8 @@ Status gpu_prefill(const Params& host) {
                                     &p.error_count,
                                     &p.initial_state_indices,
                                     &p.final_state_indices,
-                                    &p.checkpoint_indices};
+                                    &p.checkpoint_indices,
+                                    &p.workspace};
   return gdn::testing::run_mirrored(views, [&] { return cuda_api::prefill(p, nullptr); });
 }
 
@@ -204,6 +206,73 @@ TEST(PrefillCuda, InvalidDeviceRowsWriteNothingAndAreCounted) {
   EXPECT_EQ(err2[0], 1);
   for (int64_t e = 3 * bad.c.slot_stride; e < 4 * bad.c.slot_stride; ++e)
     ASSERT_EQ(bad.c.state.get(e), bad_before.get(e));
+}
+
+// A caller's workspace of cuda_workspace_bytes gives the same bits as the launch's own; a smaller
+// one is refused, naming it, before anything is written.
+TEST(PrefillCuda, CallerWorkspace) {
+  GDN_SKIP_WITHOUT_GPU();
+  const CaseConfig g = gpu_config({100, 64, 1, 200}, 2, DType::kFloat32, StateLayout::kVK, 11);
+  PrefillCase own(g, {0, 1, 2, 3}, {4, 5, 6, 7}), given(g, {0, 1, 2, 3}, {4, 5, 6, 7});
+  own.c.poison_out();
+  given.c.poison_out();
+  ASSERT_TRUE(gpu_prefill(own.params()).is_ok());
+  const int64_t bytes = cuda_workspace_bytes(given.c.L, given.c.N, given.c.HV);
+  const int64_t words = (bytes + 3) / 4;
+  std::vector<int32_t> workspace(size_t(words) + 4);
+  // 16-byte aligned within its host buffer, so within its device copy too.
+  const size_t pad = (16 - reinterpret_cast<uintptr_t>(workspace.data()) % 16) % 16 / 4;
+  Params p = given.params();
+  p.workspace = TensorView::make(workspace.data() + pad, DType::kInt32, {words});
+  const Status s = gpu_prefill(p);
+  ASSERT_TRUE(s.is_ok()) << s.reason();
+  for (int64_t e = 0; e < own.c.out.count; ++e) {
+    const float a = own.c.out.get(e), b = given.c.out.get(e);
+    ASSERT_TRUE(a == b || (std::isnan(a) && std::isnan(b))) << e;
+  }
+  for (int64_t e = 0; e < own.c.state.count; ++e)
+    ASSERT_EQ(own.c.state.get(e), given.c.state.get(e)) << e;
+
+  PrefillCase small(g, {0, 1, 2, 3}, {4, 5, 6, 7});
+  small.c.poison_out();
+  Params q = small.params();
+  q.workspace = TensorView::make(workspace.data() + pad, DType::kInt32, {words - 1});
+  const Status refused = gpu_prefill(q);
+  EXPECT_FALSE(refused.is_ok());
+  EXPECT_NE(refused.reason().find("workspace has"), std::string::npos) << refused.reason();
+  for (int64_t e = 0; e < small.c.out.count; ++e) ASSERT_TRUE(std::isnan(small.c.out.get(e)));
+}
+
+// A cu_seqlens that is not non-decreasing can give two requests the same chunk slot: row 0 =
+// [128, 320) and row 2 = [0, 64) both map to slot 2 here (row 1 = [320, 0) is broken). The slot's
+// owner runs exactly as it would alone; the other request is refused as an invalid row.
+TEST(PrefillCuda, RequestsWhoseChunkSlotsCollideAreRefused) {
+  GDN_SKIP_WITHOUT_GPU();
+  const CaseConfig g = gpu_config({128, 192, 0}, 2, DType::kFloat32, StateLayout::kVK, 12);
+  PrefillCase broken(g, {0, 1, 2}, {3, 4, 5}), alone(g, {0, 1, 2}, {3, 4, 5});
+  const std::vector<int32_t> broken_cu = {128, 320, 0, 64}, alone_cu = {128, 320, 320, 320};
+  const auto run = [](PrefillCase& pc, const std::vector<int32_t>& cu, int32_t* errors) {
+    pc.c.poison_out();
+    pc.c.cu.assign(cu.begin(), cu.end());
+    Params p = pc.params();
+    p.cu_seqlens = TensorView::make(pc.c.cu.data(), DType::kInt32, {int64_t(cu.size())});
+    p.error_count = TensorView::make(errors, DType::kInt32, {1});
+    const Status s = gpu_prefill(p);
+    ASSERT_TRUE(s.is_ok()) << s.reason();
+  };
+  int32_t broken_errors = 0, alone_errors = 0;
+  run(broken, broken_cu, &broken_errors);
+  run(alone, alone_cu, &alone_errors);
+  EXPECT_EQ(broken_errors, 2);  // rows 1 and 2
+  EXPECT_EQ(alone_errors, 0);
+  const int64_t row_elems = broken.c.HV * 128;
+  for (int64_t e = 0; e < 64 * row_elems; ++e) ASSERT_EQ(broken.c.out.get(e), 0.0f) << e;
+  for (int64_t e = 64 * row_elems; e < 128 * row_elems; ++e)
+    ASSERT_TRUE(std::isnan(broken.c.out.get(e))) << e;
+  for (int64_t e = 128 * row_elems; e < 320 * row_elems; ++e)
+    ASSERT_EQ(broken.c.out.get(e), alone.c.out.get(e)) << e;
+  for (int64_t e = 0; e < broken.c.state.count; ++e)
+    ASSERT_EQ(broken.c.state.get(e), alone.c.state.get(e)) << e;
 }
 
 // On CUDA mixed_qkv, z and out share one dtype; another mix is refused before anything runs.

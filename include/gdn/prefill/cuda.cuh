@@ -1,6 +1,8 @@
-// prefill on CUDA: validates the call on the host, fills the kernel's arguments and launches one
-// CTA per (request, value head) (gdn/prefill/cuda_kernel.cuh). Reads no device memory, allocates
-// nothing, never synchronises; safe inside CUDA-graph capture for a fixed number of requests.
+// prefill on CUDA: validates the call on the host, fills the kernels' arguments and launches the
+// chunk kernel (one CTA per chunk slot and value head) and the state kernel (one CTA per request
+// and value head) (gdn/prefill/cuda_kernel.cuh). Reads no device memory and never synchronises;
+// safe inside CUDA-graph capture for a fixed token budget and number of requests. Without a
+// caller workspace it allocates one stream-ordered (a graph captures the allocation too).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -28,6 +30,18 @@ inline Status check_cuda_support(const Params& p, const Problem& pr) {
           std::string("prefill on CUDA needs ") + name + " in mixed_qkv's dtype " +
           std::string(to_string(p.mixed_qkv.dtype)) + ", got " +
           std::string(to_string(view->dtype)) + " (the CPU path takes any mix)");
+  if (p.workspace.present()) {
+    const int64_t need = cuda_workspace_bytes(pr.L, pr.N, pr.HV);
+    const int64_t have = p.workspace.numel() * int64_t(dtype_size(p.workspace.dtype));
+    if (p.workspace.device != pr.device)
+      return Status::invalid("workspace is on " + to_string(p.workspace.device) +
+                             ", the other arrays on " + to_string(pr.device));
+    if (have < need)
+      return Status::invalid("workspace has " + std::to_string(have) + " bytes; this call needs " +
+                             std::to_string(need) + " (cuda_workspace_bytes(L, N, HV))");
+    if (reinterpret_cast<uintptr_t>(p.workspace.data) % 16 != 0)
+      return Status::invalid("workspace must be 16-byte aligned");
+  }
   return Status::ok();
 }
 
@@ -49,12 +63,10 @@ inline KernelArgs kernel_args(const Params& p, const Problem& pr) {
   a.checkpoint_indices = p.checkpoint_indices.present() ? p.checkpoint_indices.data : nullptr;
   a.out = p.out.data;
   a.error_count = p.error_count.present() ? static_cast<int*>(p.error_count.data) : nullptr;
-  a.qkv_dtype = p.mixed_qkv.dtype;
   a.a_dtype = p.a.dtype;
   a.b_dtype = p.b.dtype;
   a.A_log_dtype = p.A_log.dtype;
   a.dt_bias_dtype = p.dt_bias.dtype;
-  a.z_dtype = p.z.present() ? p.z.dtype : DType::kFloat32;
   a.norm_weight_dtype = p.norm_weight.present() ? p.norm_weight.dtype : DType::kFloat32;
   a.state_dtype = p.state.dtype;
   a.out_dtype = p.out.dtype;
@@ -73,6 +85,7 @@ inline KernelArgs kernel_args(const Params& p, const Problem& pr) {
   a.checkpoint_col_stride = p.checkpoint_indices.present() ? p.checkpoint_indices.strides[1] : 0;
   a.L = pr.L;
   a.N = pr.N;
+  a.chunk_slots = pr.L / kChunk + pr.N;
   a.H = pr.H;
   a.HV = pr.HV;
   a.ratio = pr.ratio;
@@ -87,6 +100,11 @@ inline KernelArgs kernel_args(const Params& p, const Problem& pr) {
   a.gate = p.gate;
   a.layout = p.layout;
   a.round_core_output = p.round_core_output;
+  const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  const int64_t act_bytes = int64_t(dtype_size(p.mixed_qkv.dtype));
+  a.z_rows_aligned = p.z.present() && aligned(p.z.data) &&
+                     (p.z.strides[0] * act_bytes) % 16 == 0 && (p.z.strides[1] * act_bytes) % 16 == 0;
+  a.out_aligned = aligned(p.out.data);
   return a;
 }
 
@@ -101,23 +119,58 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream) {
     return Status::invalid("launch_cuda was given tensors on " + to_string(pr.device));
   GDN_RETURN_IF_ERROR(check_cuda_support(p, pr));
   if (pr.N == 0 || pr.L == 0) return Status::ok();
-  const int64_t ctas = pr.N * pr.HV;
-  if (ctas > 0x7fffffff)
-    return Status::unsupported("prefill: N * HV = " + std::to_string(ctas) +
-                               " exceeds the launch grid");
-  const cuda_detail::KernelArgs args = cuda_detail::kernel_args(p, pr);
+  if (pr.N * pr.HV > 0x7fffffff || pr.L / cuda_detail::kChunk + pr.N > 0x7fffffff || pr.HV > 65535)
+    return Status::unsupported("prefill: N = " + std::to_string(pr.N) + ", L = " +
+                               std::to_string(pr.L) + ", HV = " + std::to_string(pr.HV) +
+                               " exceed the launch grid");
+  cuda::DeviceInfo device;
+  GDN_RETURN_IF_ERROR(cuda::device_info(pr.device.index, &device));
+  cuda_detail::KernelArgs args = cuda_detail::kernel_args(p, pr);
+  void* owned_workspace = nullptr;
+  if (p.workspace.present()) {
+    args.workspace = p.workspace.data;
+  } else {
+    const cudaError_t err = cudaMallocAsync(
+        &owned_workspace, size_t(cuda_workspace_bytes(pr.L, pr.N, pr.HV)), stream);
+    if (err != cudaSuccess)
+      return Status(StatusCode::kCudaError,
+                    std::string("prefill: cannot allocate its workspace: ") +
+                        cudaGetErrorString(err));
+    args.workspace = owned_workspace;
+  }
   const auto launch = [&]<class T>() -> Status {
-    static std::atomic<int> shared_set[cuda::kMaxDevices];
-    GDN_RETURN_IF_ERROR(cuda::allow_dynamic_shared(cuda_detail::prefill_kernel<T>, pr.device.index,
-                                                   cuda_detail::kSharedBytes, shared_set));
-    cuda_detail::prefill_kernel<T>
-        <<<unsigned(ctas), cuda_detail::kThreads, cuda_detail::kSharedBytes, stream>>>(args);
-    return Status::ok();
+    namespace d = cuda_detail;
+    static std::atomic<int> chunk_shared_set[cuda::kMaxDevices];
+    GDN_RETURN_IF_ERROR(cuda::allow_dynamic_shared(d::prefill_chunk_kernel<T>, pr.device.index,
+                                                   d::kChunkSharedBytes, chunk_shared_set));
+    d::prefill_chunk_kernel<T>
+        <<<dim3(unsigned(args.chunk_slots), unsigned(pr.HV)), d::kThreads, d::kChunkSharedBytes,
+           stream>>>(args);
+    const auto state_pass = [&]<int kStages>() -> Status {
+      static std::atomic<int> state_shared_set[cuda::kMaxDevices];
+      constexpr int bytes = d::kStateSharedBytes<T, kStages>;
+      GDN_RETURN_IF_ERROR(cuda::allow_dynamic_shared(d::prefill_state_kernel<T, kStages>,
+                                                     pr.device.index, bytes, state_shared_set));
+      d::prefill_state_kernel<T, kStages>
+          <<<unsigned(pr.N * pr.HV), d::kThreads, bytes, stream>>>(args);
+      return Status::ok();
+    };
+    // Two buffers where the device's shared memory holds them (the next chunk's copy overlaps the
+    // current chunk's work), else one.
+    return device.shared_per_cta >= d::kStateSharedBytes<T, 2>
+               ? state_pass.template operator()<2>()
+               : state_pass.template operator()<1>();
   };
-  GDN_RETURN_IF_ERROR(p.mixed_qkv.dtype == DType::kBFloat16
-                          ? launch.template operator()<__nv_bfloat16>()
-                      : p.mixed_qkv.dtype == DType::kFloat16 ? launch.template operator()<__half>()
-                                                             : launch.template operator()<float>());
+  const Status status =
+      p.mixed_qkv.dtype == DType::kBFloat16 ? launch.template operator()<__nv_bfloat16>()
+      : p.mixed_qkv.dtype == DType::kFloat16 ? launch.template operator()<__half>()
+                                             : launch.template operator()<float>();
+  const cudaError_t freed = owned_workspace ? cudaFreeAsync(owned_workspace, stream) : cudaSuccess;
+  GDN_RETURN_IF_ERROR(status);
+  if (freed != cudaSuccess)
+    return Status(StatusCode::kCudaError,
+                  std::string("prefill: cannot free its workspace: ") + cudaGetErrorString(freed));
+  GDN_RETURN_IF_ERROR(status);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)
     return Status(StatusCode::kCudaError,

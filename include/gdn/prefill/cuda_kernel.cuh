@@ -1,27 +1,38 @@
-// prefill's CUDA kernel: the chunked (WY / UT) form of the gated delta rule on tensor cores.
+// prefill's CUDA kernels: the chunked (WY / UT) form of the gated delta rule on tensor cores, in two
+// launches.
 //
-// One CTA runs one (request, value head) through all its tokens, 64 at a time, with the state (V x
-// K, fp32) in the accumulator registers of its eight warps for the whole request. Per chunk of n
-// <= 64 tokens, with G_t the running sum of the log-decays g inside the chunk (gamma_t = exp(G_t)),
-// k and q L2-normalised (q also scaled), beta_t the write strength and S the state at the chunk's
-// start (docs prefill.md §3 gives the derivation):
+// Per chunk of n <= 64 tokens of a request, with G_t the running sum of the log-decays g inside
+// the chunk (gamma_t = exp(G_t)), k and q L2-normalised (q also scaled), beta_t the write strength
+// and S the state (V x K) at the chunk's start (docs prefill.md §3 gives the derivation):
 //
-//   A[t][s]  = beta_t exp(G_t - G_s) k_t . k_s      (s < t; strictly lower)
-//   P[t][s]  = exp(G_t - G_s) q_t . k_s              (s <= t)
-//   R[t]     = beta_t (v_t - gamma_t S k_t)
-//   Delta    = (I + A)^-1 R                          (the delta-rule writes of the chunk's tokens)
-//   o_t      = gamma_t S q_t + sum_s P[t][s] Delta_s
-//   S'       = gamma_end S + sum_s exp(G_end - G_s) Delta_s k_s^T
+//   A[t][s] = beta_t exp(G_t - G_s) k_t . k_s       (s < t; strictly lower)
+//   P[t][s] = exp(G_t - G_s) q_t . k_s               (s <= t)
+//   W       = (I + A)^-1 diag(beta gamma) K          U = (I + A)^-1 diag(beta) V
+//   Delta   = U - W S^T                              (the delta-rule writes of the chunk's tokens)
+//   o_t     = S (gamma_t q_t) + sum_s P[t][s] Delta_s
+//   S'      = gamma_end S + sum_s Delta_s (exp(G_end - G_s) k_s)^T
 //
-// Tokens past n are zero (k = q = v = 0, g = 0, beta = 0), so they change nothing. The products run
-// as mma.sync m16n8k16 with bf16 operands and fp32 accumulation; (I + A)^-1 is computed in fp32
-// (16 x 16 diagonal blocks by substitution, then merged 16 -> 32 -> 64), then used in bf16. The
+// Everything but the last three lines depends on the chunk's own tokens only. The chunk kernel
+// computes it for every (chunk, value head) of the call in parallel and leaves W, U^T, P, the
+// decayed q and k and gamma_end in a workspace; the state kernel then runs each (request, value
+// head) through its chunks in order, with the state in the accumulator registers of its eight
+// warps (warp w owns state rows 16 w..) and the next chunk's tiles copied in while it works on the
+// current one. Tokens past n are zero (k = q = v = 0, g = 0, beta = 0), so they change nothing.
+// The products run as mma.sync m16n8k16 with bf16 operands and fp32 accumulation; (I + A)^-1 is
+// computed in fp32 (16 x 16 diagonal blocks by substitution, then merged 16 -> 32 -> 64). The
 // state crosses chunks in fp32 and is rounded to the pool's dtype only where it is stored.
 //
-// Indices live in device memory and are never synchronised on: the kernel applies prefill's row
-// rules itself. A request whose token range is not sane writes nothing; one with a slot past the
-// pool (initial, final or a checkpoint it reaches), or more checkpoints than columns, writes no
-// state, zeroes its output rows and bumps error_count (once per request).
+// Workspace slots: request i's j-th chunk goes to slot begin_i / 64 + i + j. For non-decreasing
+// cu_seqlens these ranges never overlap, and there are at most L / 64 + N slots. The chunk kernel's
+// CTA for a slot finds its request by binary search and records the owner of the slot; the state
+// kernel runs a request only if it owns all its slots, so broken cu_seqlens can never make one
+// request read another's tiles.
+//
+// Indices live in device memory and are never synchronised on: the kernels apply prefill's row
+// rules themselves. A request whose token range is not sane writes nothing; one with a slot past
+// the pool (initial, final or a checkpoint it reaches), more checkpoints than columns, or chunk
+// slots it does not own, writes no state, zeroes its output rows and bumps error_count (once per
+// request).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -34,10 +45,11 @@
 #include "gdn/core/cuda/mma.cuh"
 #include "gdn/core/dtype.hpp"
 #include "gdn/core/support.hpp"
+#include "gdn/prefill/params.hpp"
 
 namespace gdn::prefill::cuda_detail {
 
-// Plain-data copy of Params / Problem for the kernel (TensorView is host-side).
+// Plain-data copy of Params / Problem for the kernels (TensorView is host-side).
 struct KernelArgs {
   const void* mixed_qkv;
   const void* a;
@@ -53,20 +65,24 @@ struct KernelArgs {
   const void* checkpoint_indices;  // null: no checkpoints
   void* out;
   int* error_count;  // null: not counted
-  DType qkv_dtype, a_dtype, b_dtype, A_log_dtype, dt_bias_dtype, z_dtype, norm_weight_dtype,
-      state_dtype, out_dtype, cu_dtype, initial_dtype, final_dtype, checkpoint_dtype;
+  void* workspace;   // cuda_workspace_bytes(L, N, HV) bytes, 16-byte aligned
+  DType a_dtype, b_dtype, A_log_dtype, dt_bias_dtype, norm_weight_dtype, state_dtype, out_dtype,
+      cu_dtype, initial_dtype, final_dtype, checkpoint_dtype;
   int64_t qkv_row_stride, a_row_stride, b_row_stride, z_row_stride, z_head_stride;
   int64_t initial_stride, final_stride, checkpoint_row_stride, checkpoint_col_stride;
   int64_t L, N, H, HV, ratio, num_slots, slot_stride, first_valid_slot;
-  int64_t checkpoint_every, checkpoint_columns;
+  int64_t checkpoint_every, checkpoint_columns, chunk_slots;
   float scale, l2_eps, norm_eps;
   GateActivation gate;
   StateLayout layout;
   bool round_core_output;
+  bool z_rows_aligned;  // z's rows start 16-byte aligned (copied with cp.async)
+  bool out_aligned;     // out's data pointer is 16-byte aligned (vector stores)
 };
 
 inline constexpr int kHeadDim = 128;  // K = V on CUDA
-inline constexpr int kChunk = 64;     // tokens per chunk (a divisor of kCheckpointGranule)
+inline constexpr int kChunk = 64;     // tokens per chunk
+static_assert(kChunk == kCheckpointGranule, "checkpoints fall on chunk boundaries");
 inline constexpr int kWarps = 8;
 inline constexpr int kThreads = kWarps * 32;
 // Row strides of the bf16 tiles, in elements: 16 bytes times an odd number (conflict-free
@@ -74,78 +90,49 @@ inline constexpr int kThreads = kWarps * 32;
 inline constexpr int kLdWide = kHeadDim + 8;  // 128-wide tiles
 inline constexpr int kLdNarrow = kChunk + 8;  // 64-wide tiles
 inline constexpr int kLdF32 = kChunk + 4;     // fp32 64 x 64 tiles
+inline constexpr int kLdOut = kHeadDim + 4;   // fp32 64 x 128 output tile
 
 using bf16 = __nv_bfloat16;
 
-// Shared memory of one CTA. The fp32 triangle (A and its inverse) is dead once the inverse is in
-// bf16; R and the scaled writes then reuse its bytes.
-struct Shared {
-  bf16 q[kChunk][kLdWide];      // normalised, scaled q of the chunk's tokens
-  bf16 k[kChunk][kLdWide];      // normalised k
-  bf16 s[kHeadDim][kLdWide];    // the state at the chunk's start, S[v][k]
-  bf16 delta[kChunk][kLdWide];  // Delta[t][v]
-  union {
-    struct {
-      float a[kChunk][kLdF32];    // A
-      float inv[kChunk][kLdF32];  // (I + A)^-1
-    } tri;
-    struct {
-      bf16 r[kChunk][kLdWide];             // R[t][v]
-      bf16 delta_to_end[kChunk][kLdWide];  // exp(G_end - G_t) Delta[t][v]
-    } rhs;
-  } u;
-  bf16 p[kChunk][kLdNarrow];    // P
-  bf16 inv[kChunk][kLdNarrow];  // (I + A)^-1 in bf16
-  float merge[32][33];          // products of the inverse's block merges
-  float cum[kChunk];            // G_t
-  float beta[kChunk];
-  float log_decay[kChunk];  // g_t
-  float norm_weight[kHeadDim];
+// What the chunk kernel leaves for one (chunk slot, value head): W[t][k], the decayed q
+// (gamma_t q_t), the decayed k (exp(G_end - G_t) k_t), U^T[v][t] and P[t][s], all bf16.
+struct ChunkTiles {
+  bf16 w[kChunk][kHeadDim];
+  bf16 q[kChunk][kHeadDim];
+  bf16 k[kChunk][kHeadDim];
+  bf16 ut[kHeadDim][kChunk];
+  bf16 p[kChunk][kChunk];
 };
-static_assert(sizeof(Shared::u.rhs) <= sizeof(Shared::u.tri), "R and the writes fit the triangle");
 
-inline constexpr int kSharedBytes = int(sizeof(Shared));
+static_assert(cuda_workspace_bytes(kChunk, 0, 1) == int64_t(sizeof(ChunkTiles)) + 4 + 4,
+              "cuda_workspace_bytes matches the workspace's layout");
+
+// The workspace: ChunkTiles[chunk_slots][HV], then gamma_end as float[chunk_slots][HV], then the
+// owning request of each slot as int[chunk_slots] (-1: none).
+struct Workspace {
+  ChunkTiles* tiles;
+  float* gamma_end;
+  int* owner;
+};
+
+__host__ __device__ inline Workspace workspace_of(void* base, int64_t chunk_slots, int64_t HV) {
+  Workspace w;
+  w.tiles = static_cast<ChunkTiles*>(base);
+  w.gamma_end = reinterpret_cast<float*>(w.tiles + chunk_slots * HV);
+  w.owner = reinterpret_cast<int*>(w.gamma_end + chunk_slots * HV);
+  return w;
+}
+
+// The first chunk slot of request i, whose tokens start at row `begin`.
+__device__ __forceinline__ int64_t first_chunk_slot(int64_t begin, int64_t i) {
+  return begin / kChunk + i;
+}
 
 namespace dev = gdn::cuda;
 namespace mma = gdn::cuda::mma;
 using Bf16 = dev::StateBits<bf16>;  // packs two fp32 values as a bf16 pair
 
-// Element offset of state element (v, k) of head hv in slot `slot`.
-__device__ __forceinline__ int64_t state_offset(const KernelArgs& args, int64_t slot, int64_t hv,
-                                                int v, int k) {
-  const int64_t head = slot * args.slot_stride + hv * kHeadDim * kHeadDim;
-  return head + (args.layout == StateLayout::kVK ? v * kHeadDim + k : k * kHeadDim + v);
-}
-
-// The state accumulators of a warp: rows v = 16 w + lane / 4 (+ 8), columns k = 8 j + 2 (lane % 4)
-// (+ 1), for the 16 column tiles j.
-struct StateTile {
-  float d[16][4];
-};
-
-__device__ __forceinline__ void store_state(const KernelArgs& args, int64_t slot, int64_t hv,
-                                            int warp, int lane, const StateTile& s) {
-  const int v0 = 16 * warp + lane / 4;
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    const int k0 = 8 * j + 2 * (lane % 4);
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-      dev::store_value(args.state, args.state_dtype,
-                       state_offset(args, slot, hv, v0 + 8 * (e / 2), k0 + e % 2), s.d[j][e]);
-  }
-}
-
-// The state's bf16 copy for the chunk's products, each warp its 16 rows.
-__device__ __forceinline__ void stage_state(Shared& sh, int warp, int lane, const StateTile& s) {
-  const int v0 = 16 * warp + lane / 4;
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    const int k0 = 8 * j + 2 * (lane % 4);
-    *reinterpret_cast<uint32_t*>(&sh.s[v0][k0]) = Bf16::pack(s.d[j][0], s.d[j][1]);
-    *reinterpret_cast<uint32_t*>(&sh.s[v0 + 8][k0]) = Bf16::pack(s.d[j][2], s.d[j][3]);
-  }
-}
+// ---- shared building blocks ---------------------------------------------------------------------
 
 // Calls f with a value of the C++ type of dtype t (float, bf16 or half). Hoisting the dtype test
 // out of a batch of loads lets the compiler issue the whole batch before it waits for any of it.
@@ -172,37 +159,94 @@ __device__ __forceinline__ T from_f32(float x) {
     return x;
 }
 
-// The warp's state accumulators from the slot (zeros for a null slot); all 64 loads in flight.
-__device__ __forceinline__ void load_state(const KernelArgs& args, int64_t slot, int64_t hv,
-                                           int warp, int lane, StateTile& s) {
-  const int v0 = 16 * warp + lane / 4;
-  if (slot < 0) {
+// Eight bf16 values (16 bytes) times f.
+__device__ __forceinline__ uint4 scale_bf16x8(uint4 x, float f) {
+  uint32_t w[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
-    for (int j = 0; j < 16; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s.d[j][e] = 0.0f;
-    return;
+  for (int e = 0; e < 4; ++e) {
+    const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[e]));
+    w[e] = Bf16::pack(v.x * f, v.y * f);
   }
-  with_element_type(args.state_dtype, [&](auto tag) {
-    using T = decltype(tag);
-    const T* pool = static_cast<const T*>(args.state);
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const int k0 = 8 * j + 2 * (lane % 4);
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        s.d[j][e] = to_f32(pool[state_offset(args, slot, hv, v0 + 8 * (e / 2), k0 + e % 2)]);
-    }
-  });
+  return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// Loads the chunk's tokens: q, k L2-normalised into bf16 tiles, v into the Delta tile (its bf16
-// operand, dead until the writes are solved), g and beta; zeros past n. Warp w takes tokens w,
-// w + 8, ...: all their loads are issued before the first is used.
+// Slot id of a request from a 1-D index array of any stride (-1: null).
+__device__ __forceinline__ int64_t slot_or_null(const KernelArgs& args, const void* p, DType dtype,
+                                                int64_t offset) {
+  const int64_t id = gdn::load_index(p, dtype, offset);
+  return id < args.first_valid_slot ? -1 : id;
+}
+
+__device__ __forceinline__ int64_t checkpoint_slot(const KernelArgs& args, int64_t i, int64_t j) {
+  return slot_or_null(args, args.checkpoint_indices, args.checkpoint_dtype,
+                      i * args.checkpoint_row_stride + j * args.checkpoint_col_stride);
+}
+
+// ---- the chunk kernel ---------------------------------------------------------------------------
+
+// Shared memory of a chunk CTA. The fp32 triangle (A and its inverse) is dead once the inverse's
+// two scaled bf16 copies are made; they reuse its bytes.
+struct ChunkShared {
+  bf16 q[kChunk][kLdWide];  // normalised, scaled q of the chunk's tokens
+  bf16 k[kChunk][kLdWide];  // normalised k
+  bf16 v[kChunk][kLdWide];
+  union {
+    struct {
+      float a[kChunk][kLdF32];    // A
+      float inv[kChunk][kLdF32];  // (I + A)^-1
+    } tri;
+    struct {
+      bf16 times_beta[kChunk][kLdNarrow];        // (I + A)^-1 diag(beta)
+      bf16 times_beta_gamma[kChunk][kLdNarrow];  // (I + A)^-1 diag(beta gamma)
+    } inv;
+  } u;
+  bf16 p[kChunk][kLdNarrow];  // P
+  float merge[32][33];        // products of the inverse's block merges
+  float cum[kChunk];          // G_t
+  float beta[kChunk];
+  float log_decay[kChunk];  // g_t
+  int64_t request;          // the request whose chunk this CTA runs (-1: none)
+  int64_t first_row;        // its first token row
+  int n;                    // its tokens
+};
+static_assert(sizeof(ChunkShared::u.inv) <= sizeof(ChunkShared::u.tri), "copies fit the triangle");
+
+inline constexpr int kChunkSharedBytes = int(sizeof(ChunkShared));
+
+// Finds the request and chunk of workspace slot `slot` (thread 0): the last request i whose first
+// chunk slot is <= slot, if slot lies within its chunks and its token range is sane. Records the
+// slot's owner (value head 0's CTA).
+__device__ __forceinline__ void find_chunk(const KernelArgs& args, const Workspace& ws,
+                                           ChunkShared& sh, int64_t slot, bool record) {
+  const auto cu = [&](int64_t e) { return gdn::load_index(args.cu_seqlens, args.cu_dtype, e); };
+  int64_t lo = 0, hi = args.N - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (first_chunk_slot(cu(mid), mid) <= slot)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  const int64_t begin = cu(lo), end = cu(lo + 1);
+  int64_t request = -1;
+  if (begin >= 0 && end >= begin && end <= args.L) {
+    const int64_t j = slot - first_chunk_slot(begin, lo);
+    if (j >= 0 && j * kChunk < end - begin) {
+      request = lo;
+      sh.first_row = begin + j * kChunk;
+      sh.n = int(end - sh.first_row < kChunk ? end - sh.first_row : kChunk);
+    }
+  }
+  sh.request = request;
+  if (record) ws.owner[slot] = int(request);
+}
+
+// Loads the chunk's tokens: q, k L2-normalised into bf16 tiles, v, g and beta; zeros past n. Warp
+// w takes tokens w, w + 8, ...: all their loads are issued before the first is used.
 template <class T>
-__device__ __forceinline__ void load_chunk(const KernelArgs& args, Shared& sh, int64_t first_row,
-                                           int n, int64_t h, int64_t hv, float A, float dt_bias,
-                                           int warp, int lane) {
+__device__ __forceinline__ void load_chunk(const KernelArgs& args, ChunkShared& sh,
+                                           int64_t first_row, int n, int64_t h, int64_t hv,
+                                           float A, float dt_bias, int warp, int lane) {
   constexpr int kPerWarp = kChunk / kWarps;
   // Lane j < 8 of warp w: token w + 8 j's gates.
   if (lane < kPerWarp) {
@@ -218,51 +262,49 @@ __device__ __forceinline__ void load_chunk(const KernelArgs& args, Shared& sh, i
     sh.log_decay[t] = g;
     sh.beta[t] = beta;
   }
-  {
-    const T* x = static_cast<const T*>(args.mixed_qkv);
-    float q[kPerWarp][4], k[kPerWarp][4], v[kPerWarp][4];
+  const T* x = static_cast<const T*>(args.mixed_qkv);
+  float q[kPerWarp][4], k[kPerWarp][4], v[kPerWarp][4];
 #pragma unroll
-    for (int j = 0; j < kPerWarp; ++j) {
-      const int t = warp + kWarps * j;
-      const int64_t row = (first_row + t) * args.qkv_row_stride;
+  for (int j = 0; j < kPerWarp; ++j) {
+    const int t = warp + kWarps * j;
+    const int64_t row = (first_row + t) * args.qkv_row_stride;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int c = 4 * lane + e;
-        const bool live = t < n;
-        q[j][e] = live ? to_f32(x[row + h * kHeadDim + c]) : 0.0f;
-        k[j][e] = live ? to_f32(x[row + (args.H + h) * kHeadDim + c]) : 0.0f;
-        v[j][e] = live ? to_f32(x[row + (2 * args.H + hv) * kHeadDim + c]) : 0.0f;
-      }
+    for (int e = 0; e < 4; ++e) {
+      const int c = 4 * lane + e;
+      const bool live = t < n;
+      q[j][e] = live ? to_f32(x[row + h * kHeadDim + c]) : 0.0f;
+      k[j][e] = live ? to_f32(x[row + (args.H + h) * kHeadDim + c]) : 0.0f;
+      v[j][e] = live ? to_f32(x[row + (2 * args.H + hv) * kHeadDim + c]) : 0.0f;
     }
+  }
 #pragma unroll
-    for (int j = 0; j < kPerWarp; ++j) {
-      const int t = warp + kWarps * j;
-      float qq = 0.0f, kk = 0.0f;
+  for (int j = 0; j < kPerWarp; ++j) {
+    const int t = warp + kWarps * j;
+    float qq = 0.0f, kk = 0.0f;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        qq += q[j][e] * q[j][e];
-        kk += k[j][e] * k[j][e];
-      }
-      qq = dev::warp_sum(qq);
-      kk = dev::warp_sum(kk);
-      const float q_scale = args.scale / sqrtf(qq + args.l2_eps);
-      const float k_scale = 1.0f / sqrtf(kk + args.l2_eps);
-      uint2 qp, kp, vp;
-      qp.x = Bf16::pack(q[j][0] * q_scale, q[j][1] * q_scale);
-      qp.y = Bf16::pack(q[j][2] * q_scale, q[j][3] * q_scale);
-      kp.x = Bf16::pack(k[j][0] * k_scale, k[j][1] * k_scale);
-      kp.y = Bf16::pack(k[j][2] * k_scale, k[j][3] * k_scale);
-      vp.x = Bf16::pack(v[j][0], v[j][1]);
-      vp.y = Bf16::pack(v[j][2], v[j][3]);
-      *reinterpret_cast<uint2*>(&sh.q[t][4 * lane]) = qp;
-      *reinterpret_cast<uint2*>(&sh.k[t][4 * lane]) = kp;
-      *reinterpret_cast<uint2*>(&sh.delta[t][4 * lane]) = vp;
+    for (int e = 0; e < 4; ++e) {
+      qq += q[j][e] * q[j][e];
+      kk += k[j][e] * k[j][e];
     }
+    qq = dev::warp_sum(qq);
+    kk = dev::warp_sum(kk);
+    const float q_scale = args.scale / sqrtf(qq + args.l2_eps);
+    const float k_scale = 1.0f / sqrtf(kk + args.l2_eps);
+    uint2 qp, kp, vp;
+    qp.x = Bf16::pack(q[j][0] * q_scale, q[j][1] * q_scale);
+    qp.y = Bf16::pack(q[j][2] * q_scale, q[j][3] * q_scale);
+    kp.x = Bf16::pack(k[j][0] * k_scale, k[j][1] * k_scale);
+    kp.y = Bf16::pack(k[j][2] * k_scale, k[j][3] * k_scale);
+    vp.x = Bf16::pack(v[j][0], v[j][1]);
+    vp.y = Bf16::pack(v[j][2], v[j][3]);
+    *reinterpret_cast<uint2*>(&sh.q[t][4 * lane]) = qp;
+    *reinterpret_cast<uint2*>(&sh.k[t][4 * lane]) = kp;
+    *reinterpret_cast<uint2*>(&sh.v[t][4 * lane]) = vp;
   }
 }
 
 // G_t = g_0 + ... + g_t (warp 0; two tokens per lane).
-__device__ __forceinline__ void cumulative_decay(Shared& sh, int lane) {
+__device__ __forceinline__ void cumulative_decay(ChunkShared& sh, int lane) {
   const float g0 = sh.log_decay[2 * lane], g1 = sh.log_decay[2 * lane + 1];
   float incl = g0 + g1;
 #pragma unroll
@@ -276,7 +318,7 @@ __device__ __forceinline__ void cumulative_decay(Shared& sh, int lane) {
 }
 
 // Rows 16 w.. of [Q; K] (warps 0-3: Q, 4-7: K) times K^T: P (warps 0-3) and A (warps 4-7).
-__device__ __forceinline__ void chunk_scores(Shared& sh, int warp, int lane) {
+__device__ __forceinline__ void chunk_scores(ChunkShared& sh, int warp, int lane) {
   const bool is_q = warp < 4;
   const int t0 = 16 * (warp & 3);
   const bf16* rows = is_q ? &sh.q[0][0] : &sh.k[0][0];
@@ -307,10 +349,11 @@ __device__ __forceinline__ void chunk_scores(Shared& sh, int warp, int lane) {
   }
 }
 
-// inv = (I + A)^-1, A strictly lower (fp32), then its bf16 copy. Three phases with a barrier each:
-// the 16 x 16 diagonal blocks by forward substitution (one thread per column), then merges
-// 16 -> 32 and 32 -> 64 with X = A_lo,hi-off inv_diag and inv_off = -inv_lower_diag X.
-__device__ __forceinline__ void invert_triangle(Shared& sh, int tid) {
+// inv = (I + A)^-1, A strictly lower (fp32), then its bf16 copies scaled by beta_s and by beta_s
+// gamma_s along columns. Phases with a barrier each: the 16 x 16 diagonal blocks by forward
+// substitution (one thread per column), then merges 16 -> 32 and 32 -> 64 with X = A_lo,hi-off
+// inv_diag and inv_off = -inv_lower_diag X.
+__device__ __forceinline__ void invert_triangle(ChunkShared& sh, int tid) {
   float (&a)[kChunk][kLdF32] = sh.u.tri.a;
   float (&inv)[kChunk][kLdF32] = sh.u.tri.inv;
   if (tid < kChunk) {
@@ -377,62 +420,255 @@ __device__ __forceinline__ void invert_triangle(Shared& sh, int tid) {
     inv[32 + r][c] = -x;
   }
   __syncthreads();
-  for (int e = tid; e < kChunk * kChunk; e += kThreads)
-    sh.inv[e / kChunk][e % kChunk] = __float2bfloat16_rn(inv[e / kChunk][e % kChunk]);
+  // The scaled copies overlay the fp32 triangle: read all of this thread's entries first.
+  constexpr int kPerThread = kChunk * kChunk / kThreads;
+  float x[kPerThread];
+#pragma unroll
+  for (int r = 0; r < kPerThread; ++r) {
+    const int e = tid + kThreads * r;
+    x[r] = inv[e / kChunk][e % kChunk];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < kPerThread; ++r) {
+    const int e = tid + kThreads * r, t = e / kChunk, s = e % kChunk;
+    const float xb = x[r] * sh.beta[s];
+    sh.u.inv.times_beta[t][s] = __float2bfloat16_rn(xb);
+    sh.u.inv.times_beta_gamma[t][s] = __float2bfloat16_rn(xb * expf(sh.cum[s]));
+  }
 }
 
-// Rows 16 (w & 3).. of [Q; K] (warps 0-3: Q, 4-7: K) times S^T: 16 tiles of V columns.
-__device__ __forceinline__ void state_products(Shared& sh, int warp, int lane,
-                                               float (&acc)[16][4]) {
-  const int t0 = 16 * (warp & 3);
-  const bf16* rows = warp < 4 ? &sh.q[0][0] : &sh.k[0][0];
+// U^T = V^T (inv diag(beta))^T (warp w: state rows 16 w..) and W = inv diag(beta gamma) K (warp w:
+// rows 16 (w & 3).., columns 64 (w / 4)..), stored to the chunk's tiles.
+__device__ __forceinline__ void store_writes(ChunkShared& sh, ChunkTiles& out, int warp,
+                                             int lane) {
+  {
+    float acc[8][4] = {};
 #pragma unroll
-  for (int j = 0; j < 16; ++j)
+    for (int kk = 0; kk < kChunk; kk += 16) {
+      uint32_t a[4];
+      mma::load_a_transposed(a, &sh.v[0][0], kLdWide, 16 * warp, kk, lane);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+      for (int j = 0; j < 8; j += 2) {
+        uint32_t b[4];
+        mma::load_b_pair(b, &sh.u.inv.times_beta[0][0], kLdNarrow, 8 * j, kk, lane);
+        mma::mma_16bit<bf16>(acc[j], a, b[0], b[1]);
+        mma::mma_16bit<bf16>(acc[j + 1], a, b[2], b[3]);
+      }
+    }
+    const int v = 16 * warp + lane / 4;
 #pragma unroll
-  for (int kk = 0; kk < kHeadDim; kk += 16) {
-    uint32_t a[4];
-    mma::load_a(a, rows, kLdWide, t0, kk, lane);
+    for (int j = 0; j < 8; ++j) {
+      const int t = 8 * j + 2 * (lane % 4);
+      *reinterpret_cast<uint32_t*>(&out.ut[v][t]) = Bf16::pack(acc[j][0], acc[j][1]);
+      *reinterpret_cast<uint32_t*>(&out.ut[v + 8][t]) = Bf16::pack(acc[j][2], acc[j][3]);
+    }
+  }
+  {
+    const int t0 = 16 * (warp & 3), k0 = 64 * (warp / 4);
+    float acc[8][4] = {};
 #pragma unroll
-    for (int j = 0; j < 16; j += 2) {
-      uint32_t b[4];
-      mma::load_b_pair(b, &sh.s[0][0], kLdWide, 8 * j, kk, lane);
-      mma::mma_16bit<bf16>(acc[j], a, b[0], b[1]);
-      mma::mma_16bit<bf16>(acc[j + 1], a, b[2], b[3]);
+    for (int kk = 0; kk < kChunk; kk += 16) {
+      uint32_t a[4];
+      mma::load_a(a, &sh.u.inv.times_beta_gamma[0][0], kLdNarrow, t0, kk, lane);
+#pragma unroll
+      for (int j = 0; j < 8; j += 2) {
+        uint32_t b[4];
+        mma::load_b_pair_transposed(b, &sh.k[0][0], kLdWide, k0 + 8 * j, kk, lane);
+        mma::mma_16bit<bf16>(acc[j], a, b[0], b[1]);
+        mma::mma_16bit<bf16>(acc[j + 1], a, b[2], b[3]);
+      }
+    }
+    const int t = t0 + lane / 4;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int k = k0 + 8 * j + 2 * (lane % 4);
+      *reinterpret_cast<uint32_t*>(&out.w[t][k]) = Bf16::pack(acc[j][0], acc[j][1]);
+      *reinterpret_cast<uint32_t*>(&out.w[t + 8][k]) = Bf16::pack(acc[j][2], acc[j][3]);
     }
   }
 }
 
-// Delta = inv R: warp w computes rows 16 (w & 3).., columns 64 (w / 4)..; stores Delta and the
-// decayed-to-end copy.
-__device__ __forceinline__ void solve_writes(Shared& sh, int warp, int lane) {
-  const int t0 = 16 * (warp & 3), v0 = 64 * (warp / 4);
-  float acc[8][4] = {};
-#pragma unroll
-  for (int kk = 0; kk < kChunk; kk += 16) {
-    uint32_t a[4];
-    mma::load_a(a, &sh.inv[0][0], kLdNarrow, t0, kk, lane);
-#pragma unroll
-    for (int j = 0; j < 8; j += 2) {
-      uint32_t b[4];
-      mma::load_b_pair_transposed(b, &sh.u.rhs.r[0][0], kLdWide, v0 + 8 * j, kk, lane);
-      mma::mma_16bit<bf16>(acc[j], a, b[0], b[1]);
-      mma::mma_16bit<bf16>(acc[j + 1], a, b[2], b[3]);
-    }
-  }
+// The decayed q and k and P, copied 16 bytes at a time.
+__device__ __forceinline__ void store_decayed(const ChunkShared& sh, ChunkTiles& out, int tid) {
   const float end = sh.cum[kChunk - 1];
-  const int ta = t0 + lane / 4, tb = ta + 8;
-  const float fa = expf(end - sh.cum[ta]), fb = expf(end - sh.cum[tb]);
+  constexpr int kRowChunks = kHeadDim / 8;
+  for (int e = tid; e < kChunk * kRowChunks; e += kThreads) {
+    const int t = e / kRowChunks, c = 8 * (e % kRowChunks);
+    *reinterpret_cast<uint4*>(&out.q[t][c]) =
+        scale_bf16x8(*reinterpret_cast<const uint4*>(&sh.q[t][c]), expf(sh.cum[t]));
+    *reinterpret_cast<uint4*>(&out.k[t][c]) =
+        scale_bf16x8(*reinterpret_cast<const uint4*>(&sh.k[t][c]), expf(end - sh.cum[t]));
+  }
+  constexpr int kPRowChunks = kChunk / 8;
+  for (int e = tid; e < kChunk * kPRowChunks; e += kThreads) {
+    const int t = e / kPRowChunks, c = 8 * (e % kPRowChunks);
+    *reinterpret_cast<uint4*>(&out.p[t][c]) = *reinterpret_cast<const uint4*>(&sh.p[t][c]);
+  }
+}
+
+// Grid (chunk_slots, HV): one CTA per (workspace slot, value head). Act: the element type of
+// mixed_qkv.
+template <class Act>
+__global__ void __launch_bounds__(kThreads, 2) prefill_chunk_kernel(const KernelArgs args) {
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  ChunkShared& sh = *reinterpret_cast<ChunkShared*>(shared_bytes);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int64_t slot = blockIdx.x, hv = blockIdx.y;
+  const Workspace ws = workspace_of(args.workspace, args.chunk_slots, args.HV);
+  if (tid == 0) find_chunk(args, ws, sh, slot, hv == 0);
+  __syncthreads();
+  if (sh.request < 0) return;
+  const int64_t first_row = sh.first_row;
+  const int n = sh.n;
+  const int64_t h = hv / args.ratio;
+  const float A = -expf(dev::load_value(args.A_log, args.A_log_dtype, hv));
+  const float dt_bias = dev::load_value(args.dt_bias, args.dt_bias_dtype, hv);
+
+  load_chunk<Act>(args, sh, first_row, n, h, hv, A, dt_bias, warp, lane);
+  __syncthreads();
+  if (warp == 0) cumulative_decay(sh, lane);
+  __syncthreads();
+  chunk_scores(sh, warp, lane);
+  __syncthreads();
+  invert_triangle(sh, tid);
+  __syncthreads();
+  ChunkTiles& out = ws.tiles[slot * args.HV + hv];
+  store_writes(sh, out, warp, lane);
+  store_decayed(sh, out, tid);
+  if (tid == 0) ws.gamma_end[slot * args.HV + hv] = expf(sh.cum[kChunk - 1]);
+}
+
+// ---- the state kernel ---------------------------------------------------------------------------
+
+// One chunk's tiles in shared memory, and its z rows.
+template <class Act>
+struct StateBuffer {
+  bf16 w[kChunk][kLdWide];
+  bf16 q[kChunk][kLdWide];
+  bf16 k[kChunk][kLdWide];
+  bf16 ut[kHeadDim][kLdNarrow];
+  bf16 p[kChunk][kLdNarrow];
+  Act z[kChunk][kHeadDim + 16 / sizeof(Act)];
+};
+
+// kStages buffers: with two, the next chunk's tiles are copied in while the current one runs.
+template <class Act, int kStages>
+struct StateShared {
+  StateBuffer<Act> buf[kStages];
+  float partial[kWarps][kChunk];  // each warp's sum of o^2 over its 16 state rows, per token
+  float norm_weight[kHeadDim];
+};
+
+// The fp32 output tile o[t][v] overlays w and q of the chunk's buffer, which are dead by then.
+template <class Act>
+__device__ __forceinline__ float (*output_tile(StateBuffer<Act>& b))[kLdOut] {
+  static_assert(offsetof(StateBuffer<Act>, q) == sizeof(StateBuffer<Act>::w) &&
+                    2 * sizeof(StateBuffer<Act>::w) >= sizeof(float) * kChunk * kLdOut,
+                "the output tile fits w and q");
+  return reinterpret_cast<float (*)[kLdOut]>(&b.w[0][0]);
+}
+
+template <class Act, int kStages>
+inline constexpr int kStateSharedBytes = int(sizeof(StateShared<Act, kStages>));
+
+// Element offset of state element (v, k) of head hv in slot `slot`.
+__device__ __forceinline__ int64_t state_offset(const KernelArgs& args, int64_t slot, int64_t hv,
+                                                int v, int k) {
+  const int64_t head = slot * args.slot_stride + hv * kHeadDim * kHeadDim;
+  return head + (args.layout == StateLayout::kVK ? v * kHeadDim + k : k * kHeadDim + v);
+}
+
+// The state accumulators of a warp: rows v = 16 w + lane / 4 (+ 8), columns k = 8 j + 2 (lane % 4)
+// (+ 1), for the 16 column tiles j.
+struct StateTile {
+  float d[16][4];
+};
+
+__device__ __forceinline__ void store_state(const KernelArgs& args, int64_t slot, int64_t hv,
+                                            int warp, int lane, const StateTile& s) {
+  const int v0 = 16 * warp + lane / 4;
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const int v = v0 + 8 * j + 2 * (lane % 4);
-    *reinterpret_cast<uint32_t*>(&sh.delta[ta][v]) = Bf16::pack(acc[j][0], acc[j][1]);
-    *reinterpret_cast<uint32_t*>(&sh.delta[tb][v]) = Bf16::pack(acc[j][2], acc[j][3]);
-    *reinterpret_cast<uint32_t*>(&sh.u.rhs.delta_to_end[ta][v]) =
-        Bf16::pack(acc[j][0] * fa, acc[j][1] * fa);
-    *reinterpret_cast<uint32_t*>(&sh.u.rhs.delta_to_end[tb][v]) =
-        Bf16::pack(acc[j][2] * fb, acc[j][3] * fb);
+  for (int j = 0; j < 16; ++j) {
+    const int k0 = 8 * j + 2 * (lane % 4);
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      dev::store_value(args.state, args.state_dtype,
+                       state_offset(args, slot, hv, v0 + 8 * (e / 2), k0 + e % 2), s.d[j][e]);
+  }
+}
+
+// The warp's state accumulators from the slot (zeros for a null slot); all 64 loads in flight.
+__device__ __forceinline__ void load_state(const KernelArgs& args, int64_t slot, int64_t hv,
+                                           int warp, int lane, StateTile& s) {
+  const int v0 = 16 * warp + lane / 4;
+  if (slot < 0) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s.d[j][e] = 0.0f;
+    return;
+  }
+  with_element_type(args.state_dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const T* pool = static_cast<const T*>(args.state);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int k0 = 8 * j + 2 * (lane % 4);
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        s.d[j][e] = to_f32(pool[state_offset(args, slot, hv, v0 + 8 * (e / 2), k0 + e % 2)]);
+    }
+  });
+}
+
+// Starts copying chunk slot `slot`'s tiles and the z rows of its n tokens into `b`.
+template <class Act>
+__device__ __forceinline__ void start_chunk_copy(const KernelArgs& args, const Workspace& ws,
+                                                 int64_t slot, int64_t hv, int64_t first_row,
+                                                 int n, StateBuffer<Act>& b, int tid) {
+  const ChunkTiles& src = ws.tiles[slot * args.HV + hv];
+  constexpr int kWide = kHeadDim / 8, kNarrow = kChunk / 8;  // 16-byte pieces per row
+  for (int e = tid; e < kChunk * kWide; e += kThreads) {
+    const int r = e / kWide, c = 8 * (e % kWide);
+    mma::cp_async_16(&b.w[r][c], &src.w[r][c]);
+    mma::cp_async_16(&b.q[r][c], &src.q[r][c]);
+    mma::cp_async_16(&b.k[r][c], &src.k[r][c]);
+  }
+  for (int e = tid; e < kHeadDim * kNarrow; e += kThreads) {
+    const int r = e / kNarrow, c = 8 * (e % kNarrow);
+    mma::cp_async_16(&b.ut[r][c], &src.ut[r][c]);
+  }
+  for (int e = tid; e < kChunk * kNarrow; e += kThreads) {
+    const int r = e / kNarrow, c = 8 * (e % kNarrow);
+    mma::cp_async_16(&b.p[r][c], &src.p[r][c]);
+  }
+  if (!args.z) return;
+  const Act* z = static_cast<const Act*>(args.z) + first_row * args.z_row_stride +
+                 hv * args.z_head_stride;
+  constexpr int kPer16 = 16 / int(sizeof(Act)), kZPieces = kHeadDim / kPer16;
+  for (int e = tid; e < n * kZPieces; e += kThreads) {
+    const int r = e / kZPieces, c = kPer16 * (e % kZPieces);
+    const Act* from = z + r * args.z_row_stride + c;
+    if (args.z_rows_aligned) {
+      mma::cp_async_16(&b.z[r][c], from);
+    } else {
+#pragma unroll
+      for (int x = 0; x < kPer16; ++x) b.z[r][c + x] = from[x];
+    }
+  }
+}
+
+// A-operand fragments (16 x 16, k-step kk) of the fp32 accumulator tiles 2 kk and 2 kk + 1, in
+// bf16: an accumulator tile's layout is the A fragment's half.
+template <int kSteps>
+__device__ __forceinline__ void accumulators_as_a(const float (*d)[4], uint32_t (&a)[kSteps][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk) {
+    a[kk][0] = Bf16::pack(d[2 * kk][0], d[2 * kk][1]);
+    a[kk][1] = Bf16::pack(d[2 * kk][2], d[2 * kk][3]);
+    a[kk][2] = Bf16::pack(d[2 * kk + 1][0], d[2 * kk + 1][1]);
+    a[kk][3] = Bf16::pack(d[2 * kk + 1][2], d[2 * kk + 1][3]);
   }
 }
 
@@ -441,116 +677,162 @@ __device__ __forceinline__ float gate_value(const KernelArgs& args, float z) {
   return (args.gate == GateActivation::kSiLU ? z : 1.0f) * dev::fast_sigmoid(z);
 }
 
-// Outputs of rows 16 w.. (warps 0-3): o += P Delta, then the gated RMSNorm, stored for t < n.
-template <class T>
-__device__ __forceinline__ void finish_outputs(const KernelArgs& args, Shared& sh,
-                                               int64_t first_row, int n, int64_t hv, int warp,
-                                               int lane, float (&o)[16][4]) {
-  const int t0 = 16 * warp;
+// One chunk of one (request, value head), the warp's 16 state rows v0 = 16 w..: Delta^T = U^T -
+// S W^T; o^T = S q~^T + Delta^T P^T; S = gamma_end S + Delta^T k~. The outputs land (fp32, rounded
+// to Act if asked) in the output tile, their partial sums of squares in sh.partial.
+template <class Act, int kStages>
+__device__ __forceinline__ void run_chunk(const KernelArgs& args, StateShared<Act, kStages>& sh,
+                                          StateBuffer<Act>& b, float gamma_end, int warp,
+                                          int lane, StateTile& s) {
+  const int v0 = 16 * warp;
+  uint32_t sa[8][4];
+  accumulators_as_a<8>(s.d, sa);
+  float delta[8][4] = {};
 #pragma unroll
-  for (int kk = 0; kk < kChunk; kk += 16) {
-    uint32_t a[4];
-    mma::load_a(a, &sh.p[0][0], kLdNarrow, t0, kk, lane);
+  for (int kk = 0; kk < 8; ++kk) {
 #pragma unroll
-    for (int j = 0; j < 16; j += 2) {
-      uint32_t b[4];
-      mma::load_b_pair_transposed(b, &sh.delta[0][0], kLdWide, 8 * j, kk, lane);
-      mma::mma_16bit<bf16>(o[j], a, b[0], b[1]);
-      mma::mma_16bit<bf16>(o[j + 1], a, b[2], b[3]);
+    for (int j = 0; j < 8; j += 2) {
+      uint32_t bw[4];
+      mma::load_b_pair(bw, &b.w[0][0], kLdWide, 8 * j, 16 * kk, lane);
+      mma::mma_16bit<bf16>(delta[j], sa[kk], bw[0], bw[1]);
+      mma::mma_16bit<bf16>(delta[j + 1], sa[kk], bw[2], bw[3]);
     }
   }
-  // One row at a time (its 32 gate values in flight together): rows t0 + lane / 4 and + 8.
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int t = t0 + lane / 4 + 8 * half;
-    const int64_t l = first_row + t;
-    float ss = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 16; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float& x = o[j][2 * half + e];
-        if (args.round_core_output) x = to_f32(from_f32<T>(x));
-        ss += x * x;
-      }
-    ss += __shfl_xor_sync(0xffffffffu, ss, 1);
-    ss += __shfl_xor_sync(0xffffffffu, ss, 2);
-    if (t >= n) continue;
-    const float rstd = 1.0f / sqrtf(ss / float(kHeadDim) + args.norm_eps);
-    float y[16][2];
-#pragma unroll
-    for (int j = 0; j < 16; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int v = 8 * j + 2 * (lane % 4) + e;
-        y[j][e] =
-            args.norm_weight ? o[j][2 * half + e] * rstd * sh.norm_weight[v] : o[j][2 * half + e];
-      }
-    if (args.z) {
-      {
-        const T* zrow =
-            static_cast<const T*>(args.z) + l * args.z_row_stride + hv * args.z_head_stride;
-        float z[16][2];
-#pragma unroll
-        for (int j = 0; j < 16; ++j)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) z[j][e] = to_f32(zrow[8 * j + 2 * (lane % 4) + e]);
-#pragma unroll
-        for (int j = 0; j < 16; ++j)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) y[j][e] *= gate_value(args, z[j][e]);
-      }
-    }
-    const int64_t out_row = (l * args.HV + hv) * kHeadDim;
-#pragma unroll
-    for (int j = 0; j < 16; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e)
-        static_cast<T*>(args.out)[out_row + 8 * j + 2 * (lane % 4) + e] = from_f32<T>(y[j][e]);
+  for (int j = 0; j < 8; ++j) {
+    const int t = 8 * j + 2 * (lane % 4);
+    const float2 ua =
+        __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&b.ut[v0 + lane / 4][t]));
+    const float2 ub =
+        __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&b.ut[v0 + lane / 4 + 8][t]));
+    delta[j][0] = ua.x - delta[j][0];
+    delta[j][1] = ua.y - delta[j][1];
+    delta[j][2] = ub.x - delta[j][2];
+    delta[j][3] = ub.y - delta[j][3];
   }
-}
-
-// S = gamma_end S + (decayed Delta)^T K: warp w updates its 16 state rows.
-__device__ __forceinline__ void advance_state(Shared& sh, int warp, int lane, StateTile& s) {
-  const float decay = expf(sh.cum[kChunk - 1]);
+  uint32_t da[4][4];
+  accumulators_as_a<4>(delta, da);
+  float o[8][4] = {};
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) {
+#pragma unroll
+    for (int j = 0; j < 8; j += 2) {
+      uint32_t bq[4];
+      mma::load_b_pair(bq, &b.q[0][0], kLdWide, 8 * j, 16 * kk, lane);
+      mma::mma_16bit<bf16>(o[j], sa[kk], bq[0], bq[1]);
+      mma::mma_16bit<bf16>(o[j + 1], sa[kk], bq[2], bq[3]);
+    }
+  }
+  // P is lower triangular: token tiles 2 m, 2 m + 1 need source blocks kk <= m only.
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+#pragma unroll
+    for (int kk = 0; kk <= m; ++kk) {
+      uint32_t bp[4];
+      mma::load_b_pair(bp, &b.p[0][0], kLdNarrow, 16 * m, 16 * kk, lane);
+      mma::mma_16bit<bf16>(o[2 * m], da[kk], bp[0], bp[1]);
+      mma::mma_16bit<bf16>(o[2 * m + 1], da[kk], bp[2], bp[3]);
+    }
+  }
 #pragma unroll
   for (int j = 0; j < 16; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) s.d[j][e] *= decay;
+    for (int e = 0; e < 4; ++e) s.d[j][e] *= gamma_end;
 #pragma unroll
-  for (int kk = 0; kk < kChunk; kk += 16) {
-    uint32_t a[4];
-    mma::load_a_transposed(a, &sh.u.rhs.delta_to_end[0][0], kLdWide, 16 * warp, kk, lane);
+  for (int kk = 0; kk < 4; ++kk) {
 #pragma unroll
     for (int j = 0; j < 16; j += 2) {
-      uint32_t b[4];
-      mma::load_b_pair_transposed(b, &sh.k[0][0], kLdWide, 8 * j, kk, lane);
-      mma::mma_16bit<bf16>(s.d[j], a, b[0], b[1]);
-      mma::mma_16bit<bf16>(s.d[j + 1], a, b[2], b[3]);
+      uint32_t bk[4];
+      mma::load_b_pair_transposed(bk, &b.k[0][0], kLdWide, 8 * j, 16 * kk, lane);
+      mma::mma_16bit<bf16>(s.d[j], da[kk], bk[0], bk[1]);
+      mma::mma_16bit<bf16>(s.d[j + 1], da[kk], bk[2], bk[3]);
+    }
+  }
+  // Every warp is done with w and q before the output tile overwrites them.
+  __syncthreads();
+  float (*out)[kLdOut] = output_tile(b);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    float ss[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int t = 8 * j + 2 * (lane % 4) + e;
+      float& x0 = o[j][e];
+      float& x1 = o[j][e + 2];
+      if (args.round_core_output) {
+        x0 = to_f32(from_f32<Act>(x0));
+        x1 = to_f32(from_f32<Act>(x1));
+      }
+      out[t][v0 + lane / 4] = x0;
+      out[t][v0 + lane / 4 + 8] = x1;
+      float x = x0 * x0 + x1 * x1;
+      x += __shfl_xor_sync(0xffffffffu, x, 4);
+      x += __shfl_xor_sync(0xffffffffu, x, 8);
+      x += __shfl_xor_sync(0xffffffffu, x, 16);
+      ss[e] = x;
+    }
+    if (lane < 4) {
+      sh.partial[warp][8 * j + 2 * lane] = ss[0];
+      sh.partial[warp][8 * j + 2 * lane + 1] = ss[1];
     }
   }
 }
 
-// Slot id of a request from a 1-D index array of any stride (-1: null).
-__device__ __forceinline__ int64_t slot_or_null(const KernelArgs& args, const void* p, DType dtype,
-                                                int64_t offset) {
-  const int64_t id = gdn::load_index(p, dtype, offset);
-  return id < args.first_valid_slot ? -1 : id;
+// The gated RMSNorm of the chunk's n output rows from the output tile, stored to out: warp w
+// takes tokens w, w + 8, ..., lane l values 4 l.. of each.
+template <class Act, int kStages>
+__device__ __forceinline__ void store_outputs(const KernelArgs& args,
+                                              const StateShared<Act, kStages>& sh,
+                                              StateBuffer<Act>& b, int64_t first_row, int n,
+                                              int64_t hv, int warp, int lane) {
+  const float (*tile)[kLdOut] = output_tile(b);
+  const int v = 4 * lane;
+  for (int t = warp; t < n; t += kWarps) {
+    const float4 o4 = *reinterpret_cast<const float4*>(&tile[t][v]);
+    float y[4] = {o4.x, o4.y, o4.z, o4.w};
+    if (args.norm_weight) {
+      float ss = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) ss += sh.partial[w][t];
+      const float rstd = 1.0f / sqrtf(ss / float(kHeadDim) + args.norm_eps);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) y[e] *= rstd * sh.norm_weight[v + e];
+    }
+    if (args.z) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) y[e] *= gate_value(args, to_f32(b.z[t][v + e]));
+    }
+    Act* dst = static_cast<Act*>(args.out) + ((first_row + t) * args.HV + hv) * kHeadDim + v;
+    if constexpr (sizeof(Act) == 2) {
+      if (args.out_aligned) {
+        uint2 packed;
+        Act* p = reinterpret_cast<Act*>(&packed);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) p[e] = from_f32<Act>(y[e]);
+        *reinterpret_cast<uint2*>(dst) = packed;
+        continue;
+      }
+    } else {
+      if (args.out_aligned) {
+        *reinterpret_cast<float4*>(dst) = make_float4(y[0], y[1], y[2], y[3]);
+        continue;
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dst[e] = from_f32<Act>(y[e]);
+  }
 }
 
-__device__ __forceinline__ int64_t checkpoint_slot(const KernelArgs& args, int64_t i, int64_t j) {
-  return slot_or_null(args, args.checkpoint_indices, args.checkpoint_dtype,
-                      i * args.checkpoint_row_stride + j * args.checkpoint_col_stride);
-}
-
-// Act: the element type of mixed_qkv, z and out (one dtype on CUDA).
-template <class Act>
-__global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const KernelArgs args) {
+// Grid N * HV: one CTA per (request, value head), its chunks in order. Act: the element type of
+// z and out.
+template <class Act, int kStages>
+__global__ void __launch_bounds__(kThreads, 1) prefill_state_kernel(const KernelArgs args) {
   extern __shared__ __align__(16) unsigned char shared_bytes[];
-  Shared& sh = *reinterpret_cast<Shared*>(shared_bytes);
+  StateShared<Act, kStages>& sh = *reinterpret_cast<StateShared<Act, kStages>*>(shared_bytes);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int64_t i = int64_t(blockIdx.x) / args.HV, hv = int64_t(blockIdx.x) % args.HV;
   const bool reporter = hv == 0 && tid == 0;  // counts the request's error once
+  const Workspace ws = workspace_of(args.workspace, args.chunk_slots, args.HV);
 
   const int64_t begin = gdn::load_index(args.cu_seqlens, args.cu_dtype, i);
   const int64_t end = gdn::load_index(args.cu_seqlens, args.cu_dtype, i + 1);
@@ -569,6 +851,11 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const KernelArgs a
   if (checkpoints > args.checkpoint_columns) bad = true;
   for (int64_t j = 0; j < checkpoints && !bad; ++j)
     if (checkpoint_slot(args, i, j) >= args.num_slots) bad = true;
+  const int64_t chunks = (T + kChunk - 1) / kChunk;
+  const int64_t first_slot = first_chunk_slot(begin, i);
+  bool owned = true;
+  for (int64_t j = tid; j < chunks; j += kThreads) owned &= ws.owner[first_slot + j] == int(i);
+  if (!__syncthreads_and(owned)) bad = true;
   if (bad) {
     if (reporter && args.error_count) atomicAdd(args.error_count, 1);
     for (int64_t e = tid; e < T * kHeadDim; e += kThreads)
@@ -579,67 +866,44 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const KernelArgs a
   const int64_t initial = initial_id < args.first_valid_slot ? -1 : initial_id;
   const int64_t final_slot = final_id < args.first_valid_slot ? -1 : final_id;
 
-  const int64_t h = hv / args.ratio;
-  const float A = -expf(dev::load_value(args.A_log, args.A_log_dtype, hv));
-  const float dt_bias = dev::load_value(args.dt_bias, args.dt_bias_dtype, hv);
-
   if (args.norm_weight && tid < kHeadDim)
     sh.norm_weight[tid] = dev::load_value(args.norm_weight, args.norm_weight_dtype, tid);
+  const auto tokens = [&](int64_t c) { return int(T - kChunk * c < kChunk ? T - kChunk * c : kChunk); };
+  start_chunk_copy(args, ws, first_slot, hv, begin, tokens(0), sh.buf[0], tid);
+  mma::cp_async_commit();
   StateTile state;
   load_state(args, initial, hv, warp, lane, state);
-  stage_state(sh, warp, lane, state);
-  for (int64_t c0 = 0; c0 < T; c0 += kChunk) {
-    const int n = int(T - c0 < kChunk ? T - c0 : kChunk);
-    const int64_t first_row = begin + c0;
-    load_chunk<Act>(args, sh, first_row, n, h, hv, A, dt_bias, warp, lane);
-    __syncthreads();
-    if (warp == 0) cumulative_decay(sh, lane);
-    __syncthreads();
-    chunk_scores(sh, warp, lane);
-    __syncthreads();
-    invert_triangle(sh, tid);
-    __syncthreads();
-    float acc[16][4];
-    state_products(sh, warp, lane, acc);
-    {
-      const int ta = 16 * (warp & 3) + lane / 4, tb = ta + 8;
-      const float ga = expf(sh.cum[ta]), gb = expf(sh.cum[tb]);
-      if (warp < 4) {  // o starts as gamma_t S q_t
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-          acc[j][0] *= ga;
-          acc[j][1] *= ga;
-          acc[j][2] *= gb;
-          acc[j][3] *= gb;
-        }
-      } else {  // R = beta_t (v_t - gamma_t S k_t), v from the Delta tile
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-          const int v = 8 * j + 2 * (lane % 4);
-          const float2 xa =
-              __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&sh.delta[ta][v]));
-          const float2 xb =
-              __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&sh.delta[tb][v]));
-          const float ba = sh.beta[ta], bb = sh.beta[tb];
-          *reinterpret_cast<uint32_t*>(&sh.u.rhs.r[ta][v]) =
-              Bf16::pack(ba * (xa.x - ga * acc[j][0]), ba * (xa.y - ga * acc[j][1]));
-          *reinterpret_cast<uint32_t*>(&sh.u.rhs.r[tb][v]) =
-              Bf16::pack(bb * (xb.x - gb * acc[j][2]), bb * (xb.y - gb * acc[j][3]));
-        }
-      }
+  for (int64_t c = 0; c < chunks; ++c) {
+    StateBuffer<Act>& b = sh.buf[kStages == 2 ? c & 1 : 0];
+    if constexpr (kStages == 2) {
+      if (c + 1 < chunks)
+        start_chunk_copy(args, ws, first_slot + c + 1, hv, begin + kChunk * (c + 1),
+                         tokens(c + 1), sh.buf[(c + 1) & 1], tid);
+      mma::cp_async_commit();
+      mma::cp_async_wait<1>();
+    } else {
+      mma::cp_async_wait<0>();
     }
     __syncthreads();
-    solve_writes(sh, warp, lane);
+    const float gamma_end = ws.gamma_end[(first_slot + c) * args.HV + hv];
+    const int n = tokens(c);
+    const int64_t first_row = begin + kChunk * c;
+    run_chunk(args, sh, b, gamma_end, warp, lane, state);
     __syncthreads();
-    if (warp < 4) finish_outputs<Act>(args, sh, first_row, n, hv, warp, lane, acc);
-    advance_state(sh, warp, lane, state);
-    const int64_t done = c0 + n;
+    store_outputs(args, sh, b, first_row, n, hv, warp, lane);
+    const int64_t done = kChunk * c + n;
     if (args.checkpoint_indices && done % args.checkpoint_every == 0) {
       const int64_t slot = checkpoint_slot(args, i, done / args.checkpoint_every - 1);
       if (slot >= 0) store_state(args, slot, hv, warp, lane, state);
     }
-    __syncthreads();  // every warp is done with this chunk's tiles
-    stage_state(sh, warp, lane, state);
+    __syncthreads();  // every warp is done with this buffer before it is refilled
+    if constexpr (kStages == 1) {
+      if (c + 1 < chunks) {
+        start_chunk_copy(args, ws, first_slot + c + 1, hv, begin + kChunk * (c + 1),
+                         tokens(c + 1), b, tid);
+        mma::cp_async_commit();
+      }
+    }
   }
   if (final_slot >= 0) store_state(args, final_slot, hv, warp, lane, state);
 }

@@ -26,7 +26,21 @@ struct Params : decode_mtp::StepArgs {
   TensorView final_state_indices;    // [N] int32/int64, any stride: the slot it writes (may equal)
   TensorView checkpoint_indices;     // [N, C] int32/int64 or absent: its checkpoint slots
   int64_t checkpoint_every = 0;      // E: a checkpoint after every E tokens (0: none)
+  // CUDA only, optional: scratch device memory (any dtype) of at least cuda_workspace_bytes(L, N,
+  // HV) bytes, 16-byte aligned, on the arrays' device. Absent: the launch allocates it stream-ordered
+  // (cudaMallocAsync) and frees it after the call.
+  TensorView workspace;
 };
+
+// Bytes of the CUDA path's workspace for L token rows, N requests and HV value heads (K = V =
+// 128): per chunk slot (a request's j-th 64-token chunk takes slot L_begin / 64 + i + j, so there
+// are at most L / 64 + N) and value head, four 64 x 128 bf16 tiles, one 64 x 64 bf16 tile and one
+// float; per slot one int.
+constexpr int64_t cuda_workspace_bytes(int64_t L, int64_t N, int64_t HV) {
+  const int64_t slots = L / kCheckpointGranule + N;
+  constexpr int64_t kPerSlotAndHead = (4 * 64 * 128 + 64 * 64) * 2 + 4;
+  return slots * HV * kPerSlotAndHead + slots * 4;
+}
 
 // Sizes derived from (and checked against) the arguments: decode_mtp's (S = 1, unused), plus the
 // checkpoint columns C.

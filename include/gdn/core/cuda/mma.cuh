@@ -1,5 +1,6 @@
 // Warp-level tensor-core building blocks (sm_80 and later): mma.sync m16n8k16 with 16-bit inputs
-// and fp32 accumulators, and ldmatrix fragment loads from 16-bit tiles in shared memory.
+// and fp32 accumulators, ldmatrix fragment loads from 16-bit tiles in shared memory, and the
+// cp.async copies that stage those tiles.
 //
 // Fragment layout (PTX ISA, m16n8k16): an accumulator tile d[4] holds rows lane / 4 (d[0], d[1])
 // and lane / 4 + 8 (d[2], d[3]), columns 2 * (lane % 4) and the next one. A tile's rows start at a
@@ -77,6 +78,29 @@ __device__ __forceinline__ void load_b_pair_transposed(uint32_t (&b)[4], const _
                                                        int ld, int n0, int k0, int lane) {
   ldmatrix_x4_trans(
       b, tile + (k0 + (lane & 7) + (((lane >> 3) & 1) << 3)) * ld + n0 + ((lane >> 4) << 3));
+}
+
+// Starts a 16-byte copy global -> shared that bypasses L1 (both addresses 16-byte aligned).
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_address(dst)), "l"(src)
+               : "memory");
+#endif
+}
+
+// Closes the group of copies this thread started since the last commit.
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Waits until at most `kPending` of this thread's committed groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+#endif
 }
 
 }  // namespace gdn::cuda::mma
