@@ -105,6 +105,8 @@ inline KernelArgs kernel_args(const Params& p, const Problem& pr) {
   a.z_rows_aligned = p.z.present() && aligned(p.z.data) &&
                      (p.z.strides[0] * act_bytes) % 16 == 0 && (p.z.strides[1] * act_bytes) % 16 == 0;
   a.out_aligned = aligned(p.out.data);
+  a.qkv_vector = reinterpret_cast<uintptr_t>(p.mixed_qkv.data) % (4 * act_bytes) == 0 &&
+                 p.mixed_qkv.strides[0] % 4 == 0;
   return a;
 }
 

@@ -76,6 +76,7 @@ struct KernelArgs {
   GateActivation gate;
   StateLayout layout;
   bool round_core_output;
+  bool qkv_vector;      // mixed_qkv's rows start aligned to four elements (vector loads)
   bool z_rows_aligned;  // z's rows start 16-byte aligned (copied with cp.async)
   bool out_aligned;     // out's data pointer is 16-byte aligned (vector stores)
 };
@@ -95,14 +96,16 @@ inline constexpr int kLdOut = kHeadDim + 4;   // fp32 64 x 128 output tile
 using bf16 = __nv_bfloat16;
 
 // What the chunk kernel leaves for one (chunk slot, value head): W[t][k], the decayed q
-// (gamma_t q_t), the decayed k (exp(G_end - G_t) k_t), U^T[v][t] and P[t][s], all bf16.
+// (gamma_t q_t), the decayed k (exp(G_end - G_t) k_t), U^T[v][t] and P[t][s], all bf16, with the
+// padded rows of the state kernel's shared tiles, so that they are copied as one flat run.
 struct ChunkTiles {
-  bf16 w[kChunk][kHeadDim];
-  bf16 q[kChunk][kHeadDim];
-  bf16 k[kChunk][kHeadDim];
-  bf16 ut[kHeadDim][kChunk];
-  bf16 p[kChunk][kChunk];
+  bf16 w[kChunk][kLdWide];
+  bf16 q[kChunk][kLdWide];
+  bf16 k[kChunk][kLdWide];
+  bf16 ut[kHeadDim][kLdNarrow];
+  bf16 p[kChunk][kLdNarrow];
 };
+static_assert(sizeof(ChunkTiles) % 16 == 0, "copied in 16-byte pieces");
 
 static_assert(cuda_workspace_bytes(kChunk, 0, 1) == int64_t(sizeof(ChunkTiles)) + 4 + 4,
               "cuda_workspace_bytes matches the workspace's layout");
@@ -241,6 +244,17 @@ __device__ __forceinline__ void find_chunk(const KernelArgs& args, const Workspa
   if (record) ws.owner[slot] = int(request);
 }
 
+// Four consecutive elements of p (aligned to four elements) as raw bits: 8 or 16 bytes.
+template <class T>
+using Bits4 = std::conditional_t<sizeof(T) == 4, uint4, uint2>;
+
+template <class T>
+__device__ __forceinline__ void bits_to_f32(const Bits4<T>& r, float (&out)[4]) {
+  const T* h = reinterpret_cast<const T*>(&r);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) out[e] = to_f32(h[e]);
+}
+
 // Loads the chunk's tokens: q, k L2-normalised into bf16 tiles, v, g and beta; zeros past n. Warp
 // w takes tokens w, w + 8, ...: all their loads are issued before the first is used.
 template <class T>
@@ -264,19 +278,41 @@ __device__ __forceinline__ void load_chunk(const KernelArgs& args, ChunkShared& 
   }
   const T* x = static_cast<const T*>(args.mixed_qkv);
   float q[kPerWarp][4], k[kPerWarp][4], v[kPerWarp][4];
+  if (args.qkv_vector) {  // every load in flight before the first conversion
+    Bits4<T> rq[kPerWarp], rk[kPerWarp], rv[kPerWarp];
 #pragma unroll
-  for (int j = 0; j < kPerWarp; ++j) {
-    const int t = warp + kWarps * j;
-    const int64_t row = (first_row + t) * args.qkv_row_stride;
+    for (int j = 0; j < kPerWarp; ++j) {
+      const int t = warp + kWarps * j;
+      const T* row = x + (first_row + (t < n ? t : 0)) * args.qkv_row_stride + 4 * lane;
+      rq[j] = *reinterpret_cast<const Bits4<T>*>(row + h * kHeadDim);
+      rk[j] = *reinterpret_cast<const Bits4<T>*>(row + (args.H + h) * kHeadDim);
+      rv[j] = *reinterpret_cast<const Bits4<T>*>(row + (2 * args.H + hv) * kHeadDim);
+    }
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int c = 4 * lane + e;
-      const bool live = t < n;
-      q[j][e] = live ? to_f32(x[row + h * kHeadDim + c]) : 0.0f;
-      k[j][e] = live ? to_f32(x[row + (args.H + h) * kHeadDim + c]) : 0.0f;
-      v[j][e] = live ? to_f32(x[row + (2 * args.H + hv) * kHeadDim + c]) : 0.0f;
+    for (int j = 0; j < kPerWarp; ++j) {
+      bits_to_f32<T>(rq[j], q[j]);
+      bits_to_f32<T>(rk[j], k[j]);
+      bits_to_f32<T>(rv[j], v[j]);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kPerWarp; ++j) {
+      const int t = warp + kWarps * j;
+      const T* row = x + (first_row + (t < n ? t : 0)) * args.qkv_row_stride + 4 * lane;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        q[j][e] = to_f32(row[h * kHeadDim + e]);
+        k[j][e] = to_f32(row[(args.H + h) * kHeadDim + e]);
+        v[j][e] = to_f32(row[(2 * args.H + hv) * kHeadDim + e]);
+      }
     }
   }
+  // Tokens past n read the chunk's first row (always in range) and are zeroed here.
+#pragma unroll
+  for (int j = 0; j < kPerWarp; ++j)
+    if (warp + kWarps * j >= n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) q[j][e] = k[j][e] = v[j][e] = 0.0f;
 #pragma unroll
   for (int j = 0; j < kPerWarp; ++j) {
     const int t = warp + kWarps * j;
@@ -438,10 +474,25 @@ __device__ __forceinline__ void invert_triangle(ChunkShared& sh, int tid) {
   }
 }
 
+// Staging of U^T (128 x 64 bf16) in the bytes of the triangle past the inverse's copies: rows of
+// 128 bytes whose 16-byte pieces are XOR-swizzled by the row, so that the accumulator stores and
+// the 16-byte reads are both free of bank conflicts.
+__device__ __forceinline__ bf16* ut_staging(ChunkShared& sh) {
+  static_assert(sizeof(ChunkShared::u.inv) + kHeadDim * kChunk * sizeof(bf16) <=
+                    sizeof(ChunkShared::u.tri),
+                "U^T fits the triangle's bytes past the inverse's copies");
+  return reinterpret_cast<bf16*>(reinterpret_cast<unsigned char*>(&sh.u) + sizeof(sh.u.inv));
+}
+__device__ __forceinline__ int ut_index(int v, int t) {
+  return v * kChunk + (((t / 8) ^ (v & 7)) * 8) + t % 8;
+}
+
 // U^T = V^T (inv diag(beta))^T (warp w: state rows 16 w..) and W = inv diag(beta gamma) K (warp w:
-// rows 16 (w & 3).., columns 64 (w / 4)..), stored to the chunk's tiles.
-__device__ __forceinline__ void store_writes(ChunkShared& sh, ChunkTiles& out, int warp,
-                                             int lane) {
+// rows 16 (w & 3).., columns 64 (w / 4)..), staged in shared memory (W over v, dead once U^T is
+// done) and then stored 16 bytes at a time.
+__device__ __forceinline__ void store_writes(ChunkShared& sh, ChunkTiles& out, int warp, int lane,
+                                             int tid) {
+  bf16* ut = ut_staging(sh);
   {
     float acc[8][4] = {};
 #pragma unroll
@@ -460,10 +511,11 @@ __device__ __forceinline__ void store_writes(ChunkShared& sh, ChunkTiles& out, i
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const int t = 8 * j + 2 * (lane % 4);
-      *reinterpret_cast<uint32_t*>(&out.ut[v][t]) = Bf16::pack(acc[j][0], acc[j][1]);
-      *reinterpret_cast<uint32_t*>(&out.ut[v + 8][t]) = Bf16::pack(acc[j][2], acc[j][3]);
+      *reinterpret_cast<uint32_t*>(&ut[ut_index(v, t)]) = Bf16::pack(acc[j][0], acc[j][1]);
+      *reinterpret_cast<uint32_t*>(&ut[ut_index(v + 8, t)]) = Bf16::pack(acc[j][2], acc[j][3]);
     }
   }
+  __syncthreads();  // v is dead: W goes there
   {
     const int t0 = 16 * (warp & 3), k0 = 64 * (warp / 4);
     float acc[8][4] = {};
@@ -483,9 +535,20 @@ __device__ __forceinline__ void store_writes(ChunkShared& sh, ChunkTiles& out, i
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const int k = k0 + 8 * j + 2 * (lane % 4);
-      *reinterpret_cast<uint32_t*>(&out.w[t][k]) = Bf16::pack(acc[j][0], acc[j][1]);
-      *reinterpret_cast<uint32_t*>(&out.w[t + 8][k]) = Bf16::pack(acc[j][2], acc[j][3]);
+      *reinterpret_cast<uint32_t*>(&sh.v[t][k]) = Bf16::pack(acc[j][0], acc[j][1]);
+      *reinterpret_cast<uint32_t*>(&sh.v[t + 8][k]) = Bf16::pack(acc[j][2], acc[j][3]);
     }
+  }
+  __syncthreads();
+  constexpr int kWide = kHeadDim / 8, kNarrow = kChunk / 8;  // 16-byte pieces per row
+  for (int e = tid; e < kChunk * kWide; e += kThreads) {
+    const int r = e / kWide, c = 8 * (e % kWide);
+    *reinterpret_cast<uint4*>(&out.w[r][c]) = *reinterpret_cast<const uint4*>(&sh.v[r][c]);
+  }
+  for (int e = tid; e < kHeadDim * kNarrow; e += kThreads) {
+    const int r = e / kNarrow, c = 8 * (e % kNarrow);
+    *reinterpret_cast<uint4*>(&out.ut[r][c]) =
+        *reinterpret_cast<const uint4*>(&ut[ut_index(r, c)]);
   }
 }
 
@@ -534,7 +597,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_kernel(const Kernel
   invert_triangle(sh, tid);
   __syncthreads();
   ChunkTiles& out = ws.tiles[slot * args.HV + hv];
-  store_writes(sh, out, warp, lane);
+  store_writes(sh, out, warp, lane, tid);
   store_decayed(sh, out, tid);
   if (tid == 0) ws.gamma_end[slot * args.HV + hv] = expf(sh.cum[kChunk - 1]);
 }
@@ -543,12 +606,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_kernel(const Kernel
 
 // One chunk's tiles in shared memory, and its z rows.
 template <class Act>
-struct StateBuffer {
-  bf16 w[kChunk][kLdWide];
-  bf16 q[kChunk][kLdWide];
-  bf16 k[kChunk][kLdWide];
-  bf16 ut[kHeadDim][kLdNarrow];
-  bf16 p[kChunk][kLdNarrow];
+struct StateBuffer : ChunkTiles {
   Act z[kChunk][kHeadDim + 16 / sizeof(Act)];
 };
 
@@ -563,8 +621,8 @@ struct StateShared {
 // The fp32 output tile o[t][v] overlays w and q of the chunk's buffer, which are dead by then.
 template <class Act>
 __device__ __forceinline__ float (*output_tile(StateBuffer<Act>& b))[kLdOut] {
-  static_assert(offsetof(StateBuffer<Act>, q) == sizeof(StateBuffer<Act>::w) &&
-                    2 * sizeof(StateBuffer<Act>::w) >= sizeof(float) * kChunk * kLdOut,
+  static_assert(offsetof(ChunkTiles, q) == sizeof(ChunkTiles::w) &&
+                    2 * sizeof(ChunkTiles::w) >= sizeof(float) * kChunk * kLdOut,
                 "the output tile fits w and q");
   return reinterpret_cast<float (*)[kLdOut]>(&b.w[0][0]);
 }
@@ -622,41 +680,32 @@ __device__ __forceinline__ void load_state(const KernelArgs& args, int64_t slot,
   });
 }
 
-// Starts copying chunk slot `slot`'s tiles and the z rows of its n tokens into `b`.
+// Starts copying chunk slot `slot`'s tiles (laid out as in shared memory: one flat run of 16-byte
+// pieces) and the z rows of its n tokens into `b`, as one cp.async group of this thread.
 template <class Act>
 __device__ __forceinline__ void start_chunk_copy(const KernelArgs& args, const Workspace& ws,
                                                  int64_t slot, int64_t hv, int64_t first_row,
                                                  int n, StateBuffer<Act>& b, int tid) {
-  const ChunkTiles& src = ws.tiles[slot * args.HV + hv];
-  constexpr int kWide = kHeadDim / 8, kNarrow = kChunk / 8;  // 16-byte pieces per row
-  for (int e = tid; e < kChunk * kWide; e += kThreads) {
-    const int r = e / kWide, c = 8 * (e % kWide);
-    mma::cp_async_16(&b.w[r][c], &src.w[r][c]);
-    mma::cp_async_16(&b.q[r][c], &src.q[r][c]);
-    mma::cp_async_16(&b.k[r][c], &src.k[r][c]);
-  }
-  for (int e = tid; e < kHeadDim * kNarrow; e += kThreads) {
-    const int r = e / kNarrow, c = 8 * (e % kNarrow);
-    mma::cp_async_16(&b.ut[r][c], &src.ut[r][c]);
-  }
-  for (int e = tid; e < kChunk * kNarrow; e += kThreads) {
-    const int r = e / kNarrow, c = 8 * (e % kNarrow);
-    mma::cp_async_16(&b.p[r][c], &src.p[r][c]);
-  }
-  if (!args.z) return;
-  const Act* z = static_cast<const Act*>(args.z) + first_row * args.z_row_stride +
-                 hv * args.z_head_stride;
-  constexpr int kPer16 = 16 / int(sizeof(Act)), kZPieces = kHeadDim / kPer16;
-  for (int e = tid; e < n * kZPieces; e += kThreads) {
-    const int r = e / kZPieces, c = kPer16 * (e % kZPieces);
-    const Act* from = z + r * args.z_row_stride + c;
-    if (args.z_rows_aligned) {
-      mma::cp_async_16(&b.z[r][c], from);
-    } else {
+  const uint4* src = reinterpret_cast<const uint4*>(&ws.tiles[slot * args.HV + hv]);
+  uint4* dst = reinterpret_cast<uint4*>(static_cast<ChunkTiles*>(&b));
+  constexpr int kPieces = int(sizeof(ChunkTiles)) / 16;
+  for (int e = tid; e < kPieces; e += kThreads) mma::cp_async_16(dst + e, src + e);
+  if (args.z) {
+    const Act* z = static_cast<const Act*>(args.z) + first_row * args.z_row_stride +
+                   hv * args.z_head_stride;
+    constexpr int kPer16 = 16 / int(sizeof(Act)), kZPieces = kHeadDim / kPer16;
+    for (int e = tid; e < n * kZPieces; e += kThreads) {
+      const int r = e / kZPieces, c = kPer16 * (e % kZPieces);
+      const Act* from = z + r * args.z_row_stride + c;
+      if (args.z_rows_aligned) {
+        mma::cp_async_16(&b.z[r][c], from);
+      } else {
 #pragma unroll
-      for (int x = 0; x < kPer16; ++x) b.z[r][c + x] = from[x];
+        for (int x = 0; x < kPer16; ++x) b.z[r][c + x] = from[x];
+      }
     }
   }
+  mma::cp_async_commit();
 }
 
 // A-operand fragments (16 x 16, k-step kk) of the fp32 accumulator tiles 2 kk and 2 kk + 1, in
@@ -779,47 +828,62 @@ __device__ __forceinline__ void run_chunk(const KernelArgs& args, StateShared<Ac
 }
 
 // The gated RMSNorm of the chunk's n output rows from the output tile, stored to out: warp w
-// takes tokens w, w + 8, ..., lane l values 4 l.. of each.
+// takes tokens w, w + 8, ..., lane l values 4 l.. of each; all eight tokens' reads are issued
+// before the first result is used.
 template <class Act, int kStages>
 __device__ __forceinline__ void store_outputs(const KernelArgs& args,
                                               const StateShared<Act, kStages>& sh,
                                               StateBuffer<Act>& b, int64_t first_row, int n,
                                               int64_t hv, int warp, int lane) {
+  constexpr int kPerWarp = kChunk / kWarps;
   const float (*tile)[kLdOut] = output_tile(b);
   const int v = 4 * lane;
-  for (int t = warp; t < n; t += kWarps) {
+  float y[kPerWarp][4], z[kPerWarp][4], ss[kPerWarp];
+#pragma unroll
+  for (int r = 0; r < kPerWarp; ++r) {
+    const int t = warp + kWarps * r;
     const float4 o4 = *reinterpret_cast<const float4*>(&tile[t][v]);
-    float y[4] = {o4.x, o4.y, o4.z, o4.w};
+    y[r][0] = o4.x;
+    y[r][1] = o4.y;
+    y[r][2] = o4.z;
+    y[r][3] = o4.w;
+    ss[r] = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) ss[r] += sh.partial[w][t];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) z[r][e] = args.z && t < n ? to_f32(b.z[t][v + e]) : 0.0f;
+  }
+  float weight[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) weight[e] = sh.norm_weight[v + e];
+#pragma unroll
+  for (int r = 0; r < kPerWarp; ++r) {
+    const int t = warp + kWarps * r;
+    if (t >= n) break;
     if (args.norm_weight) {
-      float ss = 0.0f;
+      const float rstd = 1.0f / sqrtf(ss[r] / float(kHeadDim) + args.norm_eps);
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) ss += sh.partial[w][t];
-      const float rstd = 1.0f / sqrtf(ss / float(kHeadDim) + args.norm_eps);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) y[e] *= rstd * sh.norm_weight[v + e];
+      for (int e = 0; e < 4; ++e) y[r][e] *= rstd * weight[e];
     }
     if (args.z) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) y[e] *= gate_value(args, to_f32(b.z[t][v + e]));
+      for (int e = 0; e < 4; ++e) y[r][e] *= gate_value(args, z[r][e]);
     }
     Act* dst = static_cast<Act*>(args.out) + ((first_row + t) * args.HV + hv) * kHeadDim + v;
-    if constexpr (sizeof(Act) == 2) {
-      if (args.out_aligned) {
+    if (args.out_aligned) {
+      if constexpr (sizeof(Act) == 2) {
         uint2 packed;
         Act* p = reinterpret_cast<Act*>(&packed);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) p[e] = from_f32<Act>(y[e]);
+        for (int e = 0; e < 4; ++e) p[e] = from_f32<Act>(y[r][e]);
         *reinterpret_cast<uint2*>(dst) = packed;
-        continue;
+      } else {
+        *reinterpret_cast<float4*>(dst) = make_float4(y[r][0], y[r][1], y[r][2], y[r][3]);
       }
     } else {
-      if (args.out_aligned) {
-        *reinterpret_cast<float4*>(dst) = make_float4(y[0], y[1], y[2], y[3]);
-        continue;
-      }
-    }
 #pragma unroll
-    for (int e = 0; e < 4; ++e) dst[e] = from_f32<Act>(y[e]);
+      for (int e = 0; e < 4; ++e) dst[e] = from_f32<Act>(y[r][e]);
+    }
   }
 }
 
@@ -869,17 +933,19 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_state_kernel(const Kernel
   if (args.norm_weight && tid < kHeadDim)
     sh.norm_weight[tid] = dev::load_value(args.norm_weight, args.norm_weight_dtype, tid);
   const auto tokens = [&](int64_t c) { return int(T - kChunk * c < kChunk ? T - kChunk * c : kChunk); };
-  start_chunk_copy(args, ws, first_slot, hv, begin, tokens(0), sh.buf[0], tid);
-  mma::cp_async_commit();
+  const auto copy = [&](int64_t c) {
+    start_chunk_copy(args, ws, first_slot + c, hv, begin + kChunk * c, tokens(c),
+                     sh.buf[kStages == 2 ? c & 1 : 0], tid);
+  };
+  copy(0);
   StateTile state;
   load_state(args, initial, hv, warp, lane, state);
   for (int64_t c = 0; c < chunks; ++c) {
     StateBuffer<Act>& b = sh.buf[kStages == 2 ? c & 1 : 0];
-    if constexpr (kStages == 2) {
-      if (c + 1 < chunks)
-        start_chunk_copy(args, ws, first_slot + c + 1, hv, begin + kChunk * (c + 1),
-                         tokens(c + 1), sh.buf[(c + 1) & 1], tid);
-      mma::cp_async_commit();
+    // With two buffers the next chunk's copies run during this one; the other buffer was
+    // released by the barrier that ended the previous chunk.
+    if (kStages == 2 && c + 1 < chunks) {
+      copy(c + 1);
       mma::cp_async_wait<1>();
     } else {
       mma::cp_async_wait<0>();
@@ -897,13 +963,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_state_kernel(const Kernel
       if (slot >= 0) store_state(args, slot, hv, warp, lane, state);
     }
     __syncthreads();  // every warp is done with this buffer before it is refilled
-    if constexpr (kStages == 1) {
-      if (c + 1 < chunks) {
-        start_chunk_copy(args, ws, first_slot + c + 1, hv, begin + kChunk * (c + 1),
-                         tokens(c + 1), b, tid);
-        mma::cp_async_commit();
-      }
-    }
+    if (kStages == 1 && c + 1 < chunks) copy(c + 1);
   }
   if (final_slot >= 0) store_state(args, final_slot, hv, warp, lane, state);
 }

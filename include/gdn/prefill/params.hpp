@@ -34,11 +34,11 @@ struct Params : decode_mtp::StepArgs {
 
 // Bytes of the CUDA path's workspace for L token rows, N requests and HV value heads (K = V =
 // 128): per chunk slot (a request's j-th 64-token chunk takes slot L_begin / 64 + i + j, so there
-// are at most L / 64 + N) and value head, four 64 x 128 bf16 tiles, one 64 x 64 bf16 tile and one
-// float; per slot one int.
+// are at most L / 64 + N) and value head, three 64 x 128 bf16 tiles, a 128 x 64 and a 64 x 64 one
+// (rows padded by 16 bytes) and one float; per slot one int.
 constexpr int64_t cuda_workspace_bytes(int64_t L, int64_t N, int64_t HV) {
   const int64_t slots = L / kCheckpointGranule + N;
-  constexpr int64_t kPerSlotAndHead = (4 * 64 * 128 + 64 * 64) * 2 + 4;
+  constexpr int64_t kPerSlotAndHead = (3 * 64 * 136 + 128 * 72 + 64 * 72) * 2 + 4;
   return slots * HV * kPerSlotAndHead + slots * 4;
 }
 
