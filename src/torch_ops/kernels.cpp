@@ -147,7 +147,17 @@ void prefill(const at::Tensor& mixed_qkv, const at::Tensor& a, const at::Tensor&
         initial_state_indices, final_state_indices, checkpoint_indices, checkpoint_every, view_of);
     run_call(
         p.state, "state", state, [&] { return prefill::run_cpu(p); },
-        [&](auto stream) { return cuda_api::prefill(p, stream); });
+        [&](auto stream) {
+          // The CUDA path's workspace comes from torch's caching allocator (graph-safe, and no
+          // stream-ordered allocation per call).
+          prefill::Params with_workspace = p;
+          const int64_t bytes = prefill::cuda_workspace_bytes(
+              mixed_qkv.size(0), initial_state_indices.size(0), a.size(1));
+          const at::Tensor workspace =
+              at::empty({(bytes + 3) / 4}, state.options().dtype(at::kInt));
+          with_workspace.workspace = view_of(workspace, "workspace");
+          return cuda_api::prefill(with_workspace, stream);
+        });
   });
 }
 
