@@ -260,7 +260,8 @@ inline conv::Activation parse_activation(std::string_view s) {
 // The arguments decode_mtp and replay verify share (decode_mtp::StepArgs).
 template <class In, class Out>
 struct StepArgsIn {
-  const In &mixed_qkv, &a, &b, &A_log, &dt_bias;
+  const In &mixed_qkv, &a, &b;
+  const std::optional<In>&A_log, &dt_bias;  // absent only with a_is_log_decay
   const Out& state;
   const In& cu_seqlens;
   const Out& out;
@@ -270,6 +271,7 @@ struct StepArgsIn {
   std::string_view gate, state_layout;
   int64_t first_valid_slot, num_k_heads;
   bool round_core_output;
+  bool a_is_log_decay, b_is_beta, qk_l2_norm;
   const std::optional<Out>& error_count;
 };
 
@@ -278,8 +280,8 @@ void set_step_args(const StepArgsIn<In, Out>& in, View& view, decode_mtp::StepAr
   p.mixed_qkv = view(in.mixed_qkv, "mixed_qkv");
   p.a = view(in.a, "a");
   p.b = view(in.b, "b");
-  p.A_log = view(in.A_log, "A_log");
-  p.dt_bias = view(in.dt_bias, "dt_bias");
+  p.A_log = optional_view(in.A_log, "A_log", view);
+  p.dt_bias = optional_view(in.dt_bias, "dt_bias", view);
   p.state = view(in.state, "state");
   p.cu_seqlens = view(in.cu_seqlens, "cu_seqlens");
   p.out = view(in.out, "out");
@@ -294,6 +296,9 @@ void set_step_args(const StepArgsIn<In, Out>& in, View& view, decode_mtp::StepAr
   p.first_valid_slot = in.first_valid_slot;
   p.num_k_heads = in.num_k_heads;
   p.round_core_output = in.round_core_output;
+  p.a_is_log_decay = in.a_is_log_decay;
+  p.b_is_beta = in.b_is_beta;
+  p.qk_l2_norm = in.qk_l2_norm;
 }
 
 template <class In, class Out, class View>
@@ -332,6 +337,15 @@ prefill::Params prefill_params(const StepArgsIn<In, Out>& step, const In& initia
     return prefill::check_arguments(p, &pr);
   });
   return p;
+}
+
+// prefill's CUDA kernel computes g from A_log and dt_bias and beta = sigmoid(b), and L2-normalises
+// q and k: a CUDA call with other input options is refused here rather than run as the defaults.
+inline Status prefill_cuda_takes_options(const prefill::Params& p) {
+  if (!p.a_is_log_decay && !p.b_is_beta && p.qk_l2_norm) return Status::ok();
+  return Status::unsupported(
+      "prefill on CUDA does not implement a_is_log_decay=True, b_is_beta=True or "
+      "qk_l2_norm=False (the CPU path does)");
 }
 
 // Replay verify's own arrays, in the order of its arguments.
