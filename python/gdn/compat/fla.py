@@ -31,7 +31,7 @@ Differences, all documented on each function:
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -142,6 +142,34 @@ def _gates(
     positional = dict(a=a, b=b, A_log=A_log, dt_bias=dt_bias)
     options = dict(a_is_log_decay=not use_gate_in_kernel, b_is_beta=b_is_beta)
     return positional, options
+
+
+class _Call(NamedTuple):
+    """An FLA call mapped onto libgdn's arguments."""
+
+    dims: Tuple[int, int, int, int, int, int]  # B, T, H, K, HV, V
+    N: int  # sequences
+    cu: torch.Tensor  # cu_seqlens on the device
+    mixed_qkv: torch.Tensor  # [L, 2*H*K + HV*V]
+    positional: dict  # a, b, A_log, dt_bias
+    keywords: dict  # scale, l2_eps, state_layout and the input options
+
+
+def _map_call(fn, q, k, v, g, beta, *, scale, cu_seqlens, state_v_first, use_qk_l2norm_in_kernel, **gates) -> _Call:
+    """Checks q, k, v and maps FLA's arguments (``gates``: use_gate_in_kernel, A_log, dt_bias,
+    use_beta_sigmoid_in_kernel, allow_neg_eigval) onto a libgdn call's."""
+    B, T, H, K, HV, V = _dims(q, k, v, fn)
+    L = B * T
+    N, cu = _sequences(cu_seqlens, B, T, q.device, fn)
+    positional, options = _gates(g, beta, shape=(B, T, HV, L), ref=q, function=fn, **gates)
+    keywords = dict(
+        scale=scale,
+        l2_eps=1e-6,
+        state_layout="vk" if state_v_first else "kv",
+        qk_l2_norm=bool(use_qk_l2norm_in_kernel),
+        **options,
+    )
+    return _Call((B, T, H, K, HV, V), N, cu, _packed_qkv(q, k, v, L, fn), positional, keywords)
 
 
 def _sequences(
@@ -258,25 +286,14 @@ def fused_recurrent_gated_delta_rule(
     state_v_first = _options(kwargs, state_v_first, fn)
     if gk is not None or gv is not None:
         raise NotImplementedError(f"{fn}: per-channel decays gk / gv are not supported; pass g [B, T, HV]")
-    B, T, H, K, HV, V = _dims(q, k, v, fn)
-    L = B * T
-    N, cu = _sequences(cu_seqlens, B, T, q.device, fn)
-    positional, options = _gates(
-        g,
-        beta,
-        use_gate_in_kernel=use_gate_in_kernel,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        allow_neg_eigval=allow_neg_eigval,
-        shape=(B, T, HV, L),
-        ref=q,
-        function=fn,
-    )
-    mixed_qkv = _packed_qkv(q, k, v, L, fn)
+    call = _map_call(
+        fn, q, k, v, g, beta, scale=scale, cu_seqlens=cu_seqlens, state_v_first=state_v_first,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
+        dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+    )  # fmt: skip
+    B, T, H, K, HV, V = call.dims
+    L, N, cu, mixed_qkv, positional, common = B * T, call.N, call.cu, call.mixed_qkv, call.positional, call.keywords
     o = torch.empty_like(_activation(v, "v", fn))
-    layout = "vk" if state_v_first else "kv"
-    common = dict(scale=scale, l2_eps=1e-6, state_layout=layout, qk_l2_norm=bool(use_qk_l2norm_in_kernel), **options)
     out = o.view(L, HV, V)
 
     if ssm_state_indices is not None and ssm_state_indices.dim() == 2:  # the verify form
@@ -432,22 +449,13 @@ def chunk_gated_delta_rule(
         raise ValueError(f"{fn}: chunk_size must be 16, 32 or 64, got {chunk_size}")
     if g is None or beta is None:
         raise ValueError(f"{fn}: g and beta are required")
-    B, T, H, K, HV, V = _dims(q, k, v, fn)
-    L = B * T
-    N, cu = _sequences(cu_seqlens, B, T, q.device, fn)
-    positional, options = _gates(
-        g,
-        beta,
-        use_gate_in_kernel=use_gate_in_kernel,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        allow_neg_eigval=allow_neg_eigval,
-        shape=(B, T, HV, L),
-        ref=q,
-        function=fn,
-    )
-    mixed_qkv = _packed_qkv(q, k, v, L, fn)
+    call = _map_call(
+        fn, q, k, v, g, beta, scale=scale, cu_seqlens=cu_seqlens, state_v_first=state_v_first,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
+        dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+    )  # fmt: skip
+    B, T, H, K, HV, V = call.dims
+    L, N = B * T, call.N
     o = torch.empty(v.shape, dtype=_activation(q, "q", fn).dtype, device=q.device)
     shape = _state_shape(N, HV, K, V, state_v_first)
     slots = torch.arange(N, device=q.device, dtype=torch.int64)
@@ -466,18 +474,7 @@ def chunk_gated_delta_rule(
         pool = initial_state.to(torch.float32)
     else:
         pool = torch.empty((1, *shape[1:]), device=q.device, dtype=torch.float32)  # never touched
-    prefill(
-        mixed_qkv,
-        *positional.values(),
-        pool,
-        slots if initial_state is not None else null,
-        slots if output_final_state else null,
-        cu,
-        o.view(L, HV, V),
-        scale=scale,
-        l2_eps=1e-6,
-        state_layout="vk" if state_v_first else "kv",
-        qk_l2_norm=bool(use_qk_l2norm_in_kernel),
-        **options,
-    )
+    initial = slots if initial_state is not None else null
+    final = slots if output_final_state else null
+    prefill(call.mixed_qkv, *call.positional.values(), pool, initial, final, call.cu, o.view(L, HV, V), **call.keywords)
     return o, pool if output_final_state else None
