@@ -31,7 +31,7 @@ Differences, all documented on each function:
 
 from __future__ import annotations
 
-from typing import Any, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -101,6 +101,15 @@ def _per_token(x: torch.Tensor, name: str, B: int, T: int, HV: int, L: int, v_ra
     return _activation(x, name, function).reshape(L, HV)
 
 
+class _Gates(NamedTuple):
+    """A libgdn call's gate arrays, in its argument order."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    A_log: Optional[torch.Tensor]
+    dt_bias: Optional[torch.Tensor]
+
+
 def _gates(
     g: Optional[torch.Tensor],
     beta: Optional[torch.Tensor],
@@ -113,35 +122,34 @@ def _gates(
     shape: Tuple[int, int, int, int],
     ref: torch.Tensor,
     function: str,
-) -> Tuple[dict, dict]:
-    """(positional a, b, A_log, dt_bias; keyword options) for FLA's gate arguments."""
+) -> Tuple["_Gates", Dict[str, bool]]:
+    """(a, b, A_log, dt_bias; the input options) for FLA's gate arguments."""
     B, T, HV, L = shape
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError(f"{function}: allow_neg_eigval=True needs use_beta_sigmoid_in_kernel=True, as in FLA")
-    zeros = dict(device=ref.device, dtype=torch.float32)
+    device, f32 = ref.device, torch.float32
     if g is None:  # no decay: g = 0
         if use_gate_in_kernel:
             raise ValueError(f"{function}: use_gate_in_kernel=True needs g (the raw gate input)")
-        a = torch.zeros(L, HV, **zeros)
+        a = torch.zeros(L, HV, device=device, dtype=f32)
     else:
         a = _per_token(g, "g", B, T, HV, L, 4, function)
     if use_gate_in_kernel:
         if A_log is None:
             raise ValueError(f"{function}: use_gate_in_kernel=True needs A_log")
         A_log = A_log.reshape(-1)
-        dt_bias = torch.zeros(HV, **zeros) if dt_bias is None else dt_bias.reshape(-1)
+        dt_bias = torch.zeros(HV, device=device, dtype=f32) if dt_bias is None else dt_bias.reshape(-1)
     else:  # g is the log-decay itself; FLA ignores A_log and dt_bias then
         A_log = dt_bias = None
     if beta is None:  # FLA's default: ones (before its optional sigmoid)
-        b = torch.ones(L, HV, **zeros)
+        b = torch.ones(L, HV, device=device, dtype=f32)
     else:
         b = _per_token(beta, "beta", B, T, HV, L, 4, function)
     b_is_beta = not use_beta_sigmoid_in_kernel
     if allow_neg_eigval:  # beta = 2 sigmoid(beta): libgdn's kernels have no doubled-beta mode
         b, b_is_beta = 2.0 * torch.sigmoid(b.float()), True
-    positional = dict(a=a, b=b, A_log=A_log, dt_bias=dt_bias)
     options = dict(a_is_log_decay=not use_gate_in_kernel, b_is_beta=b_is_beta)
-    return positional, options
+    return _Gates(a, b, A_log, dt_bias), options
 
 
 class _Call(NamedTuple):
@@ -151,8 +159,8 @@ class _Call(NamedTuple):
     N: int  # sequences
     cu: torch.Tensor  # cu_seqlens on the device
     mixed_qkv: torch.Tensor  # [L, 2*H*K + HV*V]
-    positional: dict  # a, b, A_log, dt_bias
-    keywords: dict  # scale, l2_eps, state_layout and the input options
+    gates: "_Gates"  # a, b, A_log, dt_bias
+    keywords: Dict[str, Any]  # scale, l2_eps, state_layout and the input options
 
 
 def _map_call(fn, q, k, v, g, beta, *, scale, cu_seqlens, state_v_first, use_qk_l2norm_in_kernel, **gates) -> _Call:
@@ -292,7 +300,7 @@ def fused_recurrent_gated_delta_rule(
         dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
     )  # fmt: skip
     B, T, H, K, HV, V = call.dims
-    L, N, cu, mixed_qkv, positional, common = B * T, call.N, call.cu, call.mixed_qkv, call.positional, call.keywords
+    L, N, cu, mixed_qkv, positional, common = B * T, call.N, call.cu, call.mixed_qkv, call.gates, call.keywords
     o = torch.empty_like(_activation(v, "v", fn))
     out = o.view(L, HV, V)
 
@@ -303,7 +311,7 @@ def fused_recurrent_gated_delta_rule(
             raise ValueError(f"{fn}: ssm_state_indices must have N = {N} rows, got {list(ssm_state_indices.shape)}")
         decode_mtp(
             mixed_qkv,
-            *positional.values(),
+            *positional,
             initial_state,
             ssm_state_indices.contiguous(),
             cu,
@@ -338,14 +346,14 @@ def fused_recurrent_gated_delta_rule(
 
 def _run_to_final_slots(
     mixed_qkv: torch.Tensor,
-    positional: dict,
+    positional: _Gates,
     pool: torch.Tensor,
     slots: torch.Tensor,
     cu: torch.Tensor,
     out: torch.Tensor,
     lengths: List[int],
     H: int,
-    common: dict,
+    common: Dict[str, Any],
 ) -> None:
     """Runs every sequence i from slot ``slots[i]`` of ``pool`` and writes its state after its last
     token back there: one :func:`gdn.decode_mtp` call whose table holds each sequence's slot only
@@ -360,14 +368,14 @@ def _run_to_final_slots(
     dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(pool.dtype, "float32")
     path, _ = can_use_decode_mtp(pool.device, H, HV, K, V, S, dtype, state_layout=common["state_layout"])
     if path == "unsupported":
-        prefill(mixed_qkv, *positional.values(), pool, slots, slots, cu, out, **common)
+        prefill(mixed_qkv, *positional, pool, slots, slots, cu, out, **common)
         return
     last = torch.tensor([max(t, 1) for t in lengths], dtype=torch.int64)
     table = torch.full((N, S), -1, dtype=torch.int64)
     table.scatter_(1, (last - 1).view(N, 1), slots.to("cpu", torch.int64).view(N, 1))
     decode_mtp(
         mixed_qkv,
-        *positional.values(),
+        *positional,
         pool,
         table.to(pool.device),
         cu,
@@ -476,5 +484,5 @@ def chunk_gated_delta_rule(
         pool = torch.empty((1, *shape[1:]), device=q.device, dtype=torch.float32)  # never touched
     initial = slots if initial_state is not None else null
     final = slots if output_final_state else null
-    prefill(call.mixed_qkv, *call.positional.values(), pool, initial, final, call.cu, o.view(L, HV, V), **call.keywords)
+    prefill(call.mixed_qkv, *call.gates, pool, initial, final, call.cu, o.view(L, HV, V), **call.keywords)
     return o, pool if output_final_state else None
