@@ -25,8 +25,8 @@ def decode_mtp(
     mixed_qkv: Input,
     a: Input,
     b: Input,
-    A_log: Input,
-    dt_bias: Input,
+    A_log: Optional[Input],
+    dt_bias: Optional[Input],
     state: Output,
     state_indices: Input,
     cu_seqlens: Input,
@@ -43,6 +43,9 @@ def decode_mtp(
     first_valid_slot: int = 0,
     num_k_heads: int = 0,
     round_core_output: bool = False,
+    a_is_log_decay: bool = False,
+    b_is_beta: bool = False,
+    qk_l2_norm: bool = True,
     error_count: Optional[Output] = None,
     stream: Optional[int] = None,
 ) -> None:
@@ -54,7 +57,9 @@ def decode_mtp(
     token: q, k L2-normalised (``x * rsqrt(sum(x^2) + l2_eps)``), q times ``scale``;
     ``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)``; with M the head's [V, K]
     state: ``M = exp(g) M``, ``M += beta (v - M k) k^T``, ``o = M q``; then
-    ``out = o * rsqrt(mean(o^2) + norm_eps) * norm_weight * act(z)``.
+    ``out = o * rsqrt(mean(o^2) + norm_eps) * norm_weight * act(z)``. The options
+    ``a_is_log_decay`` (g = a), ``b_is_beta`` (beta = b) and ``qk_l2_norm=False`` (no L2 norm)
+    change what ``a``, ``b``, q and k hold.
 
     Sizes: L token rows, N requests, S = columns of ``state_indices`` (num_spec + 1), H key heads,
     HV value heads (a multiple of H), K key / V value head dims. Arrays are any DLPack or
@@ -66,7 +71,7 @@ def decode_mtp(
       stride, any row stride (a column slice of a wider projection is fine).
     - ``a``, ``b`` [L, HV], f32/bf16/f16: decay and beta pre-activations. Unit column stride, any
       row stride (e.g. the two halves of one ``ba`` tensor).
-    - ``A_log``, ``dt_bias`` [HV], f32/bf16/f16, contiguous.
+    - ``A_log``, ``dt_bias`` [HV], f32/bf16/f16, contiguous; None only with ``a_is_log_decay``.
     - ``state``: the slot pool, f32/bf16/f16, updated in place. ``state_layout="vk"`` (default):
       [slots, HV, V, K] (K contiguous, vLLM's layout); ``"kv"``: [slots, HV, K, V]. The inner three
       dims contiguous; the slot stride may be larger (paged pools). 16-bit states are stored with
@@ -91,6 +96,13 @@ def decode_mtp(
     - ``round_core_output``: round the core output o to ``out``'s dtype before the gated RMSNorm,
       as vLLM's kernels do (its tests compare at that rounding). Default False: o enters the norm
       in float32, which is more exact.
+    - ``a_is_log_decay``, ``b_is_beta``, ``qk_l2_norm``: how ``a``, ``b``, q and k are read (the
+      defaults are the model layer's; the others take inputs prepared as FLA's kernels take them,
+      see ``gdn.compat.fla``). ``a_is_log_decay=True``: ``a`` holds the log-decay g itself
+      (alpha = exp(a), computed in float32); ``A_log`` and ``dt_bias`` are not read and may be
+      None. g <= 0 is expected (a decay), as the model's and FLA's gates give. ``b_is_beta=True``:
+      ``b`` holds beta itself (no sigmoid). ``qk_l2_norm=False``: q and k are used as given, no
+      L2 normalisation (q is still multiplied by ``scale``; ``l2_eps`` is unused).
     - ``error_count`` int32 [1] or None: on the GPU, incremented once per invalid request row.
     - ``stream``: CUDA stream handle for CUDA arrays; default torch's current stream for torch
       tensors, CuPy's for CuPy arrays, else the legacy default stream. Ignored on the CPU.
@@ -150,6 +162,9 @@ def decode_mtp(
             first_valid_slot,
             num_k_heads,
             round_core_output,
+            a_is_log_decay,
+            b_is_beta,
+            qk_l2_norm,
             error_count,
             None if stream is None else _stream_of(state, stream),
         )
@@ -329,10 +344,14 @@ def decode_mtp_reference(
     gate="silu",
     state_layout="vk",
     first_valid_slot=0,
+    a_is_log_decay=False,
+    b_is_beta=False,
+    qk_l2_norm=True,
 ):
     """Float64 reference of :func:`decode_mtp` (docs gdn-math.md §7): slow and obvious on purpose,
     looping over requests and tokens, vectorised over value heads. Takes NumPy-convertible host
-    arrays and valid input; leaves the inputs untouched.
+    arrays and valid input; leaves the inputs untouched. ``a_is_log_decay``, ``b_is_beta`` and
+    ``qk_l2_norm`` are :func:`decode_mtp`'s (``A_log``, ``dt_bias`` may then be None).
 
     Returns ``(out [L, HV, V], new_state)`` as float64: ``new_state`` in the layout of ``state``
     ("vk": [slots, HV, V, K]; "kv": [slots, HV, K, V]); rows of ``out`` no request covers are NaN.
@@ -349,8 +368,8 @@ def decode_mtp_reference(
     cu = np.asarray(cu_seqlens, dtype=np.int64)
     N, S = idx.shape
     acc = np.ones(N, np.int64) if num_accepted_tokens is None else np.asarray(num_accepted_tokens, np.int64)
-    A = -np.exp(_f64(A_log))
-    dtb = _f64(dt_bias)
+    A = None if a_is_log_decay else -np.exp(_f64(A_log))
+    dtb = None if a_is_log_decay else _f64(dt_bias)
     out = np.full((x.shape[0], HV, V), np.nan)
     kh = np.arange(HV) // r
     for i in range(N):
@@ -363,12 +382,18 @@ def decode_mtp_reference(
             q = row[: H * K].reshape(H, K)[kh]
             k = row[H * K : 2 * H * K].reshape(H, K)[kh]
             v = row[2 * H * K :].reshape(HV, V)
-            q = q / np.sqrt((q * q).sum(-1, keepdims=True) + l2_eps) * scale
-            k = k / np.sqrt((k * k).sum(-1, keepdims=True) + l2_eps)
-            xa = _f64(a)[cu[i] + t] + dtb
-            sp = np.where(xa > 20, xa, np.log1p(np.exp(np.minimum(xa, 20))))
-            alpha = np.exp(A * sp)
-            beta = 1.0 / (1.0 + np.exp(-_f64(b)[cu[i] + t]))
+            if qk_l2_norm:
+                q = q / np.sqrt((q * q).sum(-1, keepdims=True) + l2_eps)
+                k = k / np.sqrt((k * k).sum(-1, keepdims=True) + l2_eps)
+            q = q * scale
+            if a_is_log_decay:
+                alpha = np.exp(_f64(a)[cu[i] + t])
+            else:
+                xa = _f64(a)[cu[i] + t] + dtb
+                sp = np.where(xa > 20, xa, np.log1p(np.exp(np.minimum(xa, 20))))
+                alpha = np.exp(A * sp)
+            bb = _f64(b)[cu[i] + t]
+            beta = bb if b_is_beta else 1.0 / (1.0 + np.exp(-bb))
             M = M * alpha[:, None, None]
             u = np.einsum("hvk,hk->hv", M, k)
             delta = beta[:, None] * (v - u)

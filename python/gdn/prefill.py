@@ -22,8 +22,8 @@ def prefill(
     mixed_qkv: Input,
     a: Input,
     b: Input,
-    A_log: Input,
-    dt_bias: Input,
+    A_log: Optional[Input],
+    dt_bias: Optional[Input],
     state: Output,
     initial_state_indices: Input,
     final_state_indices: Input,
@@ -39,6 +39,9 @@ def prefill(
     state_layout: str = "vk",
     first_valid_slot: int = 0,
     num_k_heads: int = 0,
+    a_is_log_decay: bool = False,
+    b_is_beta: bool = False,
+    qk_l2_norm: bool = True,
     checkpoint_indices: Optional[Input] = None,
     checkpoint_every: int = 0,
     error_count: Optional[Output] = None,
@@ -53,7 +56,9 @@ def prefill(
     q, k L2-normalised (``x * rsqrt(sum(x^2) + l2_eps)``), q times ``scale``;
     ``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)``; with M the head's [V, K]
     state: ``M = exp(g) M``, ``M += beta (v - M k) k^T``, ``o = M q``; then
-    ``out = o * rsqrt(mean(o^2) + norm_eps) * norm_weight * act(z)``.
+    ``out = o * rsqrt(mean(o^2) + norm_eps) * norm_weight * act(z)``. The options
+    ``a_is_log_decay`` (g = a), ``b_is_beta`` (beta = b) and ``qk_l2_norm=False`` (no L2 norm)
+    change what ``a``, ``b``, q and k hold.
 
     Sizes: L token rows, N requests (each any number of tokens), H key heads, HV value heads (a
     multiple of H), K key / V value head dims, C checkpoint columns. Arrays are any DLPack or
@@ -65,7 +70,7 @@ def prefill(
       :func:`gdn.causal_conv1d_prefill`). Unit column stride, any row stride.
     - ``a``, ``b`` [L, HV], f32/bf16/f16: decay and beta pre-activations. Unit column stride, any
       row stride.
-    - ``A_log``, ``dt_bias`` [HV], f32/bf16/f16, contiguous.
+    - ``A_log``, ``dt_bias`` [HV], f32/bf16/f16, contiguous; None only with ``a_is_log_decay``.
     - ``state``: the slot pool, f32/bf16/f16, updated in place. ``state_layout="vk"`` (default):
       [slots, HV, V, K] (K contiguous, vLLM's layout); ``"kv"``: [slots, HV, K, V]. The inner three
       dims contiguous; the slot stride may be larger.
@@ -87,6 +92,11 @@ def prefill(
     - ``first_valid_slot``: slot ids below it are null (default 0, so negative ids are null; vLLM
       passes 1).
     - ``num_k_heads``: H, checked against the ``mixed_qkv`` width; 0 derives it from the width.
+    - ``a_is_log_decay``, ``b_is_beta``, ``qk_l2_norm``: as in :func:`gdn.decode_mtp`:
+      ``a_is_log_decay=True`` reads ``a`` as the log-decay g itself (``A_log``, ``dt_bias`` unread,
+      may be None), ``b_is_beta=True`` reads ``b`` as beta itself, ``qk_l2_norm=False`` uses q and
+      k as given (q still times ``scale``). The CPU path implements them; the CUDA path refuses
+      non-default values with ``ValueError``.
     - ``checkpoint_indices`` [N, C] or None, int32/int64, any strides: with ``checkpoint_every`` =
       E > 0 (a positive multiple of 64), the state after token (j + 1) * E - 1 of request i
       (counted from its first row in this call) is written to slot ``checkpoint_indices[i, j]``
@@ -149,6 +159,9 @@ def prefill(
             state_layout,
             first_valid_slot,
             num_k_heads,
+            a_is_log_decay,
+            b_is_beta,
+            qk_l2_norm,
             checkpoint_indices,
             checkpoint_every,
             error_count,
@@ -188,6 +201,9 @@ def prefill_reference(
     first_valid_slot=0,
     checkpoint_indices=None,
     checkpoint_every=0,
+    a_is_log_decay=False,
+    b_is_beta=False,
+    qk_l2_norm=True,
 ):
     """Float64 reference of :func:`prefill`: each request's tokens go one at a time through
     :func:`gdn.reference.decode_mtp_reference` (the float64 decode step) from its initial state,
@@ -216,6 +232,9 @@ def prefill_reference(
         norm_eps=norm_eps,
         gate=gate,
         state_layout=state_layout,
+        a_is_log_decay=a_is_log_decay,
+        b_is_beta=b_is_beta,
+        qk_l2_norm=qk_l2_norm,
     )
     for i in range(init.shape[0]):
         b0, e0 = int(cu[i]), int(cu[i + 1])

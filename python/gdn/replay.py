@@ -30,8 +30,8 @@ def decode_mtp_replay(
     mixed_qkv: Input,
     a: Input,
     b: Input,
-    A_log: Input,
-    dt_bias: Input,
+    A_log: Optional[Input],
+    dt_bias: Optional[Input],
     state: Output,
     state_indices: Input,
     cu_seqlens: Input,
@@ -53,6 +53,9 @@ def decode_mtp_replay(
     first_valid_slot: int = 0,
     num_k_heads: int = 0,
     round_core_output: bool = False,
+    a_is_log_decay: bool = False,
+    b_is_beta: bool = False,
+    qk_l2_norm: bool = True,
     error_count: Optional[Output] = None,
     stream: Optional[int] = None,
 ) -> None:
@@ -70,7 +73,9 @@ def decode_mtp_replay(
     Arguments shared with :func:`gdn.decode_mtp` (``mixed_qkv``, ``a``, ``b``, ``A_log``,
     ``dt_bias``, ``out``, ``cu_seqlens``, ``z``, ``norm_weight``, the scalars ``scale``, ``l2_eps``,
     ``norm_eps`` and ``gate``, ``state_layout``, ``first_valid_slot``, ``num_k_heads``,
-    ``round_core_output``, ``error_count``, ``stream``) mean exactly what they mean there. The others:
+    ``round_core_output``, ``a_is_log_decay``, ``b_is_beta``, ``qk_l2_norm``, ``error_count``,
+    ``stream``) mean exactly what they mean there; the window holds raw inputs, read with the
+    options of the call that replays them, so pass the same options on every step. The others:
 
     - ``state`` [slots, HV, V, K] (or [slots, HV, K, V] for ``"kv"``), f32/bf16/f16: the
       checkpoint pool, updated in place; any slot stride.
@@ -132,6 +137,9 @@ def decode_mtp_replay(
             first_valid_slot,
             num_k_heads,
             round_core_output,
+            a_is_log_decay,
+            b_is_beta,
+            qk_l2_norm,
             error_count,
             None if stream is None else _stream_of(state, stream),
         )

@@ -257,10 +257,16 @@ inline conv::Activation parse_activation(std::string_view s) {
 // same type where the binding makes no difference). Members are references to the binding's
 // arguments, valid for the call.
 
+// The switches of a step call, as StepArgs names them.
+struct StepFlags {
+  bool round_core_output, a_is_log_decay, b_is_beta, qk_l2_norm;
+};
+
 // The arguments decode_mtp and replay verify share (decode_mtp::StepArgs).
 template <class In, class Out>
 struct StepArgsIn {
-  const In &mixed_qkv, &a, &b, &A_log, &dt_bias;
+  const In &mixed_qkv, &a, &b;
+  const std::optional<In>&A_log, &dt_bias;  // absent only with a_is_log_decay
   const Out& state;
   const In& cu_seqlens;
   const Out& out;
@@ -269,7 +275,7 @@ struct StepArgsIn {
   double l2_eps, norm_eps;
   std::string_view gate, state_layout;
   int64_t first_valid_slot, num_k_heads;
-  bool round_core_output;
+  StepFlags flags;
   const std::optional<Out>& error_count;
 };
 
@@ -278,8 +284,8 @@ void set_step_args(const StepArgsIn<In, Out>& in, View& view, decode_mtp::StepAr
   p.mixed_qkv = view(in.mixed_qkv, "mixed_qkv");
   p.a = view(in.a, "a");
   p.b = view(in.b, "b");
-  p.A_log = view(in.A_log, "A_log");
-  p.dt_bias = view(in.dt_bias, "dt_bias");
+  p.A_log = optional_view(in.A_log, "A_log", view);
+  p.dt_bias = optional_view(in.dt_bias, "dt_bias", view);
   p.state = view(in.state, "state");
   p.cu_seqlens = view(in.cu_seqlens, "cu_seqlens");
   p.out = view(in.out, "out");
@@ -293,7 +299,10 @@ void set_step_args(const StepArgsIn<In, Out>& in, View& view, decode_mtp::StepAr
   p.layout = parse_layout(in.state_layout);
   p.first_valid_slot = in.first_valid_slot;
   p.num_k_heads = in.num_k_heads;
-  p.round_core_output = in.round_core_output;
+  p.round_core_output = in.flags.round_core_output;
+  p.a_is_log_decay = in.flags.a_is_log_decay;
+  p.b_is_beta = in.flags.b_is_beta;
+  p.qk_l2_norm = in.flags.qk_l2_norm;
 }
 
 template <class In, class Out, class View>

@@ -10,18 +10,22 @@
 
 namespace gdn::python {
 
-static void decode_mtp(
-    const FastConstArray& mixed_qkv, const FastConstArray& a, const FastConstArray& b,
-    const FastConstArray& A_log, const FastConstArray& dt_bias, const FastWritableArray& state,
-    const FastConstArray& state_indices, const FastConstArray& cu_seqlens,
-    const FastWritableArray& out, const OptFastConstArray& z, const OptFastConstArray& norm_weight,
-    const OptFastConstArray& num_accepted_tokens, std::optional<double> scale, double l2_eps,
-    double norm_eps, const std::string& gate, const std::string& state_layout,
-    int64_t first_valid_slot, int64_t num_k_heads, bool round_core_output,
-    const OptFastWritableArray& error_count, std::optional<uintptr_t> stream, int split) {
+static void decode_mtp(const FastConstArray& mixed_qkv, const FastConstArray& a,
+                       const FastConstArray& b, const OptFastConstArray& A_log,
+                       const OptFastConstArray& dt_bias, const FastWritableArray& state,
+                       const FastConstArray& state_indices, const FastConstArray& cu_seqlens,
+                       const FastWritableArray& out, const OptFastConstArray& z,
+                       const OptFastConstArray& norm_weight,
+                       const OptFastConstArray& num_accepted_tokens, std::optional<double> scale,
+                       double l2_eps, double norm_eps, const std::string& gate,
+                       const std::string& state_layout, int64_t first_valid_slot,
+                       int64_t num_k_heads, bool round_core_output, bool a_is_log_decay,
+                       bool b_is_beta, bool qk_l2_norm, const OptFastWritableArray& error_count,
+                       std::optional<uintptr_t> stream, int split) {
   const decode_mtp::Params p = binding::decode_mtp_params<FastConstArray, FastWritableArray>(
       {mixed_qkv, a, b, A_log, dt_bias, state, cu_seqlens, out, z, norm_weight, scale, l2_eps,
-       norm_eps, gate, state_layout, first_valid_slot, num_k_heads, round_core_output, error_count},
+       norm_eps, gate, state_layout, first_valid_slot, num_k_heads,
+       binding::StepFlags{round_core_output, a_is_log_decay, b_is_beta, qk_l2_norm}, error_count},
       state_indices, num_accepted_tokens, array_view);
   run_call(
       p.state, "state", state, stream, [&] { return decode_mtp::run_cpu(p); },
@@ -84,16 +88,17 @@ static nb::tuple can_use_decode_mtp(const std::string& device, int64_t H, int64_
 
 void bind_decode_mtp(nb::module_& m) {
   m.def("decode_mtp", &decode_mtp, nb::arg("mixed_qkv").noconvert(), nb::arg("a").noconvert(),
-        nb::arg("b").noconvert(), nb::arg("A_log").noconvert(), nb::arg("dt_bias").noconvert(),
-        nb::arg("state").noconvert(), nb::arg("state_indices").noconvert(),
-        nb::arg("cu_seqlens").noconvert(), nb::arg("out").noconvert(),
-        nb::arg("z").noconvert().none() = nb::none(),
+        nb::arg("b").noconvert(), nb::arg("A_log").noconvert().none(),
+        nb::arg("dt_bias").noconvert().none(), nb::arg("state").noconvert(),
+        nb::arg("state_indices").noconvert(), nb::arg("cu_seqlens").noconvert(),
+        nb::arg("out").noconvert(), nb::arg("z").noconvert().none() = nb::none(),
         nb::arg("norm_weight").noconvert().none() = nb::none(),
         nb::arg("num_accepted_tokens").noconvert().none() = nb::none(),
         nb::arg("scale").none() = nb::none(), nb::arg("l2_eps") = 1e-6, nb::arg("norm_eps") = 1e-6,
         nb::arg("gate") = "silu", nb::arg("state_layout") = "vk", nb::arg("first_valid_slot") = 0,
         nb::arg("num_k_heads") = 0, nb::arg("round_core_output") = false,
-        nb::arg("error_count").noconvert().none() = nb::none(),
+        nb::arg("a_is_log_decay") = false, nb::arg("b_is_beta") = false,
+        nb::arg("qk_l2_norm") = true, nb::arg("error_count").noconvert().none() = nb::none(),
         nb::arg("stream").none() = nb::none(), nb::arg("split") = 0,
         "Fused GDN decode / MTP verify: updates `state` in place and writes `out`. `stream`: the "
         "CUDA stream handle; None launches on the current stream of `state`'s framework (torch, "

@@ -12,19 +12,21 @@ namespace gdn::python {
 
 static void decode_mtp_replay(
     const FastConstArray& mixed_qkv, const FastConstArray& a, const FastConstArray& b,
-    const FastConstArray& A_log, const FastConstArray& dt_bias, const FastWritableArray& state,
-    const FastConstArray& state_indices, const FastConstArray& cu_seqlens,
-    const FastWritableArray& out, const FastWritableArray& window_k,
-    const FastWritableArray& window_v, const FastWritableArray& window_a,
-    const FastWritableArray& window_b, const FastWritableArray& window_len,
-    const FastConstArray& num_accepted_tokens, const OptFastConstArray& z,
-    const OptFastConstArray& norm_weight, std::optional<double> scale, double l2_eps,
-    double norm_eps, const std::string& gate, const std::string& state_layout,
-    int64_t first_valid_slot, int64_t num_k_heads, bool round_core_output,
-    const OptFastWritableArray& error_count, std::optional<uintptr_t> stream, int split) {
+    const OptFastConstArray& A_log, const OptFastConstArray& dt_bias,
+    const FastWritableArray& state, const FastConstArray& state_indices,
+    const FastConstArray& cu_seqlens, const FastWritableArray& out,
+    const FastWritableArray& window_k, const FastWritableArray& window_v,
+    const FastWritableArray& window_a, const FastWritableArray& window_b,
+    const FastWritableArray& window_len, const FastConstArray& num_accepted_tokens,
+    const OptFastConstArray& z, const OptFastConstArray& norm_weight, std::optional<double> scale,
+    double l2_eps, double norm_eps, const std::string& gate, const std::string& state_layout,
+    int64_t first_valid_slot, int64_t num_k_heads, bool round_core_output, bool a_is_log_decay,
+    bool b_is_beta, bool qk_l2_norm, const OptFastWritableArray& error_count,
+    std::optional<uintptr_t> stream, int split) {
   const replay::Params p = binding::replay_params<FastConstArray, FastWritableArray>(
       {mixed_qkv, a, b, A_log, dt_bias, state, cu_seqlens, out, z, norm_weight, scale, l2_eps,
-       norm_eps, gate, state_layout, first_valid_slot, num_k_heads, round_core_output, error_count},
+       norm_eps, gate, state_layout, first_valid_slot, num_k_heads,
+       binding::StepFlags{round_core_output, a_is_log_decay, b_is_beta, qk_l2_norm}, error_count},
       {state_indices, window_k, window_v, window_a, window_b, window_len, num_accepted_tokens},
       array_view);
   run_call(
@@ -35,8 +37,8 @@ static void decode_mtp_replay(
 
 void bind_replay(nb::module_& m) {
   m.def("decode_mtp_replay", &decode_mtp_replay, nb::arg("mixed_qkv").noconvert(),
-        nb::arg("a").noconvert(), nb::arg("b").noconvert(), nb::arg("A_log").noconvert(),
-        nb::arg("dt_bias").noconvert(), nb::arg("state").noconvert(),
+        nb::arg("a").noconvert(), nb::arg("b").noconvert(), nb::arg("A_log").noconvert().none(),
+        nb::arg("dt_bias").noconvert().none(), nb::arg("state").noconvert(),
         nb::arg("state_indices").noconvert(), nb::arg("cu_seqlens").noconvert(),
         nb::arg("out").noconvert(), nb::arg("window_k").noconvert(),
         nb::arg("window_v").noconvert(), nb::arg("window_a").noconvert(),
@@ -46,7 +48,8 @@ void bind_replay(nb::module_& m) {
         nb::arg("scale").none() = nb::none(), nb::arg("l2_eps") = 1e-6, nb::arg("norm_eps") = 1e-6,
         nb::arg("gate") = "silu", nb::arg("state_layout") = "vk", nb::arg("first_valid_slot") = 0,
         nb::arg("num_k_heads") = 0, nb::arg("round_core_output") = false,
-        nb::arg("error_count").noconvert().none() = nb::none(),
+        nb::arg("a_is_log_decay") = false, nb::arg("b_is_beta") = false,
+        nb::arg("qk_l2_norm") = true, nb::arg("error_count").noconvert().none() = nb::none(),
         nb::arg("stream").none() = nb::none(), nb::arg("split") = 0,
         "Replay verify: advances each request's checkpoint by its accepted window tokens, runs the "
         "new tokens into `out` and saves them as the new window. `split` pins the CUDA kernel's "

@@ -89,18 +89,19 @@ void run_call(const TensorView& state_view, const char* state_name, const at::Te
 }
 
 void decode_mtp(const at::Tensor& mixed_qkv, const at::Tensor& a, const at::Tensor& b,
-                const at::Tensor& A_log, const at::Tensor& dt_bias, at::Tensor& state,
+                const OptTensor& A_log, const OptTensor& dt_bias, at::Tensor& state,
                 const at::Tensor& state_indices, const at::Tensor& cu_seqlens, at::Tensor& out,
                 const OptTensor& z, const OptTensor& norm_weight,
                 const OptTensor& num_accepted_tokens, std::optional<double> scale, double l2_eps,
                 double norm_eps, c10::string_view gate, c10::string_view state_layout,
                 int64_t first_valid_slot, int64_t num_k_heads, bool round_core_output,
+                bool a_is_log_decay, bool b_is_beta, bool qk_l2_norm,
                 const OptTensor& error_count) {
   raising_c10_errors([&] {
     const decode_mtp::Params p = binding::decode_mtp_params<at::Tensor, at::Tensor>(
         {mixed_qkv, a, b, A_log, dt_bias, state, cu_seqlens, out, z, norm_weight, scale, l2_eps,
-         norm_eps, text(gate), text(state_layout), first_valid_slot, num_k_heads, round_core_output,
-         error_count},
+         norm_eps, text(gate), text(state_layout), first_valid_slot, num_k_heads,
+         binding::StepFlags{round_core_output, a_is_log_decay, b_is_beta, qk_l2_norm}, error_count},
         state_indices, num_accepted_tokens, view_of);
     run_call(
         p.state, "state", state, [&] { return decode_mtp::run_cpu(p); },
@@ -109,7 +110,7 @@ void decode_mtp(const at::Tensor& mixed_qkv, const at::Tensor& a, const at::Tens
 }
 
 void decode_mtp_replay(const at::Tensor& mixed_qkv, const at::Tensor& a, const at::Tensor& b,
-                       const at::Tensor& A_log, const at::Tensor& dt_bias, at::Tensor& state,
+                       const OptTensor& A_log, const OptTensor& dt_bias, at::Tensor& state,
                        const at::Tensor& state_indices, const at::Tensor& cu_seqlens,
                        at::Tensor& out, at::Tensor& window_k, at::Tensor& window_v,
                        at::Tensor& window_a, at::Tensor& window_b, at::Tensor& window_len,
@@ -117,12 +118,13 @@ void decode_mtp_replay(const at::Tensor& mixed_qkv, const at::Tensor& a, const a
                        const OptTensor& norm_weight, std::optional<double> scale, double l2_eps,
                        double norm_eps, c10::string_view gate, c10::string_view state_layout,
                        int64_t first_valid_slot, int64_t num_k_heads, bool round_core_output,
+                       bool a_is_log_decay, bool b_is_beta, bool qk_l2_norm,
                        const OptTensor& error_count) {
   raising_c10_errors([&] {
     const replay::Params p = binding::replay_params<at::Tensor, at::Tensor>(
         {mixed_qkv, a, b, A_log, dt_bias, state, cu_seqlens, out, z, norm_weight, scale, l2_eps,
-         norm_eps, text(gate), text(state_layout), first_valid_slot, num_k_heads, round_core_output,
-         error_count},
+         norm_eps, text(gate), text(state_layout), first_valid_slot, num_k_heads,
+         binding::StepFlags{round_core_output, a_is_log_decay, b_is_beta, qk_l2_norm}, error_count},
         {state_indices, window_k, window_v, window_a, window_b, window_len, num_accepted_tokens},
         view_of);
     run_call(
@@ -132,18 +134,20 @@ void decode_mtp_replay(const at::Tensor& mixed_qkv, const at::Tensor& a, const a
 }
 
 void prefill(const at::Tensor& mixed_qkv, const at::Tensor& a, const at::Tensor& b,
-             const at::Tensor& A_log, const at::Tensor& dt_bias, at::Tensor& state,
+             const OptTensor& A_log, const OptTensor& dt_bias, at::Tensor& state,
              const at::Tensor& initial_state_indices, const at::Tensor& final_state_indices,
              const at::Tensor& cu_seqlens, at::Tensor& out, const OptTensor& z,
              const OptTensor& norm_weight, std::optional<double> scale, double l2_eps,
              double norm_eps, c10::string_view gate, c10::string_view state_layout,
-             int64_t first_valid_slot, int64_t num_k_heads, const OptTensor& checkpoint_indices,
-             int64_t checkpoint_every, const OptTensor& error_count) {
+             int64_t first_valid_slot, int64_t num_k_heads, bool a_is_log_decay, bool b_is_beta,
+             bool qk_l2_norm, const OptTensor& checkpoint_indices, int64_t checkpoint_every,
+             const OptTensor& error_count) {
   raising_c10_errors([&] {
     const prefill::Params p = binding::prefill_params<at::Tensor, at::Tensor>(
         {mixed_qkv, a, b, A_log, dt_bias, state, cu_seqlens, out, z, norm_weight, scale, l2_eps,
          norm_eps, text(gate), text(state_layout), first_valid_slot, num_k_heads,
-         /*round_core_output=*/false, error_count},
+         binding::StepFlags{/*round_core_output=*/false, a_is_log_decay, b_is_beta, qk_l2_norm},
+         error_count},
         initial_state_indices, final_state_indices, checkpoint_indices, checkpoint_every, view_of);
     run_call(
         p.state, "state", state, [&] { return prefill::run_cpu(p); },

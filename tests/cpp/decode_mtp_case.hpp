@@ -40,6 +40,9 @@ struct CaseConfig {
   int64_t first_valid_slot = 0;
   bool round_core_output = false;          // the reference rounds o to out_dtype before the norm
   std::vector<int64_t> null_destinations;  // (request * S + column) entries set to a null slot
+  // StepArgs' input options. With a_is_log_decay `a` holds log-decays (<= 0) and A_log, dt_bias
+  // are left absent; with b_is_beta `b` holds betas in (0, 1).
+  bool a_is_log_decay = false, b_is_beta = false, qk_l2_norm = true;
   uint32_t seed = 1;
 };
 
@@ -78,6 +81,16 @@ struct DecodeCase {
     fill(z, 1.0f);
     fill(w, 1.0f);
     fill(state, 0.1f);
+    if (!cfg.qk_l2_norm)  // q and k used as given: rows of norm near 1 keep the recurrence stable
+      for (int64_t l = 0; l < L; ++l)
+        for (int64_t e = 0; e < 2 * cfg.H * cfg.K; ++e)
+          qkv.set(l * row_stride + e, qkv.get(l * row_stride + e) / std::sqrt(float(cfg.K)));
+    for (int64_t l = 0; l < L; ++l)
+      for (int64_t hv = 0; hv < HV; ++hv) {
+        const int64_t ia = l * 2 * HV + hv, ib = ia + HV;
+        if (cfg.a_is_log_decay) ab.set(ia, -0.5f * std::fabs(ab.get(ia)));
+        if (cfg.b_is_beta) ab.set(ib, 1.0f / (1.0f + std::exp(-ab.get(ib))));
+      }
     poison_out();
     // Distinct slots per request, drawn from a shuffled pool of the valid slot ids.
     std::vector<int32_t> ids;
@@ -103,8 +116,13 @@ struct DecodeCase {
     p.a = TV::make(ab.data(), cfg.act_dtype, {Lr, HV}, {2 * HV, 1});
     p.b = TV::make(static_cast<uint8_t*>(ab.data()) + HV * dtype_size(cfg.act_dtype), cfg.act_dtype,
                    {Lr, HV}, {2 * HV, 1});
-    p.A_log = TV::make(A_log.data(), DType::kFloat32, {HV});
-    p.dt_bias = TV::make(dt_bias.data(), DType::kFloat32, {HV});
+    if (!cfg.a_is_log_decay) {
+      p.A_log = TV::make(A_log.data(), DType::kFloat32, {HV});
+      p.dt_bias = TV::make(dt_bias.data(), DType::kFloat32, {HV});
+    }
+    p.a_is_log_decay = cfg.a_is_log_decay;
+    p.b_is_beta = cfg.b_is_beta;
+    p.qk_l2_norm = cfg.qk_l2_norm;
     if (cfg.norm) p.norm_weight = TV::make(w.data(), DType::kFloat32, {cfg.V});
     if (cfg.norm && cfg.gated) p.z = TV::make(z.data(), cfg.act_dtype, {Lr, HV, cfg.V});
     const bool vk = cfg.layout == StateLayout::kVK;
@@ -129,6 +147,47 @@ struct DecodeCase {
   }
 };
 
+// The reference's per-token inputs of value head hv at token row l, in float64: q (times the
+// default scale) and k, L2-normalised unless qk_l2_norm is off, v, and the gates alpha, beta.
+struct TokenInputs {
+  std::vector<double> q, k, v;
+  double alpha = 0, beta = 0;
+};
+
+inline TokenInputs token_inputs(const DecodeCase& c, int64_t l, int64_t hv) {
+  const CaseConfig& g = c.cfg;
+  const int64_t HV = c.HV, K = g.K, V = g.V, H = g.H, h = hv / g.ratio, row = l * c.row_stride;
+  TokenInputs in;
+  in.q.resize(size_t(K));
+  in.k.resize(size_t(K));
+  in.v.resize(size_t(V));
+  double qq = 0, kk = 0;
+  for (int64_t d = 0; d < K; ++d) {
+    in.q[size_t(d)] = c.qkv.get(row + h * K + d);
+    in.k[size_t(d)] = c.qkv.get(row + H * K + h * K + d);
+    qq += in.q[size_t(d)] * in.q[size_t(d)];
+    kk += in.k[size_t(d)] * in.k[size_t(d)];
+  }
+  const double scale = 1.0 / std::sqrt(double(K));
+  const double qf = g.qk_l2_norm ? scale / std::sqrt(qq + 1e-6) : scale;
+  const double kf = g.qk_l2_norm ? 1.0 / std::sqrt(kk + 1e-6) : 1.0;
+  for (int64_t d = 0; d < K; ++d) {
+    in.q[size_t(d)] *= qf;
+    in.k[size_t(d)] *= kf;
+  }
+  for (int64_t d = 0; d < V; ++d) in.v[size_t(d)] = c.qkv.get(row + 2 * H * K + hv * V + d);
+  const double a = c.ab.get(l * 2 * HV + hv), b = c.ab.get(l * 2 * HV + HV + hv);
+  if (g.a_is_log_decay) {
+    in.alpha = std::exp(a);
+  } else {
+    const double x = a + c.dt_bias.get(hv);
+    in.alpha =
+        std::exp(-std::exp(double(c.A_log.get(hv))) * (x > 20 ? x : std::log1p(std::exp(x))));
+  }
+  in.beta = g.b_is_beta ? b : 1.0 / (1.0 + std::exp(-b));
+  return in;
+}
+
 // Float64 reference: states after every token of every request and the outputs.
 struct Reference {
   std::vector<double> out;                           // [L, HV, V]
@@ -138,10 +197,9 @@ struct Reference {
 
 inline Reference reference(const DecodeCase& c) {
   const auto& g = c.cfg;
-  const int64_t HV = c.HV, K = g.K, V = g.V, H = g.H;
+  const int64_t HV = c.HV, K = g.K, V = g.V;
   Reference ref;
   ref.out.assign(size_t(std::max<int64_t>(c.L, 1) * HV * V), NAN);
-  const double scale = 1.0 / std::sqrt(double(K));
   for (int64_t i = 0; i < c.N; ++i) {
     const int64_t T = c.cu[size_t(i + 1)] - c.cu[size_t(i)];
     if (T == 0) continue;
@@ -154,26 +212,8 @@ inline Reference reference(const DecodeCase& c) {
     for (int64_t t = 0; t < T; ++t) {
       const int64_t l = c.cu[size_t(i)] + t;
       for (int64_t hv = 0; hv < HV; ++hv) {
-        const int64_t h = hv / g.ratio;
-        std::vector<double> q(static_cast<size_t>(K)), k(static_cast<size_t>(K));
-        std::vector<double> v(static_cast<size_t>(V)), o(static_cast<size_t>(V));
-        double qq = 0, kk = 0;
-        for (int64_t d = 0; d < K; ++d) {
-          q[size_t(d)] = c.qkv.get(l * c.row_stride + h * K + d);
-          k[size_t(d)] = c.qkv.get(l * c.row_stride + H * K + h * K + d);
-          qq += q[size_t(d)] * q[size_t(d)];
-          kk += k[size_t(d)] * k[size_t(d)];
-        }
-        for (int64_t d = 0; d < K; ++d) {
-          q[size_t(d)] *= scale / std::sqrt(qq + 1e-6);
-          k[size_t(d)] /= std::sqrt(kk + 1e-6);
-        }
-        for (int64_t d = 0; d < V; ++d)
-          v[size_t(d)] = c.qkv.get(l * c.row_stride + 2 * H * K + hv * V + d);
-        const double x = double(c.ab.get(l * 2 * HV + hv)) + c.dt_bias.get(hv);
-        const double sp = x > 20 ? x : std::log1p(std::exp(x));
-        const double alpha = std::exp(-std::exp(double(c.A_log.get(hv))) * sp);
-        const double beta = 1.0 / (1.0 + std::exp(-double(c.ab.get(l * 2 * HV + HV + hv))));
+        const auto [q, k, v, alpha, beta] = token_inputs(c, l, hv);
+        std::vector<double> o(static_cast<size_t>(V));
         double* Mh = M.data() + hv * V * K;
         for (int64_t r = 0; r < V; ++r) {
           double u = 0;

@@ -105,6 +105,8 @@ struct Config {
   int64_t row_pad = 0;   // extra elements per mixed_qkv / a / b / z row
   int first_valid_slot = 0;
   bool null_dest = false;  // make some destinations null
+  // StepArgs' input options: a then holds log-decays <= 0 (A_log, dt_bias absent), b betas.
+  bool a_is_log_decay = false, b_is_beta = false, qk_l2_norm = true;
   uint32_t seed = 1;
 };
 
@@ -126,11 +128,21 @@ struct Problem {
     const int64_t width = 2 * int64_t(c.H) * kDim + int64_t(HV) * kDim;
     qkv.init(c.act, {L, width}, {width + c.row_pad, 1});
     qkv.fill_random(rng, 1.0f);
+    if (!c.qk_l2_norm)  // q and k used as given: rows of norm near 1 keep the recurrence stable
+      for (int64_t l = 0; l < L; ++l)
+        for (int64_t e = 0; e < 2 * int64_t(c.H) * kDim; ++e)
+          qkv.set(l * qkv.strides[0] + e, qkv.get(l * qkv.strides[0] + e) / std::sqrt(float(kDim)));
     // a and b: two halves of one [L, 2 HV (+pad)] buffer, as engines pass them.
     a.init(c.act, {L, HV}, {2 * HV + c.row_pad, 1});
     b.init(c.act, {L, HV}, {2 * HV + c.row_pad, 1});
     a.fill_random(rng, 1.0f);
     b.fill_random(rng, 1.0f);
+    for (int64_t l = 0; l < L; ++l)
+      for (int hv = 0; hv < HV; ++hv) {
+        const int64_t e = l * a.strides[0] + hv;
+        if (c.a_is_log_decay) a.set(e, -0.5f * std::fabs(a.get(e)));
+        if (c.b_is_beta) b.set(e, 1.0f / (1.0f + std::exp(-b.get(e))));
+      }
     A_log.init(DType::kFloat32, {HV});
     A_log.fill_random(rng, 0.5f);
     dt_bias.init(c.act, {HV});
@@ -177,8 +189,13 @@ struct Problem {
     p.mixed_qkv = qkv.view(dev);
     p.a = a.view(dev);
     p.b = b.view(dev);
-    p.A_log = A_log.view(dev);
-    p.dt_bias = dt_bias.view(dev);
+    if (!cfg.a_is_log_decay) {
+      p.A_log = A_log.view(dev);
+      p.dt_bias = dt_bias.view(dev);
+    }
+    p.a_is_log_decay = cfg.a_is_log_decay;
+    p.b_is_beta = cfg.b_is_beta;
+    p.qk_l2_norm = cfg.qk_l2_norm;
     if (cfg.norm) {
       p.norm_weight = norm_w.view(dev);
       if (cfg.gate) p.z = z.view(dev);
@@ -233,12 +250,15 @@ void reference(const Problem& pb, std::vector<double>* out, std::vector<double>*
           qq += q[size_t(d)] * q[size_t(d)];
           kq += k[size_t(d)] * k[size_t(d)];
         }
-        const double qs = scale / std::sqrt(qq + 1e-6), ks = 1.0 / std::sqrt(kq + 1e-6);
+        const double qs = c.qk_l2_norm ? scale / std::sqrt(qq + 1e-6) : scale;
+        const double ks = c.qk_l2_norm ? 1.0 / std::sqrt(kq + 1e-6) : 1.0;
         for (int d = 0; d < kDim; ++d) q[size_t(d)] *= qs, k[size_t(d)] *= ks;
-        const double x = double(pb.a.get(l * pb.a.strides[0] + hv)) + pb.dt_bias.get(hv);
+        const double av = pb.a.get(l * pb.a.strides[0] + hv);
+        const double x = av + pb.dt_bias.get(hv);
         const double sp = x > 20 ? x : std::log1p(std::exp(x));
-        const double alpha = std::exp(A * sp);
-        const double beta = 1.0 / (1.0 + std::exp(-double(pb.b.get(l * pb.b.strides[0] + hv))));
+        const double alpha = std::exp(c.a_is_log_decay ? av : A * sp);
+        const double bv = pb.b.get(l * pb.b.strides[0] + hv);
+        const double beta = c.b_is_beta ? bv : 1.0 / (1.0 + std::exp(-bv));
         double ss = 0;
         for (int v = 0; v < kDim; ++v) {
           double* Mr = &M[size_t(v) * kDim];
@@ -415,6 +435,31 @@ TEST(DecodeMtpCuda, LongRowsAndSmallBatch) {
   c.acc.clear();  // num_accepted_tokens absent: all 1
   c.seed = 8;
   check_config(c);
+}
+
+// StepArgs' input options (a_is_log_decay with A_log and dt_bias absent, b_is_beta, qk_l2_norm
+// off), alone and together, in both layouts and every state dtype.
+TEST(DecodeMtpCuda, InputOptions) {
+  GDN_SKIP_WITHOUT_GPU();
+  const DType dtypes[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
+  for (int options = 1; options < 8; ++options) {
+    Config c;
+    c.H = 2;
+    c.ratio = options % 2 == 0 ? 3 : 2;
+    c.N = 3;
+    c.S = 4;
+    c.T = {4, 1, 3};
+    c.acc = {2, 4, 1};
+    c.a_is_log_decay = options & 1;
+    c.b_is_beta = options & 2;
+    c.qk_l2_norm = !(options & 4);
+    c.layout = options % 3 == 0 ? StateLayout::kKV : StateLayout::kVK;
+    c.state = dtypes[options % 3];
+    c.act = dtypes[(options + 1) % 3];
+    c.seed = uint32_t(300 + options);
+    SCOPED_TRACE("options " + std::to_string(options));
+    check_config(c);
+  }
 }
 
 // Invalid rows (device-side indices): no state write, zero output rows inside [0, L), one error

@@ -102,8 +102,9 @@ TEST(PrefillCuda, CheckpointsEveryETokensAndNullSlots) {
   expect_matches_reference(wide, 2e-2, kGpu);
 }
 
-// Output variants against the CPU path (itself bit-exact against decode_mtp): no gate, no norm,
-// the sigmoid gate, the core output rounded to out's dtype, bf16 activations, null first slots.
+// Output and input variants against the CPU path (itself bit-exact against decode_mtp): no gate,
+// no norm, the sigmoid gate, the core output rounded to out's dtype, bf16 activations, null first
+// slots, and the input options (a as the log-decay, b as beta, q and k without L2 norm).
 TEST(PrefillCuda, OutputVariantsMatchTheCpuPath) {
   GDN_SKIP_WITHOUT_GPU();
   struct Variant {
@@ -126,6 +127,9 @@ TEST(PrefillCuda, OutputVariantsMatchTheCpuPath) {
          g.out_dtype = DType::kBFloat16;
        }},
       {"first_valid_slot 1", [](CaseConfig& g) { g.first_valid_slot = 1; }},
+      {"a is the log-decay (no A_log, dt_bias)", [](CaseConfig& g) { g.a_is_log_decay = true; }},
+      {"b is beta", [](CaseConfig& g) { g.b_is_beta = true; }},
+      {"q, k without L2 norm", [](CaseConfig& g) { g.qk_l2_norm = false; }},
   };
   uint32_t seed = 40;
   for (const Variant& v : variants) {

@@ -69,11 +69,10 @@ struct Reference {
 inline Reference reference(const PrefillCase& pc) {
   const DecodeCase& c = pc.c;
   const CaseConfig& g = c.cfg;
-  const int64_t H = g.H, HV = c.HV, K = g.K, V = g.V, r = g.ratio;
+  const int64_t HV = c.HV, K = g.K, V = g.V;
   Reference ref;
   ref.out.assign(size_t(std::max<int64_t>(c.L, 1) * HV * V), 0.0);
   ref.states.resize(size_t(c.N));
-  const double scale = 1.0 / std::sqrt(double(K));
   for (int64_t i = 0; i < c.N; ++i) {
     std::vector<double> M(size_t(HV * V * K), 0.0);
     if (pc.initial[size_t(i)] >= g.first_valid_slot)
@@ -84,25 +83,8 @@ inline Reference reference(const PrefillCase& pc) {
                 c.state.get(c.state_index(pc.initial[size_t(i)], hv, v, k));
     for (int64_t l = c.cu[size_t(i)]; l < c.cu[size_t(i + 1)]; ++l) {
       for (int64_t hv = 0; hv < HV; ++hv) {
-        const int64_t h = hv / r, row = l * c.row_stride;
-        std::vector<double> q(static_cast<size_t>(K)), k(static_cast<size_t>(K)),
-            v(static_cast<size_t>(V)), o(static_cast<size_t>(V));
-        double qq = 0, kk = 0;
-        for (int64_t j = 0; j < K; ++j) {
-          q[size_t(j)] = c.qkv.get(row + h * K + j);
-          k[size_t(j)] = c.qkv.get(row + H * K + h * K + j);
-          qq += q[size_t(j)] * q[size_t(j)];
-          kk += k[size_t(j)] * k[size_t(j)];
-        }
-        for (int64_t j = 0; j < K; ++j) {
-          q[size_t(j)] *= scale / std::sqrt(qq + 1e-6);
-          k[size_t(j)] /= std::sqrt(kk + 1e-6);
-        }
-        for (int64_t j = 0; j < V; ++j) v[size_t(j)] = c.qkv.get(row + 2 * H * K + hv * V + j);
-        const double x = double(c.ab.get(l * 2 * HV + hv)) + c.dt_bias.get(hv);
-        const double alpha =
-            std::exp(-std::exp(double(c.A_log.get(hv))) * (x > 20 ? x : std::log1p(std::exp(x))));
-        const double beta = 1.0 / (1.0 + std::exp(-double(c.ab.get(l * 2 * HV + HV + hv))));
+        const auto [q, k, v, alpha, beta] = token_inputs(c, l, hv);
+        std::vector<double> o(static_cast<size_t>(V));
         double* Mh = M.data() + hv * V * K;
         for (int64_t rr = 0; rr < V; ++rr) {
           double* Sr = Mh + rr * K;

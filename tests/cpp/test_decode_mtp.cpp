@@ -106,6 +106,52 @@ TEST(DecodeMtp, EveryTokenCountAndAcceptedCount) {
   }
 }
 
+// StepArgs' input options, alone and together (a_is_log_decay with A_log and dt_bias absent,
+// b_is_beta, qk_l2_norm off), over head ratios, state dtypes and layouts.
+TEST(DecodeMtp, InputOptionsMatchTheReference) {
+  for (int options = 1; options < 8; ++options)
+    for (const int64_t ratio : {1, 3})
+      for (const DType state : {DType::kFloat32, DType::kBFloat16})
+        for (const StateLayout layout : {StateLayout::kVK, StateLayout::kKV}) {
+          CaseConfig cfg;
+          cfg.ratio = ratio;
+          cfg.S = 4;
+          cfg.slots = 20;
+          cfg.T = {3, 0, 4, 1};
+          cfg.acc = {2, 1, 4, 1};
+          cfg.state_dtype = state;
+          cfg.layout = layout;
+          cfg.a_is_log_decay = options & 1;
+          cfg.b_is_beta = options & 2;
+          cfg.qk_l2_norm = !(options & 4);
+          cfg.seed = uint32_t(500 + options * 16 + ratio * 4 + int(state) * 2 + int(layout));
+          DecodeCase c(cfg);
+          SCOPED_TRACE(::testing::Message() << "options " << options << " ratio " << ratio
+                                            << " state " << to_string(state));
+          const bool fp32 = state == DType::kFloat32;
+          expect_matches_reference(c, fp32 ? 1e-5 : 1e-2, fp32 ? 1e-5 : 1e-2);
+        }
+}
+
+// A_log and dt_bias may be absent only when `a` holds the log-decay itself.
+TEST(DecodeMtp, GateParametersRequiredUnlessLogDecay) {
+  CaseConfig cfg;
+  cfg.T = {2};
+  DecodeCase c(cfg);
+  for (const bool drop_A : {true, false}) {
+    decode_mtp::Params p = c.params();
+    (drop_A ? p.A_log : p.dt_bias) = TensorView{};
+    const Status s = decode_mtp::run_cpu(p);
+    ASSERT_FALSE(s.is_ok());
+    EXPECT_NE(s.reason().find(drop_A ? "A_log is required unless a_is_log_decay"
+                                     : "dt_bias is required unless a_is_log_decay"),
+              std::string::npos)
+        << s.reason();
+    p.a_is_log_decay = true;
+    EXPECT_TRUE(decode_mtp::run_cpu(p).is_ok());
+  }
+}
+
 TEST(DecodeMtp, SixteenBitActivationsAndOutputs) {
   for (DType act : {DType::kBFloat16, DType::kFloat16}) {
     CaseConfig cfg;

@@ -34,6 +34,22 @@ TEST(Prefill, BlockEdgesRatiosDtypesAndLayoutsMatchTheReference) {
       }
 }
 
+// StepArgs' input options (a_is_log_decay with A_log and dt_bias absent, b_is_beta, qk_l2_norm
+// off), alone and together, across a block edge, a null initial slot and both layouts.
+TEST(Prefill, InputOptionsMatchTheReference) {
+  for (int options = 1; options < 8; ++options)
+    for (const StateLayout layout : {StateLayout::kVK, StateLayout::kKV}) {
+      CaseConfig cfg = config({70, 0, 5}, options % 2 == 0 ? 3 : 2, DType::kFloat32, layout,
+                              uint32_t(40 + options));
+      cfg.a_is_log_decay = options & 1;
+      cfg.b_is_beta = options & 2;
+      cfg.qk_l2_norm = !(options & 4);
+      PrefillCase pc(cfg, {1, 2, -1}, {1, 12, 13});
+      SCOPED_TRACE(::testing::Message() << "options " << options);
+      expect_matches_reference(pc, 1e-4, kCpu);
+    }
+}
+
 TEST(Prefill, CheckpointsEveryETokensAndNullSlots) {
   // E = 64: a 200-token request takes checkpoints after tokens 63, 127 and 191; a 128-token one
   // after 63 and 127 (the last equals its final state); a 40-token one none. A null final slot and

@@ -34,9 +34,10 @@ inline void load_row(const void* base, DType dtype, int64_t offset, int64_t n, f
   for (int64_t j = 0; j < n; ++j) dst[j] = load_float(base, dtype, offset + j);
 }
 
-// q/k L2 normalisation, x * rsqrt(sum(x^2) + eps) * scale, in place.
-inline void l2_normalize(float* x, int64_t n, float eps, float scale) {
-  const float inv = scale / std::sqrt(dot(x, x, n) + eps);
+// q/k L2 normalisation, x * rsqrt(sum(x^2) + eps) * scale, in place; without `l2`, x * scale.
+inline void l2_normalize(float* x, int64_t n, float eps, float scale, bool l2 = true) {
+  if (!l2 && scale == 1.0f) return;  // used as given
+  const float inv = l2 ? scale / std::sqrt(dot(x, x, n) + eps) : scale;
   for (int64_t j = 0; j < n; ++j) x[j] *= inv;
 }
 
@@ -94,22 +95,22 @@ struct HeadInputs {
   const StepArgs& p;
   const Problem& pr;
   int64_t h, hv;
-  float A, dt_bias;  // A = -exp(A_log[hv])
+  float A = 0.0f, dt_bias = 0.0f;  // A = -exp(A_log[hv]); not read with a_is_log_decay
 
   HeadInputs(const StepArgs& args, const Problem& problem, int64_t key_head, int64_t value_head)
-      : p(args),
-        pr(problem),
-        h(key_head),
-        hv(value_head),
-        A(-std::exp(load_float(args.A_log.data, args.A_log.dtype, value_head))),
-        dt_bias(load_float(args.dt_bias.data, args.dt_bias.dtype, value_head)) {}
+      : p(args), pr(problem), h(key_head), hv(value_head) {
+    if (args.a_is_log_decay) return;
+    A = -std::exp(load_float(args.A_log.data, args.A_log.dtype, value_head));
+    dt_bias = load_float(args.dt_bias.data, args.dt_bias.dtype, value_head);
+  }
 
   // Token t from raw inputs already in place (k at sc.k + t*K, v at sc.v + t*V) and raw a, b:
-  // k L2-normalised, alpha = exp(g) with g = A * softplus(a + dt_bias), beta = sigmoid(b).
+  // k L2-normalised (unless qk_l2_norm is off), alpha = exp(g) with g = A * softplus(a + dt_bias)
+  // (g = a with a_is_log_decay), beta = sigmoid(b) (b with b_is_beta).
   void finish_token(float a, float b, int64_t t, Scratch& sc) const {
-    l2_normalize(sc.k.data() + t * pr.K, pr.K, p.l2_eps, 1.0f);
-    sc.alpha[size_t(t)] = std::exp(A * softplus(a + dt_bias));
-    sc.beta[size_t(t)] = sigmoid(b);
+    l2_normalize(sc.k.data() + t * pr.K, pr.K, p.l2_eps, 1.0f, p.qk_l2_norm);
+    sc.alpha[size_t(t)] = std::exp(p.a_is_log_decay ? a : A * softplus(a + dt_bias));
+    sc.beta[size_t(t)] = p.b_is_beta ? b : sigmoid(b);
   }
 
   // Token t from row l of the call's inputs (mixed_qkv, a, b), q included.
@@ -122,7 +123,7 @@ struct HeadInputs {
              sc.k.data() + t * K);
     load_row(p.mixed_qkv.data, p.mixed_qkv.dtype, qkv_row + 2 * pr.H * K + hv * V, V,
              sc.v.data() + t * V);
-    l2_normalize(q, K, p.l2_eps, pr.scale);
+    l2_normalize(q, K, p.l2_eps, pr.scale, p.qk_l2_norm);
     finish_token(load_float(p.a.data, p.a.dtype, l * p.a.strides[0] + hv),
                  load_float(p.b.data, p.b.dtype, l * p.b.strides[0] + hv), t, sc);
   }

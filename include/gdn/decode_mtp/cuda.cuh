@@ -298,8 +298,8 @@ inline KernelArgs step_kernel_args(const StepArgs& p, const Problem& pr) {
   args.mixed_qkv = p.mixed_qkv.data;
   args.a = p.a.data;
   args.b = p.b.data;
-  args.A_log = p.A_log.data;
-  args.dt_bias = p.dt_bias.data;
+  args.A_log = p.A_log.present() ? p.A_log.data : nullptr;
+  args.dt_bias = p.dt_bias.present() ? p.dt_bias.data : nullptr;
   args.z = p.z.present() ? p.z.data : nullptr;
   args.norm_weight = p.norm_weight.present() ? p.norm_weight.data : nullptr;
   args.state = p.state.data;
@@ -323,8 +323,8 @@ inline KernelArgs step_kernel_args(const StepArgs& p, const Problem& pr) {
   args.qkv_dtype = p.mixed_qkv.dtype;
   args.a_dtype = p.a.dtype;
   args.b_dtype = p.b.dtype;
-  args.A_log_dtype = p.A_log.dtype;
-  args.dt_bias_dtype = p.dt_bias.dtype;
+  args.A_log_dtype = p.A_log.present() ? p.A_log.dtype : DType::kFloat32;
+  args.dt_bias_dtype = p.dt_bias.present() ? p.dt_bias.dtype : DType::kFloat32;
   args.z_dtype = p.z.present() ? p.z.dtype : DType::kFloat32;
   args.norm_dtype = p.norm_weight.present() ? p.norm_weight.dtype : DType::kFloat32;
   args.out_dtype = p.out.dtype;
@@ -342,6 +342,9 @@ inline KernelArgs step_kernel_args(const StepArgs& p, const Problem& pr) {
       (size_t(p.mixed_qkv.strides[0]) * size_t(dtype_size(p.mixed_qkv.dtype))) % qkv_chunk == 0;
   args.gate_sigmoid = p.gate == GateActivation::kSigmoid;
   args.round_core_output = p.round_core_output;
+  args.a_is_log_decay = p.a_is_log_decay;
+  args.b_is_beta = p.b_is_beta;
+  args.qk_l2_norm = p.qk_l2_norm;
   args.scale = pr.scale;
   args.l2_eps = p.l2_eps;
   args.norm_eps = p.norm_eps;

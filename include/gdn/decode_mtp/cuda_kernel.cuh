@@ -154,6 +154,11 @@ struct KernelArgs {
   bool qkv_vector;   // q/k chunks of 4 elements are naturally aligned
   bool gate_sigmoid;
   bool round_core_output;  // o rounded to out's dtype before the norm (vLLM's numerics)
+  // StepArgs' input options, uniform over the grid: read where the gates (stage_gates) and the
+  // q/k norms (stage_token) are computed, never in the token steps.
+  bool a_is_log_decay;  // g = a; A_log and dt_bias are not read (may be null)
+  bool b_is_beta;       // beta = b
+  bool qk_l2_norm;      // false: q, k as given (q times scale)
   float scale, l2_eps, norm_eps;
   // Replay verify only: the window, [slot, token, column] views with unit column stride (k and v
   // in qkv_dtype, a in a_dtype, b in b_dtype) and window_len [slots] (read here, written by the
@@ -195,20 +200,24 @@ __device__ __forceinline__ GateBits load_gates(const KernelArgs& args, int t, in
                                  : l * args.a_row_stride + hv;
   const int64_t b_off = replayed ? source * args.wb_slot_stride + t * args.wb_token_stride + hv
                                  : l * args.b_row_stride + hv;
+  const bool params = !args.a_is_log_decay;  // A_log and dt_bias are read only for the gate math
   return {load_bits(a_src, activation_dtype<kBf16Activations>(args.a_dtype), a_off),
           load_bits(b_src, activation_dtype<kBf16Activations>(args.b_dtype), b_off),
-          load_bits(args.A_log, args.A_log_dtype, hv),
-          load_bits(args.dt_bias, args.dt_bias_dtype, hv)};
+          params ? load_bits(args.A_log, args.A_log_dtype, hv) : 0u,
+          params ? load_bits(args.dt_bias, args.dt_bias_dtype, hv) : 0u};
 }
 template <bool kBf16Activations>
 __device__ __forceinline__ void stage_gates(const KernelArgs& args, const GateBits& bits,
                                             float* gates) {
-  const float A = -expf(bits_to_f32(bits.A_log, args.A_log_dtype));
-  const float g =
-      A * softplus(bits_to_f32(bits.a, activation_dtype<kBf16Activations>(args.a_dtype)) +
-                   bits_to_f32(bits.dt_bias, args.dt_bias_dtype));
+  const float a = bits_to_f32(bits.a, activation_dtype<kBf16Activations>(args.a_dtype));
+  const float b = bits_to_f32(bits.b, activation_dtype<kBf16Activations>(args.b_dtype));
+  float g = a;
+  if (!args.a_is_log_decay) {
+    const float A = -expf(bits_to_f32(bits.A_log, args.A_log_dtype));
+    g = A * softplus(a + bits_to_f32(bits.dt_bias, args.dt_bias_dtype));
+  }
   gates[0] = expf(g);
-  gates[1] = sigmoid(bits_to_f32(bits.b, activation_dtype<kBf16Activations>(args.b_dtype)));
+  gates[1] = args.b_is_beta ? b : sigmoid(b);
 }
 
 // The raw bits of staged token t that a lane of the staging warp loads (load_token): q and k, four
@@ -264,14 +273,20 @@ __device__ __forceinline__ void stage_token(const KernelArgs& args, const TokenB
                                             bool replayed, int R, int lane, float* q_row,
                                             float* k_row, float* v_row, float* gates) {
   const float4 k = bits4_to_f32(bits.k, activation_dtype<kBf16Activations>(args.qkv_dtype));
-  const float kk = warp_sum(k.x * k.x + k.y * k.y + k.z * k.z + k.w * k.w);
-  const float kinv = 1.0f / sqrtf(kk + args.l2_eps);
+  // qk_l2_norm is uniform over the grid, so the warp sums stay convergent.
+  const float kinv =
+      args.qk_l2_norm
+          ? 1.0f / sqrtf(warp_sum(k.x * k.x + k.y * k.y + k.z * k.z + k.w * k.w) + args.l2_eps)
+          : 1.0f;
   const float4 kn = make_float4(k.x * kinv, k.y * kinv, k.z * kinv, k.w * kinv);
   float kq = 0.0f;
   if (!replayed) {
     const float4 q = bits4_to_f32(bits.q, activation_dtype<kBf16Activations>(args.qkv_dtype));
-    const float qq = warp_sum(q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w);
-    const float qinv = args.scale / sqrtf(qq + args.l2_eps);
+    const float qinv =
+        args.qk_l2_norm
+            ? args.scale /
+                  sqrtf(warp_sum(q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w) + args.l2_eps)
+            : args.scale;
     const float4 qn = make_float4(q.x * qinv, q.y * qinv, q.z * qinv, q.w * qinv);
     *reinterpret_cast<float4*>(q_row + 4 * lane) = qn;
     if (kWithKq) kq = warp_sum(qn.x * kn.x + qn.y * kn.y + qn.z * kn.z + qn.w * kn.w);

@@ -22,8 +22,8 @@ namespace gdn::decode_mtp {
 struct StepArgs {
   TensorView mixed_qkv;    // [L, 2*H*K + HV*V], unit column stride, any row stride
   TensorView a, b;         // [L, HV], unit column stride, any row stride
-  TensorView A_log;        // [HV]
-  TensorView dt_bias;      // [HV]
+  TensorView A_log;        // [HV]; may be absent when a_is_log_decay
+  TensorView dt_bias;      // [HV]; may be absent when a_is_log_decay
   TensorView z;            // [L, HV, V] or absent
   TensorView norm_weight;  // [V] or absent (then out = o, no norm, no gate)
   TensorView state;        // [slots, HV, V, K] ("vk") or [slots, HV, K, V] ("kv")
@@ -41,6 +41,13 @@ struct StepArgs {
   // Round the core output o to out's dtype before the gated RMSNorm, as vLLM's kernels do (its
   // tests compare at that rounding). Off by default: o stays fp32, which is more exact.
   bool round_core_output = false;
+  // How the kernels read their inputs (the defaults are the Qwen3-Next layer's; the others take
+  // inputs prepared as FLA's kernels take them). a_is_log_decay: `a` holds the log-decay g itself
+  // (alpha = exp(a)); A_log and dt_bias are not read and may be absent. b_is_beta: `b` holds beta
+  // itself (no sigmoid). qk_l2_norm = false: q and k are used as given (q still times scale).
+  bool a_is_log_decay = false;
+  bool b_is_beta = false;
+  bool qk_l2_norm = true;
 };
 
 // One decode_mtp call's arguments: the shared ones plus the per-token slot table.
@@ -151,8 +158,15 @@ Status check_step_arguments(const StepArgs& p, Problem* out_problem,
     GDN_RETURN_IF_ERROR(unit_stride(*view, name, 1));
     GDN_RETURN_IF_ERROR(nonnegative_strides(*view, name));
   }
-  for (auto [view, name] : {NamedView{&p.A_log, "A_log"}, NamedView{&p.dt_bias, "dt_bias"}})
+  for (auto [view, name] : {NamedView{&p.A_log, "A_log"}, NamedView{&p.dt_bias, "dt_bias"}}) {
+    // With a_is_log_decay the gate parameters are not read: absent is fine, given is checked.
+    if (p.a_is_log_decay && !view->present()) continue;
+    if (!view->present())
+      return Status::invalid(std::string(name) +
+                             " is required unless a_is_log_decay is set (then `a` holds the "
+                             "log-decay g itself and A_log, dt_bias are not read)");
     GDN_RETURN_IF_ERROR(contiguous_vector(*view, name, ParameterDTypes{}, pr.HV, "HV"));
+  }
   if (p.z.present()) {
     GDN_RETURN_IF_ERROR(shaped(p.z, "z", ActivationDTypes{}, {token_rows, value_heads, value_dim}));
     GDN_RETURN_IF_ERROR(unit_stride(p.z, "z", 2));

@@ -100,6 +100,9 @@ inline KernelArgs kernel_args(const Params& p, const Problem& pr) {
   a.gate = p.gate;
   a.layout = p.layout;
   a.round_core_output = p.round_core_output;
+  a.a_is_log_decay = p.a_is_log_decay;
+  a.b_is_beta = p.b_is_beta;
+  a.qk_l2_norm = p.qk_l2_norm;
   const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   const int64_t act_bytes = int64_t(dtype_size(p.mixed_qkv.dtype));
   a.z_rows_aligned = p.z.present() && aligned(p.z.data) &&

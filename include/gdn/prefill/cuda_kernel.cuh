@@ -76,6 +76,9 @@ struct KernelArgs {
   GateActivation gate;
   StateLayout layout;
   bool round_core_output;
+  bool a_is_log_decay;  // g = a (A_log, dt_bias not read)
+  bool b_is_beta;       // beta = b
+  bool qk_l2_norm;      // false: q, k used as given
   bool qkv_vector;      // mixed_qkv's rows start aligned to four elements (vector loads)
   bool z_rows_aligned;  // z's rows start 16-byte aligned (copied with cp.async)
   bool out_aligned;     // out's data pointer is 16-byte aligned (vector stores)
@@ -270,8 +273,8 @@ __device__ __forceinline__ void load_chunk(const KernelArgs& args, ChunkShared& 
       const int64_t l = first_row + t;
       const float a = dev::load_value(args.a, args.a_dtype, l * args.a_row_stride + hv);
       const float b = dev::load_value(args.b, args.b_dtype, l * args.b_row_stride + hv);
-      g = A * dev::softplus(a + dt_bias);
-      beta = dev::sigmoid(b);
+      g = args.a_is_log_decay ? a : A * dev::softplus(a + dt_bias);
+      beta = args.b_is_beta ? b : dev::sigmoid(b);
     }
     sh.log_decay[t] = g;
     sh.beta[t] = beta;
@@ -324,8 +327,8 @@ __device__ __forceinline__ void load_chunk(const KernelArgs& args, ChunkShared& 
     }
     qq = dev::warp_sum(qq);
     kk = dev::warp_sum(kk);
-    const float q_scale = args.scale / sqrtf(qq + args.l2_eps);
-    const float k_scale = 1.0f / sqrtf(kk + args.l2_eps);
+    const float q_scale = args.qk_l2_norm ? args.scale / sqrtf(qq + args.l2_eps) : args.scale;
+    const float k_scale = args.qk_l2_norm ? 1.0f / sqrtf(kk + args.l2_eps) : 1.0f;
     uint2 qp, kp, vp;
     qp.x = Bf16::pack(q[j][0] * q_scale, q[j][1] * q_scale);
     qp.y = Bf16::pack(q[j][2] * q_scale, q[j][3] * q_scale);
@@ -585,8 +588,10 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_kernel(const Kernel
   const int64_t first_row = sh.first_row;
   const int n = sh.n;
   const int64_t h = hv / args.ratio;
-  const float A = -expf(dev::load_value(args.A_log, args.A_log_dtype, hv));
-  const float dt_bias = dev::load_value(args.dt_bias, args.dt_bias_dtype, hv);
+  const float A =
+      args.a_is_log_decay ? 0.0f : -expf(dev::load_value(args.A_log, args.A_log_dtype, hv));
+  const float dt_bias =
+      args.a_is_log_decay ? 0.0f : dev::load_value(args.dt_bias, args.dt_bias_dtype, hv);
 
   load_chunk<Act>(args, sh, first_row, n, h, hv, A, dt_bias, warp, lane);
   __syncthreads();
