@@ -726,6 +726,22 @@ __device__ __forceinline__ void accumulators_as_a(const float (*d)[4], uint32_t 
   }
 }
 
+// acc[v][t] += sum_k S[v][k] x[t][k] for the warp's 16 state rows (sa: S as A fragments) and the
+// chunk's 64 token rows of a 128-wide tile x.
+__device__ __forceinline__ void state_times_tokens(const uint32_t (&sa)[8][4], const bf16* x,
+                                                   int lane, float (&acc)[8][4]) {
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) {
+#pragma unroll
+    for (int j = 0; j < 8; j += 2) {
+      uint32_t b[4];
+      mma::load_b_pair(b, x, kLdWide, 8 * j, 16 * kk, lane);
+      mma::mma_16bit<bf16>(acc[j], sa[kk], b[0], b[1]);
+      mma::mma_16bit<bf16>(acc[j + 1], sa[kk], b[2], b[3]);
+    }
+  }
+}
+
 // act(z): silu(z) = z sigmoid(z), or sigmoid(z); one expression for both keeps the code small.
 __device__ __forceinline__ float gate_value(const KernelArgs& args, float z) {
   return (args.gate == GateActivation::kSiLU ? z : 1.0f) * dev::fast_sigmoid(z);
@@ -742,16 +758,7 @@ __device__ __forceinline__ void run_chunk(const KernelArgs& args, StateShared<Ac
   uint32_t sa[8][4];
   accumulators_as_a<8>(s.d, sa);
   float delta[8][4] = {};
-#pragma unroll
-  for (int kk = 0; kk < 8; ++kk) {
-#pragma unroll
-    for (int j = 0; j < 8; j += 2) {
-      uint32_t bw[4];
-      mma::load_b_pair(bw, &b.w[0][0], kLdWide, 8 * j, 16 * kk, lane);
-      mma::mma_16bit<bf16>(delta[j], sa[kk], bw[0], bw[1]);
-      mma::mma_16bit<bf16>(delta[j + 1], sa[kk], bw[2], bw[3]);
-    }
-  }
+  state_times_tokens(sa, &b.w[0][0], lane, delta);
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     const int t = 8 * j + 2 * (lane % 4);
@@ -767,16 +774,7 @@ __device__ __forceinline__ void run_chunk(const KernelArgs& args, StateShared<Ac
   uint32_t da[4][4];
   accumulators_as_a<4>(delta, da);
   float o[8][4] = {};
-#pragma unroll
-  for (int kk = 0; kk < 8; ++kk) {
-#pragma unroll
-    for (int j = 0; j < 8; j += 2) {
-      uint32_t bq[4];
-      mma::load_b_pair(bq, &b.q[0][0], kLdWide, 8 * j, 16 * kk, lane);
-      mma::mma_16bit<bf16>(o[j], sa[kk], bq[0], bq[1]);
-      mma::mma_16bit<bf16>(o[j + 1], sa[kk], bq[2], bq[3]);
-    }
-  }
+  state_times_tokens(sa, &b.q[0][0], lane, o);
   // P is lower triangular: token tiles 2 m, 2 m + 1 need source blocks kk <= m only.
 #pragma unroll
   for (int m = 0; m < 4; ++m) {
