@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -143,6 +144,35 @@ TEST(GpuConvPrefill, MixedDtypesStridesAndManyShortRequests) {
     Case c(gi);
     expect_matches_reference(c);
   }
+}
+
+// Requests that begin on the last row of a run, of a tile and of a 1024-row CTA segment, short
+// ones that cross runs, all updated in place on their slot (final = initial), so that the history
+// reads and the final-slot writes of one request fall in different threads and CTAs.
+TEST(GpuConvPrefill, RequestsAcrossRunTileAndSegmentEdges) {
+  GDN_SKIP_WITHOUT_GPU();
+  for (DType act : {DType::kBFloat16, DType::kFloat32})
+    for (int W : {4, 5})
+      for (bool in_place : {false, true}) {
+        Config g;
+        g.D = 72;  // a partial channel block for every element size
+        g.W = W;
+        g.x_dtype = g.out_dtype = act;
+        g.state_dtype = DType::kBFloat16;
+        g.in_place = in_place;
+        // Begins: 0, 1021, 1023 (segment end), 1028, 1029, 1030, 1279 (run and tile end),
+        // 1281, 1287, 1289, 1291.
+        g.T = {1021, 2, 5, 1, 1, 249, 2, 6, 2, 2, 300};
+        g.slots = 16;
+        for (int64_t i = 0; i < int64_t(g.T.size()); ++i) {
+          g.initial.push_back(1 + i);
+          g.final_.push_back(1 + i);
+        }
+        Case c(g);
+        SCOPED_TRACE(std::string(to_string(act)) + " W" + std::to_string(W) +
+                     (in_place ? " in place" : ""));
+        expect_matches_reference(c);
+      }
 }
 
 // Invalid rows on the device: no state writes, zero outputs (where the row's range is sane), one

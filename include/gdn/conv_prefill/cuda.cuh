@@ -4,26 +4,47 @@
 // which rows are its own and writes nothing) and is counted once in the optional error counter.
 // Every global access is bounds-checked against the validated shapes, whatever the indices hold.
 //
-// Work is split over tiles of kTileRows token rows x kChannels channels of the L rows, whatever
-// the requests' lengths: a CTA stages its rows, plus the W - 1 rows before them, in shared memory
-// (fp32), finds the request of every row (a binary search over cu_seqlens, which a valid call
-// holds non-decreasing) and computes each output from the staged rows, or from the request's
-// initial slot for the taps before the request's first row. Two forms:
+// Work layout. A CTA owns a slice of kRowThreads * V channels (V elements of x in 16 bytes, so a
+// row of the slice is one 128-byte line) over a segment of token rows, which it walks in tiles of
+// kTileRows rows (one run of kRunRows rows per kRowThreads threads). Thread (rl, cl) of a tile
+// holds the kRunRows consecutive rows of run rl, V channels each, as 16-byte loads, and slides a W
+// - 1 row window (the taps before the current row, as fp32) down its run. The W - 1 rows before a
+// run (its halo) come from the run before it through shared memory: every thread publishes the last
+// rows of its run before barrier A; the first run of a tile takes the previous tile's last run,
+// copied aside by run 0 before barrier B; the first run of a segment reads x (out of place) or
+// needs none (in place, see below). So every row of x is loaded from global memory by one thread,
+// once.
 //
-// - out is not x (kInPlace false): a CTA owns one tile. The rows before it are read from x, which
-//   no CTA writes. The first W - 1 rows of a request (the only ones whose taps read the initial
-//   slot) belong to the CTA of the request's first row, even where they run past its tile, and the
-//   same CTA writes the final slot after a barrier: every read of the initial slot precedes the
-//   write of the final one, so the two may be one slot.
-// - out is x (kInPlace true): a row's output overwrites an input that the next W - 1 rows still
-//   read, so the rows of a request must not be split between CTAs. A CTA owns the requests that
-//   begin in its segment of kSegmentRows rows and walks their rows tile by tile, carrying the last
-//   W - 1 raw rows of a tile in shared memory to the next; it writes a request's final slot in the
-//   tile of the request's last row, after the barrier that follows every read of its history.
+// A row's taps before its request's first row read the request's history from the initial slot
+// instead (zeros for a null id); a run that starts a request resets its window there.
 //
-// With a cu_seqlens that is not non-decreasing (a call with an invalid row) the rows of other
-// requests may be left unwritten or, in place, computed from overwritten inputs; no access leaves
-// the arrays and every invalid row is counted.
+// Two forms, one kernel (kInPlace):
+//
+// - out is not x. Segments are fixed row ranges, so one request may span many CTAs. x is never
+//   written, so any thread may read any row of it. The history of request i is read by one thread
+//   only, the one whose run holds the request's first row (its head): it computes the request's
+//   first W - 1 outputs itself, past the end of its run when need be (threads whose run starts
+//   inside that zone skip those rows), and it writes the final slot after its own history reads,
+//   taking the last W - 1 inputs from x. So a final slot equal to the initial one is read before
+//   it is written, whichever CTA runs first.
+// - out is x. A row's output overwrites an input that the next W - 1 rows still read, so the rows
+//   of a request are never split between CTAs: a CTA owns the requests that begin in its segment
+//   and no other CTA reads or writes their rows. Inside the CTA each row of x is loaded by the
+//   thread that later overwrites it, and every other use of it goes through shared memory or
+//   registers: (1) a thread loads its rows of tile t before barrier A_t (the next tile's rows are
+//   prefetched after A_(t-1)), and no thread stores a row of tile t before A_t; (2) it publishes
+//   its last rows before A_t, the consumers read them after A_t and before B_t, and the next
+//   publication is after B_t; (3) a thread stores only rows of its own run, after A_t, and the
+//   loads issued after A_t are of tile t + 1, other rows. The history of a request is read by the
+//   threads whose runs hold its first W - 1 rows, in tiles up to the one of its last row; its final
+//   slot is written by the thread of its last row after barrier B of that tile (the window after
+//   that row, kept until then), so after every read of the initial slot. Segments begin at request
+//   boundaries, so a segment's first run needs no halo.
+//
+// A final slot that is another request's initial slot is read and written in no defined order
+// (params.hpp). With a cu_seqlens that is not non-decreasing (a call with an invalid row) the rows
+// of other requests may be left unwritten or, in place, computed from overwritten inputs; no access
+// leaves the arrays and every invalid row is counted.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -40,7 +61,8 @@
 namespace gdn::conv_prefill {
 namespace cuda_detail {
 
-// Plain-data copy of Params/Problem for the kernel (TensorView is host-side).
+// Plain-data copy of Params/Problem for the kernel (TensorView is host-side). x's dtype is the
+// kernel's element type; out's too, unless the kernel stores through out_dtype.
 struct KernelArgs {
   const void* x;
   const void* weight;
@@ -50,27 +72,145 @@ struct KernelArgs {
   const void* cu_seqlens;
   void* out;
   int* error_count;  // null: not counted
-  DType x_dtype, weight_dtype, state_dtype, out_dtype, initial_dtype, final_dtype, cu_dtype;
+  DType weight_dtype, state_dtype, out_dtype, initial_dtype, final_dtype, cu_dtype;
   int64_t x_row_stride, out_row_stride, weight_row_stride, initial_stride, final_stride;
   int64_t L, N, D, W, buffer_len, num_slots, slot_stride, first_valid_slot;
   StateLayout layout;
   Activation activation;
+  bool x_vector, out_vector;  // rows of x / out may be accessed 16 bytes at a time
+  bool round_to_state;        // x values change when stored in the state dtype
 };
 
 namespace dev = gdn::cuda;  // qualified calls: gdn:: holds host functions of the same names
 
 inline constexpr int kThreads = 256;
-inline constexpr int kTileRows = 64;
-// In place: the rows of a segment (the requests beginning in it belong to one CTA).
-inline constexpr int64_t kSegmentRows = 256;
-// Channels of a CTA: a warp reads 32 consecutive channels of a row. In place a CTA walks whole
-// requests, so narrower CTAs give a long request more of them.
-template <bool kInPlace>
-inline constexpr int kChannelsOf = kInPlace ? 32 : 64;
+inline constexpr int kRowThreads = 8;                     // threads across a row of the slice
+inline constexpr int kRowLanes = kThreads / kRowThreads;  // runs per tile
+inline constexpr int64_t kSegmentRows = 1024;             // rows of a CTA (in place: start)
+// Rows per run (>= W - 1). In place a CTA prefetches its next tile and runs alone on its SM: long
+// runs. Out of place two CTAs share an SM within 128 registers a thread: short runs.
+template <bool kInPlace, int kHalo>
+inline constexpr int kRunRowsOf = kInPlace || kHalo > 4 ? 8 : 4;
+static_assert(kConvMaxWidth - 1 <= 8, "a halo must fit in one run");
+
+// The 16-byte vector of x / out elements a thread holds per row: V elements, fp32 <-> raw bits.
+template <class T>
+struct Elem;
+template <>
+struct Elem<float> {
+  static __device__ __forceinline__ float to_f32(uint32_t b) { return __uint_as_float(b); }
+  static __device__ __forceinline__ uint32_t pack(float a) { return __float_as_uint(a); }
+};
+template <>
+struct Elem<__nv_bfloat16> {
+  static __device__ __forceinline__ float to_f32(uint32_t b) { return __uint_as_float(b << 16); }
+  static __device__ __forceinline__ uint32_t pack(float a, float b) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+};
+template <>
+struct Elem<__half> {
+  static __device__ __forceinline__ float to_f32(uint32_t b) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(b)));
+  }
+  static __device__ __forceinline__ uint32_t pack(float a, float b) {
+    const __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+};
+
+__device__ __forceinline__ uint32_t word(const uint4& r, int i) {
+  return i == 0 ? r.x : i == 1 ? r.y : i == 2 ? r.z : r.w;
+}
+__device__ __forceinline__ void set_word(uint4& r, int i, uint32_t v) {
+  if (i == 0)
+    r.x = v;
+  else if (i == 1)
+    r.y = v;
+  else if (i == 2)
+    r.z = v;
+  else
+    r.w = v;
+}
+
+// Bits of element k (< V) of a row vector, and the reverse.
+template <class T>
+__device__ __forceinline__ uint32_t element_bits(const uint4& r, int k) {
+  if constexpr (sizeof(T) == 4) return word(r, k);
+  return (word(r, k / 2) >> (16 * (k % 2))) & 0xffffu;
+}
+
+template <class T>
+__device__ __forceinline__ void unpack(const uint4& r, float (&v)[16 / sizeof(T)]) {
+#pragma unroll
+  for (int k = 0; k < 16 / int(sizeof(T)); ++k) v[k] = Elem<T>::to_f32(element_bits<T>(r, k));
+}
+
+template <class T>
+__device__ __forceinline__ uint4 pack(const float (&v)[16 / sizeof(T)]) {
+  uint4 r;
+  if constexpr (sizeof(T) == 4) {
+    r = make_uint4(Elem<T>::pack(v[0]), Elem<T>::pack(v[1]), Elem<T>::pack(v[2]),
+                   Elem<T>::pack(v[3]));
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) set_word(r, i, Elem<T>::pack(v[2 * i], v[2 * i + 1]));
+  }
+  return r;
+}
+
+// Elements [0, n) of a row at p, one 16-byte access when `vector` (n = V, p aligned); zeros past n.
+template <class T>
+__device__ __forceinline__ uint4 load_row(const T* p, int n, bool vector) {
+  if (vector) return *reinterpret_cast<const uint4*>(p);
+  uint4 r{0u, 0u, 0u, 0u};
+  const auto* q =
+      reinterpret_cast<const std::conditional_t<sizeof(T) == 4, uint32_t, uint16_t>*>(p);
+#pragma unroll
+  for (int k = 0; k < 16 / int(sizeof(T)); ++k) {
+    if (k >= n) break;
+    if constexpr (sizeof(T) == 4) {
+      set_word(r, k, q[k]);
+    } else {
+      set_word(r, k / 2, word(r, k / 2) | (uint32_t(q[k]) << (16 * (k % 2))));
+    }
+  }
+  return r;
+}
+
+template <class T>
+__device__ __forceinline__ void store_row(T* p, int n, bool vector, const uint4& r) {
+  if (vector) {
+    __stcs(reinterpret_cast<uint4*>(p), r);
+    return;
+  }
+  auto* q = reinterpret_cast<std::conditional_t<sizeof(T) == 4, uint32_t, uint16_t>*>(p);
+#pragma unroll
+  for (int k = 0; k < 16 / int(sizeof(T)); ++k) {
+    if (k >= n) break;
+    q[k] = static_cast<std::remove_reference_t<decltype(q[k])>>(element_bits<T>(r, k));
+  }
+}
+
+// win[j] (j < H) is the tap of row r - H + j of the row r about to be computed; rolling pushes the
+// input of row r as the newest. Written for a run-time H too (selects, no dynamic register index).
+template <int kHalo, int kV>
+__device__ __forceinline__ void roll(float (&win)[kHalo][kV], const float (&v)[kV], int H) {
+#pragma unroll
+  for (int j = 0; j < kHalo; ++j)
+#pragma unroll
+    for (int k = 0; k < kV; ++k) {
+      if (j + 1 < kHalo && j + 1 < H)
+        win[j][k] = win[j + 1 < kHalo ? j + 1 : j][k];
+      else if (j + 1 == H)
+        win[j][k] = v[k];
+    }
+}
 
 // The request a token row belongs to, as the kernel sees it.
 struct RowOwner {
-  int64_t begin, end;         // the request's rows
+  int64_t begin, end;         // the request's rows; a row of no request: [r, r + 1)
   int64_t initial, final_id;  // slots; -1: null
   int action;                 // kSkip, kRun, kZero
 };
@@ -91,7 +231,7 @@ __device__ inline RowOwner find_owner(const KernelArgs& a, int64_t r) {
     else
       lo = mid + 1;
   }
-  RowOwner o{0, 0, -1, -1, kSkip};
+  RowOwner o{r, r + 1, -1, -1, kSkip};
   if (lo >= a.N) return o;
   const int64_t c0 = load_cu(a, lo), c1 = load_cu(a, lo + 1);
   if (!(c0 <= r && r < c1)) return o;
@@ -100,14 +240,11 @@ __device__ inline RowOwner find_owner(const KernelArgs& a, int64_t r) {
   const int64_t final_id =
       gdn::load_index(a.final_state_indices, a.final_dtype, lo * a.final_stride);
   const RowClass cls = classify_row(c0, c1, a.L, initial, final_id, a.num_slots);
-  o.begin = c0;
-  o.end = c1;
   if (cls == RowClass::kLive) {
-    o.initial = initial < a.first_valid_slot ? -1 : initial;
-    o.final_id = final_id < a.first_valid_slot ? -1 : final_id;
-    o.action = kRun;
+    o = RowOwner{c0, c1, initial < a.first_valid_slot ? -1 : initial,
+                 final_id < a.first_valid_slot ? -1 : final_id, kRun};
   } else if (c0 >= 0 && c1 >= c0 && c1 <= a.L) {
-    o.action = kZero;  // an invalid row whose own rows are known
+    o = RowOwner{c0, c1, -1, -1, kZero};  // an invalid row whose own rows are known
   }
   return o;
 }
@@ -128,30 +265,26 @@ __device__ inline int64_t boundary_at_or_after(const KernelArgs& a, int64_t r) {
   return b < 0 ? 0 : (b > a.L ? a.L : b);
 }
 
-__device__ __forceinline__ float activate(const KernelArgs& a, float sum) {
-  return a.activation == Activation::kSiLU ? sum / (1.0f + expf(-sum)) : sum;
-}
-
+// T: x's element type (and out's when kSameOut; otherwise out is stored through a.out_dtype).
 // kWidth = kRuntimeValue (0): width taken from a.W (<= kConvMaxWidth).
-template <int kWidth, bool kInPlace>
-__global__ void __launch_bounds__(kThreads) conv_prefill_kernel(const KernelArgs a) {
+template <class T, bool kSameOut, int kWidth, bool kInPlace>
+__global__ void __launch_bounds__(kThreads, kInPlace ? 1 : 2)
+    conv_prefill_kernel(const KernelArgs a) {
+  constexpr int kV = 16 / int(sizeof(T));
   constexpr int kMax = kWidth == kRuntimeValue ? kConvMaxWidth : kWidth;
-  constexpr int kChannels = kChannelsOf<kInPlace>;
-  constexpr int kRowLanes = kThreads / kChannels;
-  // Staged rows: W - 1 before the tile, the tile, and (one tile per CTA) the W - 2 rows after it
-  // that the first rows of a request beginning in the tile may reach.
-  constexpr int kStaged = (kMax - 1) + kTileRows + (kInPlace ? 0 : kMax - 2);
-  constexpr int kLoads = (kStaged + kRowLanes - 1) / kRowLanes;
-  __shared__ float tile[kStaged][kChannels];
-  __shared__ RowOwner owner[kStaged];
+  constexpr int kHalo = kMax - 1;
+  constexpr int kRunRows = kRunRowsOf<kInPlace, kHalo>;
+  constexpr int kTileRows = kRowLanes * kRunRows;
+  static_assert(kSegmentRows % kTileRows == 0);
+  __shared__ uint4 published[kRowLanes + 1][kHalo][kRowThreads];  // [0]: carry into run 0
 
-  const int W = kWidth == kRuntimeValue ? int(a.W) : kWidth;
-  const int H = W - 1;
+  const int H = kWidth == kRuntimeValue ? int(a.W) - 1 : kHalo;
   const int tid = int(threadIdx.x);
-  const int lane = tid % kChannels;  // channel within the CTA's block
-  const int row_lane = tid / kChannels;
-  const int64_t c = int64_t(blockIdx.y) * kChannels + lane;
-  const bool channel_ok = c < a.D;
+  const int cl = tid % kRowThreads;
+  const int rl = tid / kRowThreads;
+  const int64_t c0 = (int64_t(blockIdx.x) * kRowThreads + cl) * kV;
+  const int n = a.D - c0 >= kV ? kV : (a.D > c0 ? int(a.D - c0) : 0);  // channels held
+  const T* x = static_cast<const T*>(a.x);
 
   // Every invalid row is counted once, by the first CTA.
   if (a.error_count && blockIdx.x == 0 && blockIdx.y == 0) {
@@ -166,142 +299,229 @@ __global__ void __launch_bounds__(kThreads) conv_prefill_kernel(const KernelArgs
     }
   }
 
-  float w[kMax];
-#pragma unroll
-  for (int j = 0; j < kMax; ++j)
-    w[j] = channel_ok && j < W
-               ? dev::load_value(a.weight, a.weight_dtype, c * a.weight_row_stride + j)
-               : 0.0f;
-  // Slot position `pos` of this thread's channel.
-  const auto at = [&](int64_t slot, int64_t pos) {
-    return conv::state_offset(a.layout, a.slot_stride, a.D, a.buffer_len, slot, c, pos);
+  // The rows this CTA walks: a fixed range, or (in place) the requests beginning in it.
+  const int64_t seg = int64_t(blockIdx.y) * kSegmentRows;
+  const int64_t first = kInPlace ? boundary_at_or_after(a, seg) : seg;
+  const int64_t last = kInPlace ? boundary_at_or_after(a, seg + kSegmentRows)
+                                : (seg + kSegmentRows < a.L ? seg + kSegmentRows : a.L);
+  if (first >= last) return;  // CTA-uniform
+
+  const auto load = [&](int64_t r) {
+    return n > 0 ? load_row(x + r * a.x_row_stride + c0, n, a.x_vector && n == kV)
+                 : uint4{0u, 0u, 0u, 0u};
   };
-  // History column `col` (< H) of an initial slot: what causal_conv1d_update reads at offset 0.
-  const auto history = [&](int64_t initial, int64_t col) {
-    return initial >= 0 ? dev::load_value(a.conv_state, a.state_dtype, at(initial, col)) : 0.0f;
+  // Runs of tile t0 hold rows t0 + rl * kRunRows + q; rows at or past `last` are not loaded.
+  const auto load_run = [&](int64_t t0, uint4(&rows)[kRunRows]) {
+    const int64_t r0 = t0 + int64_t(rl) * kRunRows;
+#pragma unroll
+    for (int q = 0; q < kRunRows; ++q)
+      rows[q] = r0 + q < last ? load(r0 + q) : uint4{0u, 0u, 0u, 0u};
   };
-
-  // The rows this CTA walks: one tile, or (in place) the requests beginning in its segment.
-  int64_t first, last;
-  if constexpr (kInPlace) {
-    first = boundary_at_or_after(a, int64_t(blockIdx.x) * kSegmentRows);
-    last = boundary_at_or_after(a, (int64_t(blockIdx.x) + 1) * kSegmentRows);
-  } else {
-    first = int64_t(blockIdx.x) * kTileRows;
-    last = first + kTileRows < a.L ? first + kTileRows : a.L;
-  }
-
-  for (int64_t t0 = first; t0 < last; t0 += kTileRows) {
-    const int rows = int(last - t0 < kTileRows ? last - t0 : kTileRows);
-    // Staged row k is token row t0 - H + k. Rows read: in place only the tile's own (the rows
-    // before it are the carried ones, or precede the segment's first request); otherwise the H
-    // rows before the tile and the H - 1 after it too.
-    const int k_begin = kInPlace ? H : 0;
-    const int k_end = kInPlace ? H + rows : 2 * H + rows - 1;
-    // Loads first, into registers, so that they are in flight during the owner search.
-    float staged[kLoads];
+  const auto stored_as_state = [&](float (&v)[kV]) {
+    if (a.round_to_state)
 #pragma unroll
-    for (int m = 0; m < kLoads; ++m) {
-      const int k = row_lane + m * kRowLanes;
-      const int64_t r = t0 - H + k;
-      staged[m] = k >= k_begin && k < k_end && r >= 0 && r < a.L && channel_ok
-                      ? dev::load_value(a.x, a.x_dtype, r * a.x_row_stride + c)
-                      : 0.0f;
-    }
-    for (int k = H + tid; k < k_end; k += kThreads) {
-      const int64_t r = t0 - H + k;
-      owner[k] = r < a.L ? find_owner(a, r) : RowOwner{0, 0, -1, -1, kSkip};
-    }
+      for (int k = 0; k < kV; ++k) v[k] = dev::round_to(a.state_dtype, v[k]);
+  };
+  const auto at = [&](int64_t slot, int k, int64_t pos) {
+    return conv::state_offset(a.layout, a.slot_stride, a.D, a.buffer_len, slot, c0 + k, pos);
+  };
+  // History column `col` (< H) of a request: what causal_conv1d_update reads at offset 0.
+  const auto history = [&](const RowOwner& o, int64_t col, float (&v)[kV]) {
 #pragma unroll
-    for (int m = 0; m < kLoads; ++m) {
-      const int k = row_lane + m * kRowLanes;
-      if (k >= k_begin && k < kStaged) tile[k][lane] = staged[m];
-    }
-    __syncthreads();
-
-    // Outputs.
-    for (int k = H + row_lane; k < k_end; k += kRowLanes) {
-      const RowOwner o = owner[k];
-      const int64_t r = t0 - H + k;
-      if (o.action == kSkip || !channel_ok) continue;
-      if (!kInPlace) {
-        // The first H rows of a request belong to the CTA of its first row.
-        const int64_t owner_row = r - o.begin < H ? o.begin : r;
-        if (owner_row < t0 || owner_row >= t0 + rows) continue;
-      }
-      if (o.action == kZero) {
-        dev::store_value(a.out, a.out_dtype, r * a.out_row_stride + c, 0.0f);
-        continue;
-      }
-      // Fixed order, no contraction: the same sum as the CPU path and causal_conv1d_update.
-      float sum = 0.0f;
-      for (int j = 0; j < H; ++j) {
-        const int64_t pos = r - H + j;  // the tap's token row
-        const float v = pos >= o.begin ? dev::round_to(a.state_dtype, tile[k - H + j][lane])
-                                       : history(o.initial, pos - o.begin + H);
-        sum = __fadd_rn(sum, __fmul_rn(w[j], v));
-      }
-      sum = __fadd_rn(sum, __fmul_rn(w[H], tile[k][lane]));
-      dev::store_value(a.out, a.out_dtype, r * a.out_row_stride + c, activate(a, sum));
-    }
-    __syncthreads();  // every read of an initial slot in this tile is done
-
-    // Final slots: of the requests beginning in this tile (one tile per CTA), or ending in it (in
-    // place, where the last inputs are still staged).
-    for (int k = H + row_lane; k < H + rows; k += kRowLanes) {
-      const RowOwner o = owner[k];
-      const int64_t r = t0 - H + k;
-      if (o.action != kRun || o.final_id < 0 || !channel_ok) continue;
-      if (r != (kInPlace ? o.end - 1 : o.begin)) continue;
-      // The last H inputs F[T .. T + H - 1], all read before the first write.
-      float last_inputs[kMax];
-#pragma unroll
-      for (int j = 0; j < kMax - 1; ++j) {
-        if (j >= H) continue;
-        const int64_t pos = o.end - H + j;
-        float v;
-        if (pos < o.begin) {
-          v = history(o.initial, pos - o.begin + H);
-        } else if constexpr (kInPlace) {
-          v = dev::round_to(a.state_dtype, tile[pos - (t0 - H)][lane]);
-        } else {
-          v = dev::round_to(a.state_dtype,
-                            dev::load_value(a.x, a.x_dtype, pos * a.x_row_stride + c));
-        }
-        last_inputs[j] = v;
-      }
-      if (o.final_id != o.initial) {
+    for (int k = 0; k < kV; ++k)
+      v[k] = o.initial >= 0 && k < n
+                 ? dev::load_value(a.conv_state, a.state_dtype, at(o.initial, k, col))
+                 : 0.0f;
+  };
+  // The final slot of o: columns 0 .. H - 1 from f (f[j], j < H, oldest first), the columns past
+  // them from the initial slot (zeros for a null id), read before the final slot is written.
+  const auto write_final = [&](const RowOwner& o, const float (&f)[kHalo][kV]) {
+    for (int k = 0; k < n; ++k) {
+      if (o.final_id != o.initial)
         for (int64_t pos = H; pos < a.buffer_len; ++pos) {
           const float v = o.initial >= 0
-                              ? dev::load_value(a.conv_state, a.state_dtype, at(o.initial, pos))
+                              ? dev::load_value(a.conv_state, a.state_dtype, at(o.initial, k, pos))
                               : 0.0f;
-          dev::store_value(a.conv_state, a.state_dtype, at(o.final_id, pos), v);
+          dev::store_value(a.conv_state, a.state_dtype, at(o.final_id, k, pos), v);
         }
-      }
 #pragma unroll
-      for (int j = 0; j < kMax - 1; ++j)
-        if (j < H) dev::store_value(a.conv_state, a.state_dtype, at(o.final_id, j), last_inputs[j]);
+      for (int j = 0; j < kHalo; ++j)
+        if (j < H) dev::store_value(a.conv_state, a.state_dtype, at(o.final_id, k, j), f[j][k]);
+    }
+  };
+
+  float w_hist[kHalo][kV], w_cur[kV];
+#pragma unroll
+  for (int k = 0; k < kV; ++k) {
+    const int64_t row = (c0 + k) * a.weight_row_stride;
+#pragma unroll
+    for (int j = 0; j < kHalo; ++j)
+      w_hist[j][k] = k < n && j < H ? dev::load_value(a.weight, a.weight_dtype, row + j) : 0.0f;
+    w_cur[k] = k < n ? dev::load_value(a.weight, a.weight_dtype, row + H) : 0.0f;
+  }
+
+  uint4 cur[kRunRows];
+  load_run(first, cur);
+  for (int64_t t0 = first; t0 < last; t0 += kTileRows) {
+    const int64_t r0 = t0 + int64_t(rl) * kRunRows;
+#pragma unroll
+    for (int s = 0; s < kHalo; ++s) published[rl + 1][s][cl] = cur[kRunRows - kHalo + s];
+    __syncthreads();  // A: this tile's rows are loaded and its runs' last rows published
+
+    // halo[s] is row r0 - kHalo + s. The segment's first run: out of place from x; in place the
+    // rows before a segment belong to other requests and are never a tap.
+    uint4 halo[kHalo];
+#pragma unroll
+    for (int s = 0; s < kHalo; ++s) {
+      const int64_t r = r0 - kHalo + s;
+      if (rl > 0 || t0 > first)
+        halo[s] = published[rl][s][cl];
+      else
+        halo[s] = !kInPlace && r >= 0 ? load(r) : uint4{0u, 0u, 0u, 0u};
+    }
+    if (rl == 0)
+#pragma unroll
+      for (int s = 0; s < kHalo; ++s) published[0][s][cl] = published[kRowLanes][s][cl];
+
+    // In place (one CTA per SM) the next tile's loads fly while this one is computed; out of place
+    // other CTAs overlap them, and the registers go to occupancy instead.
+    uint4 next[kInPlace ? kRunRows : 1];
+    const bool more = t0 + kTileRows < last;
+    if constexpr (kInPlace)
+      if (more) load_run(t0 + kTileRows, next);
+
+    RowOwner o = find_owner(a, r0 < a.L ? r0 : a.L - 1);
+    float win[kHalo][kV] = {};
+#pragma unroll
+    for (int s = 0; s < kHalo; ++s) {
+      if (s < kHalo - H) continue;
+      float v[kV];
+      unpack<T>(halo[s], v);
+      stored_as_state(v);
+      roll(win, v, H);
+    }
+    // In place, a run that starts inside its request's first H rows takes the taps before the
+    // request from the history (out of place those rows belong to the request's head).
+    if (kInPlace && o.action == kRun && o.begin < r0 && r0 - H < o.begin) {
+#pragma unroll
+      for (int j = 0; j < kHalo; ++j) {
+        const int64_t p = r0 - H + j;
+        if (j < H && p < o.begin) history(o, p - o.begin + H, win[j]);
+      }
     }
 
-    if constexpr (kInPlace) {
-      // Carry the tile's last H raw rows to the front for the next tile (a full one: a shorter
-      // tile ends the segment).
-      if (t0 + kTileRows < last) {
-        float carry[kMax - 1];
-        __syncthreads();
+    // Final slots written by this run: out of place those of the requests it heads, in place
+    // those of the requests ending in it (their F[T .. T + H - 1], the window after the last row,
+    // kept in local memory until after barrier B).
+    int finals = 0;
+    int64_t final_rows[kRunRows];
+    float pending[kInPlace ? kRunRows : 1][kHalo][kV];
+    int64_t zone_end = r0 + kRunRows;  // out of place: past this, rows of a head's first H rows
 #pragma unroll
-        for (int m = 0; m < kMax - 1; ++m) {
-          const int k = row_lane + m * kRowLanes;
-          carry[m] = k < H ? tile[kTileRows + k][lane] : 0.0f;
-        }
-        __syncthreads();
-#pragma unroll
-        for (int m = 0; m < kMax - 1; ++m) {
-          const int k = row_lane + m * kRowLanes;
-          if (k < H) tile[k][lane] = carry[m];
+    for (int q = 0; q < kRunRows + (kInPlace ? 0 : kHalo - 1); ++q) {
+      const int64_t r = r0 + q;
+      uint4 raw;
+      if (q < kRunRows) {
+        if (r >= last) break;
+        raw = cur[q];
+      } else {
+        if (r >= zone_end) break;
+        raw = load(r);
+      }
+      if (r >= o.end || r < o.begin) o = find_owner(a, r);
+      float v[kV];
+      unpack<T>(raw, v);
+      bool compute = o.action != kSkip;
+      if (o.action == kRun) {
+        if (r == o.begin) {
+#pragma unroll 1
+          for (int j = 0; j < H; ++j) {
+            float h[kV];
+            history(o, j, h);
+            roll(win, h, H);
+          }
+          if constexpr (!kInPlace) {
+            const int64_t zone = o.begin + H < o.end ? o.begin + H : o.end;
+            if (zone > zone_end) zone_end = zone;
+            if (o.final_id >= 0) final_rows[finals++] = r;
+          }
+        } else if (!kInPlace && o.begin < r0 && r < o.begin + H) {
+          compute = false;  // the head's
         }
       }
-      __syncthreads();  // the staged rows and owners are free for the next tile
+      if (compute && n > 0) {
+        float y[kV];
+#pragma unroll
+        for (int k = 0; k < kV; ++k) {
+          // Fixed order, no contraction: the same sum as the CPU path and causal_conv1d_update.
+          float sum = 0.0f;
+#pragma unroll
+          for (int j = 0; j < kHalo; ++j)
+            if (j < H) sum = __fadd_rn(sum, __fmul_rn(w_hist[j][k], win[j][k]));
+          sum = __fadd_rn(sum, __fmul_rn(w_cur[k], v[k]));
+          y[k] = sum;
+        }
+        if (o.action == kZero) {
+#pragma unroll
+          for (int k = 0; k < kV; ++k) y[k] = 0.0f;
+        } else if (a.activation == Activation::kSiLU) {
+#pragma unroll
+          for (int k = 0; k < kV; ++k) y[k] = y[k] / (1.0f + expf(-y[k]));
+        }
+        if constexpr (kSameOut) {
+          store_row(static_cast<T*>(a.out) + r * a.out_row_stride + c0, n, a.out_vector && n == kV,
+                    pack<T>(y));
+        } else {
+          for (int k = 0; k < n; ++k)
+            dev::store_value(a.out, a.out_dtype, r * a.out_row_stride + c0 + k, y[k]);
+        }
+      }
+      stored_as_state(v);
+      roll(win, v, H);
+      if (kInPlace && o.action == kRun && o.final_id >= 0 && r == o.end - 1) {
+        final_rows[finals] = r;
+#pragma unroll
+        for (int j = 0; j < kHalo; ++j)
+#pragma unroll
+          for (int k = 0; k < kV; ++k) pending[kInPlace ? finals : 0][j][k] = win[j][k];
+        ++finals;
+      }
+    }
+
+    if constexpr (!kInPlace) {
+      // Out of place: after this thread's own history reads (the only ones of its requests).
+      // F[T + j], j < H: the inputs of rows end - H + j (x is never written), or the history.
+#pragma unroll 1
+      for (int i = 0; i < finals; ++i) {
+        const RowOwner h = find_owner(a, final_rows[i]);
+        float f[kHalo][kV] = {};
+#pragma unroll 1
+        for (int j = 0; j < H; ++j) {
+          const int64_t p = h.end - H + j;
+          float fv[kV];
+          if (p < h.begin) {
+            history(h, p - h.begin + H, fv);
+          } else {
+            unpack<T>(load(p), fv);
+            stored_as_state(fv);
+          }
+          roll(f, fv, H);
+        }
+        write_final(h, f);
+      }
+    }
+    __syncthreads();  // B: every read of `published` and of this tile's history is done
+    if constexpr (kInPlace) {
+#pragma unroll 1
+      for (int i = 0; i < finals; ++i) write_final(find_owner(a, final_rows[i]), pending[i]);
+    }
+    if (more) {
+      if constexpr (kInPlace) {
+#pragma unroll
+        for (int q = 0; q < kRunRows; ++q) cur[q] = next[q];
+      } else {
+        load_run(t0 + kTileRows, cur);
+      }
     }
   }
 }
@@ -318,14 +538,21 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream) {
   if (pr.N == 0) return Status::ok();
   // In place is out == x (check_arguments refuses any other sharing of x's pointer).
   const bool in_place = p.out.data == p.x.data && pr.L > 0;
-  const int channels = in_place ? cuda_detail::kChannelsOf<true> : cuda_detail::kChannelsOf<false>;
-  const int64_t rows_per_cta = in_place ? cuda_detail::kSegmentRows : cuda_detail::kTileRows;
-  const int64_t channel_blocks = (pr.D + channels - 1) / channels;
+  const bool same_out = p.out.dtype == p.x.dtype;
+  const int64_t V = 16 / dtype_size(p.x.dtype);
+  const int64_t channel_blocks =
+      (pr.D + cuda_detail::kRowThreads * V - 1) / (cuda_detail::kRowThreads * V);
   // At least one CTA: the first counts the invalid rows even of a call without token rows.
-  const int64_t row_blocks = pr.L > 0 ? (pr.L + rows_per_cta - 1) / rows_per_cta : 1;
-  if (row_blocks > 0x7fffffff || channel_blocks > 65535)
+  const int64_t segments =
+      pr.L > 0 ? (pr.L + cuda_detail::kSegmentRows - 1) / cuda_detail::kSegmentRows : 1;
+  if (segments > 65535 || channel_blocks > 0x7fffffff)
     return Status::unsupported("causal_conv1d_prefill: L = " + std::to_string(pr.L) +
                                ", D = " + std::to_string(pr.D) + " exceed the launch grid");
+  // 16-byte row accesses need aligned rows: the base and every row start.
+  const auto vector_rows = [&](const TensorView& t) {
+    const int64_t elem = dtype_size(t.dtype);
+    return reinterpret_cast<uintptr_t>(t.data) % 16 == 0 && (t.strides[0] * elem) % 16 == 0;
+  };
   cuda_detail::KernelArgs a{};
   a.x = p.x.data;
   a.weight = p.weight.data;
@@ -335,7 +562,6 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream) {
   a.cu_seqlens = p.cu_seqlens.data;
   a.out = p.out.data;
   a.error_count = p.error_count.present() ? static_cast<int*>(p.error_count.data) : nullptr;
-  a.x_dtype = p.x.dtype;
   a.weight_dtype = p.weight.dtype;
   a.state_dtype = p.conv_state.dtype;
   a.out_dtype = p.out.dtype;
@@ -357,15 +583,36 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream) {
   a.first_valid_slot = p.first_valid_slot;
   a.layout = p.layout;
   a.activation = p.activation;
+  a.x_vector = vector_rows(p.x);
+  a.out_vector = same_out && vector_rows(p.out);
+  a.round_to_state = p.conv_state.dtype != p.x.dtype && p.conv_state.dtype != DType::kFloat32;
 
-  const dim3 grid{unsigned(row_blocks), unsigned(channel_blocks)};
-  dispatch_or_runtime<ConvWidths>(int(pr.W), [&]<int kWidth>() {
-    if (in_place)
-      cuda_detail::conv_prefill_kernel<kWidth, true><<<grid, cuda_detail::kThreads, 0, stream>>>(a);
-    else
-      cuda_detail::conv_prefill_kernel<kWidth, false>
-          <<<grid, cuda_detail::kThreads, 0, stream>>>(a);
-  });
+  const dim3 grid{unsigned(channel_blocks), unsigned(segments)};
+  const auto launch = [&]<class T>() {
+    using cuda_detail::conv_prefill_kernel;
+    constexpr int kThreads = cuda_detail::kThreads;
+    if (!same_out) {  // mixed x / out dtypes: out stored element by element, run-time width
+      conv_prefill_kernel<T, false, kRuntimeValue, false><<<grid, kThreads, 0, stream>>>(a);
+      return;
+    }
+    dispatch_or_runtime<ConvWidths>(int(pr.W), [&]<int kWidth>() {
+      if (in_place)
+        conv_prefill_kernel<T, true, kWidth, true><<<grid, kThreads, 0, stream>>>(a);
+      else
+        conv_prefill_kernel<T, true, kWidth, false><<<grid, kThreads, 0, stream>>>(a);
+    });
+  };
+  switch (p.x.dtype) {
+    case DType::kBFloat16:
+      launch.template operator()<__nv_bfloat16>();
+      break;
+    case DType::kFloat16:
+      launch.template operator()<__half>();
+      break;
+    default:
+      launch.template operator()<float>();
+      break;
+  }
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)
     return Status(StatusCode::kCudaError,
