@@ -356,18 +356,21 @@ __device__ __forceinline__ void cumulative_decay(ChunkShared& sh, int lane) {
   sh.cum[2 * lane + 1] = incl;
 }
 
-// Rows 16 w.. of [Q; K] (warps 0-3: Q, 4-7: K) times K^T: P (warps 0-3) and A (warps 4-7).
-__device__ __forceinline__ void chunk_scores(ChunkShared& sh, int warp, int lane) {
+// Rows 16 w.. of [Q; K] (warps 0-3: Q, 4-7: K) times K^T: P (warps 0-3) and A (warps 4-7). Rows
+// and columns of tokens past n are zero: their products are skipped (blocks16 = ceil(n / 16)).
+__device__ __forceinline__ void chunk_scores(ChunkShared& sh, int warp, int lane, int blocks16) {
   const bool is_q = warp < 4;
   const int t0 = 16 * (warp & 3);
   const bf16* rows = is_q ? &sh.q[0][0] : &sh.k[0][0];
   float acc[8][4] = {};
 #pragma unroll
   for (int kk = 0; kk < kHeadDim; kk += 16) {
+    if (t0 / 16 >= blocks16) break;
     uint32_t a[4];
     mma::load_a(a, rows, kLdWide, t0, kk, lane);
 #pragma unroll
     for (int j = 0; j < 8; j += 2) {
+      if (j / 2 >= blocks16) break;
       uint32_t b[4];
       mma::load_b_pair(b, &sh.k[0][0], kLdWide, 8 * j, kk, lane);
       mma::mma_16bit<bf16>(acc[j], a, b[0], b[1]);
@@ -494,12 +497,13 @@ __device__ __forceinline__ int ut_index(int v, int t) {
 // rows 16 (w & 3).., columns 64 (w / 4)..), staged in shared memory (W over v, dead once U^T is
 // done) and then stored 16 bytes at a time.
 __device__ __forceinline__ void store_writes(ChunkShared& sh, ChunkTiles& out, int warp, int lane,
-                                             int tid) {
+                                             int tid, int blocks16) {
   bf16* ut = ut_staging(sh);
   {
     float acc[8][4] = {};
 #pragma unroll
     for (int kk = 0; kk < kChunk; kk += 16) {
+      if (kk / 16 >= blocks16) break;  // v rows and inverse columns past n are zero
       uint32_t a[4];
       mma::load_a_transposed(a, &sh.v[0][0], kLdWide, 16 * warp, kk, lane);
 #pragma unroll
@@ -524,6 +528,7 @@ __device__ __forceinline__ void store_writes(ChunkShared& sh, ChunkTiles& out, i
     float acc[8][4] = {};
 #pragma unroll
     for (int kk = 0; kk < kChunk; kk += 16) {
+      if (kk / 16 >= blocks16 || t0 / 16 >= blocks16) break;  // zero rows and columns past n
       uint32_t a[4];
       mma::load_a(a, &sh.u.inv.times_beta_gamma[0][0], kLdNarrow, t0, kk, lane);
 #pragma unroll
@@ -597,12 +602,13 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_kernel(const Kernel
   __syncthreads();
   if (warp == 0) cumulative_decay(sh, lane);
   __syncthreads();
-  chunk_scores(sh, warp, lane);
+  const int blocks16 = (n + 15) / 16;
+  chunk_scores(sh, warp, lane, blocks16);
   __syncthreads();
   invert_triangle(sh, tid);
   __syncthreads();
   ChunkTiles& out = ws.tiles[slot * args.HV + hv];
-  store_writes(sh, out, warp, lane, tid);
+  store_writes(sh, out, warp, lane, tid, blocks16);
   store_decayed(sh, out, tid);
   if (tid == 0) ws.gamma_end[slot * args.HV + hv] = expf(sh.cum[kChunk - 1]);
 }
@@ -685,16 +691,26 @@ __device__ __forceinline__ void load_state(const KernelArgs& args, int64_t slot,
   });
 }
 
-// Starts copying chunk slot `slot`'s tiles (laid out as in shared memory: one flat run of 16-byte
-// pieces) and the z rows of its n tokens into `b`, as one cp.async group of this thread.
+// Starts copying chunk slot `slot`'s tiles and the z rows of its n tokens into `b`, as one
+// cp.async group of this thread. Token rows past n are zero in the workspace; only the first
+// ceil(n / 16) blocks of 16 token rows are copied, as the products read no others.
 template <class Act>
 __device__ __forceinline__ void start_chunk_copy(const KernelArgs& args, const Workspace& ws,
                                                  int64_t slot, int64_t hv, int64_t first_row,
                                                  int n, StateBuffer<Act>& b, int tid) {
-  const uint4* src = reinterpret_cast<const uint4*>(&ws.tiles[slot * args.HV + hv]);
-  uint4* dst = reinterpret_cast<uint4*>(static_cast<ChunkTiles*>(&b));
-  constexpr int kPieces = int(sizeof(ChunkTiles)) / 16;
-  for (int e = tid; e < kPieces; e += kThreads) mma::cp_async_16(dst + e, src + e);
+  const ChunkTiles& src = ws.tiles[slot * args.HV + hv];
+  const int rows = 16 * ((n + 15) / 16);
+  // A prefix of `count` 16-byte pieces of a tile.
+  const auto copy = [tid](void* to, const void* from, int count) {
+    for (int e = tid; e < count; e += kThreads)
+      mma::cp_async_16(static_cast<uint4*>(to) + e, static_cast<const uint4*>(from) + e);
+  };
+  constexpr int kWideRow = kLdWide * 2 / 16, kNarrowRow = kLdNarrow * 2 / 16;
+  copy(&b.w[0][0], &src.w[0][0], rows * kWideRow);
+  copy(&b.q[0][0], &src.q[0][0], rows * kWideRow);
+  copy(&b.k[0][0], &src.k[0][0], rows * kWideRow);
+  copy(&b.ut[0][0], &src.ut[0][0], kHeadDim * kNarrowRow);
+  copy(&b.p[0][0], &src.p[0][0], rows * kNarrowRow);
   if (args.z) {
     const Act* z = static_cast<const Act*>(args.z) + first_row * args.z_row_stride +
                    hv * args.z_head_stride;
@@ -727,13 +743,14 @@ __device__ __forceinline__ void accumulators_as_a(const float (*d)[4], uint32_t 
 }
 
 // acc[v][t] += sum_k S[v][k] x[t][k] for the warp's 16 state rows (sa: S as A fragments) and the
-// chunk's 64 token rows of a 128-wide tile x.
+// chunk's token rows of a 128-wide tile x, in the first blocks16 blocks of 16.
 __device__ __forceinline__ void state_times_tokens(const uint32_t (&sa)[8][4], const bf16* x,
-                                                   int lane, float (&acc)[8][4]) {
+                                                   int lane, int blocks16, float (&acc)[8][4]) {
 #pragma unroll
   for (int kk = 0; kk < 8; ++kk) {
 #pragma unroll
     for (int j = 0; j < 8; j += 2) {
+      if (j / 2 >= blocks16) break;
       uint32_t b[4];
       mma::load_b_pair(b, x, kLdWide, 8 * j, 16 * kk, lane);
       mma::mma_16bit<bf16>(acc[j], sa[kk], b[0], b[1]);
@@ -752,13 +769,14 @@ __device__ __forceinline__ float gate_value(const KernelArgs& args, float z) {
 // to Act if asked) in the output tile, their partial sums of squares in sh.partial.
 template <class Act, int kStages>
 __device__ __forceinline__ void run_chunk(const KernelArgs& args, StateShared<Act, kStages>& sh,
-                                          StateBuffer<Act>& b, float gamma_end, int warp,
+                                          StateBuffer<Act>& b, float gamma_end, int n, int warp,
                                           int lane, StateTile& s) {
+  const int blocks16 = (n + 15) / 16;  // blocks of 16 token rows the chunk's n tokens reach
   const int v0 = 16 * warp;
   uint32_t sa[8][4];
   accumulators_as_a<8>(s.d, sa);
   float delta[8][4] = {};
-  state_times_tokens(sa, &b.w[0][0], lane, delta);
+  state_times_tokens(sa, &b.w[0][0], lane, blocks16, delta);
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     const int t = 8 * j + 2 * (lane % 4);
@@ -774,10 +792,11 @@ __device__ __forceinline__ void run_chunk(const KernelArgs& args, StateShared<Ac
   uint32_t da[4][4];
   accumulators_as_a<4>(delta, da);
   float o[8][4] = {};
-  state_times_tokens(sa, &b.q[0][0], lane, o);
+  state_times_tokens(sa, &b.q[0][0], lane, blocks16, o);
   // P is lower triangular: token tiles 2 m, 2 m + 1 need source blocks kk <= m only.
 #pragma unroll
   for (int m = 0; m < 4; ++m) {
+    if (m >= blocks16) break;
 #pragma unroll
     for (int kk = 0; kk <= m; ++kk) {
       uint32_t bp[4];
@@ -792,6 +811,7 @@ __device__ __forceinline__ void run_chunk(const KernelArgs& args, StateShared<Ac
     for (int e = 0; e < 4; ++e) s.d[j][e] *= gamma_end;
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
+    if (kk >= blocks16) break;
 #pragma unroll
     for (int j = 0; j < 16; j += 2) {
       uint32_t bk[4];
@@ -957,7 +977,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_state_kernel(const Kernel
     const float gamma_end = ws.gamma_end[(first_slot + c) * args.HV + hv];
     const int n = tokens(c);
     const int64_t first_row = begin + kChunk * c;
-    run_chunk(args, sh, b, gamma_end, warp, lane, state);
+    run_chunk(args, sh, b, gamma_end, n, warp, lane, state);
     __syncthreads();
     store_outputs(args, sh, b, first_row, n, hv, warp, lane);
     const int64_t done = kChunk * c + n;
