@@ -288,20 +288,10 @@ class MetadataBuilder {
     throw_if_error(builder_.initialize(c, b, ops));
   }
 
-  // Plan + (copy) + state rows; returns the host plan slot the step planned into.
-  int step(const ConstArray& query_start_loc, const ConstArray& seq_lens,
-           const OptConstArray& num_draft_tokens, const OptConstArray& num_accepted_tokens,
-           const OptConstArray& num_computed_tokens, std::optional<int64_t> padded_rows,
-           std::optional<uintptr_t> stream) {
-    const metadata::StepInputs in =
-        step_inputs(query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens,
-                    num_computed_tokens, padded_rows);
-    nb::gil_scoped_release release;
-    throw_if_error(builder_.step(in, stream_ptr(stream)));
-    return builder_.last_slot();
-  }
-
-  int prepare(const ConstArray& query_start_loc, const ConstArray& seq_lens,
+  // One step's planning through `Phase`: Builder::step (plan + copy + state rows) or
+  // Builder::prepare (the graph-replay path); returns the host plan slot it planned into.
+  template <Status (metadata::Builder::*Phase)(const metadata::StepInputs&, void*)>
+  int planned(const ConstArray& query_start_loc, const ConstArray& seq_lens,
               const OptConstArray& num_draft_tokens, const OptConstArray& num_accepted_tokens,
               const OptConstArray& num_computed_tokens, std::optional<int64_t> padded_rows,
               std::optional<uintptr_t> stream) {
@@ -309,7 +299,7 @@ class MetadataBuilder {
         step_inputs(query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens,
                     num_computed_tokens, padded_rows);
     nb::gil_scoped_release release;
-    throw_if_error(builder_.prepare(in, stream_ptr(stream)));
+    throw_if_error((builder_.*Phase)(in, stream_ptr(stream)));
     return builder_.last_slot();
   }
 
@@ -392,7 +382,8 @@ void bind_metadata(nb::module_& m) {
   m.def("metadata_header_fields", &header_fields_fn, "Names of the plan header's int32 words.");
   m.attr("metadata_max_groups") = metadata::kMaxGroups;
 
-  nb::class_<MetadataBuilder>(m, "MetadataBuilder")
+  nb::class_<MetadataBuilder> builder(m, "MetadataBuilder");
+  builder
       .def(nb::init<const std::vector<Array>&, const Array&, const Array&, const Array&,
                     const OptArray&, const std::vector<Array>&, const std::optional<Array>&,
                     const Array&, int64_t, int64_t, int64_t, const std::string&, int64_t, int64_t,
@@ -405,26 +396,22 @@ void bind_metadata(nb::module_& m) {
            nb::arg("num_spec"), nb::arg("max_rows"), nb::arg("max_tokens"), nb::arg("mode"),
            nb::arg("block_size"), nb::arg("pad_id"), nb::arg("replay"), nb::arg("pinned_staging"),
            nb::arg("shadow"))
-      .def("step", &MetadataBuilder::step, nb::arg("query_start_loc").noconvert(),
-           nb::arg("seq_lens").noconvert(), nb::arg("num_draft_tokens").noconvert().none(),
-           nb::arg("num_accepted_tokens").noconvert().none(),
-           nb::arg("num_computed_tokens").noconvert().none(), nb::arg("padded_rows").none(),
-           nb::arg("stream").none())
-      .def("prepare", &MetadataBuilder::prepare, nb::arg("query_start_loc").noconvert(),
-           nb::arg("seq_lens").noconvert(), nb::arg("num_draft_tokens").noconvert().none(),
-           nb::arg("num_accepted_tokens").noconvert().none(),
-           nb::arg("num_computed_tokens").noconvert().none(), nb::arg("padded_rows").none(),
-           nb::arg("stream").none())
       .def("launch", &MetadataBuilder::launch, nb::arg("launch_rows"),
            nb::arg("num_accepted_tokens").noconvert().none(), nb::arg("stream").none())
-      .def("check", &MetadataBuilder::check, nb::arg("query_start_loc").noconvert(),
-           nb::arg("seq_lens").noconvert(), nb::arg("num_draft_tokens").noconvert().none(),
-           nb::arg("num_accepted_tokens").noconvert().none(),
-           nb::arg("num_computed_tokens").noconvert().none(), nb::arg("padded_rows").none(),
-           nb::arg("stream").none())
       .def_prop_ro("num_slots", &MetadataBuilder::num_slots)
       .def_prop_ro("is_cuda", &MetadataBuilder::is_cuda)
       .def_prop_ro("last_errors", &MetadataBuilder::last_errors);
+  // step, prepare and check take the same step inputs, named alike.
+  const auto def_step_call = [&builder](const char* name, auto method) {
+    builder.def(name, method, nb::arg("query_start_loc").noconvert(),
+                nb::arg("seq_lens").noconvert(), nb::arg("num_draft_tokens").noconvert().none(),
+                nb::arg("num_accepted_tokens").noconvert().none(),
+                nb::arg("num_computed_tokens").noconvert().none(), nb::arg("padded_rows").none(),
+                nb::arg("stream").none());
+  };
+  def_step_call("step", &MetadataBuilder::planned<&metadata::Builder::step>);
+  def_step_call("prepare", &MetadataBuilder::planned<&metadata::Builder::prepare>);
+  def_step_call("check", &MetadataBuilder::check);
 }
 
 }  // namespace gdn::python
