@@ -470,9 +470,7 @@ class DecodePath:
                 cu_seqlens,
                 mixed_qkv,
                 num_accepted_tokens=conv_accepted,
-                state_layout=self.cache.conv_layout,
-                first_valid_slot=NULL_BLOCK + 1,
-                error_count=self.error_count,
+                **self._conv_options(),
             )
         if replay_counts is not None:
             assert self.cache.windows is not None, "replay counts need a replay cache"
@@ -660,12 +658,15 @@ class DecodePath:
                 final,
                 cu_seqlens,
                 mixed_qkv,
-                state_layout=self.cache.conv_layout,
-                first_valid_slot=NULL_BLOCK + 1,
-                error_count=self.error_count,
+                **self._conv_options(),
             )
         with self._region(timer, None, "prefill"):
             gdn.prefill(*ssm_inputs, ssm_initial, final, cu_seqlens, out, **ssm_options)
+
+    def _conv_options(self) -> Dict[str, Any]:
+        """The keyword arguments every conv call of the model takes: the cache's conv state
+        layout, the null slot and the error count."""
+        return dict(state_layout=self.cache.conv_layout, first_valid_slot=NULL_BLOCK + 1, error_count=self.error_count)
 
     def _layer_inputs(self, li: int, layer, proj: torch.Tensor) -> Tuple[torch.Tensor, LayerInputs, Dict[str, Any]]:
         """GDN layer `li`'s inputs from its in_proj output rows `proj` (views, in the column order
