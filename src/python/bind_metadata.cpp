@@ -66,9 +66,11 @@ Params base_params(int64_t num_spec, int64_t max_rows, int64_t max_tokens, const
   return p;
 }
 
-void set_step_inputs(Params& p, const Array& query_start_loc, const Array& seq_lens,
-                     const OptArray& num_draft_tokens, const OptArray& num_accepted_tokens,
-                     const OptArray& num_computed_tokens, std::optional<int64_t> padded_rows) {
+// The step inputs' views into `p` (Params, or the builder's StepInputs: they name them alike).
+template <class P, class In, class OptIn>
+void set_step_inputs(P& p, const In& query_start_loc, const In& seq_lens,
+                     const OptIn& num_draft_tokens, const OptIn& num_accepted_tokens,
+                     const OptIn& num_computed_tokens, std::optional<int64_t> padded_rows) {
   p.query_start_loc = view_of(query_start_loc, "query_start_loc");
   p.seq_lens = view_of(seq_lens, "seq_lens");
   p.num_draft_tokens = view_of(num_draft_tokens, "num_draft_tokens");
@@ -208,23 +210,6 @@ std::vector<std::string> header_fields_fn() {
 
 // ---- MetadataBuilder: metadata::Builder over arrays the Python Builder owns ------------------
 
-// Converts the arrays of one step; nothing else happens here. The builder only reads them, so
-// read-only arrays are accepted.
-metadata::StepInputs step_inputs(const ConstArray& query_start_loc, const ConstArray& seq_lens,
-                                 const OptConstArray& num_draft_tokens,
-                                 const OptConstArray& num_accepted_tokens,
-                                 const OptConstArray& num_computed_tokens,
-                                 std::optional<int64_t> padded_rows) {
-  metadata::StepInputs in;
-  in.query_start_loc = view_of(query_start_loc, "query_start_loc");
-  in.seq_lens = view_of(seq_lens, "seq_lens");
-  in.num_draft_tokens = view_of(num_draft_tokens, "num_draft_tokens");
-  in.num_accepted_tokens = view_of(num_accepted_tokens, "num_accepted_tokens");
-  in.num_computed_tokens = view_of(num_computed_tokens, "num_computed_tokens");
-  in.padded_rows = padded_rows.value_or(-1);
-  return in;
-}
-
 class MetadataBuilder {
  public:
   MetadataBuilder(const std::vector<Array>& block_tables, const Array& spec_state_indices,
@@ -288,19 +273,34 @@ class MetadataBuilder {
     throw_if_error(builder_.initialize(c, b, ops));
   }
 
-  // One step's planning through `Phase`: Builder::step (plan + copy + state rows) or
-  // Builder::prepare (the graph-replay path); returns the host plan slot it planned into.
-  template <Status (metadata::Builder::*Phase)(const metadata::StepInputs&, void*)>
-  int planned(const ConstArray& query_start_loc, const ConstArray& seq_lens,
-              const OptConstArray& num_draft_tokens, const OptConstArray& num_accepted_tokens,
-              const OptConstArray& num_computed_tokens, std::optional<int64_t> padded_rows,
-              std::optional<uintptr_t> stream) {
-    const metadata::StepInputs in =
-        step_inputs(query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens,
+  // A call on one step's inputs (step, prepare, check): converts them, then runs `Phase` on the
+  // builder without the GIL.
+  template <auto Phase>
+  auto step_call(const ConstArray& query_start_loc, const ConstArray& seq_lens,
+                 const OptConstArray& num_draft_tokens, const OptConstArray& num_accepted_tokens,
+                 const OptConstArray& num_computed_tokens, std::optional<int64_t> padded_rows,
+                 std::optional<uintptr_t> stream) {
+    // The builder only reads the inputs, so read-only arrays are accepted.
+    metadata::StepInputs in;
+    set_step_inputs(in, query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens,
                     num_computed_tokens, padded_rows);
     nb::gil_scoped_release release;
-    throw_if_error((builder_.*Phase)(in, stream_ptr(stream)));
-    return builder_.last_slot();
+    return Phase(builder_, in, stream_ptr(stream));
+  }
+
+  // step_call's phases. Builder::step (plan + copy + state rows) and Builder::prepare (the
+  // graph-replay path) return the host plan slot they planned into.
+  template <Status (metadata::Builder::*Plan)(const metadata::StepInputs&, void*)>
+  static int planned(metadata::Builder& b, const metadata::StepInputs& in, void* stream) {
+    throw_if_error((b.*Plan)(in, stream));
+    return b.last_slot();
+  }
+
+  // The shadow check of the buffers against `step`'s inputs: "" or the first mismatch.
+  static std::string checked(metadata::Builder& b, const metadata::StepInputs& in, void* stream) {
+    metadata::ShadowReport report;
+    throw_if_error(b.check(in, stream, &report));
+    return report.message;
   }
 
   // Returns the CPU pass's error count (None on CUDA).
@@ -311,20 +311,6 @@ class MetadataBuilder {
     throw_if_error(builder_.launch(launch_rows, acc, stream_ptr(stream)));
     if (builder_.is_cuda()) return std::nullopt;
     return builder_.last_errors();
-  }
-
-  // The shadow check of the buffers against `step`'s inputs: "" or the first mismatch.
-  std::string check(const ConstArray& query_start_loc, const ConstArray& seq_lens,
-                    const OptConstArray& num_draft_tokens, const OptConstArray& num_accepted_tokens,
-                    const OptConstArray& num_computed_tokens, std::optional<int64_t> padded_rows,
-                    std::optional<uintptr_t> stream) {
-    const metadata::StepInputs in =
-        step_inputs(query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens,
-                    num_computed_tokens, padded_rows);
-    nb::gil_scoped_release release;
-    metadata::ShadowReport report;
-    throw_if_error(builder_.check(in, stream_ptr(stream), &report));
-    return report.message;
   }
 
   int64_t num_slots() const { return builder_.buffers().num_host_plans; }
@@ -409,9 +395,10 @@ void bind_metadata(nb::module_& m) {
                 nb::arg("num_computed_tokens").noconvert().none(), nb::arg("padded_rows").none(),
                 nb::arg("stream").none());
   };
-  def_step_call("step", &MetadataBuilder::planned<&metadata::Builder::step>);
-  def_step_call("prepare", &MetadataBuilder::planned<&metadata::Builder::prepare>);
-  def_step_call("check", &MetadataBuilder::check);
+  using B = MetadataBuilder;
+  def_step_call("step", &B::step_call<&B::planned<&metadata::Builder::step>>);
+  def_step_call("prepare", &B::step_call<&B::planned<&metadata::Builder::prepare>>);
+  def_step_call("check", &B::step_call<&B::checked>);
 }
 
 }  // namespace gdn::python
