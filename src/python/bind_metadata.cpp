@@ -110,6 +110,20 @@ std::optional<int64_t> run_state_rows(const Params& p, void* stream) {
   return std::nullopt;
 }
 
+// The plan buffer, block tables and state-row arrays: what a state-rows pass writes and a shadow
+// check compares.
+void set_state_row_arrays(Params& p, const Array& plan, const std::vector<Array>& block_tables,
+                          const Array& spec_state_indices, const Array& non_spec_state_indices,
+                          const OptArray& non_spec_source_indices,
+                          const OptArray& checkpoint_indices) {
+  p.plan = view_of(plan, "plan");
+  set_tables(p, block_tables);
+  p.spec_state_indices = view_of(spec_state_indices, "spec_state_indices");
+  p.non_spec_state_indices = view_of(non_spec_state_indices, "non_spec_state_indices");
+  p.non_spec_source_indices = view_of(non_spec_source_indices, "non_spec_source_indices");
+  p.checkpoint_indices = view_of(checkpoint_indices, "checkpoint_indices");
+}
+
 // ---- free functions -----------------------------------------------------------------------------
 
 void plan_fn(const Array& plan, const Array& query_start_loc, const Array& seq_lens,
@@ -132,12 +146,8 @@ std::optional<int64_t> state_rows_fn(
     const OptArray& error_count, const OptArray& non_spec_source_indices, bool replay,
     const OptArray& checkpoint_indices, std::optional<uintptr_t> stream) {
   Params p = base_params(num_spec, max_rows, max_tokens, "none", 0, pad_id, replay);
-  p.plan = view_of(plan, "plan");
-  set_tables(p, block_tables);
-  p.spec_state_indices = view_of(spec_state_indices, "spec_state_indices");
-  p.non_spec_state_indices = view_of(non_spec_state_indices, "non_spec_state_indices");
-  p.non_spec_source_indices = view_of(non_spec_source_indices, "non_spec_source_indices");
-  p.checkpoint_indices = view_of(checkpoint_indices, "checkpoint_indices");
+  set_state_row_arrays(p, plan, block_tables, spec_state_indices, non_spec_state_indices,
+                       non_spec_source_indices, checkpoint_indices);
   p.num_accepted_tokens = view_of(num_accepted_tokens, "num_accepted_tokens");
   p.error_count = view_of(error_count, "error_count");
   p.launch_rows = launch_rows;
@@ -155,12 +165,8 @@ std::string shadow_check_fn(const Array& plan, const std::vector<Array>& block_t
                             const OptArray& non_spec_source_indices, bool replay,
                             const OptArray& checkpoint_indices) {
   Params p = base_params(num_spec, max_rows, max_tokens, mode, block_size, pad_id, replay);
-  p.plan = view_of(plan, "plan");
-  set_tables(p, block_tables);
-  p.spec_state_indices = view_of(spec_state_indices, "spec_state_indices");
-  p.non_spec_state_indices = view_of(non_spec_state_indices, "non_spec_state_indices");
-  p.non_spec_source_indices = view_of(non_spec_source_indices, "non_spec_source_indices");
-  p.checkpoint_indices = view_of(checkpoint_indices, "checkpoint_indices");
+  set_state_row_arrays(p, plan, block_tables, spec_state_indices, non_spec_state_indices,
+                       non_spec_source_indices, checkpoint_indices);
   set_step_inputs(p, query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens,
                   num_computed_tokens, padded_rows);
   nb::gil_scoped_release release;
