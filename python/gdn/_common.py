@@ -1,6 +1,6 @@
 """Helpers shared by the operation modules: the argument kinds each function's signature declares,
-the launch stream, argument errors that name the argument, and the routing that lets
-torch.compile trace the functions."""
+the launch stream, argument errors that name the argument, the call into the binding, and the
+routing that lets torch.compile trace the functions."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from . import _C
 #
 # Each operation's Python function is the one definition of its arguments: names, order, the
 # keyword-only split, defaults, and in the annotations what each array argument is. From it come
-# the kinds its binding converts (`argument_kinds`, for `raise_argument_error`), the torch op's
-# schema (gdn.ops) and the docstring check (tests/py/test_torch_op.py).
+# the kinds its binding converts (`argument_kinds`, for `raise_argument_error`), its call into the
+# binding (`calls_binding`), the torch op's schema (gdn.ops) and the docstring check
+# (tests/py/test_torch_op.py).
 
 #: An array the call only reads (the binding accepts read-only arrays).
 Input = typing.Annotated[Any, "input"]
