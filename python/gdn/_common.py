@@ -1,6 +1,6 @@
 """Helpers shared by the operation modules: the argument kinds each function's signature declares,
-the launch stream, argument errors that name the argument, and the routing that lets
-torch.compile trace the functions."""
+the launch stream, argument errors that name the argument, the call into the binding, and the
+routing that lets torch.compile trace the functions."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from . import _C
 #
 # Each operation's Python function is the one definition of its arguments: names, order, the
 # keyword-only split, defaults, and in the annotations what each array argument is. From it come
-# the kinds its binding converts (`argument_kinds`, for `raise_argument_error`), the torch op's
-# schema (gdn.ops) and the docstring check (tests/py/test_torch_op.py).
+# the kinds its binding converts (`argument_kinds`, for `raise_argument_error`), its call into the
+# binding (`calls_binding`), the torch op's schema (gdn.ops) and the docstring check
+# (tests/py/test_torch_op.py).
 
 #: An array the call only reads (the binding accepts read-only arrays).
 Input = typing.Annotated[Any, "input"]
@@ -199,6 +200,98 @@ def raise_argument_error(function: str, kinds: Mapping[str, str], values: Dict[s
             bad, got, hint = name, value, _hint(value, base)
             expected = _EXPECTED[base] + (" or None" if kind.endswith("?") else "")
         raise TypeError(f"gdn.{function}: {bad} must be {expected}, got {describe(got)}{hint}") from None
+
+
+# ---- the call into the binding ------------------------------------------------------------------
+#
+# An operation's function only declares its signature and docstring; `calls_binding` writes its
+# body: pass every argument to the binding in signature order, and turn the binding's TypeError
+# into one that names the argument. The body is generated source (as dataclasses does), so a call
+# costs what the hand-written call would: arguments pass positionally, without a name match each.
+
+
+def _refuse_one_array(function: str, name: str, value: Any) -> None:
+    """Refuses one array where a list of arrays (one per KV-cache group) is expected: converted as
+    a list, its rows would pass for the groups' tables."""
+    if hasattr(value, "shape"):
+        raise TypeError(
+            f"gdn.{function}: {name} must be a list of arrays (one per KV-cache group), got one "
+            f"array of shape {tuple(value.shape)}; pass [table]"
+        )
+
+
+def calls_binding(
+    binding: str,
+    *,
+    name: Optional[str] = None,
+    stream_of: Optional[str] = None,
+    binding_finds_stream: bool = True,
+    keywords: bool = False,
+    refuse_one_array: bool = False,
+) -> Callable[[_F], _F]:
+    """Decorates an operation's function (signature and docstring only) with a body that calls
+    ``_C.<binding>`` with its arguments, in signature order, and returns what it returns.
+
+    - ``name``: the function as errors name it (default the function's name), e.g.
+      ``"metadata.plan"``.
+    - ``stream_of``: for a function with a ``stream`` argument, the array whose framework gives
+      the default CUDA stream. With ``binding_finds_stream`` None passes as None (the binding
+      asks the array's framework, in C for torch tensors); otherwise it is resolved here
+      (:func:`_stream_of`).
+    - ``keywords``: keyword-only arguments pass by name (for a binding that takes them as
+      keywords only); else every argument passes positionally.
+
+    A list-of-arrays argument (:data:`Buffers`) passes as a list; with ``refuse_one_array`` one
+    array in its place is refused first (:func:`_refuse_one_array`)."""
+
+    def decorate(function: _F) -> _F:
+        label = name or function.__name__
+        kinds = argument_kinds(function)
+        params = list(inspect.signature(function).parameters.values())
+        if any(p.name == "stream" for p in params) != (stream_of is not None):
+            raise TypeError(f"calls_binding: {label} takes a stream exactly when stream_of names its array")
+        declared, checks, passed, star = [], [], [], False
+        for p in params:
+            if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+                raise TypeError(f"calls_binding: {label} takes *args or **kwargs")
+            if p.kind is p.KEYWORD_ONLY and not star:
+                declared.append("*")
+                star = True
+            declared.append(p.name)
+            if p.name == "stream":
+                value = f"_stream_of({stream_of}, stream)"
+                value = f"None if stream is None else {value}" if binding_finds_stream else value
+            elif kinds[p.name] == "arrays":
+                if refuse_one_array:
+                    checks.append(f"    _refuse_one_array(_label, {p.name!r}, {p.name})\n")
+                value = f"list({p.name})"
+            else:
+                value = p.name
+            passed.append(f"{p.name}={value}" if keywords and p.kind is p.KEYWORD_ONLY else value)
+        source = (
+            f"def {function.__name__}({', '.join(declared)}):\n"
+            + "".join(checks)
+            + "    try:\n"
+            + f"        return _binding({', '.join(passed)})\n"
+            + "    except TypeError:\n"
+            + "        raise_argument_error(_label, _kinds, locals())\n"
+            + "        raise\n"
+        )
+        namespace: Dict[str, Any] = {
+            "_binding": getattr(_C, binding),
+            "_label": label,
+            "_kinds": kinds,
+            "_refuse_one_array": _refuse_one_array,
+            "_stream_of": _stream_of,
+            "raise_argument_error": raise_argument_error,
+        }
+        exec(compile(source, f"<gdn.{label} calls _C.{binding}>", "exec"), namespace)
+        call = namespace[function.__name__]
+        call.__defaults__ = function.__defaults__
+        call.__kwdefaults__ = function.__kwdefaults__
+        return cast(_F, functools.update_wrapper(call, function))
+
+    return decorate
 
 
 # ---- torch.compile ------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -42,6 +42,9 @@ import torch
 import gdn
 
 NULL_BLOCK = 0  # block 0 of every pool is the null block (vLLM convention): first_valid_slot = 1
+
+#: A GDN layer's leading recurrence arguments: mixed_qkv, a, b, A_log, dt_bias and its state pool.
+LayerInputs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -456,12 +459,7 @@ class DecodePath:
         (conv state in each row's column-0 block), then decode_mtp over `state_indices` or, with
         `replay_counts`, replay verify with the column-0 block as the checkpoint; core output to
         `out`."""
-        cfg = self.model.cfg
-        D, HVV = cfg.conv_dim, cfg.HV * cfg.V
-        mixed_qkv = proj[:, :D]
-        z = proj[:, D : D + HVV].unflatten(1, (cfg.HV, cfg.V))
-        b = proj[:, D + HVV : D + HVV + cfg.HV]
-        a = proj[:, D + HVV + cfg.HV :]
+        mixed_qkv, ssm_inputs, ssm_options = self._layer_inputs(li, layer, proj)
         with self._region(timer, event_log, "conv"):
             # In place: the post-conv activations overwrite the raw q|k|v columns.
             gdn.causal_conv1d_update(
@@ -472,47 +470,34 @@ class DecodePath:
                 cu_seqlens,
                 mixed_qkv,
                 num_accepted_tokens=conv_accepted,
-                state_layout=self.cache.conv_layout,
-                first_valid_slot=NULL_BLOCK + 1,
-                error_count=self.error_count,
+                **self._conv_options(),
             )
         if replay_counts is not None:
             assert self.cache.windows is not None, "replay counts need a replay cache"
             with self._region(timer, event_log, "replay"):
+                window = self.cache.windows[li]
                 gdn.decode_mtp_replay(
-                    mixed_qkv,
-                    a,
-                    b,
-                    layer["A_log"],
-                    layer["dt_bias"],
-                    self.cache.ssm[li],
+                    *ssm_inputs,
                     column0,
                     cu_seqlens,
                     out,
-                    **self.cache.windows[li].arrays(),
+                    window_k=window.k,
+                    window_v=window.v,
+                    window_a=window.a,
+                    window_b=window.b,
+                    window_len=window.len,
                     num_accepted_tokens=replay_counts,
-                    z=z,
-                    norm_weight=layer["gnorm"],
-                    first_valid_slot=NULL_BLOCK + 1,
-                    error_count=self.error_count,
+                    **ssm_options,
                 )
         else:
             with self._region(timer, event_log, "decode_mtp"):
                 gdn.decode_mtp(
-                    mixed_qkv,
-                    a,
-                    b,
-                    layer["A_log"],
-                    layer["dt_bias"],
-                    self.cache.ssm[li],
+                    *ssm_inputs,
                     state_indices,
                     cu_seqlens,
                     out,
-                    z=z,
-                    norm_weight=layer["gnorm"],
                     num_accepted_tokens=decode_accepted,
-                    first_valid_slot=NULL_BLOCK + 1,
-                    error_count=self.error_count,
+                    **ssm_options,
                 )
 
     def forward_mixed(self, rows: int, md, replay_counts, timer: Timer) -> None:
@@ -663,12 +648,7 @@ class DecodePath:
         inputs to `final`, where the next causal_conv1d_update reads them), then one gdn.prefill
         call from the states in `ssm_initial` (null: a zero state) to `final`; core output to
         `out`."""
-        cfg = self.model.cfg
-        D, HVV = cfg.conv_dim, cfg.HV * cfg.V
-        mixed_qkv = proj[:, :D]
-        z = proj[:, D : D + HVV].unflatten(1, (cfg.HV, cfg.V))
-        b = proj[:, D + HVV : D + HVV + cfg.HV]
-        a = proj[:, D + HVV + cfg.HV :]
+        mixed_qkv, ssm_inputs, ssm_options = self._layer_inputs(li, layer, proj)
         with self._region(timer, None, "conv"):
             gdn.causal_conv1d_prefill(
                 mixed_qkv,
@@ -678,27 +658,32 @@ class DecodePath:
                 final,
                 cu_seqlens,
                 mixed_qkv,
-                state_layout=self.cache.conv_layout,
-                first_valid_slot=NULL_BLOCK + 1,
-                error_count=self.error_count,
+                **self._conv_options(),
             )
         with self._region(timer, None, "prefill"):
-            gdn.prefill(
-                mixed_qkv,
-                a,
-                b,
-                layer["A_log"],
-                layer["dt_bias"],
-                self.cache.ssm[li],
-                ssm_initial,
-                final,
-                cu_seqlens,
-                out,
-                z=z,
-                norm_weight=layer["gnorm"],
-                first_valid_slot=NULL_BLOCK + 1,
-                error_count=self.error_count,
-            )
+            gdn.prefill(*ssm_inputs, ssm_initial, final, cu_seqlens, out, **ssm_options)
+
+    def _conv_options(self) -> Dict[str, Any]:
+        """The keyword arguments every conv call of the model takes: the cache's conv state
+        layout, the null slot and the error count."""
+        return dict(state_layout=self.cache.conv_layout, first_valid_slot=NULL_BLOCK + 1, error_count=self.error_count)
+
+    def _layer_inputs(self, li: int, layer, proj: torch.Tensor) -> Tuple[torch.Tensor, LayerInputs, Dict[str, Any]]:
+        """GDN layer `li`'s inputs from its in_proj output rows `proj` (views, in the column order
+        in_proj writes them): mixed_qkv [L, conv_dim], the recurrence's leading arguments
+        (mixed_qkv, a, b, A_log, dt_bias, the layer's state pool) and the keyword arguments every
+        recurrence call of the layer takes (z, the norm weight, the null slot, the error count)."""
+        cfg = self.model.cfg
+        D, HVV = cfg.conv_dim, cfg.HV * cfg.V
+        mixed_qkv = proj[:, :D]
+        z = proj[:, D : D + HVV].unflatten(1, (cfg.HV, cfg.V))
+        b = proj[:, D + HVV : D + HVV + cfg.HV]
+        a = proj[:, D + HVV + cfg.HV :]
+        inputs = (mixed_qkv, a, b, layer["A_log"], layer["dt_bias"], self.cache.ssm[li])
+        options: Dict[str, Any] = dict(
+            z=z, norm_weight=layer["gnorm"], first_valid_slot=NULL_BLOCK + 1, error_count=self.error_count
+        )
+        return mixed_qkv, inputs, options
 
     @staticmethod
     @contextmanager

@@ -12,8 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import _C
-from ._common import Buffer, Output, _stream_of, argument_kinds, raise_argument_error, traced_as_torch_op
+from ._common import Buffer, Output, calls_binding, traced_as_torch_op
 
 __all__ = [
     "causal_conv1d_prefill",
@@ -24,6 +23,7 @@ __all__ = [
 
 
 @traced_as_torch_op
+@calls_binding("causal_conv1d_update", stream_of="conv_state")
 def causal_conv1d_update(
     x: Buffer,
     weight: Buffer,
@@ -82,29 +82,6 @@ def causal_conv1d_update(
     ``torch.ops.gdn.causal_conv1d_update`` is the same call as a torch op (all but ``stream``;
     there ``out`` must not be ``x``).
     """
-    # Positional, and stream=None for the binding to find, as in decode_mtp.
-    try:
-        _C.causal_conv1d_update(
-            x,
-            weight,
-            conv_state,
-            conv_state_indices,
-            cu_seqlens,
-            out,
-            num_accepted_tokens,
-            activation,
-            state_layout,
-            first_valid_slot,
-            error_count,
-            None if stream is None else _stream_of(conv_state, stream),
-        )
-    except TypeError:
-        raise_argument_error("causal_conv1d_update", _KINDS, locals())
-        raise
-
-
-# How the binding converts each argument (see _common.raise_argument_error).
-_KINDS = argument_kinds(causal_conv1d_update)
 
 
 def causal_conv1d_update_reference(
@@ -161,6 +138,7 @@ def causal_conv1d_update_reference(
 
 
 @traced_as_torch_op
+@calls_binding("causal_conv1d_prefill", stream_of="conv_state")
 def causal_conv1d_prefill(
     x: Buffer,
     weight: Buffer,
@@ -235,27 +213,6 @@ def causal_conv1d_prefill(
     too, against the CUDA update. ``torch.ops.gdn.causal_conv1d_prefill`` is the same call as a
     torch op (all but ``stream``; there ``out`` must not be ``x``).
     """
-    try:
-        _C.causal_conv1d_prefill(
-            x,
-            weight,
-            conv_state,
-            initial_state_indices,
-            final_state_indices,
-            cu_seqlens,
-            out,
-            activation,
-            state_layout,
-            first_valid_slot,
-            error_count,
-            None if stream is None else _stream_of(conv_state, stream),
-        )
-    except TypeError:
-        raise_argument_error("causal_conv1d_prefill", _PREFILL_KINDS, locals())
-        raise
-
-
-_PREFILL_KINDS = argument_kinds(causal_conv1d_prefill)
 
 
 def causal_conv1d_prefill_reference(

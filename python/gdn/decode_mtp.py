@@ -15,12 +15,13 @@ from typing import Any, Optional, Tuple, Union
 import numpy as np
 
 from . import _C
-from ._common import Input, Output, _stream_of, argument_kinds, raise_argument_error, traced_as_torch_op
+from ._common import Input, Output, calls_binding, traced_as_torch_op
 
 __all__ = ["can_use_decode_mtp", "decode_mtp", "decode_mtp_reference"]
 
 
 @traced_as_torch_op
+@calls_binding("decode_mtp", stream_of="state")
 def decode_mtp(
     mixed_qkv: Input,
     a: Input,
@@ -138,43 +139,6 @@ def decode_mtp(
     :func:`can_use_decode_mtp` says whether a configuration takes the fast, generic or no path;
     ``torch.ops.gdn.decode_mtp`` is the same call as a torch custom op (all but ``stream``).
     """
-    # Positional (keywords cost nanobind a name match each); stream=None lets the binding ask the
-    # state's framework for its current stream (in C for torch tensors).
-    try:
-        _C.decode_mtp(
-            mixed_qkv,
-            a,
-            b,
-            A_log,
-            dt_bias,
-            state,
-            state_indices,
-            cu_seqlens,
-            out,
-            z,
-            norm_weight,
-            num_accepted_tokens,
-            scale,
-            l2_eps,
-            norm_eps,
-            gate,
-            state_layout,
-            first_valid_slot,
-            num_k_heads,
-            round_core_output,
-            a_is_log_decay,
-            b_is_beta,
-            qk_l2_norm,
-            error_count,
-            None if stream is None else _stream_of(state, stream),
-        )
-    except TypeError:
-        raise_argument_error("decode_mtp", _KINDS, locals())
-        raise
-
-
-# How the binding converts each argument (see _common.raise_argument_error).
-_KINDS = argument_kinds(decode_mtp)
 
 
 # ---- the guard ----------------------------------------------------------------------------------

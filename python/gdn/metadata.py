@@ -52,7 +52,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _C
-from ._common import Buffer, Buffers, Input, Output, _stream_of, argument_kinds, raise_argument_error
+from ._common import Buffer, Buffers, Input, Output, _stream_of, argument_kinds, calls_binding, raise_argument_error
 
 __all__ = [
     "HEADER_FIELDS",
@@ -86,6 +86,7 @@ def plan_words(max_rows: int, max_tokens: int) -> int:
     return int(_C.metadata_layout(max_rows, max_tokens)["total_words"])
 
 
+@calls_binding("metadata_plan", name="metadata.plan", keywords=True)
 def plan(
     plan: Output,
     query_start_loc: Buffer,
@@ -136,32 +137,16 @@ def plan(
     Invalid input raises ``ValueError`` naming the argument and row, a value the binding cannot
     take raises ``TypeError`` naming the argument; in both cases nothing is written.
     """
-    try:
-        _C.metadata_plan(
-            plan,
-            query_start_loc,
-            seq_lens,
-            num_draft_tokens=num_draft_tokens,
-            num_accepted_tokens=num_accepted_tokens,
-            num_computed_tokens=num_computed_tokens,
-            num_spec=num_spec,
-            max_rows=max_rows,
-            max_tokens=max_tokens,
-            mode=mode,
-            block_size=block_size,
-            padded_rows=padded_rows,
-            pad_id=pad_id,
-            replay=replay,
-        )
-    except TypeError:
-        raise_argument_error("metadata.plan", _PLAN_KINDS, locals())
-        raise
 
 
-# How the binding converts each argument (see _common.raise_argument_error).
-_PLAN_KINDS = argument_kinds(plan)
-
-
+@calls_binding(
+    "metadata_state_rows",
+    name="metadata.state_rows",
+    stream_of="plan",
+    binding_finds_stream=False,
+    keywords=True,
+    refuse_one_array=True,
+)
 def state_rows(
     plan: Output,
     block_tables: Buffers,
@@ -213,39 +198,9 @@ def state_rows(
     counts from the device plan buffer) and returns None; on the CPU it returns the number of
     rows padded because their columns fall outside their table.
     """
-    if hasattr(block_tables, "shape"):  # one array where a list of them is expected
-        raise TypeError(
-            f"gdn.metadata.state_rows: block_tables must be a list of arrays (one "
-            f"per KV-cache group), got one array of shape "
-            f"{tuple(block_tables.shape)}; pass [table]"
-        )
-    try:
-        return _C.metadata_state_rows(
-            plan,
-            list(block_tables),
-            spec_state_indices,
-            non_spec_state_indices,
-            num_spec=num_spec,
-            max_rows=max_rows,
-            max_tokens=max_tokens,
-            pad_id=pad_id,
-            launch_rows=launch_rows,
-            num_accepted_tokens=num_accepted_tokens,
-            error_count=error_count,
-            non_spec_source_indices=non_spec_source_indices,
-            replay=replay,
-            checkpoint_indices=checkpoint_indices,
-            stream=_stream_of(plan, stream),
-        )
-    except TypeError:
-        raise_argument_error("metadata.state_rows", _STATE_ROWS_KINDS, locals())
-        raise
 
 
-# How the binding converts each argument (see _common.raise_argument_error).
-_STATE_ROWS_KINDS = argument_kinds(state_rows)
-
-
+@calls_binding("metadata_shadow_check", name="metadata.shadow_check", keywords=True)
 def shadow_check(
     plan: Buffer,
     block_tables: Buffers,
@@ -277,35 +232,7 @@ def shadow_check(
     to :func:`plan`), exactly, on the rows the step writes. Returns ``""`` when they agree, else
     a message naming the group, field, row and both values. Rows outside the written range are
     never read."""
-    try:
-        return _C.metadata_shadow_check(
-            plan,
-            list(block_tables),
-            spec_state_indices,
-            non_spec_state_indices,
-            query_start_loc,
-            seq_lens,
-            num_draft_tokens=num_draft_tokens,
-            num_accepted_tokens=num_accepted_tokens,
-            num_computed_tokens=num_computed_tokens,
-            num_spec=num_spec,
-            max_rows=max_rows,
-            max_tokens=max_tokens,
-            mode=mode,
-            block_size=block_size,
-            padded_rows=padded_rows,
-            pad_id=pad_id,
-            non_spec_source_indices=non_spec_source_indices,
-            replay=replay,
-            checkpoint_indices=checkpoint_indices,
-        )
-    except TypeError:
-        raise_argument_error("metadata.shadow_check", _SHADOW_KINDS, locals())
-        raise
-
-
-# How the binding converts each argument (see _common.raise_argument_error).
-_SHADOW_KINDS = argument_kinds(shadow_check)
+    raise NotImplementedError  # calls_binding gives it its body
 
 
 def step_reference(

@@ -10,14 +10,14 @@ from typing import Optional
 
 import numpy as np
 
-from . import _C
-from ._common import Input, Output, _stream_of, argument_kinds, raise_argument_error, traced_as_torch_op
+from ._common import Input, Output, calls_binding, traced_as_torch_op
 from .decode_mtp import decode_mtp_reference
 
 __all__ = ["prefill", "prefill_reference"]
 
 
 @traced_as_torch_op
+@calls_binding("prefill", stream_of="state")
 def prefill(
     mixed_qkv: Input,
     a: Input,
@@ -138,42 +138,6 @@ def prefill(
     float32: within 2e-2 relative L2 of the reference (about 5e-3 on random inputs).
     ``torch.ops.gdn.prefill`` is the same call as a torch custom op (all but ``stream``).
     """
-    try:
-        _C.prefill(
-            mixed_qkv,
-            a,
-            b,
-            A_log,
-            dt_bias,
-            state,
-            initial_state_indices,
-            final_state_indices,
-            cu_seqlens,
-            out,
-            z,
-            norm_weight,
-            scale,
-            l2_eps,
-            norm_eps,
-            gate,
-            state_layout,
-            first_valid_slot,
-            num_k_heads,
-            a_is_log_decay,
-            b_is_beta,
-            qk_l2_norm,
-            checkpoint_indices,
-            checkpoint_every,
-            error_count,
-            None if stream is None else _stream_of(state, stream),
-        )
-    except TypeError:
-        raise_argument_error("prefill", _KINDS, locals())
-        raise
-
-
-# How the binding converts each argument (see _common.raise_argument_error).
-_KINDS = argument_kinds(prefill)
 
 
 def _f64(x):

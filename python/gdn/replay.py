@@ -11,14 +11,11 @@ import dataclasses
 import operator
 from typing import Any, Dict, Optional
 
-from . import _C
 from ._common import (
     Input,
     Output,
-    _stream_of,
-    argument_kinds,
     describe,
-    raise_argument_error,
+    calls_binding,
     traced_as_torch_op,
 )
 
@@ -26,6 +23,7 @@ __all__ = ["ReplayWindow", "decode_mtp_replay"]
 
 
 @traced_as_torch_op
+@calls_binding("decode_mtp_replay", stream_of="state")
 def decode_mtp_replay(
     mixed_qkv: Input,
     a: Input,
@@ -109,47 +107,6 @@ def decode_mtp_replay(
     ``torch.ops.gdn.decode_mtp_replay`` is the same call as a torch custom op (all but
     ``stream``).
     """
-    # Positional, and stream=None lets the binding find the current stream (as decode_mtp does).
-    try:
-        _C.decode_mtp_replay(
-            mixed_qkv,
-            a,
-            b,
-            A_log,
-            dt_bias,
-            state,
-            state_indices,
-            cu_seqlens,
-            out,
-            window_k,
-            window_v,
-            window_a,
-            window_b,
-            window_len,
-            num_accepted_tokens,
-            z,
-            norm_weight,
-            scale,
-            l2_eps,
-            norm_eps,
-            gate,
-            state_layout,
-            first_valid_slot,
-            num_k_heads,
-            round_core_output,
-            a_is_log_decay,
-            b_is_beta,
-            qk_l2_norm,
-            error_count,
-            None if stream is None else _stream_of(state, stream),
-        )
-    except TypeError:
-        raise_argument_error("decode_mtp_replay", _KINDS, locals())
-        raise
-
-
-# How the binding converts each argument (see _common.raise_argument_error).
-_KINDS = argument_kinds(decode_mtp_replay)
 
 
 @dataclasses.dataclass

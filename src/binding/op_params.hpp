@@ -257,6 +257,22 @@ inline conv::Activation parse_activation(std::string_view s) {
 // same type where the binding makes no difference). Members are references to the binding's
 // arguments, valid for the call.
 
+// An operation's Params as `fill(p, taking)` sets them from the binding's arguments, every array
+// taken through ForeignDTypes; an array of a dtype the library has no name for refuses the call
+// with the first argument error the operation's check_arguments finds.
+template <class Params, class Problem, class View, class Fill>
+Params taken_params(View& view, Fill&& fill) {
+  ForeignDTypes foreign;
+  auto taking = foreign.taking(view);
+  Params p;
+  fill(p, taking);
+  foreign.refuse_if_any([&p] {
+    Problem pr;
+    return check_arguments(p, &pr);
+  });
+  return p;
+}
+
 // The switches of a step call, as StepArgs names them.
 struct StepFlags {
   bool round_core_output, a_is_log_decay, b_is_beta, qk_l2_norm;
@@ -308,17 +324,12 @@ void set_step_args(const StepArgsIn<In, Out>& in, View& view, decode_mtp::StepAr
 template <class In, class Out, class View>
 decode_mtp::Params decode_mtp_params(const StepArgsIn<In, Out>& step, const In& state_indices,
                                      const std::optional<In>& num_accepted_tokens, View&& view) {
-  ForeignDTypes foreign;
-  auto taking = foreign.taking(view);
-  decode_mtp::Params p;
-  set_step_args(step, taking, p);
-  p.state_indices = taking(state_indices, "state_indices");
-  p.num_accepted_tokens = optional_view(num_accepted_tokens, "num_accepted_tokens", taking);
-  foreign.refuse_if_any([&p] {
-    decode_mtp::Problem pr;
-    return decode_mtp::check_arguments(p, &pr);
-  });
-  return p;
+  return taken_params<decode_mtp::Params, decode_mtp::Problem>(
+      view, [&](decode_mtp::Params& p, auto& taking) {
+        set_step_args(step, taking, p);
+        p.state_indices = taking(state_indices, "state_indices");
+        p.num_accepted_tokens = optional_view(num_accepted_tokens, "num_accepted_tokens", taking);
+      });
 }
 
 // prefill: the step arguments (prefill takes no round_core_output: the caller passes false) and
@@ -328,19 +339,14 @@ prefill::Params prefill_params(const StepArgsIn<In, Out>& step, const In& initia
                                const In& final_state_indices,
                                const std::optional<In>& checkpoint_indices,
                                int64_t checkpoint_every, View&& view) {
-  ForeignDTypes foreign;
-  auto taking = foreign.taking(view);
-  prefill::Params p;
-  set_step_args(step, taking, p);
-  p.initial_state_indices = taking(initial_state_indices, "initial_state_indices");
-  p.final_state_indices = taking(final_state_indices, "final_state_indices");
-  p.checkpoint_indices = optional_view(checkpoint_indices, "checkpoint_indices", taking);
-  p.checkpoint_every = checkpoint_every;
-  foreign.refuse_if_any([&p] {
-    prefill::Problem pr;
-    return prefill::check_arguments(p, &pr);
-  });
-  return p;
+  return taken_params<prefill::Params, prefill::Problem>(
+      view, [&](prefill::Params& p, auto& taking) {
+        set_step_args(step, taking, p);
+        p.initial_state_indices = taking(initial_state_indices, "initial_state_indices");
+        p.final_state_indices = taking(final_state_indices, "final_state_indices");
+        p.checkpoint_indices = optional_view(checkpoint_indices, "checkpoint_indices", taking);
+        p.checkpoint_every = checkpoint_every;
+      });
 }
 
 // Replay verify's own arrays, in the order of its arguments.
@@ -354,22 +360,16 @@ struct ReplayArraysIn {
 template <class In, class Out, class View>
 replay::Params replay_params(const StepArgsIn<In, Out>& step, const ReplayArraysIn<In, Out>& own,
                              View&& view) {
-  ForeignDTypes foreign;
-  auto taking = foreign.taking(view);
-  replay::Params p;
-  set_step_args(step, taking, p);
-  p.state_indices = taking(own.state_indices, "state_indices");
-  p.num_accepted_tokens = taking(own.num_accepted_tokens, "num_accepted_tokens");
-  p.window_k = taking(own.window_k, "window_k");
-  p.window_v = taking(own.window_v, "window_v");
-  p.window_a = taking(own.window_a, "window_a");
-  p.window_b = taking(own.window_b, "window_b");
-  p.window_len = taking(own.window_len, "window_len");
-  foreign.refuse_if_any([&p] {
-    replay::Problem pr;
-    return replay::check_arguments(p, &pr);
+  return taken_params<replay::Params, replay::Problem>(view, [&](replay::Params& p, auto& taking) {
+    set_step_args(step, taking, p);
+    p.state_indices = taking(own.state_indices, "state_indices");
+    p.num_accepted_tokens = taking(own.num_accepted_tokens, "num_accepted_tokens");
+    p.window_k = taking(own.window_k, "window_k");
+    p.window_v = taking(own.window_v, "window_v");
+    p.window_a = taking(own.window_a, "window_a");
+    p.window_b = taking(own.window_b, "window_b");
+    p.window_len = taking(own.window_len, "window_len");
   });
-  return p;
 }
 
 // causal_conv1d_update's arguments (`Array`: the nanobind binding takes every array as written).
@@ -384,25 +384,19 @@ struct ConvArgsIn {
 
 template <class Array, class View>
 conv::Params conv_params(const ConvArgsIn<Array>& in, View&& view) {
-  ForeignDTypes foreign;
-  auto taking = foreign.taking(view);
-  conv::Params p;
-  p.x = taking(in.x, "x");
-  p.weight = taking(in.weight, "weight");
-  p.conv_state = taking(in.conv_state, "conv_state");
-  p.conv_state_indices = taking(in.conv_state_indices, "conv_state_indices");
-  p.cu_seqlens = taking(in.cu_seqlens, "cu_seqlens");
-  p.out = taking(in.out, "out");
-  p.num_accepted_tokens = optional_view(in.num_accepted_tokens, "num_accepted_tokens", taking);
-  p.error_count = optional_view(in.error_count, "error_count", taking);
-  p.activation = parse_activation(in.activation);
-  p.layout = parse_conv_layout(in.state_layout);
-  p.first_valid_slot = in.first_valid_slot;
-  foreign.refuse_if_any([&p] {
-    conv::Problem pr;
-    return conv::check_arguments(p, &pr);
+  return taken_params<conv::Params, conv::Problem>(view, [&](conv::Params& p, auto& taking) {
+    p.x = taking(in.x, "x");
+    p.weight = taking(in.weight, "weight");
+    p.conv_state = taking(in.conv_state, "conv_state");
+    p.conv_state_indices = taking(in.conv_state_indices, "conv_state_indices");
+    p.cu_seqlens = taking(in.cu_seqlens, "cu_seqlens");
+    p.out = taking(in.out, "out");
+    p.num_accepted_tokens = optional_view(in.num_accepted_tokens, "num_accepted_tokens", taking);
+    p.error_count = optional_view(in.error_count, "error_count", taking);
+    p.activation = parse_activation(in.activation);
+    p.layout = parse_conv_layout(in.state_layout);
+    p.first_valid_slot = in.first_valid_slot;
   });
-  return p;
 }
 
 // causal_conv1d_prefill's arguments.
@@ -417,25 +411,20 @@ struct ConvPrefillArgsIn {
 
 template <class Array, class View>
 conv_prefill::Params conv_prefill_params(const ConvPrefillArgsIn<Array>& in, View&& view) {
-  ForeignDTypes foreign;
-  auto taking = foreign.taking(view);
-  conv_prefill::Params p;
-  p.x = taking(in.x, "x");
-  p.weight = taking(in.weight, "weight");
-  p.conv_state = taking(in.conv_state, "conv_state");
-  p.initial_state_indices = taking(in.initial_state_indices, "initial_state_indices");
-  p.final_state_indices = taking(in.final_state_indices, "final_state_indices");
-  p.cu_seqlens = taking(in.cu_seqlens, "cu_seqlens");
-  p.out = taking(in.out, "out");
-  p.error_count = optional_view(in.error_count, "error_count", taking);
-  p.activation = parse_activation(in.activation);
-  p.layout = parse_conv_layout(in.state_layout);
-  p.first_valid_slot = in.first_valid_slot;
-  foreign.refuse_if_any([&p] {
-    conv_prefill::Problem pr;
-    return conv_prefill::check_arguments(p, &pr);
-  });
-  return p;
+  return taken_params<conv_prefill::Params, conv_prefill::Problem>(
+      view, [&](conv_prefill::Params& p, auto& taking) {
+        p.x = taking(in.x, "x");
+        p.weight = taking(in.weight, "weight");
+        p.conv_state = taking(in.conv_state, "conv_state");
+        p.initial_state_indices = taking(in.initial_state_indices, "initial_state_indices");
+        p.final_state_indices = taking(in.final_state_indices, "final_state_indices");
+        p.cu_seqlens = taking(in.cu_seqlens, "cu_seqlens");
+        p.out = taking(in.out, "out");
+        p.error_count = optional_view(in.error_count, "error_count", taking);
+        p.activation = parse_activation(in.activation);
+        p.layout = parse_conv_layout(in.state_layout);
+        p.first_valid_slot = in.first_valid_slot;
+      });
 }
 
 // ---- the run ------------------------------------------------------------------------------------

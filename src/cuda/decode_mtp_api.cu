@@ -8,10 +8,7 @@
 
 namespace gdn::cuda_api {
 Status decode_mtp(const decode_mtp::Params& params, void* stream, int split) {
-  if (params.state.device.type != DeviceType::kCUDA)
-    return Status::invalid("decode_mtp: the CUDA path needs CUDA arrays, state is on " +
-                           to_string(params.state.device));
-  return cuda::on_device("decode_mtp", params.state.device.index, [&] {
+  return cuda::on_array_device("decode_mtp", params.state, "state", [&] {
     return decode_mtp::launch_cuda(params, static_cast<cudaStream_t>(stream), split);
   });
 }

@@ -6,10 +6,7 @@
 
 namespace gdn::cuda_api {
 Status replay(const replay::Params& params, void* stream, int split) {
-  if (params.state.device.type != DeviceType::kCUDA)
-    return Status::invalid("replay: the CUDA path needs CUDA arrays, state is on " +
-                           to_string(params.state.device));
-  return cuda::on_device("replay", params.state.device.index, [&] {
+  return cuda::on_array_device("replay", params.state, "state", [&] {
     return replay::launch_cuda(params, static_cast<cudaStream_t>(stream), split);
   });
 }

@@ -87,23 +87,19 @@ static nb::tuple can_use_decode_mtp(const std::string& device, int64_t H, int64_
 }
 
 void bind_decode_mtp(nb::module_& m) {
-  m.def("decode_mtp", &decode_mtp, nb::arg("mixed_qkv").noconvert(), nb::arg("a").noconvert(),
-        nb::arg("b").noconvert(), nb::arg("A_log").noconvert().none(),
-        nb::arg("dt_bias").noconvert().none(), nb::arg("state").noconvert(),
-        nb::arg("state_indices").noconvert(), nb::arg("cu_seqlens").noconvert(),
-        nb::arg("out").noconvert(), nb::arg("z").noconvert().none() = nb::none(),
-        nb::arg("norm_weight").noconvert().none() = nb::none(),
-        nb::arg("num_accepted_tokens").noconvert().none() = nb::none(),
-        nb::arg("scale").none() = nb::none(), nb::arg("l2_eps") = 1e-6, nb::arg("norm_eps") = 1e-6,
-        nb::arg("gate") = "silu", nb::arg("state_layout") = "vk", nb::arg("first_valid_slot") = 0,
-        nb::arg("num_k_heads") = 0, nb::arg("round_core_output") = false,
-        nb::arg("a_is_log_decay") = false, nb::arg("b_is_beta") = false,
-        nb::arg("qk_l2_norm") = true, nb::arg("error_count").noconvert().none() = nb::none(),
-        nb::arg("stream").none() = nb::none(), nb::arg("split") = 0,
-        "Fused GDN decode / MTP verify: updates `state` in place and writes `out`. `stream`: the "
-        "CUDA stream handle; None launches on the current stream of `state`'s framework (torch, "
-        "CuPy), else on the legacy default stream. `split` pins the CUDA kernel's CTAs per value "
-        "head (1, 2, 4, 8; 0 = automatic), for benchmarks.");
+  def_verify_step(
+      m, "decode_mtp", &decode_mtp,
+      "Fused GDN decode / MTP verify: updates `state` in place and writes `out`. `stream`: the "
+      "CUDA stream handle; None launches on the current stream of `state`'s framework (torch, "
+      "CuPy), else on the legacy default stream. `split` pins the CUDA kernel's CTAs per value "
+      "head (1, 2, 4, 8; 0 = automatic), for benchmarks.",
+      nb::arg("mixed_qkv").noconvert(), nb::arg("a").noconvert(), nb::arg("b").noconvert(),
+      nb::arg("A_log").noconvert().none(), nb::arg("dt_bias").noconvert().none(),
+      nb::arg("state").noconvert(), nb::arg("state_indices").noconvert(),
+      nb::arg("cu_seqlens").noconvert(), nb::arg("out").noconvert(),
+      nb::arg("z").noconvert().none() = nb::none(),
+      nb::arg("norm_weight").noconvert().none() = nb::none(),
+      nb::arg("num_accepted_tokens").noconvert().none() = nb::none());
   m.def("can_use_decode_mtp", &can_use_decode_mtp, nb::arg("device"), nb::arg("H"), nb::arg("HV"),
         nb::arg("K") = 128, nb::arg("V") = 128, nb::arg("S") = 1,
         nb::arg("state_dtype") = "float32", nb::arg("device_index") = 0,

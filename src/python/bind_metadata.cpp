@@ -66,9 +66,11 @@ Params base_params(int64_t num_spec, int64_t max_rows, int64_t max_tokens, const
   return p;
 }
 
-void set_step_inputs(Params& p, const Array& query_start_loc, const Array& seq_lens,
-                     const OptArray& num_draft_tokens, const OptArray& num_accepted_tokens,
-                     const OptArray& num_computed_tokens, std::optional<int64_t> padded_rows) {
+// The step inputs' views into `p` (Params, or the builder's StepInputs: they name them alike).
+template <class P, class In, class OptIn>
+void set_step_inputs(P& p, const In& query_start_loc, const In& seq_lens,
+                     const OptIn& num_draft_tokens, const OptIn& num_accepted_tokens,
+                     const OptIn& num_computed_tokens, std::optional<int64_t> padded_rows) {
   p.query_start_loc = view_of(query_start_loc, "query_start_loc");
   p.seq_lens = view_of(seq_lens, "seq_lens");
   p.num_draft_tokens = view_of(num_draft_tokens, "num_draft_tokens");
@@ -108,6 +110,20 @@ std::optional<int64_t> run_state_rows(const Params& p, void* stream) {
   return std::nullopt;
 }
 
+// The plan buffer, block tables and state-row arrays: what a state-rows pass writes and a shadow
+// check compares.
+void set_state_row_arrays(Params& p, const Array& plan, const std::vector<Array>& block_tables,
+                          const Array& spec_state_indices, const Array& non_spec_state_indices,
+                          const OptArray& non_spec_source_indices,
+                          const OptArray& checkpoint_indices) {
+  p.plan = view_of(plan, "plan");
+  set_tables(p, block_tables);
+  p.spec_state_indices = view_of(spec_state_indices, "spec_state_indices");
+  p.non_spec_state_indices = view_of(non_spec_state_indices, "non_spec_state_indices");
+  p.non_spec_source_indices = view_of(non_spec_source_indices, "non_spec_source_indices");
+  p.checkpoint_indices = view_of(checkpoint_indices, "checkpoint_indices");
+}
+
 // ---- free functions -----------------------------------------------------------------------------
 
 void plan_fn(const Array& plan, const Array& query_start_loc, const Array& seq_lens,
@@ -130,12 +146,8 @@ std::optional<int64_t> state_rows_fn(
     const OptArray& error_count, const OptArray& non_spec_source_indices, bool replay,
     const OptArray& checkpoint_indices, std::optional<uintptr_t> stream) {
   Params p = base_params(num_spec, max_rows, max_tokens, "none", 0, pad_id, replay);
-  p.plan = view_of(plan, "plan");
-  set_tables(p, block_tables);
-  p.spec_state_indices = view_of(spec_state_indices, "spec_state_indices");
-  p.non_spec_state_indices = view_of(non_spec_state_indices, "non_spec_state_indices");
-  p.non_spec_source_indices = view_of(non_spec_source_indices, "non_spec_source_indices");
-  p.checkpoint_indices = view_of(checkpoint_indices, "checkpoint_indices");
+  set_state_row_arrays(p, plan, block_tables, spec_state_indices, non_spec_state_indices,
+                       non_spec_source_indices, checkpoint_indices);
   p.num_accepted_tokens = view_of(num_accepted_tokens, "num_accepted_tokens");
   p.error_count = view_of(error_count, "error_count");
   p.launch_rows = launch_rows;
@@ -153,12 +165,8 @@ std::string shadow_check_fn(const Array& plan, const std::vector<Array>& block_t
                             const OptArray& non_spec_source_indices, bool replay,
                             const OptArray& checkpoint_indices) {
   Params p = base_params(num_spec, max_rows, max_tokens, mode, block_size, pad_id, replay);
-  p.plan = view_of(plan, "plan");
-  set_tables(p, block_tables);
-  p.spec_state_indices = view_of(spec_state_indices, "spec_state_indices");
-  p.non_spec_state_indices = view_of(non_spec_state_indices, "non_spec_state_indices");
-  p.non_spec_source_indices = view_of(non_spec_source_indices, "non_spec_source_indices");
-  p.checkpoint_indices = view_of(checkpoint_indices, "checkpoint_indices");
+  set_state_row_arrays(p, plan, block_tables, spec_state_indices, non_spec_state_indices,
+                       non_spec_source_indices, checkpoint_indices);
   set_step_inputs(p, query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens,
                   num_computed_tokens, padded_rows);
   nb::gil_scoped_release release;
@@ -207,23 +215,6 @@ std::vector<std::string> header_fields_fn() {
 }
 
 // ---- MetadataBuilder: metadata::Builder over arrays the Python Builder owns ------------------
-
-// Converts the arrays of one step; nothing else happens here. The builder only reads them, so
-// read-only arrays are accepted.
-metadata::StepInputs step_inputs(const ConstArray& query_start_loc, const ConstArray& seq_lens,
-                                 const OptConstArray& num_draft_tokens,
-                                 const OptConstArray& num_accepted_tokens,
-                                 const OptConstArray& num_computed_tokens,
-                                 std::optional<int64_t> padded_rows) {
-  metadata::StepInputs in;
-  in.query_start_loc = view_of(query_start_loc, "query_start_loc");
-  in.seq_lens = view_of(seq_lens, "seq_lens");
-  in.num_draft_tokens = view_of(num_draft_tokens, "num_draft_tokens");
-  in.num_accepted_tokens = view_of(num_accepted_tokens, "num_accepted_tokens");
-  in.num_computed_tokens = view_of(num_computed_tokens, "num_computed_tokens");
-  in.padded_rows = padded_rows.value_or(-1);
-  return in;
-}
 
 class MetadataBuilder {
  public:
@@ -288,29 +279,34 @@ class MetadataBuilder {
     throw_if_error(builder_.initialize(c, b, ops));
   }
 
-  // Plan + (copy) + state rows; returns the host plan slot the step planned into.
-  int step(const ConstArray& query_start_loc, const ConstArray& seq_lens,
-           const OptConstArray& num_draft_tokens, const OptConstArray& num_accepted_tokens,
-           const OptConstArray& num_computed_tokens, std::optional<int64_t> padded_rows,
-           std::optional<uintptr_t> stream) {
-    const metadata::StepInputs in =
-        step_inputs(query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens,
+  // A call on one step's inputs (step, prepare, check): converts them, then runs `Phase` on the
+  // builder without the GIL.
+  template <auto Phase>
+  auto step_call(const ConstArray& query_start_loc, const ConstArray& seq_lens,
+                 const OptConstArray& num_draft_tokens, const OptConstArray& num_accepted_tokens,
+                 const OptConstArray& num_computed_tokens, std::optional<int64_t> padded_rows,
+                 std::optional<uintptr_t> stream) {
+    // The builder only reads the inputs, so read-only arrays are accepted.
+    metadata::StepInputs in;
+    set_step_inputs(in, query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens,
                     num_computed_tokens, padded_rows);
     nb::gil_scoped_release release;
-    throw_if_error(builder_.step(in, stream_ptr(stream)));
-    return builder_.last_slot();
+    return Phase(builder_, in, stream_ptr(stream));
   }
 
-  int prepare(const ConstArray& query_start_loc, const ConstArray& seq_lens,
-              const OptConstArray& num_draft_tokens, const OptConstArray& num_accepted_tokens,
-              const OptConstArray& num_computed_tokens, std::optional<int64_t> padded_rows,
-              std::optional<uintptr_t> stream) {
-    const metadata::StepInputs in =
-        step_inputs(query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens,
-                    num_computed_tokens, padded_rows);
-    nb::gil_scoped_release release;
-    throw_if_error(builder_.prepare(in, stream_ptr(stream)));
-    return builder_.last_slot();
+  // step_call's phases. Builder::step (plan + copy + state rows) and Builder::prepare (the
+  // graph-replay path) return the host plan slot they planned into.
+  template <Status (metadata::Builder::*Plan)(const metadata::StepInputs&, void*)>
+  static int planned(metadata::Builder& b, const metadata::StepInputs& in, void* stream) {
+    throw_if_error((b.*Plan)(in, stream));
+    return b.last_slot();
+  }
+
+  // The shadow check of the buffers against `step`'s inputs: "" or the first mismatch.
+  static std::string checked(metadata::Builder& b, const metadata::StepInputs& in, void* stream) {
+    metadata::ShadowReport report;
+    throw_if_error(b.check(in, stream, &report));
+    return report.message;
   }
 
   // Returns the CPU pass's error count (None on CUDA).
@@ -321,20 +317,6 @@ class MetadataBuilder {
     throw_if_error(builder_.launch(launch_rows, acc, stream_ptr(stream)));
     if (builder_.is_cuda()) return std::nullopt;
     return builder_.last_errors();
-  }
-
-  // The shadow check of the buffers against `step`'s inputs: "" or the first mismatch.
-  std::string check(const ConstArray& query_start_loc, const ConstArray& seq_lens,
-                    const OptConstArray& num_draft_tokens, const OptConstArray& num_accepted_tokens,
-                    const OptConstArray& num_computed_tokens, std::optional<int64_t> padded_rows,
-                    std::optional<uintptr_t> stream) {
-    const metadata::StepInputs in =
-        step_inputs(query_start_loc, seq_lens, num_draft_tokens, num_accepted_tokens,
-                    num_computed_tokens, padded_rows);
-    nb::gil_scoped_release release;
-    metadata::ShadowReport report;
-    throw_if_error(builder_.check(in, stream_ptr(stream), &report));
-    return report.message;
   }
 
   int64_t num_slots() const { return builder_.buffers().num_host_plans; }
@@ -392,7 +374,8 @@ void bind_metadata(nb::module_& m) {
   m.def("metadata_header_fields", &header_fields_fn, "Names of the plan header's int32 words.");
   m.attr("metadata_max_groups") = metadata::kMaxGroups;
 
-  nb::class_<MetadataBuilder>(m, "MetadataBuilder")
+  nb::class_<MetadataBuilder> builder(m, "MetadataBuilder");
+  builder
       .def(nb::init<const std::vector<Array>&, const Array&, const Array&, const Array&,
                     const OptArray&, const std::vector<Array>&, const std::optional<Array>&,
                     const Array&, int64_t, int64_t, int64_t, const std::string&, int64_t, int64_t,
@@ -405,26 +388,23 @@ void bind_metadata(nb::module_& m) {
            nb::arg("num_spec"), nb::arg("max_rows"), nb::arg("max_tokens"), nb::arg("mode"),
            nb::arg("block_size"), nb::arg("pad_id"), nb::arg("replay"), nb::arg("pinned_staging"),
            nb::arg("shadow"))
-      .def("step", &MetadataBuilder::step, nb::arg("query_start_loc").noconvert(),
-           nb::arg("seq_lens").noconvert(), nb::arg("num_draft_tokens").noconvert().none(),
-           nb::arg("num_accepted_tokens").noconvert().none(),
-           nb::arg("num_computed_tokens").noconvert().none(), nb::arg("padded_rows").none(),
-           nb::arg("stream").none())
-      .def("prepare", &MetadataBuilder::prepare, nb::arg("query_start_loc").noconvert(),
-           nb::arg("seq_lens").noconvert(), nb::arg("num_draft_tokens").noconvert().none(),
-           nb::arg("num_accepted_tokens").noconvert().none(),
-           nb::arg("num_computed_tokens").noconvert().none(), nb::arg("padded_rows").none(),
-           nb::arg("stream").none())
       .def("launch", &MetadataBuilder::launch, nb::arg("launch_rows"),
            nb::arg("num_accepted_tokens").noconvert().none(), nb::arg("stream").none())
-      .def("check", &MetadataBuilder::check, nb::arg("query_start_loc").noconvert(),
-           nb::arg("seq_lens").noconvert(), nb::arg("num_draft_tokens").noconvert().none(),
-           nb::arg("num_accepted_tokens").noconvert().none(),
-           nb::arg("num_computed_tokens").noconvert().none(), nb::arg("padded_rows").none(),
-           nb::arg("stream").none())
       .def_prop_ro("num_slots", &MetadataBuilder::num_slots)
       .def_prop_ro("is_cuda", &MetadataBuilder::is_cuda)
       .def_prop_ro("last_errors", &MetadataBuilder::last_errors);
+  // step, prepare and check take the same step inputs, named alike.
+  const auto def_step_call = [&builder](const char* name, auto method) {
+    builder.def(name, method, nb::arg("query_start_loc").noconvert(),
+                nb::arg("seq_lens").noconvert(), nb::arg("num_draft_tokens").noconvert().none(),
+                nb::arg("num_accepted_tokens").noconvert().none(),
+                nb::arg("num_computed_tokens").noconvert().none(), nb::arg("padded_rows").none(),
+                nb::arg("stream").none());
+  };
+  using B = MetadataBuilder;
+  def_step_call("step", &B::step_call<&B::planned<&metadata::Builder::step>>);
+  def_step_call("prepare", &B::step_call<&B::planned<&metadata::Builder::prepare>>);
+  def_step_call("check", &B::step_call<&B::checked>);
 }
 
 }  // namespace gdn::python

@@ -36,24 +36,20 @@ static void decode_mtp_replay(
 }
 
 void bind_replay(nb::module_& m) {
-  m.def("decode_mtp_replay", &decode_mtp_replay, nb::arg("mixed_qkv").noconvert(),
-        nb::arg("a").noconvert(), nb::arg("b").noconvert(), nb::arg("A_log").noconvert().none(),
-        nb::arg("dt_bias").noconvert().none(), nb::arg("state").noconvert(),
-        nb::arg("state_indices").noconvert(), nb::arg("cu_seqlens").noconvert(),
-        nb::arg("out").noconvert(), nb::arg("window_k").noconvert(),
-        nb::arg("window_v").noconvert(), nb::arg("window_a").noconvert(),
-        nb::arg("window_b").noconvert(), nb::arg("window_len").noconvert(),
-        nb::arg("num_accepted_tokens").noconvert(), nb::arg("z").noconvert().none() = nb::none(),
-        nb::arg("norm_weight").noconvert().none() = nb::none(),
-        nb::arg("scale").none() = nb::none(), nb::arg("l2_eps") = 1e-6, nb::arg("norm_eps") = 1e-6,
-        nb::arg("gate") = "silu", nb::arg("state_layout") = "vk", nb::arg("first_valid_slot") = 0,
-        nb::arg("num_k_heads") = 0, nb::arg("round_core_output") = false,
-        nb::arg("a_is_log_decay") = false, nb::arg("b_is_beta") = false,
-        nb::arg("qk_l2_norm") = true, nb::arg("error_count").noconvert().none() = nb::none(),
-        nb::arg("stream").none() = nb::none(), nb::arg("split") = 0,
-        "Replay verify: advances each request's checkpoint by its accepted window tokens, runs the "
-        "new tokens into `out` and saves them as the new window. `split` pins the CUDA kernel's "
-        "CTAs per value head (1, 2, 4, 8; 0 = automatic), for benchmarks.");
+  def_verify_step(
+      m, "decode_mtp_replay", &decode_mtp_replay,
+      "Replay verify: advances each request's checkpoint by its accepted window tokens, runs the "
+      "new tokens into `out` and saves them as the new window. `split` pins the CUDA kernel's "
+      "CTAs per value head (1, 2, 4, 8; 0 = automatic), for benchmarks.",
+      nb::arg("mixed_qkv").noconvert(), nb::arg("a").noconvert(), nb::arg("b").noconvert(),
+      nb::arg("A_log").noconvert().none(), nb::arg("dt_bias").noconvert().none(),
+      nb::arg("state").noconvert(), nb::arg("state_indices").noconvert(),
+      nb::arg("cu_seqlens").noconvert(), nb::arg("out").noconvert(),
+      nb::arg("window_k").noconvert(), nb::arg("window_v").noconvert(),
+      nb::arg("window_a").noconvert(), nb::arg("window_b").noconvert(),
+      nb::arg("window_len").noconvert(), nb::arg("num_accepted_tokens").noconvert(),
+      nb::arg("z").noconvert().none() = nb::none(),
+      nb::arg("norm_weight").noconvert().none() = nb::none());
 }
 
 }  // namespace gdn::python

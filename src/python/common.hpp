@@ -290,6 +290,20 @@ void run_call(const TensorView& state_view, const char* state_name, const FastWr
       });
 }
 
+// Binds a verify step (decode_mtp, decode_mtp_replay) as `name`: its own arguments `own...` (up to
+// the first option), then the options both take, named, ordered and defaulted as in their Python
+// signatures, and `split`, which pins the CUDA kernel's CTAs per value head.
+template <class F, class... Own>
+void def_verify_step(nb::module_& m, const char* name, F* f, const char* doc, const Own&... own) {
+  m.def(name, f, own..., nb::arg("scale").none() = nb::none(), nb::arg("l2_eps") = 1e-6,
+        nb::arg("norm_eps") = 1e-6, nb::arg("gate") = "silu", nb::arg("state_layout") = "vk",
+        nb::arg("first_valid_slot") = 0, nb::arg("num_k_heads") = 0,
+        nb::arg("round_core_output") = false, nb::arg("a_is_log_decay") = false,
+        nb::arg("b_is_beta") = false, nb::arg("qk_l2_norm") = true,
+        nb::arg("error_count").noconvert().none() = nb::none(),
+        nb::arg("stream").none() = nb::none(), nb::arg("split") = 0, doc);
+}
+
 using binding::parse_layout;
 using binding::throw_if_error;
 

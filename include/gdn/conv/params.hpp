@@ -100,11 +100,7 @@ Status check_conv_arguments(const ConvArgs& p, std::initializer_list<NamedView> 
   using namespace check;
   Problem pr;
 
-  GDN_RETURN_IF_ERROR(present(p.weight, "weight"));
-  GDN_RETURN_IF_ERROR(ndim(p.weight, "weight", 2));
-  GDN_RETURN_IF_ERROR(dtype_in(p.weight, "weight", ActivationDTypes{}));
-  GDN_RETURN_IF_ERROR(unit_stride(p.weight, "weight", 1));
-  GDN_RETURN_IF_ERROR(nonnegative_strides(p.weight, "weight"));
+  GDN_RETURN_IF_ERROR(unit_stride_rows(p.weight, "weight", ActivationDTypes{}));
   pr.D = p.weight.shape[0];
   pr.W = p.weight.shape[1];
   if (pr.D < 1)

@@ -180,6 +180,17 @@ inline Status same_device(const TensorView& t, const char* name, Device device) 
   return Status::ok();
 }
 
+// A present 2-D array of one of `dtypes` whose rows are unit-stride (any row stride, so a column
+// slice of a wider array passes), with no negative stride. Checks in the order present, ndim,
+// dtype_in, unit_stride, nonnegative_strides.
+inline Status unit_stride_rows(const TensorView& t, const char* name, DTypeSet dtypes) {
+  GDN_RETURN_IF_ERROR(present(t, name));
+  GDN_RETURN_IF_ERROR(ndim(t, name, 2));
+  GDN_RETURN_IF_ERROR(dtype_in(t, name, dtypes));
+  GDN_RETURN_IF_ERROR(unit_stride(t, name, 1));
+  return nonnegative_strides(t, name);
+}
+
 // The size one dimension must have, and what that size is (for the message of `dim`).
 struct Extent {
   int64_t size;

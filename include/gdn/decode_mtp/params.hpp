@@ -96,11 +96,7 @@ Status check_step_arguments(const StepArgs& p, Problem* out_problem,
                            " is smaller than one slot (HV*K*V = " +
                            std::to_string(pr.HV * pr.K * pr.V) + "): slots would overlap");
 
-  GDN_RETURN_IF_ERROR(present(p.mixed_qkv, "mixed_qkv"));
-  GDN_RETURN_IF_ERROR(ndim(p.mixed_qkv, "mixed_qkv", 2));
-  GDN_RETURN_IF_ERROR(dtype_in(p.mixed_qkv, "mixed_qkv", ActivationDTypes{}));
-  GDN_RETURN_IF_ERROR(unit_stride(p.mixed_qkv, "mixed_qkv", 1));
-  GDN_RETURN_IF_ERROR(nonnegative_strides(p.mixed_qkv, "mixed_qkv"));
+  GDN_RETURN_IF_ERROR(unit_stride_rows(p.mixed_qkv, "mixed_qkv", ActivationDTypes{}));
   pr.L = p.mixed_qkv.shape[0];
   const int64_t width = p.mixed_qkv.shape[1];
   const int64_t key_width = width - pr.HV * pr.V;

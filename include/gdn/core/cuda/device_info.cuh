@@ -7,8 +7,10 @@
 
 #include <atomic>
 #include <string>
+#include <utility>
 
 #include "gdn/core/status.hpp"
+#include "gdn/core/tensor_view.hpp"
 
 namespace gdn::cuda {
 
@@ -158,6 +160,17 @@ inline Status on_device(const char* op, int device, F&& launch) {
     return Status(StatusCode::kCudaError,
                   std::string(op) + ": CUDA error after launch: " + cudaGetErrorString(err));
   return status;
+}
+
+// `on_device` on the device of `array` (the argument named `name`, whose device the call runs on),
+// refused naming where it is when that is not a CUDA device.
+template <class F>
+inline Status on_array_device(const char* op, const TensorView& array, const char* name,
+                              F&& launch) {
+  if (array.device.type != DeviceType::kCUDA)
+    return Status::invalid(std::string(op) + ": the CUDA path needs CUDA arrays, " + name +
+                           " is on " + to_string(array.device));
+  return on_device(op, array.device.index, std::forward<F>(launch));
 }
 
 }  // namespace gdn::cuda
