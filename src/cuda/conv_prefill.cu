@@ -8,11 +8,7 @@
 namespace gdn::cuda_api {
 
 Status causal_conv1d_prefill(const conv_prefill::Params& params, void* stream) {
-  if (params.conv_state.device.type != DeviceType::kCUDA)
-    return Status::invalid(
-        "causal_conv1d_prefill: the CUDA path needs CUDA arrays, conv_state is on " +
-        to_string(params.conv_state.device));
-  return cuda::on_device("causal_conv1d_prefill", params.conv_state.device.index, [&] {
+  return cuda::on_array_device("causal_conv1d_prefill", params.conv_state, "conv_state", [&] {
     return conv_prefill::launch_cuda(params, static_cast<cudaStream_t>(stream));
   });
 }

@@ -8,10 +8,7 @@
 namespace gdn::cuda_api {
 
 Status prefill(const prefill::Params& params, void* stream) {
-  if (params.state.device.type != DeviceType::kCUDA)
-    return Status::invalid("prefill: the CUDA path needs CUDA arrays, state is on " +
-                           to_string(params.state.device));
-  return cuda::on_device("prefill", params.state.device.index, [&] {
+  return cuda::on_array_device("prefill", params.state, "state", [&] {
     return prefill::launch_cuda(params, static_cast<cudaStream_t>(stream));
   });
 }
