@@ -279,16 +279,15 @@ def test_cuda_tests_skip_saying_why():
 def test_cuda_matches_cpu_and_reference(gen, layout, state_dtype, ratio):
     """The CUDA head dim (K = V = 128), block edges and a long request, with checkpoints."""
     T = EDGES + (700,)
-    c = make_case(gen, H=2, ratio=ratio, K=128, V=128, T=T, state_dtype=state_dtype, layout=layout, slots=40)
-    ckpt = torch.randint(0, 40, (len(T), 11), generator=gen, dtype=I32)
+    slots = 128
+    c = make_case(gen, H=2, ratio=ratio, K=128, V=128, T=T, state_dtype=state_dtype, layout=layout, slots=slots)
+    d = {k: v.cuda() for k, v in c.items()}
+    # Checkpoint slots distinct from each other and from every initial and final slot: two requests
+    # writing one slot in the same call would leave it to whichever CTA stores last.
+    free = sorted(set(range(slots)) - set(c["initial_state_indices"].tolist()) - set(c["final_state_indices"].tolist()))
+    ckpt = torch.tensor(free[: len(T) * 11], dtype=I32).reshape(len(T), 11)
     ckpt[:, ::3] = -1
     kw = dict(state_layout=layout, checkpoint_indices=ckpt, checkpoint_every=64)
-    d = {k: v.cuda() for k, v in c.items()}
-    # Checkpoint slots distinct from every initial and final slot: recycle a free range.
-    free = sorted(set(range(40)) - set(c["initial_state_indices"].tolist()) - set(c["final_state_indices"].tolist()))
-    ckpt = torch.tensor(free * 20, dtype=I32)[: ckpt.numel()].reshape(ckpt.shape)
-    ckpt[:, ::3] = -1
-    kw["checkpoint_indices"] = ckpt
     before = c["state"].double().numpy().copy()
     ref = reference(c, **kw)
     run(c, **kw)
