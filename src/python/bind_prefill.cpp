@@ -31,9 +31,7 @@ static void prefill(const FastConstArray& mixed_qkv, const FastConstArray& a,
   run_call(
       p.state, "state", state, stream, [&] { return prefill::run_cpu(p); },
       // Generic, so that a build without CUDA kernels never instantiates (links) the call.
-      [&](auto on) {
-        return cuda_api::prefill(p, on);
-      });
+      [&](auto on) { return cuda_api::prefill(p, on); });
 }
 
 void bind_prefill(nb::module_& m) {

@@ -105,8 +105,8 @@ inline KernelArgs kernel_args(const Params& p, const Problem& pr) {
   a.qk_l2_norm = p.qk_l2_norm;
   const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   const int64_t act_bytes = int64_t(dtype_size(p.mixed_qkv.dtype));
-  a.z_rows_aligned = p.z.present() && aligned(p.z.data) &&
-                     (p.z.strides[0] * act_bytes) % 16 == 0 && (p.z.strides[1] * act_bytes) % 16 == 0;
+  a.z_rows_aligned = p.z.present() && aligned(p.z.data) && (p.z.strides[0] * act_bytes) % 16 == 0 &&
+                     (p.z.strides[1] * act_bytes) % 16 == 0;
   a.out_aligned = aligned(p.out.data);
   a.qkv_vector = reinterpret_cast<uintptr_t>(p.mixed_qkv.data) % (4 * act_bytes) == 0 &&
                  p.mixed_qkv.strides[0] % 4 == 0;
@@ -125,8 +125,8 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream) {
   GDN_RETURN_IF_ERROR(check_cuda_support(p, pr));
   if (pr.N == 0 || pr.L == 0) return Status::ok();
   if (pr.N * pr.HV > 0x7fffffff || pr.L / cuda_detail::kChunk + pr.N > 0x7fffffff || pr.HV > 65535)
-    return Status::unsupported("prefill: N = " + std::to_string(pr.N) + ", L = " +
-                               std::to_string(pr.L) + ", HV = " + std::to_string(pr.HV) +
+    return Status::unsupported("prefill: N = " + std::to_string(pr.N) +
+                               ", L = " + std::to_string(pr.L) + ", HV = " + std::to_string(pr.HV) +
                                " exceed the launch grid");
   cuda::DeviceInfo device;
   GDN_RETURN_IF_ERROR(cuda::device_info(pr.device.index, &device));
@@ -135,12 +135,12 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream) {
   if (p.workspace.present()) {
     args.workspace = p.workspace.data;
   } else {
-    const cudaError_t err = cudaMallocAsync(
-        &owned_workspace, size_t(cuda_workspace_bytes(pr.L, pr.N, pr.HV)), stream);
+    const cudaError_t err =
+        cudaMallocAsync(&owned_workspace, size_t(cuda_workspace_bytes(pr.L, pr.N, pr.HV)), stream);
     if (err != cudaSuccess)
-      return Status(StatusCode::kCudaError,
-                    std::string("prefill: cannot allocate its workspace: ") +
-                        cudaGetErrorString(err));
+      return Status(
+          StatusCode::kCudaError,
+          std::string("prefill: cannot allocate its workspace: ") + cudaGetErrorString(err));
     args.workspace = owned_workspace;
   }
   const auto launch = [&]<class T>() -> Status {
@@ -148,9 +148,8 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream) {
     static std::atomic<int> chunk_shared_set[cuda::kMaxDevices];
     GDN_RETURN_IF_ERROR(cuda::allow_dynamic_shared(d::prefill_chunk_kernel<T>, pr.device.index,
                                                    d::kChunkSharedBytes, chunk_shared_set));
-    d::prefill_chunk_kernel<T>
-        <<<dim3(unsigned(args.chunk_slots), unsigned(pr.HV)), d::kThreads, d::kChunkSharedBytes,
-           stream>>>(args);
+    d::prefill_chunk_kernel<T><<<dim3(unsigned(args.chunk_slots), unsigned(pr.HV)), d::kThreads,
+                                 d::kChunkSharedBytes, stream>>>(args);
     const auto state_pass = [&]<int kStages>() -> Status {
       static std::atomic<int> state_shared_set[cuda::kMaxDevices];
       constexpr int bytes = d::kStateSharedBytes<T, kStages>;
@@ -167,7 +166,7 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream) {
                : state_pass.template operator()<1>();
   };
   const Status status =
-      p.mixed_qkv.dtype == DType::kBFloat16 ? launch.template operator()<__nv_bfloat16>()
+      p.mixed_qkv.dtype == DType::kBFloat16  ? launch.template operator()<__nv_bfloat16>()
       : p.mixed_qkv.dtype == DType::kFloat16 ? launch.template operator()<__half>()
                                              : launch.template operator()<float>();
   const cudaError_t freed = owned_workspace ? cudaFreeAsync(owned_workspace, stream) : cudaSuccess;

@@ -1,5 +1,5 @@
-// prefill's CUDA kernels: the chunked (WY / UT) form of the gated delta rule on tensor cores, in two
-// launches.
+// prefill's CUDA kernels: the chunked (WY / UT) form of the gated delta rule on tensor cores, in
+// two launches.
 //
 // Per chunk of n <= 64 tokens of a request, with G_t the running sum of the log-decays g inside
 // the chunk (gamma_t = exp(G_t)), k and q L2-normalised (q also scaled), beta_t the write strength
@@ -262,8 +262,8 @@ __device__ __forceinline__ void bits_to_f32(const Bits4<T>& r, float (&out)[4]) 
 // w takes tokens w, w + 8, ...: all their loads are issued before the first is used.
 template <class T>
 __device__ __forceinline__ void load_chunk(const KernelArgs& args, ChunkShared& sh,
-                                           int64_t first_row, int n, int64_t h, int64_t hv,
-                                           float A, float dt_bias, int warp, int lane) {
+                                           int64_t first_row, int n, int64_t h, int64_t hv, float A,
+                                           float dt_bias, int warp, int lane) {
   constexpr int kPerWarp = kChunk / kWarps;
   // Lane j < 8 of warp w: token w + 8 j's gates.
   if (lane < kPerWarp) {
@@ -484,9 +484,9 @@ __device__ __forceinline__ void invert_triangle(ChunkShared& sh, int tid) {
 // 128 bytes whose 16-byte pieces are XOR-swizzled by the row, so that the accumulator stores and
 // the 16-byte reads are both free of bank conflicts.
 __device__ __forceinline__ bf16* ut_staging(ChunkShared& sh) {
-  static_assert(sizeof(ChunkShared::u.inv) + kHeadDim * kChunk * sizeof(bf16) <=
-                    sizeof(ChunkShared::u.tri),
-                "U^T fits the triangle's bytes past the inverse's copies");
+  static_assert(
+      sizeof(ChunkShared::u.inv) + kHeadDim * kChunk * sizeof(bf16) <= sizeof(ChunkShared::u.tri),
+      "U^T fits the triangle's bytes past the inverse's copies");
   return reinterpret_cast<bf16*>(reinterpret_cast<unsigned char*>(&sh.u) + sizeof(sh.u.inv));
 }
 __device__ __forceinline__ int ut_index(int v, int t) {
@@ -555,8 +555,7 @@ __device__ __forceinline__ void store_writes(ChunkShared& sh, ChunkTiles& out, i
   }
   for (int e = tid; e < kHeadDim * kNarrow; e += kThreads) {
     const int r = e / kNarrow, c = 8 * (e % kNarrow);
-    *reinterpret_cast<uint4*>(&out.ut[r][c]) =
-        *reinterpret_cast<const uint4*>(&ut[ut_index(r, c)]);
+    *reinterpret_cast<uint4*>(&out.ut[r][c]) = *reinterpret_cast<const uint4*>(&ut[ut_index(r, c)]);
   }
 }
 
@@ -631,7 +630,7 @@ struct StateShared {
 
 // The fp32 output tile o[t][v] overlays w and q of the chunk's buffer, which are dead by then.
 template <class Act>
-__device__ __forceinline__ float (*output_tile(StateBuffer<Act>& b))[kLdOut] {
+__device__ __forceinline__ float (*output_tile(StateBuffer<Act>& b)) [kLdOut] {
   static_assert(offsetof(ChunkTiles, q) == sizeof(ChunkTiles::w) &&
                     2 * sizeof(ChunkTiles::w) >= sizeof(float) * kChunk * kLdOut,
                 "the output tile fits w and q");
@@ -696,8 +695,8 @@ __device__ __forceinline__ void load_state(const KernelArgs& args, int64_t slot,
 // ceil(n / 16) blocks of 16 token rows are copied, as the products read no others.
 template <class Act>
 __device__ __forceinline__ void start_chunk_copy(const KernelArgs& args, const Workspace& ws,
-                                                 int64_t slot, int64_t hv, int64_t first_row,
-                                                 int n, StateBuffer<Act>& b, int tid) {
+                                                 int64_t slot, int64_t hv, int64_t first_row, int n,
+                                                 StateBuffer<Act>& b, int tid) {
   const ChunkTiles& src = ws.tiles[slot * args.HV + hv];
   const int rows = 16 * ((n + 15) / 16);
   // A prefix of `count` 16-byte pieces of a tile.
@@ -712,8 +711,8 @@ __device__ __forceinline__ void start_chunk_copy(const KernelArgs& args, const W
   copy(&b.ut[0][0], &src.ut[0][0], kHeadDim * kNarrowRow);
   copy(&b.p[0][0], &src.p[0][0], rows * kNarrowRow);
   if (args.z) {
-    const Act* z = static_cast<const Act*>(args.z) + first_row * args.z_row_stride +
-                   hv * args.z_head_stride;
+    const Act* z =
+        static_cast<const Act*>(args.z) + first_row * args.z_row_stride + hv * args.z_head_stride;
     constexpr int kPer16 = 16 / int(sizeof(Act)), kZPieces = kHeadDim / kPer16;
     for (int e = tid; e < n * kZPieces; e += kThreads) {
       const int r = e / kZPieces, c = kPer16 * (e % kZPieces);
@@ -955,7 +954,9 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_state_kernel(const Kernel
 
   if (args.norm_weight && tid < kHeadDim)
     sh.norm_weight[tid] = dev::load_value(args.norm_weight, args.norm_weight_dtype, tid);
-  const auto tokens = [&](int64_t c) { return int(T - kChunk * c < kChunk ? T - kChunk * c : kChunk); };
+  const auto tokens = [&](int64_t c) {
+    return int(T - kChunk * c < kChunk ? T - kChunk * c : kChunk);
+  };
   const auto copy = [&](int64_t c) {
     start_chunk_copy(args, ws, first_slot + c, hv, begin + kChunk * c, tokens(c),
                      sh.buf[kStages == 2 ? c & 1 : 0], tid);
