@@ -102,6 +102,22 @@ TEST(PrefillCuda, CheckpointsEveryETokensAndNullSlots) {
   expect_matches_reference(wide, 2e-2, kGpu);
 }
 
+// Every 64-token block edge and a long request in one call, with a checkpoint at every reached
+// boundary in distinct slots, ratio 1, fp32 "kv" pool.
+TEST(PrefillCuda, BlockEdgesAndALongRequestWithEveryCheckpoint) {
+  GDN_SKIP_WITHOUT_GPU();
+  CaseConfig g =
+      gpu_config({1, 63, 0, 64, 65, 127, 128, 129, 700}, 1, DType::kFloat32, StateLayout::kKV, 21);
+  g.slots = 48;
+  PrefillCase pc(g, {0, 1, 2, 3, 4, 5, 6, 7, -1}, {9, 10, 11, 12, 13, 14, 15, 16, 17}, 64, 11);
+  int32_t next = 18;  // slots 18.. hold the checkpoints, one each
+  for (int64_t i = 0; i < pc.c.N; ++i)
+    for (int64_t j = 0; j < (pc.c.cu[size_t(i + 1)] - pc.c.cu[size_t(i)]) / 64; ++j)
+      pc.checkpoints[size_t(i * 11 + j)] = next++;
+  ASSERT_LE(next, 48);
+  expect_matches_reference(pc, 2e-2, kGpu);
+}
+
 // Output and input variants against the CPU path (itself bit-exact against decode_mtp): no gate,
 // no norm, the sigmoid gate, the core output rounded to out's dtype, bf16 activations, null first
 // slots, and the input options (a as the log-decay, b as beta, q and k without L2 norm).
