@@ -602,17 +602,9 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream) {
         conv_prefill_kernel<T, true, kWidth, false><<<grid, kThreads, 0, stream>>>(a);
     });
   };
-  switch (p.x.dtype) {
-    case DType::kBFloat16:
-      launch.template operator()<__nv_bfloat16>();
-      break;
-    case DType::kFloat16:
-      launch.template operator()<__half>();
-      break;
-    default:
-      launch.template operator()<float>();
-      break;
-  }
+  ActivationDTypes::dispatch(p.x.dtype, [&]<DType kX>() {
+    launch.template operator()<typename cuda::device_type<kX>::type>();
+  });
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)
     return Status(StatusCode::kCudaError,

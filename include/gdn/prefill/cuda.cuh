@@ -85,7 +85,7 @@ inline KernelArgs kernel_args(const Params& p, const Problem& pr) {
   a.checkpoint_col_stride = p.checkpoint_indices.present() ? p.checkpoint_indices.strides[1] : 0;
   a.L = pr.L;
   a.N = pr.N;
-  a.chunk_slots = pr.L / kChunk + pr.N;
+  a.chunk_slots = cuda_chunk_slots(pr.L, pr.N);
   a.H = pr.H;
   a.HV = pr.HV;
   a.ratio = pr.ratio;
@@ -124,7 +124,7 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream) {
     return Status::invalid("launch_cuda was given tensors on " + to_string(pr.device));
   GDN_RETURN_IF_ERROR(check_cuda_support(p, pr));
   if (pr.N == 0 || pr.L == 0) return Status::ok();
-  if (pr.N * pr.HV > 0x7fffffff || pr.L / cuda_detail::kChunk + pr.N > 0x7fffffff || pr.HV > 65535)
+  if (pr.N * pr.HV > 0x7fffffff || cuda_chunk_slots(pr.L, pr.N) > 0x7fffffff || pr.HV > 65535)
     return Status::unsupported("prefill: N = " + std::to_string(pr.N) +
                                ", L = " + std::to_string(pr.L) + ", HV = " + std::to_string(pr.HV) +
                                " exceed the launch grid");
@@ -165,16 +165,16 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream) {
                ? state_pass.template operator()<2>()
                : state_pass.template operator()<1>();
   };
-  const Status status =
-      p.mixed_qkv.dtype == DType::kBFloat16  ? launch.template operator()<__nv_bfloat16>()
-      : p.mixed_qkv.dtype == DType::kFloat16 ? launch.template operator()<__half>()
-                                             : launch.template operator()<float>();
+  Status status = Status::unsupported(
+      "prefill: mixed_qkv dtype " + std::string(to_string(p.mixed_qkv.dtype)) + " not compiled in");
+  ActivationDTypes::dispatch(p.mixed_qkv.dtype, [&]<DType kAct>() {
+    (void)(status = launch.template operator()<typename cuda::device_type<kAct>::type>());
+  });
   const cudaError_t freed = owned_workspace ? cudaFreeAsync(owned_workspace, stream) : cudaSuccess;
   GDN_RETURN_IF_ERROR(status);
   if (freed != cudaSuccess)
     return Status(StatusCode::kCudaError,
                   std::string("prefill: cannot free its workspace: ") + cudaGetErrorString(freed));
-  GDN_RETURN_IF_ERROR(status);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)
     return Status(StatusCode::kCudaError,

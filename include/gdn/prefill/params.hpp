@@ -32,12 +32,15 @@ struct Params : decode_mtp::StepArgs {
   TensorView workspace;
 };
 
+// Chunk slots of the CUDA path for L token rows and N requests: request i's j-th 64-token chunk
+// takes slot begin_i / 64 + i + j, so a call never needs more than L / 64 + N.
+constexpr int64_t cuda_chunk_slots(int64_t L, int64_t N) { return L / kCheckpointGranule + N; }
+
 // Bytes of the CUDA path's workspace for L token rows, N requests and HV value heads (K = V =
-// 128): per chunk slot (a request's j-th 64-token chunk takes slot L_begin / 64 + i + j, so there
-// are at most L / 64 + N) and value head, three 64 x 128 bf16 tiles, a 128 x 64 and a 64 x 64 one
+// 128): per chunk slot and value head, three 64 x 128 bf16 tiles, a 128 x 64 and a 64 x 64 one
 // (rows padded by 16 bytes) and one float; per slot one int.
 constexpr int64_t cuda_workspace_bytes(int64_t L, int64_t N, int64_t HV) {
-  const int64_t slots = L / kCheckpointGranule + N;
+  const int64_t slots = cuda_chunk_slots(L, N);
   constexpr int64_t kPerSlotAndHead = (3 * 64 * 136 + 128 * 72 + 64 * 72) * 2 + 4;
   return slots * HV * kPerSlotAndHead + slots * 4;
 }
