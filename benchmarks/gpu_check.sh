@@ -143,7 +143,7 @@ if has sanitize; then
   # The prefill kernels' shared tiles: racecheck on their checkpoint and invalid-row cases.
   for run in "memcheck:*:-*ReplayCudaChain*" "memcheck:*ReplayCudaChain*r8*" \
              "racecheck:*DecodeMtp*:*ReplayCuda.*" "racecheck:*ReplayCudaChain*closed_form*3_steps*" \
-             "racecheck:*PrefillCuda.Checkpoints*:*PrefillCuda.Invalid*:*PrefillCuda.EverySplit*:*GpuConvPrefill*"; do
+             "racecheck:*PrefillCuda.Checkpoints*:*PrefillCuda.Invalid*:*GpuConvPrefill*"; do
     tool=${run%%:*}
     sanitize_run "$tool" "$tool" 25 "$BUILD/tests/cpp/gdn_gpu_tests" --gtest_brief=1 \
       --gtest_filter="${run#*:}"

@@ -17,7 +17,6 @@
 #include "device_mirror.hpp"
 #include "gdn/kernels/cuda_api_prefill.hpp"
 #include "gdn/prefill/cpu.hpp"
-#include "gdn/prefill/cuda.cuh"
 #include "gpu_skip.hpp"
 #include "prefill_case.hpp"
 
@@ -26,8 +25,7 @@ namespace {
 
 using namespace testing;
 
-// split: CTAs per (request, value head) of the state pass (0: the launch rules' choice).
-Status gpu_prefill(const Params& host, int split = 0) {
+Status gpu_prefill(const Params& host) {
   Params p = host;
   std::vector<TensorView*> views = {&p.mixed_qkv,
                                     &p.a,
@@ -44,12 +42,10 @@ Status gpu_prefill(const Params& host, int split = 0) {
                                     &p.final_state_indices,
                                     &p.checkpoint_indices,
                                     &p.workspace};
-  return gdn::testing::run_mirrored(views, [&] {
-    return split == 0 ? cuda_api::prefill(p, nullptr) : launch_cuda(p, nullptr, split);
-  });
+  return gdn::testing::run_mirrored(views, [&] { return cuda_api::prefill(p, nullptr); });
 }
 
-const Runner kGpu = [](const Params& p) { return gpu_prefill(p); };
+const Runner kGpu = gpu_prefill;
 
 // The CUDA kernel's head dims; two key heads.
 CaseConfig gpu_config(std::vector<int64_t> T, int64_t ratio = 2, DType state = DType::kFloat32,
@@ -297,42 +293,6 @@ TEST(PrefillCuda, RequestsWhoseChunkSlotsCollideAreRefused) {
     ASSERT_EQ(broken.c.out.get(e), alone.c.out.get(e)) << e;
   for (int64_t e = 0; e < broken.c.state.count; ++e)
     ASSERT_EQ(broken.c.state.get(e), alone.c.state.get(e)) << e;
-}
-
-// A head's state rows on 1, 2 or 4 CTAs (a cluster; the norm's partials pushed between them) give
-// the same bits: chunk edges, checkpoints, in place, a null initial slot, both layouts.
-TEST(PrefillCuda, EverySplitOfAHeadGivesTheSameBits) {
-  GDN_SKIP_WITHOUT_GPU();
-  int major = 0;
-  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
-  if (major < 9) GTEST_SKIP() << "splitting a head needs thread-block clusters (sm_90+)";
-  for (const StateLayout layout : {StateLayout::kVK, StateLayout::kKV}) {
-    SCOPED_TRACE(layout == StateLayout::kVK ? "vk" : "kv");
-    const DType state = layout == StateLayout::kVK ? DType::kFloat32 : DType::kBFloat16;
-    const CaseConfig g = gpu_config({1, 64, 200, 129, 0}, 2, state, layout, 31);
-    std::vector<PrefillCase> runs;
-    runs.reserve(3);
-    for (const int split : {1, 2, 4}) {
-      runs.emplace_back(g, std::vector<int64_t>{0, -1, 2, 3, 4},
-                        std::vector<int64_t>{5, 6, 2, 7, 8}, 64, 3);
-      PrefillCase& pc = runs.back();
-      pc.checkpoints = {-1, -1, -1, 9, -1, -1, 10, 11, -1, 12, 13, -1, -1, -1, -1};
-      pc.c.poison_out();
-      const Status s = gpu_prefill(pc.params(), split);
-      ASSERT_TRUE(s.is_ok()) << "split " << split << ": " << s.reason();
-    }
-    for (size_t r = 1; r < runs.size(); ++r) {
-      SCOPED_TRACE(r == 1 ? "split 2" : "split 4");
-      for (int64_t e = 0; e < runs[0].c.out.count; ++e) {
-        const float a = runs[0].c.out.get(e), b = runs[r].c.out.get(e);
-        ASSERT_TRUE(a == b || (std::isnan(a) && std::isnan(b))) << e;
-      }
-      for (int64_t e = 0; e < runs[0].c.state.count; ++e)
-        ASSERT_EQ(runs[0].c.state.get(e), runs[r].c.state.get(e)) << e;
-    }
-  }
-  PrefillCase pc(gpu_config({70}), {0}, {1});
-  EXPECT_FALSE(gpu_prefill(pc.params(), 3).is_ok());
 }
 
 // On CUDA mixed_qkv, z and out share one dtype; another mix is refused before anything runs.

@@ -41,7 +41,6 @@ using gdn::cuda::device_type;
 using gdn::cuda::DeviceInfo;
 using gdn::cuda::kernel_ptx_version;
 using gdn::cuda::kMaxDevices;
-using gdn::cuda::launch_ex;
 
 template <class StateT>
 inline size_t shared_bytes(int S, int split, int buffers, bool replay, bool closed_form,
@@ -49,6 +48,41 @@ inline size_t shared_bytes(int S, int split, int buffers, bool replay, bool clos
   return size_t(SmemPlan(S, kHeadDim / split, int(sizeof(StateT)), buffers, replay, closed_form,
                          z_bytes, tensor_cores)
                     .total);
+}
+
+// Launches `kernel` with the config's grid, block and shared memory on `stream`, as a cluster of
+// `cluster` CTAs when > 1 and with programmatic dependent launch when `pdl`.
+template <class Kernel, class Args>
+inline Status launch_ex(Kernel kernel, dim3 grid, dim3 block, size_t smem, int cluster, bool pdl,
+                        cudaStream_t stream, const Args& args, const char* what) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attr[2];
+  unsigned num_attrs = 0;
+  if (cluster > 1) {
+    attr[num_attrs].id = cudaLaunchAttributeClusterDimension;
+    attr[num_attrs].val.clusterDim.x = unsigned(cluster);
+    attr[num_attrs].val.clusterDim.y = 1;
+    attr[num_attrs].val.clusterDim.z = 1;
+    ++num_attrs;
+  }
+  if (pdl) {  // may start before the previous launch ends; the kernel waits before any read
+    attr[num_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[num_attrs].val.programmaticStreamSerializationAllowed = 1;
+    ++num_attrs;
+  }
+  config.attrs = attr;
+  config.numAttrs = num_attrs;
+  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, args);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return Status(StatusCode::kCudaError,
+                  std::string(what) + ": kernel launch failed: " + cudaGetErrorString(err));
+  }
+  return Status::ok();
 }
 
 // Whether replay's closed form on tensor cores can run on `device`: a 16-bit state and a kernel

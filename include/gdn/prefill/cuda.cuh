@@ -117,14 +117,14 @@ inline KernelArgs kernel_args(const Params& p, const Problem& pr) {
 
 // Launches prefill on `stream`, on the current device (gdn::cuda_api::prefill makes the arrays'
 // device current).
-inline Status launch_cuda(const Params& p, cudaStream_t stream, int split_request = 0) {
+inline Status launch_cuda(const Params& p, cudaStream_t stream) {
   Problem pr;
   GDN_RETURN_IF_ERROR(check_arguments(p, &pr));
   if (pr.device.type != DeviceType::kCUDA)
     return Status::invalid("launch_cuda was given tensors on " + to_string(pr.device));
   GDN_RETURN_IF_ERROR(check_cuda_support(p, pr));
   if (pr.N == 0 || pr.L == 0) return Status::ok();
-  if (pr.N * pr.HV > 0x7fffffff || cuda_chunk_slots(pr.L, pr.N) * pr.HV > 0x7fffffff)
+  if (pr.N * pr.HV > 0x7fffffff || cuda_chunk_slots(pr.L, pr.N) > 0x7fffffff || pr.HV > 65535)
     return Status::unsupported("prefill: N = " + std::to_string(pr.N) +
                                ", L = " + std::to_string(pr.L) + ", HV = " + std::to_string(pr.HV) +
                                " exceed the launch grid");
@@ -145,48 +145,25 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream, int split_reques
   }
   const auto launch = [&]<class T>() -> Status {
     namespace d = cuda_detail;
-    // The state pass takes two buffers where the device's shared memory holds them (the next
-    // chunk's copy overlaps the current chunk's work), else one. On sm_90 a head's rows go over 2
-    // or 4 CTAs (a cluster) when the requests' heads would leave SMs idle: one CTA per SM, so split
-    // heads <= SMs.
-    const int64_t heads = pr.N * pr.HV;
-    const bool two_stages = device.shared_per_cta >= d::kStateSharedBytes<T, 2>;
-    static std::atomic<int> ptx_cache[cuda::kMaxDevices];
-    const bool clusters = two_stages && device.major >= 9 &&
-                          cuda::kernel_ptx_version(d::prefill_state_kernel<T, 2, 2>,
-                                                   pr.device.index, ptx_cache) >= 90;
-    int split = split_request;
-    if (split == 0)
-      split = !clusters                      ? 1
-              : heads * 4 <= device.sm_count ? 4
-              : heads * 2 <= device.sm_count ? 2
-                                             : 1;
-    if (split != 1 && split != 2 && split != 4)
-      return Status::invalid("prefill: split must be 1, 2 or 4, got " + std::to_string(split));
-    if (split > 1 && !clusters)
-      return Status::unsupported(
-          "prefill: splitting a head over CTAs needs thread-block clusters (sm_90 and a kernel "
-          "image built for it) and two chunk buffers of shared memory");
-    if (heads * split > 0x7fffffff)
-      return Status::unsupported("prefill: too many (request, value head) pairs for one launch");
     static std::atomic<int> chunk_shared_set[cuda::kMaxDevices];
     GDN_RETURN_IF_ERROR(cuda::allow_dynamic_shared(d::prefill_chunk_kernel<T>, pr.device.index,
                                                    d::kChunkSharedBytes, chunk_shared_set));
-    d::prefill_chunk_kernel<T>
-        <<<unsigned(args.chunk_slots * pr.HV), d::kThreads, d::kChunkSharedBytes, stream>>>(args);
-    const auto state_pass = [&]<int kStages, int kSplit>() -> Status {
+    d::prefill_chunk_kernel<T><<<dim3(unsigned(args.chunk_slots), unsigned(pr.HV)), d::kThreads,
+                                 d::kChunkSharedBytes, stream>>>(args);
+    const auto state_pass = [&]<int kStages>() -> Status {
       static std::atomic<int> state_shared_set[cuda::kMaxDevices];
       constexpr int bytes = d::kStateSharedBytes<T, kStages>;
-      const auto kernel = d::prefill_state_kernel<T, kStages, kSplit>;
-      GDN_RETURN_IF_ERROR(
-          cuda::allow_dynamic_shared(kernel, pr.device.index, bytes, state_shared_set));
-      return cuda::launch_ex(kernel, dim3(unsigned(heads * kSplit)), dim3(d::kThreads / kSplit),
-                             bytes, kSplit, false, stream, args, "prefill");
+      GDN_RETURN_IF_ERROR(cuda::allow_dynamic_shared(d::prefill_state_kernel<T, kStages>,
+                                                     pr.device.index, bytes, state_shared_set));
+      d::prefill_state_kernel<T, kStages>
+          <<<unsigned(pr.N * pr.HV), d::kThreads, bytes, stream>>>(args);
+      return Status::ok();
     };
-    if (!two_stages) return state_pass.template operator()<1, 1>();
-    if (split == 4) return state_pass.template operator()<2, 4>();
-    if (split == 2) return state_pass.template operator()<2, 2>();
-    return state_pass.template operator()<2, 1>();
+    // Two buffers where the device's shared memory holds them (the next chunk's copy overlaps the
+    // current chunk's work), else one.
+    return device.shared_per_cta >= d::kStateSharedBytes<T, 2>
+               ? state_pass.template operator()<2>()
+               : state_pass.template operator()<1>();
   };
   Status status = Status::unsupported(
       "prefill: mixed_qkv dtype " + std::string(to_string(p.mixed_qkv.dtype)) + " not compiled in");

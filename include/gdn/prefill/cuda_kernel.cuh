@@ -207,7 +207,7 @@ struct ChunkShared {
     } inv;
   } u;
   bf16 p[kChunk][kLdNarrow];  // P
-  float merge[32][36];        // products of the inverse's block merges (16-byte rows)
+  float merge[32][33];        // products of the inverse's block merges
   float cum[kChunk];          // G_t
   float beta[kChunk];
   float log_decay[kChunk];  // g_t
@@ -394,9 +394,8 @@ __device__ __forceinline__ void chunk_scores(ChunkShared& sh, int warp, int lane
 // inv = (I + A)^-1, A strictly lower (fp32), then its bf16 copies scaled by beta_s and by beta_s
 // gamma_s along columns. Phases with a barrier each: the 16 x 16 diagonal blocks by forward
 // substitution (one thread per column), then merges 16 -> 32 and 32 -> 64 with X = A_lo,hi-off
-// inv_diag and inv_off = -inv_lower_diag X. Only the leading 16 blocks16 rows and columns are
-// complete (merges past them are skipped) and copied: the products read no others.
-__device__ __forceinline__ void invert_triangle(ChunkShared& sh, int tid, int blocks16) {
+// inv_diag and inv_off = -inv_lower_diag X.
+__device__ __forceinline__ void invert_triangle(ChunkShared& sh, int tid) {
   float (&a)[kChunk][kLdF32] = sh.u.tri.a;
   float (&inv)[kChunk][kLdF32] = sh.u.tri.inv;
   if (tid < kChunk) {
@@ -422,79 +421,59 @@ __device__ __forceinline__ void invert_triangle(ChunkShared& sh, int tid, int bl
     }
   }
   __syncthreads();
-  if (blocks16 > 1) {
-    // 16 -> 32: blocks (1, 0) and (3, 2). The sums run over whole blocks: A and inv hold explicit
-    // zeros above their diagonals, so fixed-length unrolled loops need no bounds.
+  // 16 -> 32: blocks (1, 0) and (3, 2). The sums run over whole blocks: A and inv hold explicit
+  // zeros above their diagonals, so fixed-length unrolled loops need no bounds.
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int e = tid + kThreads * i;
-      const int pair = e / 256, r = (e / 16) % 16, c = e % 16, lo = 32 * pair, hi = lo + 16;
-      float x = 0.0f;
+  for (int i = 0; i < 2; ++i) {
+    const int e = tid + kThreads * i;
+    const int pair = e / 256, r = (e / 16) % 16, c = e % 16, lo = 32 * pair, hi = lo + 16;
+    float x = 0.0f;
 #pragma unroll
-      for (int m = 0; m < 16; ++m) x += a[hi + r][lo + m] * inv[lo + m][lo + c];
-      sh.merge[16 * pair + r][c] = x;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int e = tid + kThreads * i;
-      const int pair = e / 256, r = (e / 16) % 16, c = e % 16, lo = 32 * pair, hi = lo + 16;
-      float x = 0.0f;
-#pragma unroll
-      for (int m = 0; m < 16; ++m) x += inv[hi + r][hi + m] * sh.merge[16 * pair + m][c];
-      inv[hi + r][lo + c] = -x;
-    }
-    __syncthreads();
+    for (int m = 0; m < 16; ++m) x += a[hi + r][lo + m] * inv[lo + m][lo + c];
+    sh.merge[16 * pair + r][c] = x;
   }
-  if (blocks16 > 2) {
-    // 32 -> 64: block (rows 32.., columns ..32). Thread: row tid / 8, columns 4 (tid % 8)..: one
-    // broadcast and one 16-byte read per four products.
-    static_assert(kThreads == 8 * 32, "a thread per four entries of a 32 x 32 block");
-    {
-      const int r = tid / 8, c = 4 * (tid % 8);
-      float x[4] = {};
+  __syncthreads();
 #pragma unroll
-      for (int m = 0; m < 32; ++m) {
-        const float am = a[32 + r][m];
-        const float4 im = *reinterpret_cast<const float4*>(&inv[m][c]);
-        x[0] += am * im.x;
-        x[1] += am * im.y;
-        x[2] += am * im.z;
-        x[3] += am * im.w;
-      }
-      *reinterpret_cast<float4*>(&sh.merge[r][c]) = make_float4(x[0], x[1], x[2], x[3]);
-    }
-    __syncthreads();
-    {
-      const int r = tid / 8, c = 4 * (tid % 8);
-      float x[4] = {};
+  for (int i = 0; i < 2; ++i) {
+    const int e = tid + kThreads * i;
+    const int pair = e / 256, r = (e / 16) % 16, c = e % 16, lo = 32 * pair, hi = lo + 16;
+    float x = 0.0f;
 #pragma unroll
-      for (int m = 0; m < 32; ++m) {
-        const float im = inv[32 + r][32 + m];
-        const float4 xm = *reinterpret_cast<const float4*>(&sh.merge[m][c]);
-        x[0] += im * xm.x;
-        x[1] += im * xm.y;
-        x[2] += im * xm.z;
-        x[3] += im * xm.w;
-      }
-      *reinterpret_cast<float4*>(&inv[32 + r][c]) = make_float4(-x[0], -x[1], -x[2], -x[3]);
-    }
-    __syncthreads();
+    for (int m = 0; m < 16; ++m) x += inv[hi + r][hi + m] * sh.merge[16 * pair + m][c];
+    inv[hi + r][lo + c] = -x;
   }
+  __syncthreads();
+  // 32 -> 64: block (rows 32.., columns ..32).
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int e = tid + kThreads * i, r = e / 32, c = e % 32;
+    float x = 0.0f;
+#pragma unroll
+    for (int m = 0; m < 32; ++m) x += a[32 + r][m] * inv[m][c];
+    sh.merge[r][c] = x;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int e = tid + kThreads * i, r = e / 32, c = e % 32;
+    float x = 0.0f;
+#pragma unroll
+    for (int m = 0; m < 32; ++m) x += inv[32 + r][32 + m] * sh.merge[m][c];
+    inv[32 + r][c] = -x;
+  }
+  __syncthreads();
   // The scaled copies overlay the fp32 triangle: read all of this thread's entries first.
   constexpr int kPerThread = kChunk * kChunk / kThreads;
-  const int used = 16 * blocks16;
   float x[kPerThread];
 #pragma unroll
   for (int r = 0; r < kPerThread; ++r) {
     const int e = tid + kThreads * r;
-    x[r] = e / kChunk < used && e % kChunk < used ? inv[e / kChunk][e % kChunk] : 0.0f;
+    x[r] = inv[e / kChunk][e % kChunk];
   }
   __syncthreads();
 #pragma unroll
   for (int r = 0; r < kPerThread; ++r) {
     const int e = tid + kThreads * r, t = e / kChunk, s = e % kChunk;
-    if (t >= used || s >= used) continue;
     const float xb = x[r] * sh.beta[s];
     sh.u.inv.times_beta[t][s] = __float2bfloat16_rn(xb);
     sh.u.inv.times_beta_gamma[t][s] = __float2bfloat16_rn(xb * expf(sh.cum[s]));
@@ -529,7 +508,6 @@ __device__ __forceinline__ void store_writes(ChunkShared& sh, ChunkTiles& out, i
       mma::load_a_transposed(a, &sh.v[0][0], kLdWide, 16 * warp, kk, lane);
 #pragma unroll
       for (int j = 0; j < 8; j += 2) {
-        if (j / 2 >= blocks16) break;  // token columns past the used blocks stay zero
         uint32_t b[4];
         mma::load_b_pair(b, &sh.u.inv.times_beta[0][0], kLdNarrow, 8 * j, kk, lane);
         mma::mma_16bit<bf16>(acc[j], a, b[0], b[1]);
@@ -570,26 +548,22 @@ __device__ __forceinline__ void store_writes(ChunkShared& sh, ChunkTiles& out, i
     }
   }
   __syncthreads();
-  // The used token rows of W and columns of U^T only (16-byte pieces).
-  constexpr int kWide = kHeadDim / 8;
-  const int used = 16 * blocks16, narrow = used / 8;
-  for (int e = tid; e < used * kWide; e += kThreads) {
+  constexpr int kWide = kHeadDim / 8, kNarrow = kChunk / 8;  // 16-byte pieces per row
+  for (int e = tid; e < kChunk * kWide; e += kThreads) {
     const int r = e / kWide, c = 8 * (e % kWide);
     *reinterpret_cast<uint4*>(&out.w[r][c]) = *reinterpret_cast<const uint4*>(&sh.v[r][c]);
   }
-  for (int e = tid; e < kHeadDim * narrow; e += kThreads) {
-    const int r = e / narrow, c = 8 * (e % narrow);
+  for (int e = tid; e < kHeadDim * kNarrow; e += kThreads) {
+    const int r = e / kNarrow, c = 8 * (e % kNarrow);
     *reinterpret_cast<uint4*>(&out.ut[r][c]) = *reinterpret_cast<const uint4*>(&ut[ut_index(r, c)]);
   }
 }
 
-// The used token rows of the decayed q and k and of P, copied 16 bytes at a time.
-__device__ __forceinline__ void store_decayed(const ChunkShared& sh, ChunkTiles& out, int tid,
-                                              int blocks16) {
+// The decayed q and k and P, copied 16 bytes at a time.
+__device__ __forceinline__ void store_decayed(const ChunkShared& sh, ChunkTiles& out, int tid) {
   const float end = sh.cum[kChunk - 1];
-  const int used = 16 * blocks16;
   constexpr int kRowChunks = kHeadDim / 8;
-  for (int e = tid; e < used * kRowChunks; e += kThreads) {
+  for (int e = tid; e < kChunk * kRowChunks; e += kThreads) {
     const int t = e / kRowChunks, c = 8 * (e % kRowChunks);
     *reinterpret_cast<uint4*>(&out.q[t][c]) =
         scale_bf16x8(*reinterpret_cast<const uint4*>(&sh.q[t][c]), expf(sh.cum[t]));
@@ -597,21 +571,20 @@ __device__ __forceinline__ void store_decayed(const ChunkShared& sh, ChunkTiles&
         scale_bf16x8(*reinterpret_cast<const uint4*>(&sh.k[t][c]), expf(end - sh.cum[t]));
   }
   constexpr int kPRowChunks = kChunk / 8;
-  for (int e = tid; e < used * kPRowChunks; e += kThreads) {
+  for (int e = tid; e < kChunk * kPRowChunks; e += kThreads) {
     const int t = e / kPRowChunks, c = 8 * (e % kPRowChunks);
     *reinterpret_cast<uint4*>(&out.p[t][c]) = *reinterpret_cast<const uint4*>(&sh.p[t][c]);
   }
 }
 
-// Grid chunk_slots * HV: one CTA per (workspace slot, value head), the heads of a slot adjacent
-// (value heads that share a key head read its q and k rows while they are in L2). Act: the
-// element type of mixed_qkv.
+// Grid (chunk_slots, HV): one CTA per (workspace slot, value head). Act: the element type of
+// mixed_qkv.
 template <class Act>
 __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_kernel(const KernelArgs args) {
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   ChunkShared& sh = *reinterpret_cast<ChunkShared*>(shared_bytes);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int64_t slot = int64_t(blockIdx.x) / args.HV, hv = int64_t(blockIdx.x) % args.HV;
+  const int64_t slot = blockIdx.x, hv = blockIdx.y;
   const Workspace ws = workspace_of(args.workspace, args.chunk_slots, args.HV);
   if (tid == 0) find_chunk(args, ws, sh, slot, hv == 0);
   __syncthreads();
@@ -631,39 +604,28 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_kernel(const Kernel
   const int blocks16 = (n + 15) / 16;
   chunk_scores(sh, warp, lane, blocks16);
   __syncthreads();
-  invert_triangle(sh, tid, blocks16);
+  invert_triangle(sh, tid);
   __syncthreads();
   ChunkTiles& out = ws.tiles[slot * args.HV + hv];
   store_writes(sh, out, warp, lane, tid, blocks16);
-  store_decayed(sh, out, tid, blocks16);
+  store_decayed(sh, out, tid);
   if (tid == 0) ws.gamma_end[slot * args.HV + hv] = expf(sh.cum[kChunk - 1]);
 }
 
 // ---- the state kernel ---------------------------------------------------------------------------
-//
-// A (request, value head) runs on kSplit CTAs (1, 2 or 4; a thread-block cluster when > 1), CTA r
-// holding state rows r R.. (R = 128 / kSplit) in its 8 / kSplit warps: the rows are independent
-// but for the gated RMSNorm's sum over all 128, so each warp pushes its per-token partial sums
-// into every CTA of the cluster (st.async, counted by that CTA's norm barrier) and every CTA adds
-// the eight partials in warp order: the result does not depend on the split. A split runs one
-// request's chunks on more SMs when requests are too few to fill the device.
 
-// One chunk's tiles in shared memory, and its z rows (a CTA copies its rows of U^T and its
-// columns of z only).
+// One chunk's tiles in shared memory, and its z rows.
 template <class Act>
 struct StateBuffer : ChunkTiles {
   Act z[kChunk][kHeadDim + 16 / sizeof(Act)];
 };
 
 // kStages buffers: with two, the next chunk's tiles are copied in while the current one runs.
-// The partials alternate between two sets by chunk parity: a peer pushes chunk c + 2's partials
-// only after this CTA has pushed chunk c + 1's, which it does after reading chunk c's.
 template <class Act, int kStages>
 struct StateShared {
   StateBuffer<Act> buf[kStages];
-  float partial[2][kWarps][kChunk];  // warp w's sum of o^2 over its 16 state rows, per token
+  float partial[kWarps][kChunk];  // each warp's sum of o^2 over its 16 state rows, per token
   float norm_weight[kHeadDim];
-  uint64_t norm_bar[2];  // per parity: the peers' partials have landed
 };
 
 // The fp32 output tile o[t][v] overlays w and q of the chunk's buffer, which are dead by then.
@@ -685,29 +647,29 @@ __device__ __forceinline__ int64_t state_offset(const KernelArgs& args, int64_t 
   return head + (args.layout == StateLayout::kVK ? v * kHeadDim + k : k * kHeadDim + v);
 }
 
-// The state accumulators of a warp: rows v = v0 + lane / 4 (+ 8), columns k = 8 j + 2 (lane % 4)
-// (+ 1), for the 16 column tiles j; v0 = 16 times the warp's index among all 8 of the head.
+// The state accumulators of a warp: rows v = 16 w + lane / 4 (+ 8), columns k = 8 j + 2 (lane % 4)
+// (+ 1), for the 16 column tiles j.
 struct StateTile {
   float d[16][4];
 };
 
 __device__ __forceinline__ void store_state(const KernelArgs& args, int64_t slot, int64_t hv,
-                                            int v0, int lane, const StateTile& s) {
-  const int v = v0 + lane / 4;
+                                            int warp, int lane, const StateTile& s) {
+  const int v0 = 16 * warp + lane / 4;
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
     const int k0 = 8 * j + 2 * (lane % 4);
 #pragma unroll
     for (int e = 0; e < 4; ++e)
       dev::store_value(args.state, args.state_dtype,
-                       state_offset(args, slot, hv, v + 8 * (e / 2), k0 + e % 2), s.d[j][e]);
+                       state_offset(args, slot, hv, v0 + 8 * (e / 2), k0 + e % 2), s.d[j][e]);
   }
 }
 
 // The warp's state accumulators from the slot (zeros for a null slot); all 64 loads in flight.
-__device__ __forceinline__ void load_state(const KernelArgs& args, int64_t slot, int64_t hv, int v0,
-                                           int lane, StateTile& s) {
-  const int v = v0 + lane / 4;
+__device__ __forceinline__ void load_state(const KernelArgs& args, int64_t slot, int64_t hv,
+                                           int warp, int lane, StateTile& s) {
+  const int v0 = 16 * warp + lane / 4;
   if (slot < 0) {
 #pragma unroll
     for (int j = 0; j < 16; ++j)
@@ -723,49 +685,43 @@ __device__ __forceinline__ void load_state(const KernelArgs& args, int64_t slot,
       const int k0 = 8 * j + 2 * (lane % 4);
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        s.d[j][e] = to_f32(pool[state_offset(args, slot, hv, v + 8 * (e / 2), k0 + e % 2)]);
+        s.d[j][e] = to_f32(pool[state_offset(args, slot, hv, v0 + 8 * (e / 2), k0 + e % 2)]);
     }
   });
 }
 
-// Starts copying chunk slot `slot`'s tiles, rows [row0, row0 + kRows) of U^T and those columns of
-// the z rows of its n tokens into `b`, as one cp.async group of this thread. The chunk kernel
-// writes the first ceil(n / 16) blocks of 16 token rows (U^T: columns) only, zero past n; only they
-// are copied, as the products read no others.
-template <class Act, int kThreadCount, int kRows>
+// Starts copying chunk slot `slot`'s tiles and the z rows of its n tokens into `b`, as one
+// cp.async group of this thread. Token rows past n are zero in the workspace; only the first
+// ceil(n / 16) blocks of 16 token rows are copied, as the products read no others.
+template <class Act>
 __device__ __forceinline__ void start_chunk_copy(const KernelArgs& args, const Workspace& ws,
                                                  int64_t slot, int64_t hv, int64_t first_row, int n,
-                                                 int row0, StateBuffer<Act>& b, int tid) {
+                                                 StateBuffer<Act>& b, int tid) {
   const ChunkTiles& src = ws.tiles[slot * args.HV + hv];
   const int rows = 16 * ((n + 15) / 16);
   // A prefix of `count` 16-byte pieces of a tile.
   const auto copy = [tid](void* to, const void* from, int count) {
-    for (int e = tid; e < count; e += kThreadCount)
+    for (int e = tid; e < count; e += kThreads)
       mma::cp_async_16(static_cast<uint4*>(to) + e, static_cast<const uint4*>(from) + e);
   };
   constexpr int kWideRow = kLdWide * 2 / 16, kNarrowRow = kLdNarrow * 2 / 16;
   copy(&b.w[0][0], &src.w[0][0], rows * kWideRow);
   copy(&b.q[0][0], &src.q[0][0], rows * kWideRow);
   copy(&b.k[0][0], &src.k[0][0], rows * kWideRow);
-  // U^T's rows [row0, row0 + kRows), their columns of the used token blocks.
-  const int ut_pieces = rows / 8;
-  for (int e = tid; e < kRows * ut_pieces; e += kThreadCount) {
-    const int r = row0 + e / ut_pieces, c = 8 * (e % ut_pieces);
-    mma::cp_async_16(&b.ut[r][c], &src.ut[r][c]);
-  }
+  copy(&b.ut[0][0], &src.ut[0][0], kHeadDim * kNarrowRow);
   copy(&b.p[0][0], &src.p[0][0], rows * kNarrowRow);
   if (args.z) {
-    const Act* z = static_cast<const Act*>(args.z) + first_row * args.z_row_stride +
-                   hv * args.z_head_stride + row0;
-    constexpr int kPer16 = 16 / int(sizeof(Act)), kZPieces = kRows / kPer16;
-    for (int e = tid; e < n * kZPieces; e += kThreadCount) {
+    const Act* z =
+        static_cast<const Act*>(args.z) + first_row * args.z_row_stride + hv * args.z_head_stride;
+    constexpr int kPer16 = 16 / int(sizeof(Act)), kZPieces = kHeadDim / kPer16;
+    for (int e = tid; e < n * kZPieces; e += kThreads) {
       const int r = e / kZPieces, c = kPer16 * (e % kZPieces);
       const Act* from = z + r * args.z_row_stride + c;
       if (args.z_rows_aligned) {
-        mma::cp_async_16(&b.z[r][row0 + c], from);
+        mma::cp_async_16(&b.z[r][c], from);
       } else {
 #pragma unroll
-        for (int x = 0; x < kPer16; ++x) b.z[r][row0 + c + x] = from[x];
+        for (int x = 0; x < kPer16; ++x) b.z[r][c + x] = from[x];
       }
     }
   }
@@ -807,16 +763,15 @@ __device__ __forceinline__ float gate_value(const KernelArgs& args, float z) {
   return (args.gate == GateActivation::kSiLU ? z : 1.0f) * dev::fast_sigmoid(z);
 }
 
-// One chunk of one (request, value head), the warp's 16 state rows v0..: Delta^T = U^T - S W^T;
-// o^T = S q~^T + Delta^T P^T; S = gamma_end S + Delta^T k~. The outputs land (fp32, rounded to
-// Act if asked) in the output tile, their per-token sums of squares in partial[parity][gw] of this
-// CTA and of its kSplit - 1 peers (gw: the warp's index among the head's 8).
-template <int kSplit, class Act, int kStages>
+// One chunk of one (request, value head), the warp's 16 state rows v0 = 16 w..: Delta^T = U^T -
+// S W^T; o^T = S q~^T + Delta^T P^T; S = gamma_end S + Delta^T k~. The outputs land (fp32, rounded
+// to Act if asked) in the output tile, their partial sums of squares in sh.partial.
+template <class Act, int kStages>
 __device__ __forceinline__ void run_chunk(const KernelArgs& args, StateShared<Act, kStages>& sh,
-                                          StateBuffer<Act>& b, float gamma_end, int n, int parity,
-                                          int gw, int rank, int lane, StateTile& s) {
+                                          StateBuffer<Act>& b, float gamma_end, int n, int warp,
+                                          int lane, StateTile& s) {
   const int blocks16 = (n + 15) / 16;  // blocks of 16 token rows the chunk's n tokens reach
-  const int v0 = 16 * gw;
+  const int v0 = 16 * warp;
   uint32_t sa[8][4];
   accumulators_as_a<8>(s.d, sa);
   float delta[8][4] = {};
@@ -867,7 +822,6 @@ __device__ __forceinline__ void run_chunk(const KernelArgs& args, StateShared<Ac
   // Every warp is done with w and q before the output tile overwrites them.
   __syncthreads();
   float (*out)[kLdOut] = output_tile(b);
-  float* partial = &sh.partial[parity][gw][0];
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     float ss[2];
@@ -889,43 +843,27 @@ __device__ __forceinline__ void run_chunk(const KernelArgs& args, StateShared<Ac
       ss[e] = x;
     }
     if (lane < 4) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float* at = partial + 8 * j + 2 * lane + e;
-        *at = ss[e];
-        if constexpr (kSplit > 1)
-#pragma unroll
-          for (int copy = 1; copy < kSplit; ++copy) {
-            const int peer = (rank + copy) % kSplit;
-            dev::store_to_peer(dev::cluster_shared_address(at, peer), ss[e],
-                               dev::cluster_shared_address(&sh.norm_bar[parity], peer));
-          }
-      }
+      sh.partial[warp][8 * j + 2 * lane] = ss[0];
+      sh.partial[warp][8 * j + 2 * lane + 1] = ss[1];
     }
   }
 }
 
-// The gated RMSNorm of the chunk's n output rows of this CTA's state rows [row0, row0 + kRows)
-// from the output tile, stored to out: kRows / 4 lanes per token, four values each, eight tokens
-// per thread, all eight tokens' reads issued before the first result is used.
-template <int kStateWarps, int kRows, class Act, int kStages>
+// The gated RMSNorm of the chunk's n output rows from the output tile, stored to out: warp w
+// takes tokens w, w + 8, ..., lane l values 4 l.. of each; all eight tokens' reads are issued
+// before the first result is used.
+template <class Act, int kStages>
 __device__ __forceinline__ void store_outputs(const KernelArgs& args,
                                               const StateShared<Act, kStages>& sh,
                                               StateBuffer<Act>& b, int64_t first_row, int n,
-                                              int64_t hv, int parity, int row0, int warp,
-                                              int lane) {
-  constexpr int kLanesPerToken = kRows / 4, kTokensPerPass = 32 / kLanesPerToken;
-  constexpr int kPasses = kChunk / (kStateWarps * kTokensPerPass);
-  static_assert(kPasses * kStateWarps * kTokensPerPass == kChunk, "every token once");
+                                              int64_t hv, int warp, int lane) {
+  constexpr int kPerWarp = kChunk / kWarps;
   const float (*tile)[kLdOut] = output_tile(b);
-  const int v = row0 + 4 * (lane % kLanesPerToken);
-  const auto token = [&](int r) {
-    return (r * kTokensPerPass + lane / kLanesPerToken) * kStateWarps + warp;
-  };
-  float y[kPasses][4], z[kPasses][4], ss[kPasses];
+  const int v = 4 * lane;
+  float y[kPerWarp][4], z[kPerWarp][4], ss[kPerWarp];
 #pragma unroll
-  for (int r = 0; r < kPasses; ++r) {
-    const int t = token(r);
+  for (int r = 0; r < kPerWarp; ++r) {
+    const int t = warp + kWarps * r;
     const float4 o4 = *reinterpret_cast<const float4*>(&tile[t][v]);
     y[r][0] = o4.x;
     y[r][1] = o4.y;
@@ -933,22 +871,17 @@ __device__ __forceinline__ void store_outputs(const KernelArgs& args,
     y[r][3] = o4.w;
     ss[r] = 0.0f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) ss[r] += sh.partial[parity][w][t];
-    if (args.z && t < n) {  // four elements in one 8- or 16-byte read
-      const Bits4<Act> bits = *reinterpret_cast<const Bits4<Act>*>(&b.z[t][v]);
-      bits_to_f32<Act>(bits, z[r]);
-    } else {
+    for (int w = 0; w < kWarps; ++w) ss[r] += sh.partial[w][t];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) z[r][e] = 0.0f;
-    }
+    for (int e = 0; e < 4; ++e) z[r][e] = args.z && t < n ? to_f32(b.z[t][v + e]) : 0.0f;
   }
   float weight[4];
 #pragma unroll
   for (int e = 0; e < 4; ++e) weight[e] = sh.norm_weight[v + e];
 #pragma unroll
-  for (int r = 0; r < kPasses; ++r) {
-    const int t = token(r);
-    if (t >= n) continue;
+  for (int r = 0; r < kPerWarp; ++r) {
+    const int t = warp + kWarps * r;
+    if (t >= n) break;
     if (args.norm_weight) {
       const float rstd = 1.0f / sqrtf(ss[r] / float(kHeadDim) + args.norm_eps);
 #pragma unroll
@@ -976,33 +909,16 @@ __device__ __forceinline__ void store_outputs(const KernelArgs& args,
   }
 }
 
-// Grid N * HV * kSplit: kSplit CTAs per (request, value head), its chunks in order. Act: the
-// element type of z and out.
-template <class Act, int kStages, int kSplit>
-__global__ void __launch_bounds__(kThreads / kSplit, 1)
-    prefill_state_kernel(const KernelArgs args) {
-  static_assert(kSplit == 1 || kSplit == 2 || kSplit == 4, "a head's rows over 1, 2 or 4 CTAs");
-  constexpr int kStateWarps = kWarps / kSplit, kStateThreads = 32 * kStateWarps;
-  constexpr int kRows = kHeadDim / kSplit;  // state rows of a CTA
+// Grid N * HV: one CTA per (request, value head), its chunks in order. Act: the element type of
+// z and out.
+template <class Act, int kStages>
+__global__ void __launch_bounds__(kThreads, 1) prefill_state_kernel(const KernelArgs args) {
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   StateShared<Act, kStages>& sh = *reinterpret_cast<StateShared<Act, kStages>*>(shared_bytes);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int rank = int(blockIdx.x % kSplit), row0 = kRows * rank, gw = kStateWarps * rank + warp;
-  const int64_t head = int64_t(blockIdx.x) / kSplit;
-  const int64_t i = head / args.HV, hv = head % args.HV;
-  const bool reporter = hv == 0 && rank == 0 && tid == 0;  // counts the request's error once
+  const int64_t i = int64_t(blockIdx.x) / args.HV, hv = int64_t(blockIdx.x) % args.HV;
+  const bool reporter = hv == 0 && tid == 0;  // counts the request's error once
   const Workspace ws = workspace_of(args.workspace, args.chunk_slots, args.HV);
-  if constexpr (kSplit > 1) {
-    // Every CTA's norm barriers are initialised before any peer pushes to them. Every exit
-    // below is taken by all CTAs of the cluster alike (it depends on the request only).
-    if (tid == 0) {
-      dev::mbarrier_init(&sh.norm_bar[0], 1);
-      dev::mbarrier_init(&sh.norm_bar[1], 1);
-      dev::mbarrier_init_fence();
-    }
-    dev::cluster_arrive_relaxed();
-    dev::cluster_wait();
-  }
 
   const int64_t begin = gdn::load_index(args.cu_seqlens, args.cu_dtype, i);
   const int64_t end = gdn::load_index(args.cu_seqlens, args.cu_dtype, i + 1);
@@ -1024,35 +940,32 @@ __global__ void __launch_bounds__(kThreads / kSplit, 1)
   const int64_t chunks = (T + kChunk - 1) / kChunk;
   const int64_t first_slot = first_chunk_slot(begin, i);
   bool owned = true;
-  for (int64_t j = tid; j < chunks; j += kStateThreads) owned &= ws.owner[first_slot + j] == int(i);
+  for (int64_t j = tid; j < chunks; j += kThreads) owned &= ws.owner[first_slot + j] == int(i);
   if (!__syncthreads_and(owned)) bad = true;
   if (bad) {
     if (reporter && args.error_count) atomicAdd(args.error_count, 1);
-    for (int64_t e = tid; e < T * kRows; e += kStateThreads)
+    for (int64_t e = tid; e < T * kHeadDim; e += kThreads)
       dev::store_value(args.out, args.out_dtype,
-                       ((begin + e / kRows) * args.HV + hv) * kHeadDim + row0 + e % kRows, 0.0f);
+                       ((begin + e / kHeadDim) * args.HV + hv) * kHeadDim + e % kHeadDim, 0.0f);
     return;
   }
   const int64_t initial = initial_id < args.first_valid_slot ? -1 : initial_id;
   const int64_t final_slot = final_id < args.first_valid_slot ? -1 : final_id;
 
-  if (args.norm_weight)
-    for (int e = tid; e < kHeadDim; e += kStateThreads)
-      sh.norm_weight[e] = dev::load_value(args.norm_weight, args.norm_weight_dtype, e);
+  if (args.norm_weight && tid < kHeadDim)
+    sh.norm_weight[tid] = dev::load_value(args.norm_weight, args.norm_weight_dtype, tid);
   const auto tokens = [&](int64_t c) {
     return int(T - kChunk * c < kChunk ? T - kChunk * c : kChunk);
   };
   const auto copy = [&](int64_t c) {
-    start_chunk_copy<Act, kStateThreads, kRows>(args, ws, first_slot + c, hv, begin + kChunk * c,
-                                                tokens(c), row0, sh.buf[kStages == 2 ? c & 1 : 0],
-                                                tid);
+    start_chunk_copy(args, ws, first_slot + c, hv, begin + kChunk * c, tokens(c),
+                     sh.buf[kStages == 2 ? c & 1 : 0], tid);
   };
   copy(0);
   StateTile state;
-  load_state(args, initial, hv, 16 * gw, lane, state);
+  load_state(args, initial, hv, warp, lane, state);
   for (int64_t c = 0; c < chunks; ++c) {
     StateBuffer<Act>& b = sh.buf[kStages == 2 ? c & 1 : 0];
-    const int parity = int(c & 1);
     // With two buffers the next chunk's copies run during this one; the other buffer was
     // released by the barrier that ended the previous chunk.
     if (kStages == 2 && c + 1 < chunks) {
@@ -1062,29 +975,21 @@ __global__ void __launch_bounds__(kThreads / kSplit, 1)
       mma::cp_async_wait<0>();
     }
     __syncthreads();
-    if constexpr (kSplit > 1)  // the peers' partials of this chunk, (kSplit - 1) R / 16 warps
-      if (tid == 0)
-        dev::mbarrier_arrive_expect_tx(&sh.norm_bar[parity],
-                                       uint32_t((kSplit - 1) * kStateWarps * kChunk * 4));
     const float gamma_end = ws.gamma_end[(first_slot + c) * args.HV + hv];
     const int n = tokens(c);
     const int64_t first_row = begin + kChunk * c;
-    run_chunk<kSplit>(args, sh, b, gamma_end, n, parity, gw, rank, lane, state);
+    run_chunk(args, sh, b, gamma_end, n, warp, lane, state);
     __syncthreads();
-    if constexpr (kSplit > 1) dev::mbarrier_wait(&sh.norm_bar[parity], uint32_t((c >> 1) & 1));
-    store_outputs<kStateWarps, kRows>(args, sh, b, first_row, n, hv, parity, row0, warp, lane);
+    store_outputs(args, sh, b, first_row, n, hv, warp, lane);
     const int64_t done = kChunk * c + n;
     if (args.checkpoint_indices && done % args.checkpoint_every == 0) {
       const int64_t slot = checkpoint_slot(args, i, done / args.checkpoint_every - 1);
-      if (slot >= 0) store_state(args, slot, hv, 16 * gw, lane, state);
+      if (slot >= 0) store_state(args, slot, hv, warp, lane, state);
     }
     __syncthreads();  // every warp is done with this buffer before it is refilled
     if (kStages == 1 && c + 1 < chunks) copy(c + 1);
   }
-  // No CTA exits while a push of its own to a peer may still be in flight.
-  if constexpr (kSplit > 1) dev::cluster_arrive_relaxed();
-  if (final_slot >= 0) store_state(args, final_slot, hv, 16 * gw, lane, state);
-  if constexpr (kSplit > 1) dev::cluster_wait();
+  if (final_slot >= 0) store_state(args, final_slot, hv, warp, lane, state);
 }
 
 }  // namespace gdn::prefill::cuda_detail

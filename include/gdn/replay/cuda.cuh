@@ -186,8 +186,8 @@ inline Status launch_save_window(const WindowSaveArgs& args, int64_t N, cudaStre
   // Early residency only where the image waits for the replay launch itself (sm_90 code).
   const bool pdl =
       info.major >= 9 && gdn::cuda::kernel_ptx_version(kernel, device, ptx_cache) >= 90;
-  return cuda::launch_ex(kernel, dim3(unsigned(N)), dim3(unsigned(kSaveThreads)), 0, 1, pdl, stream,
-                         args, "replay: window save");
+  return decode_mtp::cuda_detail::launch_ex(kernel, dim3(unsigned(N)), dim3(unsigned(kSaveThreads)),
+                                            0, 1, pdl, stream, args, "replay: window save");
 }
 
 // k and v move in 16-byte units where every row is aligned, else element by element.

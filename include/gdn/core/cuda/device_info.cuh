@@ -62,41 +62,6 @@ inline Status device_info(int device, DeviceInfo* info) {
   return Status::ok();
 }
 
-// Launches `kernel` with the config's grid, block and shared memory on `stream`, as a cluster of
-// `cluster` CTAs when > 1 and with programmatic dependent launch when `pdl`.
-template <class Kernel, class Args>
-inline Status launch_ex(Kernel kernel, dim3 grid, dim3 block, size_t smem, int cluster, bool pdl,
-                        cudaStream_t stream, const Args& args, const char* what) {
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attr[2];
-  unsigned num_attrs = 0;
-  if (cluster > 1) {
-    attr[num_attrs].id = cudaLaunchAttributeClusterDimension;
-    attr[num_attrs].val.clusterDim.x = unsigned(cluster);
-    attr[num_attrs].val.clusterDim.y = 1;
-    attr[num_attrs].val.clusterDim.z = 1;
-    ++num_attrs;
-  }
-  if (pdl) {  // may start before the previous launch ends; the kernel waits before any read
-    attr[num_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[num_attrs].val.programmaticStreamSerializationAllowed = 1;
-    ++num_attrs;
-  }
-  config.attrs = attr;
-  config.numAttrs = num_attrs;
-  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, args);
-  if (err != cudaSuccess) {
-    (void)cudaGetLastError();
-    return Status(StatusCode::kCudaError,
-                  std::string(what) + ": kernel launch failed: " + cudaGetErrorString(err));
-  }
-  return Status::ok();
-}
-
 // The PTX version `kernel`'s image on the current device was built for (90 = sm_90 features
 // such as clusters and bulk copies are there), cached per device by the caller's static.
 template <class Kernel>
