@@ -124,7 +124,7 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream) {
     return Status::invalid("launch_cuda was given tensors on " + to_string(pr.device));
   GDN_RETURN_IF_ERROR(check_cuda_support(p, pr));
   if (pr.N == 0 || pr.L == 0) return Status::ok();
-  if (pr.N * pr.HV > 0x7fffffff || cuda_chunk_slots(pr.L, pr.N) > 0x7fffffff || pr.HV > 65535)
+  if (pr.N * pr.HV > 0x7fffffff || cuda_chunk_slots(pr.L, pr.N) * pr.HV > 0x7fffffff)
     return Status::unsupported("prefill: N = " + std::to_string(pr.N) +
                                ", L = " + std::to_string(pr.L) + ", HV = " + std::to_string(pr.HV) +
                                " exceed the launch grid");
@@ -148,8 +148,8 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream) {
     static std::atomic<int> chunk_shared_set[cuda::kMaxDevices];
     GDN_RETURN_IF_ERROR(cuda::allow_dynamic_shared(d::prefill_chunk_kernel<T>, pr.device.index,
                                                    d::kChunkSharedBytes, chunk_shared_set));
-    d::prefill_chunk_kernel<T><<<dim3(unsigned(args.chunk_slots), unsigned(pr.HV)), d::kThreads,
-                                 d::kChunkSharedBytes, stream>>>(args);
+    d::prefill_chunk_kernel<T>
+        <<<unsigned(args.chunk_slots * pr.HV), d::kThreads, d::kChunkSharedBytes, stream>>>(args);
     const auto state_pass = [&]<int kStages>() -> Status {
       static std::atomic<int> state_shared_set[cuda::kMaxDevices];
       constexpr int bytes = d::kStateSharedBytes<T, kStages>;

@@ -207,7 +207,7 @@ struct ChunkShared {
     } inv;
   } u;
   bf16 p[kChunk][kLdNarrow];  // P
-  float merge[32][33];        // products of the inverse's block merges
+  float merge[32][36];        // products of the inverse's block merges (16-byte rows)
   float cum[kChunk];          // G_t
   float beta[kChunk];
   float log_decay[kChunk];  // g_t
@@ -394,8 +394,9 @@ __device__ __forceinline__ void chunk_scores(ChunkShared& sh, int warp, int lane
 // inv = (I + A)^-1, A strictly lower (fp32), then its bf16 copies scaled by beta_s and by beta_s
 // gamma_s along columns. Phases with a barrier each: the 16 x 16 diagonal blocks by forward
 // substitution (one thread per column), then merges 16 -> 32 and 32 -> 64 with X = A_lo,hi-off
-// inv_diag and inv_off = -inv_lower_diag X.
-__device__ __forceinline__ void invert_triangle(ChunkShared& sh, int tid) {
+// inv_diag and inv_off = -inv_lower_diag X. Only the leading 16 blocks16 rows and columns are
+// complete (merges past them are skipped) and copied: the products read no others.
+__device__ __forceinline__ void invert_triangle(ChunkShared& sh, int tid, int blocks16) {
   float (&a)[kChunk][kLdF32] = sh.u.tri.a;
   float (&inv)[kChunk][kLdF32] = sh.u.tri.inv;
   if (tid < kChunk) {
@@ -421,59 +422,79 @@ __device__ __forceinline__ void invert_triangle(ChunkShared& sh, int tid) {
     }
   }
   __syncthreads();
-  // 16 -> 32: blocks (1, 0) and (3, 2). The sums run over whole blocks: A and inv hold explicit
-  // zeros above their diagonals, so fixed-length unrolled loops need no bounds.
+  if (blocks16 > 1) {
+    // 16 -> 32: blocks (1, 0) and (3, 2). The sums run over whole blocks: A and inv hold explicit
+    // zeros above their diagonals, so fixed-length unrolled loops need no bounds.
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int e = tid + kThreads * i;
-    const int pair = e / 256, r = (e / 16) % 16, c = e % 16, lo = 32 * pair, hi = lo + 16;
-    float x = 0.0f;
+    for (int i = 0; i < 2; ++i) {
+      const int e = tid + kThreads * i;
+      const int pair = e / 256, r = (e / 16) % 16, c = e % 16, lo = 32 * pair, hi = lo + 16;
+      float x = 0.0f;
 #pragma unroll
-    for (int m = 0; m < 16; ++m) x += a[hi + r][lo + m] * inv[lo + m][lo + c];
-    sh.merge[16 * pair + r][c] = x;
+      for (int m = 0; m < 16; ++m) x += a[hi + r][lo + m] * inv[lo + m][lo + c];
+      sh.merge[16 * pair + r][c] = x;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int e = tid + kThreads * i;
+      const int pair = e / 256, r = (e / 16) % 16, c = e % 16, lo = 32 * pair, hi = lo + 16;
+      float x = 0.0f;
+#pragma unroll
+      for (int m = 0; m < 16; ++m) x += inv[hi + r][hi + m] * sh.merge[16 * pair + m][c];
+      inv[hi + r][lo + c] = -x;
+    }
+    __syncthreads();
   }
-  __syncthreads();
+  if (blocks16 > 2) {
+    // 32 -> 64: block (rows 32.., columns ..32). Thread: row tid / 8, columns 4 (tid % 8)..: one
+    // broadcast and one 16-byte read per four products.
+    static_assert(kThreads == 8 * 32, "a thread per four entries of a 32 x 32 block");
+    {
+      const int r = tid / 8, c = 4 * (tid % 8);
+      float x[4] = {};
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int e = tid + kThreads * i;
-    const int pair = e / 256, r = (e / 16) % 16, c = e % 16, lo = 32 * pair, hi = lo + 16;
-    float x = 0.0f;
+      for (int m = 0; m < 32; ++m) {
+        const float am = a[32 + r][m];
+        const float4 im = *reinterpret_cast<const float4*>(&inv[m][c]);
+        x[0] += am * im.x;
+        x[1] += am * im.y;
+        x[2] += am * im.z;
+        x[3] += am * im.w;
+      }
+      *reinterpret_cast<float4*>(&sh.merge[r][c]) = make_float4(x[0], x[1], x[2], x[3]);
+    }
+    __syncthreads();
+    {
+      const int r = tid / 8, c = 4 * (tid % 8);
+      float x[4] = {};
 #pragma unroll
-    for (int m = 0; m < 16; ++m) x += inv[hi + r][hi + m] * sh.merge[16 * pair + m][c];
-    inv[hi + r][lo + c] = -x;
+      for (int m = 0; m < 32; ++m) {
+        const float im = inv[32 + r][32 + m];
+        const float4 xm = *reinterpret_cast<const float4*>(&sh.merge[m][c]);
+        x[0] += im * xm.x;
+        x[1] += im * xm.y;
+        x[2] += im * xm.z;
+        x[3] += im * xm.w;
+      }
+      *reinterpret_cast<float4*>(&inv[32 + r][c]) = make_float4(-x[0], -x[1], -x[2], -x[3]);
+    }
+    __syncthreads();
   }
-  __syncthreads();
-  // 32 -> 64: block (rows 32.., columns ..32).
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int e = tid + kThreads * i, r = e / 32, c = e % 32;
-    float x = 0.0f;
-#pragma unroll
-    for (int m = 0; m < 32; ++m) x += a[32 + r][m] * inv[m][c];
-    sh.merge[r][c] = x;
-  }
-  __syncthreads();
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int e = tid + kThreads * i, r = e / 32, c = e % 32;
-    float x = 0.0f;
-#pragma unroll
-    for (int m = 0; m < 32; ++m) x += inv[32 + r][32 + m] * sh.merge[m][c];
-    inv[32 + r][c] = -x;
-  }
-  __syncthreads();
   // The scaled copies overlay the fp32 triangle: read all of this thread's entries first.
   constexpr int kPerThread = kChunk * kChunk / kThreads;
+  const int used = 16 * blocks16;
   float x[kPerThread];
 #pragma unroll
   for (int r = 0; r < kPerThread; ++r) {
     const int e = tid + kThreads * r;
-    x[r] = inv[e / kChunk][e % kChunk];
+    x[r] = e / kChunk < used && e % kChunk < used ? inv[e / kChunk][e % kChunk] : 0.0f;
   }
   __syncthreads();
 #pragma unroll
   for (int r = 0; r < kPerThread; ++r) {
     const int e = tid + kThreads * r, t = e / kChunk, s = e % kChunk;
+    if (t >= used || s >= used) continue;
     const float xb = x[r] * sh.beta[s];
     sh.u.inv.times_beta[t][s] = __float2bfloat16_rn(xb);
     sh.u.inv.times_beta_gamma[t][s] = __float2bfloat16_rn(xb * expf(sh.cum[s]));
@@ -508,6 +529,7 @@ __device__ __forceinline__ void store_writes(ChunkShared& sh, ChunkTiles& out, i
       mma::load_a_transposed(a, &sh.v[0][0], kLdWide, 16 * warp, kk, lane);
 #pragma unroll
       for (int j = 0; j < 8; j += 2) {
+        if (j / 2 >= blocks16) break;  // token columns past the used blocks stay zero
         uint32_t b[4];
         mma::load_b_pair(b, &sh.u.inv.times_beta[0][0], kLdNarrow, 8 * j, kk, lane);
         mma::mma_16bit<bf16>(acc[j], a, b[0], b[1]);
@@ -548,22 +570,26 @@ __device__ __forceinline__ void store_writes(ChunkShared& sh, ChunkTiles& out, i
     }
   }
   __syncthreads();
-  constexpr int kWide = kHeadDim / 8, kNarrow = kChunk / 8;  // 16-byte pieces per row
-  for (int e = tid; e < kChunk * kWide; e += kThreads) {
+  // The used token rows of W and columns of U^T only (16-byte pieces).
+  constexpr int kWide = kHeadDim / 8;
+  const int used = 16 * blocks16, narrow = used / 8;
+  for (int e = tid; e < used * kWide; e += kThreads) {
     const int r = e / kWide, c = 8 * (e % kWide);
     *reinterpret_cast<uint4*>(&out.w[r][c]) = *reinterpret_cast<const uint4*>(&sh.v[r][c]);
   }
-  for (int e = tid; e < kHeadDim * kNarrow; e += kThreads) {
-    const int r = e / kNarrow, c = 8 * (e % kNarrow);
+  for (int e = tid; e < kHeadDim * narrow; e += kThreads) {
+    const int r = e / narrow, c = 8 * (e % narrow);
     *reinterpret_cast<uint4*>(&out.ut[r][c]) = *reinterpret_cast<const uint4*>(&ut[ut_index(r, c)]);
   }
 }
 
-// The decayed q and k and P, copied 16 bytes at a time.
-__device__ __forceinline__ void store_decayed(const ChunkShared& sh, ChunkTiles& out, int tid) {
+// The used token rows of the decayed q and k and of P, copied 16 bytes at a time.
+__device__ __forceinline__ void store_decayed(const ChunkShared& sh, ChunkTiles& out, int tid,
+                                              int blocks16) {
   const float end = sh.cum[kChunk - 1];
+  const int used = 16 * blocks16;
   constexpr int kRowChunks = kHeadDim / 8;
-  for (int e = tid; e < kChunk * kRowChunks; e += kThreads) {
+  for (int e = tid; e < used * kRowChunks; e += kThreads) {
     const int t = e / kRowChunks, c = 8 * (e % kRowChunks);
     *reinterpret_cast<uint4*>(&out.q[t][c]) =
         scale_bf16x8(*reinterpret_cast<const uint4*>(&sh.q[t][c]), expf(sh.cum[t]));
@@ -571,20 +597,21 @@ __device__ __forceinline__ void store_decayed(const ChunkShared& sh, ChunkTiles&
         scale_bf16x8(*reinterpret_cast<const uint4*>(&sh.k[t][c]), expf(end - sh.cum[t]));
   }
   constexpr int kPRowChunks = kChunk / 8;
-  for (int e = tid; e < kChunk * kPRowChunks; e += kThreads) {
+  for (int e = tid; e < used * kPRowChunks; e += kThreads) {
     const int t = e / kPRowChunks, c = 8 * (e % kPRowChunks);
     *reinterpret_cast<uint4*>(&out.p[t][c]) = *reinterpret_cast<const uint4*>(&sh.p[t][c]);
   }
 }
 
-// Grid (chunk_slots, HV): one CTA per (workspace slot, value head). Act: the element type of
-// mixed_qkv.
+// Grid chunk_slots * HV: one CTA per (workspace slot, value head), the heads of a slot adjacent
+// (value heads that share a key head read its q and k rows while they are in L2). Act: the
+// element type of mixed_qkv.
 template <class Act>
 __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_kernel(const KernelArgs args) {
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   ChunkShared& sh = *reinterpret_cast<ChunkShared*>(shared_bytes);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int64_t slot = blockIdx.x, hv = blockIdx.y;
+  const int64_t slot = int64_t(blockIdx.x) / args.HV, hv = int64_t(blockIdx.x) % args.HV;
   const Workspace ws = workspace_of(args.workspace, args.chunk_slots, args.HV);
   if (tid == 0) find_chunk(args, ws, sh, slot, hv == 0);
   __syncthreads();
@@ -604,11 +631,11 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_kernel(const Kernel
   const int blocks16 = (n + 15) / 16;
   chunk_scores(sh, warp, lane, blocks16);
   __syncthreads();
-  invert_triangle(sh, tid);
+  invert_triangle(sh, tid, blocks16);
   __syncthreads();
   ChunkTiles& out = ws.tiles[slot * args.HV + hv];
   store_writes(sh, out, warp, lane, tid, blocks16);
-  store_decayed(sh, out, tid);
+  store_decayed(sh, out, tid, blocks16);
   if (tid == 0) ws.gamma_end[slot * args.HV + hv] = expf(sh.cum[kChunk - 1]);
 }
 
@@ -691,8 +718,8 @@ __device__ __forceinline__ void load_state(const KernelArgs& args, int64_t slot,
 }
 
 // Starts copying chunk slot `slot`'s tiles and the z rows of its n tokens into `b`, as one
-// cp.async group of this thread. Token rows past n are zero in the workspace; only the first
-// ceil(n / 16) blocks of 16 token rows are copied, as the products read no others.
+// cp.async group of this thread. The chunk kernel writes the first ceil(n / 16) blocks of 16 token
+// rows (U^T: columns) only, zero past n; only they are copied, as the products read no others.
 template <class Act>
 __device__ __forceinline__ void start_chunk_copy(const KernelArgs& args, const Workspace& ws,
                                                  int64_t slot, int64_t hv, int64_t first_row, int n,
@@ -708,7 +735,12 @@ __device__ __forceinline__ void start_chunk_copy(const KernelArgs& args, const W
   copy(&b.w[0][0], &src.w[0][0], rows * kWideRow);
   copy(&b.q[0][0], &src.q[0][0], rows * kWideRow);
   copy(&b.k[0][0], &src.k[0][0], rows * kWideRow);
-  copy(&b.ut[0][0], &src.ut[0][0], kHeadDim * kNarrowRow);
+  // U^T: the columns of the used token blocks.
+  const int ut_pieces = rows / 8;
+  for (int e = tid; e < kHeadDim * ut_pieces; e += kThreads) {
+    const int r = e / ut_pieces, c = 8 * (e % ut_pieces);
+    mma::cp_async_16(&b.ut[r][c], &src.ut[r][c]);
+  }
   copy(&b.p[0][0], &src.p[0][0], rows * kNarrowRow);
   if (args.z) {
     const Act* z =
@@ -872,8 +904,13 @@ __device__ __forceinline__ void store_outputs(const KernelArgs& args,
     ss[r] = 0.0f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) ss[r] += sh.partial[w][t];
+    if (args.z && t < n) {  // four elements in one 8- or 16-byte read
+      const Bits4<Act> bits = *reinterpret_cast<const Bits4<Act>*>(&b.z[t][v]);
+      bits_to_f32<Act>(bits, z[r]);
+    } else {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) z[r][e] = args.z && t < n ? to_f32(b.z[t][v + e]) : 0.0f;
+      for (int e = 0; e < 4; ++e) z[r][e] = 0.0f;
+    }
   }
   float weight[4];
 #pragma unroll
