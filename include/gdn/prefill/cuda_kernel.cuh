@@ -603,6 +603,17 @@ __device__ __forceinline__ void store_decayed(const ChunkShared& sh, ChunkTiles&
   }
 }
 
+// Everything after the cumulative decay, for the first blocks16 blocks of 16 tokens.
+__device__ __forceinline__ void chunk_products(ChunkShared& sh, ChunkTiles& out, int warp, int lane,
+                                               int tid, int blocks16) {
+  chunk_scores(sh, warp, lane, blocks16);
+  __syncthreads();
+  invert_triangle(sh, tid, blocks16);
+  __syncthreads();
+  store_writes(sh, out, warp, lane, tid, blocks16);
+  store_decayed(sh, out, tid, blocks16);
+}
+
 // Grid chunk_slots * HV: one CTA per (workspace slot, value head), the heads of a slot adjacent
 // (value heads that share a key head read its q and k rows while they are in L2). Act: the
 // element type of mixed_qkv.
@@ -628,14 +639,12 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_kernel(const Kernel
   __syncthreads();
   if (warp == 0) cumulative_decay(sh, lane);
   __syncthreads();
-  const int blocks16 = (n + 15) / 16;
-  chunk_scores(sh, warp, lane, blocks16);
-  __syncthreads();
-  invert_triangle(sh, tid, blocks16);
-  __syncthreads();
   ChunkTiles& out = ws.tiles[slot * args.HV + hv];
-  store_writes(sh, out, warp, lane, tid, blocks16);
-  store_decayed(sh, out, tid, blocks16);
+  // A full chunk's copy has a constant block count: no branches between its products.
+  if (n == kChunk)
+    chunk_products(sh, out, warp, lane, tid, kChunk / 16);
+  else
+    chunk_products(sh, out, warp, lane, tid, (n + 15) / 16);
   if (tid == 0) ws.gamma_end[slot * args.HV + hv] = expf(sh.cum[kChunk - 1]);
 }
 
@@ -774,18 +783,36 @@ __device__ __forceinline__ void accumulators_as_a(const float (*d)[4], uint32_t 
 }
 
 // acc[v][t] += sum_k S[v][k] x[t][k] for the warp's 16 state rows (sa: S as A fragments) and the
-// chunk's token rows of a 128-wide tile x, in the first blocks16 blocks of 16.
+// chunk's token rows of a 128-wide tile x, in the first blocks16 blocks of 16. A full chunk
+// (kFull) has no branches between its products and loads each fragment a k-step ahead of its
+// products: ldmatrix and mma are volatile asm, so the order written here is the order issued.
+template <bool kFull>
 __device__ __forceinline__ void state_times_tokens(const uint32_t (&sa)[8][4], const bf16* x,
                                                    int lane, int blocks16, float (&acc)[8][4]) {
+  if constexpr (kFull) {
+    uint32_t b[4][4];  // rolling: a pair's next k-step is loaded as soon as its products issue
 #pragma unroll
-  for (int kk = 0; kk < 8; ++kk) {
+    for (int m = 0; m < 4; ++m) mma::load_b_pair(b[m], x, kLdWide, 16 * m, 0, lane);
 #pragma unroll
-    for (int j = 0; j < 8; j += 2) {
-      if (j / 2 >= blocks16) break;
-      uint32_t b[4];
-      mma::load_b_pair(b, x, kLdWide, 8 * j, 16 * kk, lane);
-      mma::mma_16bit<bf16>(acc[j], sa[kk], b[0], b[1]);
-      mma::mma_16bit<bf16>(acc[j + 1], sa[kk], b[2], b[3]);
+    for (int kk = 0; kk < 8; ++kk) {
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        mma::mma_16bit<bf16>(acc[2 * m], sa[kk], b[m][0], b[m][1]);
+        mma::mma_16bit<bf16>(acc[2 * m + 1], sa[kk], b[m][2], b[m][3]);
+        if (kk + 1 < 8) mma::load_b_pair(b[m], x, kLdWide, 16 * m, 16 * (kk + 1), lane);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+#pragma unroll
+      for (int j = 0; j < 8; j += 2) {
+        if (j / 2 >= blocks16) break;
+        uint32_t b[4];
+        mma::load_b_pair(b, x, kLdWide, 8 * j, 16 * kk, lane);
+        mma::mma_16bit<bf16>(acc[j], sa[kk], b[0], b[1]);
+        mma::mma_16bit<bf16>(acc[j + 1], sa[kk], b[2], b[3]);
+      }
     }
   }
 }
@@ -797,17 +824,18 @@ __device__ __forceinline__ float gate_value(const KernelArgs& args, float z) {
 
 // One chunk of one (request, value head), the warp's 16 state rows v0 = 16 w..: Delta^T = U^T -
 // S W^T; o^T = S q~^T + Delta^T P^T; S = gamma_end S + Delta^T k~. The outputs land (fp32, rounded
-// to Act if asked) in the output tile, their partial sums of squares in sh.partial.
-template <class Act, int kStages>
+// to Act if asked) in the output tile, their partial sums of squares in sh.partial. kFull: n is
+// kChunk, every block is used and the fragments are loaded ahead of their products.
+template <bool kFull, class Act, int kStages>
 __device__ __forceinline__ void run_chunk(const KernelArgs& args, StateShared<Act, kStages>& sh,
                                           StateBuffer<Act>& b, float gamma_end, int n, int warp,
                                           int lane, StateTile& s) {
-  const int blocks16 = (n + 15) / 16;  // blocks of 16 token rows the chunk's n tokens reach
+  const int blocks16 = kFull ? 4 : (n + 15) / 16;  // blocks of 16 token rows the n tokens reach
   const int v0 = 16 * warp;
   uint32_t sa[8][4];
   accumulators_as_a<8>(s.d, sa);
   float delta[8][4] = {};
-  state_times_tokens(sa, &b.w[0][0], lane, blocks16, delta);
+  state_times_tokens<kFull>(sa, &b.w[0][0], lane, blocks16, delta);
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     const int t = 8 * j + 2 * (lane % 4);
@@ -823,32 +851,65 @@ __device__ __forceinline__ void run_chunk(const KernelArgs& args, StateShared<Ac
   uint32_t da[4][4];
   accumulators_as_a<4>(delta, da);
   float o[8][4] = {};
-  state_times_tokens(sa, &b.q[0][0], lane, blocks16, o);
+  state_times_tokens<kFull>(sa, &b.q[0][0], lane, blocks16, o);
   // P is lower triangular: token tiles 2 m, 2 m + 1 need source blocks kk <= m only.
+  if constexpr (kFull) {
+    uint32_t bp[4][4][4];  // [m][kk], kk <= m: all ten loads issued before the first product
 #pragma unroll
-  for (int m = 0; m < 4; ++m) {
-    if (m >= blocks16) break;
+    for (int m = 0; m < 4; ++m)
 #pragma unroll
-    for (int kk = 0; kk <= m; ++kk) {
-      uint32_t bp[4];
-      mma::load_b_pair(bp, &b.p[0][0], kLdNarrow, 16 * m, 16 * kk, lane);
-      mma::mma_16bit<bf16>(o[2 * m], da[kk], bp[0], bp[1]);
-      mma::mma_16bit<bf16>(o[2 * m + 1], da[kk], bp[2], bp[3]);
+      for (int kk = 0; kk <= m; ++kk)
+        mma::load_b_pair(bp[m][kk], &b.p[0][0], kLdNarrow, 16 * m, 16 * kk, lane);
+#pragma unroll
+    for (int m = 0; m < 4; ++m)
+#pragma unroll
+      for (int kk = 0; kk <= m; ++kk) {
+        mma::mma_16bit<bf16>(o[2 * m], da[kk], bp[m][kk][0], bp[m][kk][1]);
+        mma::mma_16bit<bf16>(o[2 * m + 1], da[kk], bp[m][kk][2], bp[m][kk][3]);
+      }
+  } else {
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      if (m >= blocks16) break;
+#pragma unroll
+      for (int kk = 0; kk <= m; ++kk) {
+        uint32_t bp[4];
+        mma::load_b_pair(bp, &b.p[0][0], kLdNarrow, 16 * m, 16 * kk, lane);
+        mma::mma_16bit<bf16>(o[2 * m], da[kk], bp[0], bp[1]);
+        mma::mma_16bit<bf16>(o[2 * m + 1], da[kk], bp[2], bp[3]);
+      }
     }
   }
 #pragma unroll
   for (int j = 0; j < 16; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) s.d[j][e] *= gamma_end;
+  if constexpr (kFull) {
+    uint32_t bk[8][4];  // rolling, as in state_times_tokens
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    if (kk >= blocks16) break;
+    for (int m = 0; m < 8; ++m)
+      mma::load_b_pair_transposed(bk[m], &b.k[0][0], kLdWide, 16 * m, 0, lane);
 #pragma unroll
-    for (int j = 0; j < 16; j += 2) {
-      uint32_t bk[4];
-      mma::load_b_pair_transposed(bk, &b.k[0][0], kLdWide, 8 * j, 16 * kk, lane);
-      mma::mma_16bit<bf16>(s.d[j], da[kk], bk[0], bk[1]);
-      mma::mma_16bit<bf16>(s.d[j + 1], da[kk], bk[2], bk[3]);
+    for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+      for (int m = 0; m < 8; ++m) {
+        mma::mma_16bit<bf16>(s.d[2 * m], da[kk], bk[m][0], bk[m][1]);
+        mma::mma_16bit<bf16>(s.d[2 * m + 1], da[kk], bk[m][2], bk[m][3]);
+        if (kk + 1 < 4)
+          mma::load_b_pair_transposed(bk[m], &b.k[0][0], kLdWide, 16 * m, 16 * (kk + 1), lane);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      if (kk >= blocks16) break;
+#pragma unroll
+      for (int j = 0; j < 16; j += 2) {
+        uint32_t bk[4];
+        mma::load_b_pair_transposed(bk, &b.k[0][0], kLdWide, 8 * j, 16 * kk, lane);
+        mma::mma_16bit<bf16>(s.d[j], da[kk], bk[0], bk[1]);
+        mma::mma_16bit<bf16>(s.d[j + 1], da[kk], bk[2], bk[3]);
+      }
     }
   }
   // Every warp is done with w and q before the output tile overwrites them.
@@ -1015,7 +1076,10 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_state_kernel(const Kernel
     const float gamma_end = ws.gamma_end[(first_slot + c) * args.HV + hv];
     const int n = tokens(c);
     const int64_t first_row = begin + kChunk * c;
-    run_chunk(args, sh, b, gamma_end, n, warp, lane, state);
+    if (n == kChunk)
+      run_chunk<true>(args, sh, b, gamma_end, n, warp, lane, state);
+    else
+      run_chunk<false>(args, sh, b, gamma_end, n, warp, lane, state);
     __syncthreads();
     store_outputs(args, sh, b, first_row, n, hv, warp, lane);
     const int64_t done = kChunk * c + n;
