@@ -15,6 +15,7 @@
 
 #include "gdn/conv/params.hpp"
 #include "gdn/core/cuda/device.cuh"
+#include "gdn/core/cuda/launch.cuh"
 #include "gdn/core/dispatch.hpp"
 
 namespace gdn::conv {
@@ -112,9 +113,7 @@ __global__ void __launch_bounds__(128) conv_update_kernel(const KernelArgs args)
 // memory), allocates nothing, never synchronises; safe inside CUDA-graph capture.
 inline Status launch_cuda(const Params& p, cudaStream_t stream) {
   Problem pr;
-  GDN_RETURN_IF_ERROR(check_arguments(p, &pr));
-  if (pr.device.type != DeviceType::kCUDA)
-    return Status::invalid("launch_cuda was given tensors on " + to_string(pr.device));
+  GDN_RETURN_IF_ERROR(cuda::check_cuda_call(p, &pr));
   if (pr.N == 0) return Status::ok();
   constexpr int kThreads = 128;
   const int64_t channel_blocks = (pr.D + kThreads - 1) / kThreads;
@@ -127,9 +126,9 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream) {
   a.conv_state = p.conv_state.data;
   a.conv_state_indices = p.conv_state_indices.data;
   a.cu_seqlens = p.cu_seqlens.data;
-  a.num_accepted_tokens = p.num_accepted_tokens.present() ? p.num_accepted_tokens.data : nullptr;
+  a.num_accepted_tokens = p.num_accepted_tokens.data_or_null();
   a.out = p.out.data;
-  a.error_count = p.error_count.present() ? static_cast<int*>(p.error_count.data) : nullptr;
+  a.error_count = cuda::error_counter(p.error_count);
   a.x_dtype = p.x.dtype;
   a.weight_dtype = p.weight.dtype;
   a.state_dtype = p.conv_state.dtype;
@@ -157,11 +156,7 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream) {
   dispatch_or_runtime<ConvWidths>(int(pr.W), [&]<int kWidth>() {
     cuda_detail::conv_update_kernel<kWidth><<<grid, kThreads, 0, stream>>>(a);
   });
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess)
-    return Status(StatusCode::kCudaError,
-                  std::string("causal_conv1d_update launch failed: ") + cudaGetErrorString(err));
-  return Status::ok();
+  return cuda::launch_status("causal_conv1d_update");
 }
 
 }  // namespace gdn::conv

@@ -56,6 +56,7 @@
 
 #include "gdn/conv_prefill/params.hpp"
 #include "gdn/core/cuda/device.cuh"
+#include "gdn/core/cuda/launch.cuh"
 #include "gdn/core/dispatch.hpp"
 
 namespace gdn::conv_prefill {
@@ -532,9 +533,7 @@ __global__ void __launch_bounds__(kThreads, kInPlace ? 1 : 2)
 // memory), allocates nothing, never synchronises; safe inside CUDA-graph capture.
 inline Status launch_cuda(const Params& p, cudaStream_t stream) {
   Problem pr;
-  GDN_RETURN_IF_ERROR(check_arguments(p, &pr));
-  if (pr.device.type != DeviceType::kCUDA)
-    return Status::invalid("launch_cuda was given tensors on " + to_string(pr.device));
+  GDN_RETURN_IF_ERROR(cuda::check_cuda_call(p, &pr));
   if (pr.N == 0) return Status::ok();
   // In place is out == x (check_arguments refuses any other sharing of x's pointer).
   const bool in_place = p.out.data == p.x.data && pr.L > 0;
@@ -561,7 +560,7 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream) {
   a.final_state_indices = p.final_state_indices.data;
   a.cu_seqlens = p.cu_seqlens.data;
   a.out = p.out.data;
-  a.error_count = p.error_count.present() ? static_cast<int*>(p.error_count.data) : nullptr;
+  a.error_count = cuda::error_counter(p.error_count);
   a.weight_dtype = p.weight.dtype;
   a.state_dtype = p.conv_state.dtype;
   a.out_dtype = p.out.dtype;
@@ -605,11 +604,7 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream) {
   ActivationDTypes::dispatch(p.x.dtype, [&]<DType kX>() {
     launch.template operator()<typename cuda::device_type<kX>::type>();
   });
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess)
-    return Status(StatusCode::kCudaError,
-                  std::string("causal_conv1d_prefill launch failed: ") + cudaGetErrorString(err));
-  return Status::ok();
+  return cuda::launch_status("causal_conv1d_prefill");
 }
 
 }  // namespace gdn::conv_prefill
