@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string_view>
+#include <type_traits>
 
 #include "gdn/core/host_device.hpp"
 
@@ -135,21 +136,20 @@ inline f16_t from_float<f16_t>(float f) noexcept {
   return to_f16(f);
 }
 
+// The storage type of floating DType D, given the float32, bfloat16 and float16 types of one
+// side: the host's (host_type below) and the device's (cuda::device_type) differ in the 16-bit
+// ones.
+template <DType D, class F32, class BF16, class F16>
+struct float_storage {
+  static_assert(D == DType::kFloat32 || D == DType::kBFloat16 || D == DType::kFloat16,
+                "a floating DType");
+  using type = std::conditional_t<D == DType::kFloat32, F32,
+                                  std::conditional_t<D == DType::kBFloat16, BF16, F16>>;
+};
+
 // Host storage type of a floating DType.
 template <DType D>
-struct host_type;
-template <>
-struct host_type<DType::kFloat32> {
-  using type = float;
-};
-template <>
-struct host_type<DType::kBFloat16> {
-  using type = bf16_t;
-};
-template <>
-struct host_type<DType::kFloat16> {
-  using type = f16_t;
-};
+struct host_type : float_storage<D, float, bf16_t, f16_t> {};
 template <DType D>
 using host_type_t = typename host_type<D>::type;
 
