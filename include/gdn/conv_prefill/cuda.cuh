@@ -54,6 +54,7 @@
 #include <cstdint>
 #include <string>
 
+#include "gdn/conv/conv_kernel_args.cuh"
 #include "gdn/conv_prefill/params.hpp"
 #include "gdn/core/cuda/device.cuh"
 #include "gdn/core/cuda/launch.cuh"
@@ -553,35 +554,13 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream) {
     return reinterpret_cast<uintptr_t>(t.data) % 16 == 0 && (t.strides[0] * elem) % 16 == 0;
   };
   cuda_detail::KernelArgs a{};
-  a.x = p.x.data;
-  a.weight = p.weight.data;
-  a.conv_state = p.conv_state.data;
+  conv::fill_conv_kernel_args(p, pr, a);
   a.initial_state_indices = p.initial_state_indices.data;
   a.final_state_indices = p.final_state_indices.data;
-  a.cu_seqlens = p.cu_seqlens.data;
-  a.out = p.out.data;
-  a.error_count = cuda::error_counter(p.error_count);
-  a.weight_dtype = p.weight.dtype;
-  a.state_dtype = p.conv_state.dtype;
-  a.out_dtype = p.out.dtype;
   a.initial_dtype = p.initial_state_indices.dtype;
   a.final_dtype = p.final_state_indices.dtype;
-  a.cu_dtype = p.cu_seqlens.dtype;
-  a.x_row_stride = p.x.strides[0];
-  a.out_row_stride = p.out.strides[0];
-  a.weight_row_stride = p.weight.strides[0];
   a.initial_stride = p.initial_state_indices.strides[0];
   a.final_stride = p.final_state_indices.strides[0];
-  a.L = pr.L;
-  a.N = pr.N;
-  a.D = pr.D;
-  a.W = pr.W;
-  a.buffer_len = pr.buffer_len;
-  a.num_slots = pr.num_slots;
-  a.slot_stride = pr.slot_stride;
-  a.first_valid_slot = p.first_valid_slot;
-  a.layout = p.layout;
-  a.activation = p.activation;
   a.x_vector = vector_rows(p.x);
   a.out_vector = same_out && vector_rows(p.out);
   a.round_to_state = p.conv_state.dtype != p.x.dtype && p.conv_state.dtype != DType::kFloat32;
