@@ -100,17 +100,20 @@ inline void push_window(float** window, int64_t W, DType state, const float* x, 
   round_to(state, x, n, window[W - 2]);
 }
 
-// Calls run_block(row, c0, n) for every request row and block of kBlock channels [c0, c0 + n),
-// on OpenMP threads when `parallel`; `dynamic` schedules the blocks one at a time (rows of
-// unequal lengths), else in equal static shares.
-template <class RowInfo, class F>
-void for_each_channel_block(const std::vector<RowInfo>& rows, int64_t D, bool parallel,
-                            bool dynamic, F&& run_block) {
-  const int64_t blocks = (D + kBlock - 1) / kBlock;
+// Blocks of kBlock channels that D channels make.
+inline int64_t channel_blocks(int64_t D) { return (D + kBlock - 1) / kBlock; }
+
+// The run of a checked conv call: run_block(p, pr, row, c0, n) for every request row and block of
+// channels [c0, c0 + n), on OpenMP threads when `parallel`; `dynamic` schedules the blocks one at
+// a time (rows of unequal lengths), else in equal static shares.
+template <class Params, class Problem, class RowInfo, class RunBlock>
+void run_channel_blocks(const Params& p, const Problem& pr, const std::vector<RowInfo>& rows,
+                        bool parallel, bool dynamic, RunBlock&& run_block) {
+  const int64_t blocks = channel_blocks(pr.D);
   const int64_t tasks = int64_t(rows.size()) * blocks;
   const auto task = [&](int64_t i) {
     const int64_t c0 = (i % blocks) * kBlock;
-    run_block(rows[size_t(i / blocks)], c0, std::min(kBlock, D - c0));
+    run_block(p, pr, rows[size_t(i / blocks)], c0, std::min(kBlock, pr.D - c0));
   };
   (void)parallel;
   (void)dynamic;
@@ -168,11 +171,9 @@ inline Status run_cpu(const Params& p) {
   GDN_RETURN_IF_ERROR(check_cpu_call(p, &pr, &rows));
   // Tasks of one request's block of channels keep the parallel loop balanced for small N; small
   // calls stay on one thread (a parallel region costs more than they do).
-  const int64_t blocks = (pr.D + cpu_detail::kBlock - 1) / cpu_detail::kBlock;
-  const bool parallel = int64_t(rows.size()) * blocks * cpu_detail::kBlock > 65536;
-  cpu_detail::for_each_channel_block(
-      rows, pr.D, parallel, /*dynamic=*/false,
-      [&](const RowInfo& row, int64_t c0, int64_t n) { cpu_detail::run_block(p, pr, row, c0, n); });
+  const bool parallel =
+      int64_t(rows.size()) * cpu_detail::channel_blocks(pr.D) * cpu_detail::kBlock > 65536;
+  cpu_detail::run_channel_blocks(p, pr, rows, parallel, /*dynamic=*/false, cpu_detail::run_block);
   return Status::ok();
 }
 

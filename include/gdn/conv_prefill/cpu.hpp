@@ -80,14 +80,13 @@ inline Status run_cpu(const Params& p) {
   Problem pr;
   std::vector<RowInfo> rows;
   GDN_RETURN_IF_ERROR(check_cpu_call(p, &pr, &rows));
-  const int64_t blocks = (pr.D + cpu_detail::kBlock - 1) / cpu_detail::kBlock;
   int64_t tokens = 0;
   for (const RowInfo& r : rows) tokens += r.T;
+  const bool parallel =
+      tokens * pr.D > 65536 && int64_t(rows.size()) * cpu_detail::span::channel_blocks(pr.D) > 1;
   // Requests of unequal lengths: blocks scheduled one at a time.
-  const bool parallel = tokens * pr.D > 65536 && int64_t(rows.size()) * blocks > 1;
-  cpu_detail::span::for_each_channel_block(
-      rows, pr.D, parallel, /*dynamic=*/true,
-      [&](const RowInfo& row, int64_t c0, int64_t n) { cpu_detail::run_block(p, pr, row, c0, n); });
+  cpu_detail::span::run_channel_blocks(p, pr, rows, parallel, /*dynamic=*/true,
+                                       cpu_detail::run_block);
   return Status::ok();
 }
 
