@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <iterator>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -50,33 +51,20 @@ inline std::string dtype_name(ElementType t) {
       "float8_e3m4",     "float8_e4m3",   "float8_e4m3b11fnuz", "float8_e4m3fn",
       "float8_e4m3fnuz", "float8_e5m2",   "float8_e5m2fnuz",    "float8_e8m0fnu",
       "float6_e2m3fn",   "float6_e3m2fn", "float4_e2m1fn"};
+  // dlpack.h's DLDataTypeCode 0 to 5 named <kind><bits> (3, an opaque handle, has no name).
+  static constexpr const char* kSizedKinds[] = {"int",   "uint",   "float",
+                                                nullptr, "bfloat", "complex"};
   const std::string bits = std::to_string(t.bits);
   std::string name;
-  switch (t.code) {
-    case dlpack::kInt:
-      name = "int" + bits;
-      break;
-    case dlpack::kUInt:
-      name = "uint" + bits;
-      break;
-    case dlpack::kFloat:
-      name = "float" + bits;
-      break;
-    case dlpack::kBfloat:
-      name = "bfloat" + bits;
-      break;
-    case dlpack::kComplex:
-      name = "complex" + bits;
-      break;
-    case dlpack::kBool:
-      name = t.bits == 8 ? std::string("bool") : "bool (" + bits + " bits)";
-      break;
-    default:
-      if (t.code >= 7 && t.code < 7 + sizeof(kNarrowFloats) / sizeof(kNarrowFloats[0]))
-        name = kNarrowFloats[t.code - 7];
-      else
-        return "DLPack type code " + std::to_string(t.code) + ", " + bits + " bits" +
-               (t.lanes == 1 ? "" : ", " + std::to_string(t.lanes) + " lanes");
+  if (t.code < std::size(kSizedKinds) && kSizedKinds[t.code]) {
+    name = kSizedKinds[t.code] + bits;
+  } else if (t.code == dlpack::kBool) {
+    name = t.bits == 8 ? std::string("bool") : "bool (" + bits + " bits)";
+  } else if (t.code >= 7 && t.code < 7 + std::size(kNarrowFloats)) {
+    name = kNarrowFloats[t.code - 7];
+  } else {
+    return "DLPack type code " + std::to_string(t.code) + ", " + bits + " bits" +
+           (t.lanes == 1 ? "" : ", " + std::to_string(t.lanes) + " lanes");
   }
   return t.lanes == 1 ? name : name + "x" + std::to_string(t.lanes);
 }
