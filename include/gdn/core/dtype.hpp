@@ -7,50 +7,23 @@
 #include <string_view>
 #include <type_traits>
 
+#include "gdn/core/enum_table.hpp"
 #include "gdn/core/host_device.hpp"
 
 namespace gdn {
 
 enum class DType : int { kFloat32, kBFloat16, kFloat16, kInt32, kInt64, kBool, kFloat64 };
 
+// Bytes of an element (0 for a value outside the enum).
 constexpr int dtype_size(DType t) noexcept {
-  switch (t) {
-    case DType::kFloat32:
-      return 4;
-    case DType::kBFloat16:
-      return 2;
-    case DType::kFloat16:
-      return 2;
-    case DType::kInt32:
-      return 4;
-    case DType::kInt64:
-      return 8;
-    case DType::kBool:
-      return 1;
-    case DType::kFloat64:
-      return 8;
-  }
-  return 0;
+  constexpr int kSizes[] = {4, 2, 2, 4, 8, 1, 8};  // DType's order
+  return table_entry(t, kSizes, 0);
 }
 
 constexpr std::string_view to_string(DType t) noexcept {
-  switch (t) {
-    case DType::kFloat32:
-      return "float32";
-    case DType::kBFloat16:
-      return "bfloat16";
-    case DType::kFloat16:
-      return "float16";
-    case DType::kInt32:
-      return "int32";
-    case DType::kInt64:
-      return "int64";
-    case DType::kBool:
-      return "bool";
-    case DType::kFloat64:
-      return "float64";
-  }
-  return "unknown";
+  constexpr std::string_view kNames[] = {"float32", "bfloat16", "float16", "int32",
+                                         "int64",   "bool",     "float64"};  // DType's order
+  return table_entry(t, kNames, "unknown");
 }
 
 constexpr bool is_float16ish(DType t) noexcept {
