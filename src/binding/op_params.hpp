@@ -370,20 +370,27 @@ struct ConvArgsIn {
   const std::optional<Array>& error_count;
 };
 
+// The arguments both conv operations take (conv::ConvArgs), from either one's ConvArgsIn or
+// ConvPrefillArgsIn.
+template <class In, class View>
+void set_conv_args(const In& in, View& view, conv::ConvArgs& p) {
+  p.x = view(in.x, "x");
+  p.weight = view(in.weight, "weight");
+  p.conv_state = view(in.conv_state, "conv_state");
+  p.cu_seqlens = view(in.cu_seqlens, "cu_seqlens");
+  p.out = view(in.out, "out");
+  p.error_count = optional_view(in.error_count, "error_count", view);
+  p.activation = parse_activation(in.activation);
+  p.layout = parse_conv_layout(in.state_layout);
+  p.first_valid_slot = in.first_valid_slot;
+}
+
 template <class Array, class View>
 conv::Params conv_params(const ConvArgsIn<Array>& in, View&& view) {
   return taken_params<conv::Params, conv::Problem>(view, [&](conv::Params& p, auto& taking) {
-    p.x = taking(in.x, "x");
-    p.weight = taking(in.weight, "weight");
-    p.conv_state = taking(in.conv_state, "conv_state");
+    set_conv_args(in, taking, p);
     p.conv_state_indices = taking(in.conv_state_indices, "conv_state_indices");
-    p.cu_seqlens = taking(in.cu_seqlens, "cu_seqlens");
-    p.out = taking(in.out, "out");
     p.num_accepted_tokens = optional_view(in.num_accepted_tokens, "num_accepted_tokens", taking);
-    p.error_count = optional_view(in.error_count, "error_count", taking);
-    p.activation = parse_activation(in.activation);
-    p.layout = parse_conv_layout(in.state_layout);
-    p.first_valid_slot = in.first_valid_slot;
   });
 }
 
@@ -401,17 +408,9 @@ template <class Array, class View>
 conv_prefill::Params conv_prefill_params(const ConvPrefillArgsIn<Array>& in, View&& view) {
   return taken_params<conv_prefill::Params, conv_prefill::Problem>(
       view, [&](conv_prefill::Params& p, auto& taking) {
-        p.x = taking(in.x, "x");
-        p.weight = taking(in.weight, "weight");
-        p.conv_state = taking(in.conv_state, "conv_state");
+        set_conv_args(in, taking, p);
         p.initial_state_indices = taking(in.initial_state_indices, "initial_state_indices");
         p.final_state_indices = taking(in.final_state_indices, "final_state_indices");
-        p.cu_seqlens = taking(in.cu_seqlens, "cu_seqlens");
-        p.out = taking(in.out, "out");
-        p.error_count = optional_view(in.error_count, "error_count", taking);
-        p.activation = parse_activation(in.activation);
-        p.layout = parse_conv_layout(in.state_layout);
-        p.first_valid_slot = in.first_valid_slot;
       });
 }
 
