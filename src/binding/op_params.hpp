@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <iterator>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -50,33 +51,20 @@ inline std::string dtype_name(ElementType t) {
       "float8_e3m4",     "float8_e4m3",   "float8_e4m3b11fnuz", "float8_e4m3fn",
       "float8_e4m3fnuz", "float8_e5m2",   "float8_e5m2fnuz",    "float8_e8m0fnu",
       "float6_e2m3fn",   "float6_e3m2fn", "float4_e2m1fn"};
+  // dlpack.h's DLDataTypeCode 0 to 5 named <kind><bits> (3, an opaque handle, has no name).
+  static constexpr const char* kSizedKinds[] = {"int",   "uint",   "float",
+                                                nullptr, "bfloat", "complex"};
   const std::string bits = std::to_string(t.bits);
   std::string name;
-  switch (t.code) {
-    case dlpack::kInt:
-      name = "int" + bits;
-      break;
-    case dlpack::kUInt:
-      name = "uint" + bits;
-      break;
-    case dlpack::kFloat:
-      name = "float" + bits;
-      break;
-    case dlpack::kBfloat:
-      name = "bfloat" + bits;
-      break;
-    case dlpack::kComplex:
-      name = "complex" + bits;
-      break;
-    case dlpack::kBool:
-      name = t.bits == 8 ? std::string("bool") : "bool (" + bits + " bits)";
-      break;
-    default:
-      if (t.code >= 7 && t.code < 7 + sizeof(kNarrowFloats) / sizeof(kNarrowFloats[0]))
-        name = kNarrowFloats[t.code - 7];
-      else
-        return "DLPack type code " + std::to_string(t.code) + ", " + bits + " bits" +
-               (t.lanes == 1 ? "" : ", " + std::to_string(t.lanes) + " lanes");
+  if (t.code < std::size(kSizedKinds) && kSizedKinds[t.code]) {
+    name = kSizedKinds[t.code] + bits;
+  } else if (t.code == dlpack::kBool) {
+    name = t.bits == 8 ? std::string("bool") : "bool (" + bits + " bits)";
+  } else if (t.code >= 7 && t.code < 7 + std::size(kNarrowFloats)) {
+    name = kNarrowFloats[t.code - 7];
+  } else {
+    return "DLPack type code " + std::to_string(t.code) + ", " + bits + " bits" +
+           (t.lanes == 1 ? "" : ", " + std::to_string(t.lanes) + " lanes");
   }
   return t.lanes == 1 ? name : name + "x" + std::to_string(t.lanes);
 }
@@ -382,20 +370,27 @@ struct ConvArgsIn {
   const std::optional<Array>& error_count;
 };
 
+// The arguments both conv operations take (conv::ConvArgs), from either one's ConvArgsIn or
+// ConvPrefillArgsIn.
+template <class In, class View>
+void set_conv_args(const In& in, View& view, conv::ConvArgs& p) {
+  p.x = view(in.x, "x");
+  p.weight = view(in.weight, "weight");
+  p.conv_state = view(in.conv_state, "conv_state");
+  p.cu_seqlens = view(in.cu_seqlens, "cu_seqlens");
+  p.out = view(in.out, "out");
+  p.error_count = optional_view(in.error_count, "error_count", view);
+  p.activation = parse_activation(in.activation);
+  p.layout = parse_conv_layout(in.state_layout);
+  p.first_valid_slot = in.first_valid_slot;
+}
+
 template <class Array, class View>
 conv::Params conv_params(const ConvArgsIn<Array>& in, View&& view) {
   return taken_params<conv::Params, conv::Problem>(view, [&](conv::Params& p, auto& taking) {
-    p.x = taking(in.x, "x");
-    p.weight = taking(in.weight, "weight");
-    p.conv_state = taking(in.conv_state, "conv_state");
+    set_conv_args(in, taking, p);
     p.conv_state_indices = taking(in.conv_state_indices, "conv_state_indices");
-    p.cu_seqlens = taking(in.cu_seqlens, "cu_seqlens");
-    p.out = taking(in.out, "out");
     p.num_accepted_tokens = optional_view(in.num_accepted_tokens, "num_accepted_tokens", taking);
-    p.error_count = optional_view(in.error_count, "error_count", taking);
-    p.activation = parse_activation(in.activation);
-    p.layout = parse_conv_layout(in.state_layout);
-    p.first_valid_slot = in.first_valid_slot;
   });
 }
 
@@ -413,17 +408,9 @@ template <class Array, class View>
 conv_prefill::Params conv_prefill_params(const ConvPrefillArgsIn<Array>& in, View&& view) {
   return taken_params<conv_prefill::Params, conv_prefill::Problem>(
       view, [&](conv_prefill::Params& p, auto& taking) {
-        p.x = taking(in.x, "x");
-        p.weight = taking(in.weight, "weight");
-        p.conv_state = taking(in.conv_state, "conv_state");
+        set_conv_args(in, taking, p);
         p.initial_state_indices = taking(in.initial_state_indices, "initial_state_indices");
         p.final_state_indices = taking(in.final_state_indices, "final_state_indices");
-        p.cu_seqlens = taking(in.cu_seqlens, "cu_seqlens");
-        p.out = taking(in.out, "out");
-        p.error_count = optional_view(in.error_count, "error_count", taking);
-        p.activation = parse_activation(in.activation);
-        p.layout = parse_conv_layout(in.state_layout);
-        p.first_valid_slot = in.first_valid_slot;
       });
 }
 

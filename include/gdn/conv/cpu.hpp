@@ -71,8 +71,65 @@ inline void round_to(DType t, const float* src, int64_t n, float* dst) {
   for (int64_t k = 0; k < n; ++k) dst[k] = gdn::round_to(t, src[k]);
 }
 
+// The W taps of channels [c0, c0 + n) of `weight` [D, W]: w[j][c] is tap j of channel c0 + c.
+inline void load_taps(const TensorView& weight, int64_t c0, int64_t n, int64_t W,
+                      float (*w)[kBlock]) {
+  for (int64_t j = 0; j < W; ++j)
+    gather(weight.data, weight.dtype, c0 * weight.strides[0] + j, weight.strides[0], n, w[j]);
+}
+
+// One token of the convolution over n channels: acc = act(sum_j w[j] * window[j] + w[W - 1] * x),
+// window holding the W - 1 inputs before x, oldest first. The sum runs over the taps in ascending
+// order, as on every path, so every run that uses this agrees bit for bit.
+inline void convolve_token(const float (*w)[kBlock], float* const* window, const float* x,
+                           int64_t W, int64_t n, Activation activation, float* acc) {
+  for (int64_t c = 0; c < n; ++c) acc[c] = 0.0f;
+  for (int64_t j = 0; j < W - 1; ++j)
+    for (int64_t c = 0; c < n; ++c) acc[c] += w[j][c] * window[j][c];
+  for (int64_t c = 0; c < n; ++c) acc[c] += w[W - 1][c] * x[c];
+  if (activation == Activation::kSiLU)
+    for (int64_t c = 0; c < n; ++c) acc[c] = acc[c] / (1.0f + std::exp(-acc[c]));
+}
+
+// Moves a window of W - 1 slots on by one token: the oldest slot takes x as a state of dtype
+// `state` stores it and becomes the newest.
+inline void push_window(float** window, int64_t W, DType state, const float* x, int64_t n) {
+  float* oldest = window[0];
+  for (int64_t j = 0; j + 1 < W - 1; ++j) window[j] = window[j + 1];
+  window[W - 2] = oldest;
+  round_to(state, x, n, window[W - 2]);
+}
+
+// Blocks of kBlock channels that D channels make.
+inline int64_t channel_blocks(int64_t D) { return (D + kBlock - 1) / kBlock; }
+
+// The run of a checked conv call: run_block(p, pr, row, c0, n) for every request row and block of
+// channels [c0, c0 + n), on OpenMP threads when `parallel`; `dynamic` schedules the blocks one at
+// a time (rows of unequal lengths), else in equal static shares.
+template <class Params, class Problem, class RowInfo, class RunBlock>
+void run_channel_blocks(const Params& p, const Problem& pr, const std::vector<RowInfo>& rows,
+                        bool parallel, bool dynamic, RunBlock&& run_block) {
+  const int64_t blocks = channel_blocks(pr.D);
+  const int64_t tasks = int64_t(rows.size()) * blocks;
+  const auto task = [&](int64_t i) {
+    const int64_t c0 = (i % blocks) * kBlock;
+    run_block(p, pr, rows[size_t(i / blocks)], c0, std::min(kBlock, pr.D - c0));
+  };
+  (void)parallel;
+  (void)dynamic;
+#if defined(_OPENMP)
+  if (dynamic) {
+#pragma omp parallel for schedule(dynamic) if (parallel)
+    for (int64_t i = 0; i < tasks; ++i) task(i);
+    return;
+  }
+#pragma omp parallel for schedule(static) if (parallel)
+#endif
+  for (int64_t i = 0; i < tasks; ++i) task(i);
+}
+
 // One request, channels [c0, c0 + n): read the accepted window, shift the buffer, convolve the
-// new tokens. Per element the sum runs over the taps in ascending order, as on every path.
+// new tokens.
 inline void run_block(const Params& p, const Problem& pr, const RowInfo& row, int64_t c0,
                       int64_t n) {
   const int64_t W = pr.W;
@@ -85,9 +142,7 @@ inline void run_block(const Params& p, const Problem& pr, const RowInfo& row, in
   float storage[kConvMaxWidth][kBlock];  // window slots, oldest first, rotated through `window`
   float x[kBlock], acc[kBlock];
   float* window[kConvMaxWidth];
-  for (int64_t j = 0; j < W; ++j)
-    gather(p.weight.data, p.weight.dtype, c0 * p.weight.strides[0] + j, p.weight.strides[0], n,
-           w[j]);
+  load_taps(p.weight, c0, n, W, w);
   // Read the whole accepted window before the buffer is rewritten (old and new windows overlap).
   for (int64_t j = 0; j < W - 1; ++j) {
     window[j] = storage[j];
@@ -99,19 +154,10 @@ inline void run_block(const Params& p, const Problem& pr, const RowInfo& row, in
   for (int64_t t = 0; t < row.T; ++t) {
     const int64_t l = row.begin + t;
     gather(p.x.data, p.x.dtype, l * p.x.strides[0] + c0, 1, n, x);  // before out: may be x itself
-    for (int64_t c = 0; c < n; ++c) acc[c] = 0.0f;
-    for (int64_t j = 0; j < W - 1; ++j)
-      for (int64_t c = 0; c < n; ++c) acc[c] += w[j][c] * window[j][c];
-    for (int64_t c = 0; c < n; ++c) acc[c] += w[W - 1][c] * x[c];
-    if (p.activation == Activation::kSiLU)
-      for (int64_t c = 0; c < n; ++c) acc[c] = acc[c] / (1.0f + std::exp(-acc[c]));
+    convolve_token(w, window, x, W, n, p.activation, acc);
     scatter(p.out.data, p.out.dtype, l * p.out.strides[0] + c0, 1, n, acc);
     scatter(p.conv_state.data, p.conv_state.dtype, at(W - 2 + t), channel_stride, n, x);
-    // Shift: the oldest slot takes the new input as the buffer stores it.
-    float* oldest = window[0];
-    for (int64_t j = 0; j + 1 < W - 1; ++j) window[j] = window[j + 1];
-    window[W - 2] = oldest;
-    round_to(p.conv_state.dtype, x, n, window[W - 2]);
+    push_window(window, W, p.conv_state.dtype, x, n);
   }
 }
 
@@ -125,17 +171,9 @@ inline Status run_cpu(const Params& p) {
   GDN_RETURN_IF_ERROR(check_cpu_call(p, &pr, &rows));
   // Tasks of one request's block of channels keep the parallel loop balanced for small N; small
   // calls stay on one thread (a parallel region costs more than they do).
-  constexpr int64_t kChannelsPerTask = cpu_detail::kBlock;
-  const int64_t blocks = (pr.D + kChannelsPerTask - 1) / kChannelsPerTask;
-  const int64_t tasks = int64_t(rows.size()) * blocks;
-#if defined(_OPENMP)
-#pragma omp parallel for schedule(static) if (tasks * kChannelsPerTask > 65536)
-#endif
-  for (int64_t task = 0; task < tasks; ++task) {
-    const RowInfo& row = rows[size_t(task / blocks)];
-    const int64_t c0 = (task % blocks) * kChannelsPerTask;
-    cpu_detail::run_block(p, pr, row, c0, std::min(kChannelsPerTask, pr.D - c0));
-  }
+  const bool parallel =
+      int64_t(rows.size()) * cpu_detail::channel_blocks(pr.D) * cpu_detail::kBlock > 65536;
+  cpu_detail::run_channel_blocks(p, pr, rows, parallel, /*dynamic=*/false, cpu_detail::run_block);
   return Status::ok();
 }
 

@@ -13,8 +13,10 @@
 #include <cstdint>
 #include <string>
 
+#include "gdn/conv/conv_kernel_args.cuh"
 #include "gdn/conv/params.hpp"
 #include "gdn/core/cuda/device.cuh"
+#include "gdn/core/cuda/launch.cuh"
 #include "gdn/core/dispatch.hpp"
 
 namespace gdn::conv {
@@ -112,9 +114,7 @@ __global__ void __launch_bounds__(128) conv_update_kernel(const KernelArgs args)
 // memory), allocates nothing, never synchronises; safe inside CUDA-graph capture.
 inline Status launch_cuda(const Params& p, cudaStream_t stream) {
   Problem pr;
-  GDN_RETURN_IF_ERROR(check_arguments(p, &pr));
-  if (pr.device.type != DeviceType::kCUDA)
-    return Status::invalid("launch_cuda was given tensors on " + to_string(pr.device));
+  GDN_RETURN_IF_ERROR(cuda::check_cuda_call(p, &pr));
   if (pr.N == 0) return Status::ok();
   constexpr int kThreads = 128;
   const int64_t channel_blocks = (pr.D + kThreads - 1) / kThreads;
@@ -122,46 +122,20 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream) {
     return Status::unsupported("causal_conv1d_update: N = " + std::to_string(pr.N) +
                                ", D = " + std::to_string(pr.D) + " exceed the launch grid");
   cuda_detail::KernelArgs a{};
-  a.x = p.x.data;
-  a.weight = p.weight.data;
-  a.conv_state = p.conv_state.data;
+  fill_conv_kernel_args(p, pr, a);
   a.conv_state_indices = p.conv_state_indices.data;
-  a.cu_seqlens = p.cu_seqlens.data;
-  a.num_accepted_tokens = p.num_accepted_tokens.present() ? p.num_accepted_tokens.data : nullptr;
-  a.out = p.out.data;
-  a.error_count = p.error_count.present() ? static_cast<int*>(p.error_count.data) : nullptr;
+  a.num_accepted_tokens = p.num_accepted_tokens.data_or_null();
   a.x_dtype = p.x.dtype;
-  a.weight_dtype = p.weight.dtype;
-  a.state_dtype = p.conv_state.dtype;
-  a.out_dtype = p.out.dtype;
   a.index_dtype = p.conv_state_indices.dtype;
-  a.cu_dtype = p.cu_seqlens.dtype;
   a.acc_dtype = p.num_accepted_tokens.present() ? p.num_accepted_tokens.dtype : DType::kInt32;
-  a.x_row_stride = p.x.strides[0];
-  a.out_row_stride = p.out.strides[0];
-  a.weight_row_stride = p.weight.strides[0];
   a.index_stride = p.conv_state_indices.strides[0];
-  a.L = pr.L;
-  a.N = pr.N;
-  a.D = pr.D;
-  a.W = pr.W;
-  a.buffer_len = pr.buffer_len;
   a.S = pr.S;
-  a.num_slots = pr.num_slots;
-  a.slot_stride = pr.slot_stride;
-  a.first_valid_slot = p.first_valid_slot;
-  a.layout = p.layout;
-  a.activation = p.activation;
 
   const dim3 grid(unsigned(pr.N), unsigned(channel_blocks));
   dispatch_or_runtime<ConvWidths>(int(pr.W), [&]<int kWidth>() {
     cuda_detail::conv_update_kernel<kWidth><<<grid, kThreads, 0, stream>>>(a);
   });
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess)
-    return Status(StatusCode::kCudaError,
-                  std::string("causal_conv1d_update launch failed: ") + cudaGetErrorString(err));
-  return Status::ok();
+  return cuda::launch_status("causal_conv1d_update");
 }
 
 }  // namespace gdn::conv

@@ -36,9 +36,7 @@ inline void run_block(const Params& p, const Problem& pr, const RowInfo& row, in
   float storage[kConvMaxWidth][kBlock];  // window slots, oldest first, rotated through `window`
   float x[kBlock], acc[kBlock];
   float* window[kConvMaxWidth];
-  for (int64_t j = 0; j < W; ++j)
-    span::gather(p.weight.data, p.weight.dtype, c0 * p.weight.strides[0] + j, p.weight.strides[0],
-                 n, w[j]);
+  span::load_taps(p.weight, c0, n, W, w);
   for (int64_t j = 0; j < H; ++j) {
     window[j] = storage[j];
     if (row.initial >= 0)
@@ -51,18 +49,9 @@ inline void run_block(const Params& p, const Problem& pr, const RowInfo& row, in
   for (int64_t t = 0; t < row.T; ++t) {
     const int64_t l = row.begin + t;
     span::gather(p.x.data, p.x.dtype, l * p.x.strides[0] + c0, 1, n, x);  // before out: may be x
-    for (int64_t c = 0; c < n; ++c) acc[c] = 0.0f;
-    for (int64_t j = 0; j < H; ++j)
-      for (int64_t c = 0; c < n; ++c) acc[c] += w[j][c] * window[j][c];
-    for (int64_t c = 0; c < n; ++c) acc[c] += w[H][c] * x[c];
-    if (p.activation == Activation::kSiLU)
-      for (int64_t c = 0; c < n; ++c) acc[c] = acc[c] / (1.0f + std::exp(-acc[c]));
+    span::convolve_token(w, window, x, W, n, p.activation, acc);
     span::scatter(p.out.data, p.out.dtype, l * p.out.strides[0] + c0, 1, n, acc);
-    // Shift: the oldest slot takes the new input as the buffer stores it.
-    float* oldest = window[0];
-    for (int64_t j = 0; j + 1 < H; ++j) window[j] = window[j + 1];
-    window[H - 1] = oldest;
-    span::round_to(p.conv_state.dtype, x, n, window[H - 1]);
+    span::push_window(window, W, p.conv_state.dtype, x, n);
   }
   if (row.final_slot < 0) return;
   // The columns past the window: the initial slot's (what one-token updates leave), read before
@@ -91,20 +80,13 @@ inline Status run_cpu(const Params& p) {
   Problem pr;
   std::vector<RowInfo> rows;
   GDN_RETURN_IF_ERROR(check_cpu_call(p, &pr, &rows));
-  constexpr int64_t kChannelsPerTask = cpu_detail::kBlock;
-  const int64_t blocks = (pr.D + kChannelsPerTask - 1) / kChannelsPerTask;
-  const int64_t tasks = int64_t(rows.size()) * blocks;
   int64_t tokens = 0;
   for (const RowInfo& r : rows) tokens += r.T;
-  (void)tokens;
-#if defined(_OPENMP)
-#pragma omp parallel for schedule(dynamic) if (tokens * pr.D > 65536 && tasks > 1)
-#endif
-  for (int64_t task = 0; task < tasks; ++task) {
-    const RowInfo& row = rows[size_t(task / blocks)];
-    const int64_t c0 = (task % blocks) * kChannelsPerTask;
-    cpu_detail::run_block(p, pr, row, c0, std::min(kChannelsPerTask, pr.D - c0));
-  }
+  const bool parallel =
+      tokens * pr.D > 65536 && int64_t(rows.size()) * cpu_detail::span::channel_blocks(pr.D) > 1;
+  // Requests of unequal lengths: blocks scheduled one at a time.
+  cpu_detail::span::run_channel_blocks(p, pr, rows, parallel, /*dynamic=*/true,
+                                       cpu_detail::run_block);
   return Status::ok();
 }
 

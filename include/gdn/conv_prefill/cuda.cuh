@@ -54,8 +54,10 @@
 #include <cstdint>
 #include <string>
 
+#include "gdn/conv/conv_kernel_args.cuh"
 #include "gdn/conv_prefill/params.hpp"
 #include "gdn/core/cuda/device.cuh"
+#include "gdn/core/cuda/launch.cuh"
 #include "gdn/core/dispatch.hpp"
 
 namespace gdn::conv_prefill {
@@ -532,9 +534,7 @@ __global__ void __launch_bounds__(kThreads, kInPlace ? 1 : 2)
 // memory), allocates nothing, never synchronises; safe inside CUDA-graph capture.
 inline Status launch_cuda(const Params& p, cudaStream_t stream) {
   Problem pr;
-  GDN_RETURN_IF_ERROR(check_arguments(p, &pr));
-  if (pr.device.type != DeviceType::kCUDA)
-    return Status::invalid("launch_cuda was given tensors on " + to_string(pr.device));
+  GDN_RETURN_IF_ERROR(cuda::check_cuda_call(p, &pr));
   if (pr.N == 0) return Status::ok();
   // In place is out == x (check_arguments refuses any other sharing of x's pointer).
   const bool in_place = p.out.data == p.x.data && pr.L > 0;
@@ -554,35 +554,13 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream) {
     return reinterpret_cast<uintptr_t>(t.data) % 16 == 0 && (t.strides[0] * elem) % 16 == 0;
   };
   cuda_detail::KernelArgs a{};
-  a.x = p.x.data;
-  a.weight = p.weight.data;
-  a.conv_state = p.conv_state.data;
+  conv::fill_conv_kernel_args(p, pr, a);
   a.initial_state_indices = p.initial_state_indices.data;
   a.final_state_indices = p.final_state_indices.data;
-  a.cu_seqlens = p.cu_seqlens.data;
-  a.out = p.out.data;
-  a.error_count = p.error_count.present() ? static_cast<int*>(p.error_count.data) : nullptr;
-  a.weight_dtype = p.weight.dtype;
-  a.state_dtype = p.conv_state.dtype;
-  a.out_dtype = p.out.dtype;
   a.initial_dtype = p.initial_state_indices.dtype;
   a.final_dtype = p.final_state_indices.dtype;
-  a.cu_dtype = p.cu_seqlens.dtype;
-  a.x_row_stride = p.x.strides[0];
-  a.out_row_stride = p.out.strides[0];
-  a.weight_row_stride = p.weight.strides[0];
   a.initial_stride = p.initial_state_indices.strides[0];
   a.final_stride = p.final_state_indices.strides[0];
-  a.L = pr.L;
-  a.N = pr.N;
-  a.D = pr.D;
-  a.W = pr.W;
-  a.buffer_len = pr.buffer_len;
-  a.num_slots = pr.num_slots;
-  a.slot_stride = pr.slot_stride;
-  a.first_valid_slot = p.first_valid_slot;
-  a.layout = p.layout;
-  a.activation = p.activation;
   a.x_vector = vector_rows(p.x);
   a.out_vector = same_out && vector_rows(p.out);
   a.round_to_state = p.conv_state.dtype != p.x.dtype && p.conv_state.dtype != DType::kFloat32;
@@ -605,11 +583,7 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream) {
   ActivationDTypes::dispatch(p.x.dtype, [&]<DType kX>() {
     launch.template operator()<typename cuda::device_type<kX>::type>();
   });
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess)
-    return Status(StatusCode::kCudaError,
-                  std::string("causal_conv1d_prefill launch failed: ") + cudaGetErrorString(err));
-  return Status::ok();
+  return cuda::launch_status("causal_conv1d_prefill");
 }
 
 }  // namespace gdn::conv_prefill

@@ -34,14 +34,15 @@ void dispatch_state_and_ratio(DType state, int ratio, F&& f) {
 }
 
 // The whole CPU run of an operation: check_cpu_call, then
-// run.template operator()<StateT, kRatio>(problem, rows) for the call's state dtype and head ratio.
+// run.template operator()<StateT, kRatio>(p, problem, rows) for the call's state dtype and head
+// ratio.
 template <class Problem, class RowInfo, class Params, class Run>
 Status run_cpu_call(const Params& p, Run&& run) {
   Problem pr;
   std::vector<RowInfo> rows;
   GDN_RETURN_IF_ERROR(check_cpu_call(p, &pr, &rows));
   dispatch_state_and_ratio(p.state.dtype, int(pr.ratio), [&]<class StateT, int kRatio>() {
-    run.template operator()<StateT, kRatio>(pr, rows);
+    run.template operator()<StateT, kRatio>(p, pr, rows);
   });
   return Status::ok();
 }

@@ -5,51 +5,25 @@
 #include <cstdint>
 #include <cstring>
 #include <string_view>
+#include <type_traits>
 
+#include "gdn/core/enum_table.hpp"
 #include "gdn/core/host_device.hpp"
 
 namespace gdn {
 
 enum class DType : int { kFloat32, kBFloat16, kFloat16, kInt32, kInt64, kBool, kFloat64 };
 
+// Bytes of an element (0 for a value outside the enum).
 constexpr int dtype_size(DType t) noexcept {
-  switch (t) {
-    case DType::kFloat32:
-      return 4;
-    case DType::kBFloat16:
-      return 2;
-    case DType::kFloat16:
-      return 2;
-    case DType::kInt32:
-      return 4;
-    case DType::kInt64:
-      return 8;
-    case DType::kBool:
-      return 1;
-    case DType::kFloat64:
-      return 8;
-  }
-  return 0;
+  constexpr int kSizes[] = {4, 2, 2, 4, 8, 1, 8};  // DType's order
+  return table_entry(t, kSizes, 0);
 }
 
 constexpr std::string_view to_string(DType t) noexcept {
-  switch (t) {
-    case DType::kFloat32:
-      return "float32";
-    case DType::kBFloat16:
-      return "bfloat16";
-    case DType::kFloat16:
-      return "float16";
-    case DType::kInt32:
-      return "int32";
-    case DType::kInt64:
-      return "int64";
-    case DType::kBool:
-      return "bool";
-    case DType::kFloat64:
-      return "float64";
-  }
-  return "unknown";
+  constexpr std::string_view kNames[] = {"float32", "bfloat16", "float16", "int32",
+                                         "int64",   "bool",     "float64"};  // DType's order
+  return table_entry(t, kNames, "unknown");
 }
 
 constexpr bool is_float16ish(DType t) noexcept {
@@ -135,21 +109,20 @@ inline f16_t from_float<f16_t>(float f) noexcept {
   return to_f16(f);
 }
 
+// The storage type of floating DType D, given the float32, bfloat16 and float16 types of one
+// side: the host's (host_type below) and the device's (cuda::device_type) differ in the 16-bit
+// ones.
+template <DType D, class F32, class BF16, class F16>
+struct float_storage {
+  static_assert(D == DType::kFloat32 || D == DType::kBFloat16 || D == DType::kFloat16,
+                "a floating DType");
+  using type = std::conditional_t<D == DType::kFloat32, F32,
+                                  std::conditional_t<D == DType::kBFloat16, BF16, F16>>;
+};
+
 // Host storage type of a floating DType.
 template <DType D>
-struct host_type;
-template <>
-struct host_type<DType::kFloat32> {
-  using type = float;
-};
-template <>
-struct host_type<DType::kBFloat16> {
-  using type = bf16_t;
-};
-template <>
-struct host_type<DType::kFloat16> {
-  using type = f16_t;
-};
+struct host_type : float_storage<D, float, bf16_t, f16_t> {};
 template <DType D>
 using host_type_t = typename host_type<D>::type;
 

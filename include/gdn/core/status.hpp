@@ -5,6 +5,8 @@
 #include <string_view>
 #include <utility>
 
+#include "gdn/core/enum_table.hpp"
+
 namespace gdn {
 
 enum class StatusCode {
@@ -16,19 +18,9 @@ enum class StatusCode {
 };
 
 constexpr std::string_view to_string(StatusCode code) noexcept {
-  switch (code) {
-    case StatusCode::kSuccess:
-      return "success";
-    case StatusCode::kInvalidArgument:
-      return "invalid argument";
-    case StatusCode::kUnsupported:
-      return "unsupported";
-    case StatusCode::kCudaError:
-      return "CUDA error";
-    case StatusCode::kInternal:
-      return "internal check failed";
-  }
-  return "unknown";
+  constexpr std::string_view kNames[] = {"success", "invalid argument", "unsupported", "CUDA error",
+                                         "internal check failed"};  // StatusCode's order
+  return table_entry(code, kNames, "unknown");
 }
 
 class [[nodiscard]] Status {

@@ -35,6 +35,8 @@ struct TensorView {
   Device device{};
 
   bool present() const noexcept { return ndim >= 0; }
+  // data, or null for an absent view (how a kernel's arguments mark an optional array missing).
+  void* data_or_null() const noexcept { return present() ? data : nullptr; }
   int64_t size(int d) const noexcept { return shape[d]; }
   int64_t stride(int d) const noexcept { return strides[d]; }
   int64_t numel() const noexcept {

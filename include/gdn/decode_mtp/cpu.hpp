@@ -223,26 +223,26 @@ void run_head(const Params& p, const Problem& pr, const RowInfo& row_info, int64
   store_outputs(p, pr, row_info.begin, T, hv, 0, sc);
 }
 
-template <class StateT, int kRatio>
-void run_all(const Params& p, const Problem& pr, const std::vector<RowInfo>& rows) {
-  int64_t max_T = 0, tokens = 0;
-  for (const RowInfo& r : rows) {
-    max_T = std::max(max_T, r.T);
-    tokens += r.T;
+// run_cpu_call's run: the validated call, for its state dtype and head ratio.
+struct RunAll {
+  template <class StateT, int kRatio>
+  void operator()(const Params& p, const Problem& pr, const std::vector<RowInfo>& rows) const {
+    int64_t max_T = 0, tokens = 0;
+    for (const RowInfo& r : rows) {
+      max_T = std::max(max_T, r.T);
+      tokens += r.T;
+    }
+    for_each_head(pr, use_threads(pr, tokens), max_T, [&](int64_t i, int64_t hv, Scratch& sc) {
+      if (rows[size_t(i)].T > 0) run_head<StateT, kRatio>(p, pr, rows[size_t(i)], i, hv, sc);
+    });
   }
-  for_each_head(pr, use_threads(pr, tokens), max_T, [&](int64_t i, int64_t hv, Scratch& sc) {
-    if (rows[size_t(i)].T > 0) run_head<StateT, kRatio>(p, pr, rows[size_t(i)], i, hv, sc);
-  });
-}
+};
 
 }  // namespace cpu_detail
 
 // Runs decode_mtp on host memory. Validates everything first: on error nothing is written.
 inline Status run_cpu(const Params& p) {
-  return run_cpu_call<Problem, RowInfo>(
-      p, [&p]<class StateT, int kRatio>(const Problem& pr, const std::vector<RowInfo>& rows) {
-        cpu_detail::run_all<StateT, kRatio>(p, pr, rows);
-      });
+  return run_cpu_call<Problem, RowInfo>(p, cpu_detail::RunAll{});
 }
 
 }  // namespace gdn::decode_mtp

@@ -31,6 +31,7 @@
 #include "gdn/decode_mtp/cuda_kernel.cuh"
 #include "gdn/decode_mtp/cuda_launch_rules.hpp"
 #include "gdn/decode_mtp/params.hpp"
+#include "gdn/decode_mtp/step_kernel_args.cuh"
 
 namespace gdn::decode_mtp {
 namespace cuda_detail {
@@ -295,40 +296,14 @@ inline Status check_cuda_step(const StepArgs& p, const Problem& pr, const char* 
 // its slot table, accepted counts and (replay) window.
 inline KernelArgs step_kernel_args(const StepArgs& p, const Problem& pr) {
   KernelArgs args{};
-  args.mixed_qkv = p.mixed_qkv.data;
-  args.a = p.a.data;
-  args.b = p.b.data;
-  args.A_log = p.A_log.present() ? p.A_log.data : nullptr;
-  args.dt_bias = p.dt_bias.present() ? p.dt_bias.data : nullptr;
-  args.z = p.z.present() ? p.z.data : nullptr;
-  args.norm_weight = p.norm_weight.present() ? p.norm_weight.data : nullptr;
-  args.state = p.state.data;
-  args.cu_seqlens = p.cu_seqlens.data;
-  args.out = p.out.data;
-  args.error_count = p.error_count.present() ? static_cast<int*>(p.error_count.data) : nullptr;
-  args.qkv_row_stride = p.mixed_qkv.strides[0];
-  args.a_row_stride = p.a.strides[0];
-  args.b_row_stride = p.b.strides[0];
-  args.z_row_stride = p.z.present() ? p.z.strides[0] : 0;
-  args.z_head_stride = p.z.present() ? p.z.strides[1] : 0;
-  args.slot_stride = p.state.strides[0];
-  args.num_slots = pr.num_slots;
-  args.first_valid_slot = p.first_valid_slot;
-  args.L = pr.L;
-  args.N = pr.N;
+  fill_step_kernel_args(p, pr, args);
   args.S = int(pr.S);
   args.H = int(pr.H);
   args.HV = int(pr.HV);
   args.ratio = int(pr.ratio);
   args.qkv_dtype = p.mixed_qkv.dtype;
-  args.a_dtype = p.a.dtype;
-  args.b_dtype = p.b.dtype;
-  args.A_log_dtype = p.A_log.present() ? p.A_log.dtype : DType::kFloat32;
-  args.dt_bias_dtype = p.dt_bias.present() ? p.dt_bias.dtype : DType::kFloat32;
   args.z_dtype = p.z.present() ? p.z.dtype : DType::kFloat32;
   args.norm_dtype = p.norm_weight.present() ? p.norm_weight.dtype : DType::kFloat32;
-  args.out_dtype = p.out.dtype;
-  args.cu_dtype = p.cu_seqlens.dtype;
   args.state_kv = p.layout == StateLayout::kKV;
   const size_t state_bytes = size_t(dtype_size(p.state.dtype));
   const size_t state_chunk = 16;  // bulk copies and vector row accesses
@@ -341,13 +316,6 @@ inline KernelArgs step_kernel_args(const StepArgs& p, const Problem& pr) {
       aligned(p.mixed_qkv.data, qkv_chunk) &&
       (size_t(p.mixed_qkv.strides[0]) * size_t(dtype_size(p.mixed_qkv.dtype))) % qkv_chunk == 0;
   args.gate_sigmoid = p.gate == GateActivation::kSigmoid;
-  args.round_core_output = p.round_core_output;
-  args.a_is_log_decay = p.a_is_log_decay;
-  args.b_is_beta = p.b_is_beta;
-  args.qk_l2_norm = p.qk_l2_norm;
-  args.scale = pr.scale;
-  args.l2_eps = p.l2_eps;
-  args.norm_eps = p.norm_eps;
   return args;
 }
 
@@ -382,7 +350,7 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream, int split = 0) {
   cuda_detail::KernelArgs args = cuda_detail::step_kernel_args(p, pr);
   args.state_indices = p.state_indices.data;
   args.index_dtype = p.state_indices.dtype;
-  args.num_accepted_tokens = p.num_accepted_tokens.present() ? p.num_accepted_tokens.data : nullptr;
+  args.num_accepted_tokens = p.num_accepted_tokens.data_or_null();
   args.acc_dtype = p.num_accepted_tokens.present() ? p.num_accepted_tokens.dtype : DType::kInt32;
   return cuda_detail::launch_step<false>(args, p.state.dtype, split, stream, "decode_mtp");
 }

@@ -335,15 +335,8 @@ inline Status check_rows(const Params& p, const Problem& pr, std::vector<RowInfo
 enum class Path : int { kFast, kGeneric, kUnsupported };
 
 inline const char* to_string(Path path) noexcept {
-  switch (path) {
-    case Path::kFast:
-      return "fast";
-    case Path::kGeneric:
-      return "generic";
-    case Path::kUnsupported:
-      return "unsupported";
-  }
-  return "unknown";
+  constexpr const char* kNames[] = {"fast", "generic", "unsupported"};  // Path's order
+  return table_entry(path, kNames, "unknown");
 }
 
 struct Support {

@@ -14,6 +14,7 @@
 
 #include <string>
 
+#include "gdn/core/cuda/launch.cuh"
 #include "gdn/metadata/state_rows.hpp"
 
 namespace gdn::metadata {
@@ -80,11 +81,7 @@ inline Status launch_state_rows_cuda(const StateRowsArgs& a, cudaStream_t stream
   const dim3 grid(unsigned(blocks), unsigned(a.num_groups));
   cuda_detail::state_rows_kernel<cuda_detail::kStateRowThreads>
       <<<grid, cuda_detail::kStateRowThreads, 0, stream>>>(a);
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess)
-    return Status(StatusCode::kCudaError,
-                  std::string("metadata state rows: launch failed: ") + cudaGetErrorString(err));
-  return Status::ok();
+  return cuda::launch_status("metadata state rows:");
 }
 
 // Fills every group's state rows from the device plan buffer `p.plan` in one launch on `stream`.

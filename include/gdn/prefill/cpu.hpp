@@ -69,29 +69,32 @@ void run_head(const Params& p, const Problem& pr, const RowInfo& row, int64_t i,
   if (row.final_slot >= 0) store_state<StateT>(p, pr, row.final_slot, hv, state);
 }
 
-template <class StateT, int kRatio>
-void run_all(const Params& p, const Problem& pr, const std::vector<RowInfo>& rows) {
-  int64_t tokens = 0;
-  for (const RowInfo& r : rows) tokens += r.T;
-  const int64_t tasks = pr.N * pr.HV;
-  const bool parallel = step::use_threads(pr, tokens);
-  (void)parallel;
+// run_cpu_call's run: the validated call, for its state dtype and head ratio.
+struct RunAll {
+  template <class StateT, int kRatio>
+  void operator()(const Params& p, const Problem& pr, const std::vector<RowInfo>& rows) const {
+    int64_t tokens = 0;
+    for (const RowInfo& r : rows) tokens += r.T;
+    const int64_t tasks = pr.N * pr.HV;
+    const bool parallel = step::use_threads(pr, tokens);
+    (void)parallel;
 #if defined(_OPENMP)
 #pragma omp parallel if (parallel)
 #endif
-  {
-    step::Scratch sc;
-    sc.reserve(pr, kBlock);
-    std::vector<float> state;
+    {
+      step::Scratch sc;
+      sc.reserve(pr, kBlock);
+      std::vector<float> state;
 #if defined(_OPENMP)
 #pragma omp for schedule(dynamic, 1)
 #endif
-    for (int64_t task = 0; task < tasks; ++task) {
-      const RowInfo& row = rows[size_t(task / pr.HV)];
-      if (row.T > 0) run_head<StateT, kRatio>(p, pr, row, task / pr.HV, task % pr.HV, sc, state);
+      for (int64_t task = 0; task < tasks; ++task) {
+        const RowInfo& row = rows[size_t(task / pr.HV)];
+        if (row.T > 0) run_head<StateT, kRatio>(p, pr, row, task / pr.HV, task % pr.HV, sc, state);
+      }
     }
   }
-}
+};
 
 }  // namespace cpu_detail
 
@@ -99,10 +102,7 @@ void run_all(const Params& p, const Problem& pr, const std::vector<RowInfo>& row
 // requests writing one slot, or a request's final slot being another's initial slot, is the
 // caller's bug: the order of the requests is not defined.
 inline Status run_cpu(const Params& p) {
-  return run_cpu_call<Problem, RowInfo>(
-      p, [&p]<class StateT, int kRatio>(const Problem& pr, const std::vector<RowInfo>& rows) {
-        cpu_detail::run_all<StateT, kRatio>(p, pr, rows);
-      });
+  return run_cpu_call<Problem, RowInfo>(p, cpu_detail::RunAll{});
 }
 
 }  // namespace gdn::prefill

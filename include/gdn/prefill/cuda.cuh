@@ -11,6 +11,8 @@
 #include <string>
 
 #include "gdn/core/cuda/device_info.cuh"
+#include "gdn/core/cuda/launch.cuh"
+#include "gdn/decode_mtp/step_kernel_args.cuh"
 #include "gdn/prefill/cuda_kernel.cuh"
 #include "gdn/prefill/params.hpp"
 
@@ -49,60 +51,27 @@ namespace cuda_detail {
 
 inline KernelArgs kernel_args(const Params& p, const Problem& pr) {
   KernelArgs a{};
-  a.mixed_qkv = p.mixed_qkv.data;
-  a.a = p.a.data;
-  a.b = p.b.data;
-  a.A_log = p.A_log.data;
-  a.dt_bias = p.dt_bias.data;
-  a.z = p.z.present() ? p.z.data : nullptr;
-  a.norm_weight = p.norm_weight.present() ? p.norm_weight.data : nullptr;
-  a.state = p.state.data;
-  a.cu_seqlens = p.cu_seqlens.data;
+  decode_mtp::fill_step_kernel_args(p, pr, a);
   a.initial_state_indices = p.initial_state_indices.data;
   a.final_state_indices = p.final_state_indices.data;
-  a.checkpoint_indices = p.checkpoint_indices.present() ? p.checkpoint_indices.data : nullptr;
-  a.out = p.out.data;
-  a.error_count = p.error_count.present() ? static_cast<int*>(p.error_count.data) : nullptr;
-  a.a_dtype = p.a.dtype;
-  a.b_dtype = p.b.dtype;
-  a.A_log_dtype = p.A_log.dtype;
-  a.dt_bias_dtype = p.dt_bias.dtype;
+  a.checkpoint_indices = p.checkpoint_indices.data_or_null();
   a.norm_weight_dtype = p.norm_weight.present() ? p.norm_weight.dtype : DType::kFloat32;
   a.state_dtype = p.state.dtype;
-  a.out_dtype = p.out.dtype;
-  a.cu_dtype = p.cu_seqlens.dtype;
   a.initial_dtype = p.initial_state_indices.dtype;
   a.final_dtype = p.final_state_indices.dtype;
   a.checkpoint_dtype = p.checkpoint_indices.present() ? p.checkpoint_indices.dtype : DType::kInt32;
-  a.qkv_row_stride = p.mixed_qkv.strides[0];
-  a.a_row_stride = p.a.strides[0];
-  a.b_row_stride = p.b.strides[0];
-  a.z_row_stride = p.z.present() ? p.z.strides[0] : 0;
-  a.z_head_stride = p.z.present() ? p.z.strides[1] : 0;
   a.initial_stride = p.initial_state_indices.strides[0];
   a.final_stride = p.final_state_indices.strides[0];
   a.checkpoint_row_stride = p.checkpoint_indices.present() ? p.checkpoint_indices.strides[0] : 0;
   a.checkpoint_col_stride = p.checkpoint_indices.present() ? p.checkpoint_indices.strides[1] : 0;
-  a.L = pr.L;
-  a.N = pr.N;
   a.chunk_slots = cuda_chunk_slots(pr.L, pr.N);
   a.H = pr.H;
   a.HV = pr.HV;
   a.ratio = pr.ratio;
-  a.num_slots = pr.num_slots;
-  a.slot_stride = p.state.strides[0];
-  a.first_valid_slot = p.first_valid_slot;
   a.checkpoint_every = p.checkpoint_indices.present() ? p.checkpoint_every : 0;
   a.checkpoint_columns = pr.C;
-  a.scale = pr.scale;
-  a.l2_eps = p.l2_eps;
-  a.norm_eps = p.norm_eps;
   a.gate = p.gate;
   a.layout = p.layout;
-  a.round_core_output = p.round_core_output;
-  a.a_is_log_decay = p.a_is_log_decay;
-  a.b_is_beta = p.b_is_beta;
-  a.qk_l2_norm = p.qk_l2_norm;
   const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   const int64_t act_bytes = int64_t(dtype_size(p.mixed_qkv.dtype));
   a.z_rows_aligned = p.z.present() && aligned(p.z.data) && (p.z.strides[0] * act_bytes) % 16 == 0 &&
@@ -119,9 +88,7 @@ inline KernelArgs kernel_args(const Params& p, const Problem& pr) {
 // device current).
 inline Status launch_cuda(const Params& p, cudaStream_t stream) {
   Problem pr;
-  GDN_RETURN_IF_ERROR(check_arguments(p, &pr));
-  if (pr.device.type != DeviceType::kCUDA)
-    return Status::invalid("launch_cuda was given tensors on " + to_string(pr.device));
+  GDN_RETURN_IF_ERROR(cuda::check_cuda_call(p, &pr));
   GDN_RETURN_IF_ERROR(check_cuda_support(p, pr));
   if (pr.N == 0 || pr.L == 0) return Status::ok();
   if (pr.N * pr.HV > 0x7fffffff || cuda_chunk_slots(pr.L, pr.N) * pr.HV > 0x7fffffff)
@@ -175,11 +142,7 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream) {
   if (freed != cudaSuccess)
     return Status(StatusCode::kCudaError,
                   std::string("prefill: cannot free its workspace: ") + cudaGetErrorString(freed));
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess)
-    return Status(StatusCode::kCudaError,
-                  std::string("prefill launch failed: ") + cudaGetErrorString(err));
-  return Status::ok();
+  return cuda::launch_status("prefill");
 }
 
 }  // namespace gdn::prefill

@@ -89,36 +89,36 @@ inline void save_window(const Params& p, const Problem& pr, const RowInfo& row) 
   p.window_len.ptr<int32_t>()[row.slot] = int32_t(row.T);
 }
 
-template <class StateT, int kRatio>
-void run_all(const Params& p, const Problem& pr, const std::vector<RowInfo>& rows) {
-  int64_t max_tokens = 0, tokens = 0;
-  for (const RowInfo& r : rows) {
-    if (!r.live) continue;
-    max_tokens = std::max(max_tokens, r.replay + r.T);
-    tokens += r.replay + r.T;
-  }
-  const bool parallel = decode_mtp::cpu_detail::use_threads(pr, tokens);
-  // Every window read happens in this pass; the saves below start only after it has finished.
-  decode_mtp::cpu_detail::for_each_head(
-      pr, parallel, max_tokens, [&](int64_t i, int64_t hv, Scratch& sc) {
-        if (rows[size_t(i)].live) run_head<StateT, kRatio>(p, pr, rows[size_t(i)], hv, sc);
-      });
-  (void)parallel;
+// run_cpu_call's run: the validated call, for its state dtype and head ratio.
+struct RunAll {
+  template <class StateT, int kRatio>
+  void operator()(const Params& p, const Problem& pr, const std::vector<RowInfo>& rows) const {
+    int64_t max_tokens = 0, tokens = 0;
+    for (const RowInfo& r : rows) {
+      if (!r.live) continue;
+      max_tokens = std::max(max_tokens, r.replay + r.T);
+      tokens += r.replay + r.T;
+    }
+    const bool parallel = decode_mtp::cpu_detail::use_threads(pr, tokens);
+    // Every window read happens in this pass; the saves below start only after it has finished.
+    decode_mtp::cpu_detail::for_each_head(
+        pr, parallel, max_tokens, [&](int64_t i, int64_t hv, Scratch& sc) {
+          if (rows[size_t(i)].live) run_head<StateT, kRatio>(p, pr, rows[size_t(i)], hv, sc);
+        });
+    (void)parallel;
 #if defined(_OPENMP)
 #pragma omp parallel for schedule(dynamic, 1) if (parallel)
 #endif
-  for (int64_t i = 0; i < pr.N; ++i)
-    if (rows[size_t(i)].live) save_window(p, pr, rows[size_t(i)]);
-}
+    for (int64_t i = 0; i < pr.N; ++i)
+      if (rows[size_t(i)].live) save_window(p, pr, rows[size_t(i)]);
+  }
+};
 
 }  // namespace cpu_detail
 
 // Runs replay verify on host memory. Validates everything first: on error nothing is written.
 inline Status run_cpu(const Params& p) {
-  return run_cpu_call<Problem, RowInfo>(
-      p, [&p]<class StateT, int kRatio>(const Problem& pr, const std::vector<RowInfo>& rows) {
-        cpu_detail::run_all<StateT, kRatio>(p, pr, rows);
-      });
+  return run_cpu_call<Problem, RowInfo>(p, cpu_detail::RunAll{});
 }
 
 }  // namespace gdn::replay

@@ -25,20 +25,9 @@ namespace gdn::cuda {
 
 // ---- dtypes -------------------------------------------------------------------------------------
 
+// Device storage type of a floating DType.
 template <DType D>
-struct device_type;
-template <>
-struct device_type<DType::kFloat32> {
-  using type = float;
-};
-template <>
-struct device_type<DType::kBFloat16> {
-  using type = __nv_bfloat16;
-};
-template <>
-struct device_type<DType::kFloat16> {
-  using type = __half;
-};
+struct device_type : float_storage<D, float, __nv_bfloat16, __half> {};
 
 // Four consecutive elements of a state row as raw bits: a float4 for fp32, two packed 16-bit
 // pairs for bf16/fp16 (kept packed until used, so data in flight costs half the registers).
