@@ -7,9 +7,9 @@
 
 namespace gdn::cuda_api {
 
-Status prefill(const prefill::Params& params, void* stream) {
+Status prefill(const prefill::Params& params, void* stream, prefill::StatePass pass) {
   return cuda::on_array_device("prefill", params.state, "state", [&] {
-    return prefill::launch_cuda(params, static_cast<cudaStream_t>(stream));
+    return prefill::launch_cuda(params, static_cast<cudaStream_t>(stream), pass);
   });
 }
 

@@ -25,7 +25,7 @@ namespace {
 
 using namespace testing;
 
-Status gpu_prefill(const Params& host) {
+Status gpu_prefill(const Params& host, StatePass pass = StatePass::kAuto) {
   Params p = host;
   std::vector<TensorView*> views = {&p.mixed_qkv,
                                     &p.a,
@@ -42,10 +42,16 @@ Status gpu_prefill(const Params& host) {
                                     &p.final_state_indices,
                                     &p.checkpoint_indices,
                                     &p.workspace};
-  return gdn::testing::run_mirrored(views, [&] { return cuda_api::prefill(p, nullptr); });
+  return gdn::testing::run_mirrored(views, [&] { return cuda_api::prefill(p, nullptr, pass); });
 }
 
-const Runner kGpu = gpu_prefill;
+const Runner kGpu = [](const Params& p) { return gpu_prefill(p); };
+
+// The state passes a call can take (the small cases here choose the recurrence on their own).
+constexpr StatePass kPasses[] = {StatePass::kOnePass, StatePass::kRecurrence};
+const char* pass_name(StatePass pass) {
+  return pass == StatePass::kOnePass ? "one pass" : "recurrence";
+}
 
 // The CUDA kernel's head dims; two key heads.
 CaseConfig gpu_config(std::vector<int64_t> T, int64_t ratio = 2, DType state = DType::kFloat32,
@@ -75,6 +81,32 @@ TEST(PrefillCuda, ChunkEdgesRatiosDtypesAndLayoutsMatchTheReference) {
                                           << (layout == StateLayout::kVK ? " vk" : " kv"));
         expect_matches_reference(pc, 2e-2, kGpu);
       }
+}
+
+// Each state pass pinned: the one-pass kernel (which the launcher takes for many heads) and the
+// recurrence with the output kernel, on chunk edges, null slots, in place, checkpoints, a long
+// request and both layouts.
+TEST(PrefillCuda, EveryStatePassMatchesTheReference) {
+  GDN_SKIP_WITHOUT_GPU();
+  uint32_t seed = 40;
+  for (const StatePass pass : kPasses) {
+    const Runner run = [pass](const Params& p) { return gpu_prefill(p, pass); };
+    for (const int64_t ratio : {1, 4})
+      for (const DType state : {DType::kFloat32, DType::kBFloat16})
+        for (const StateLayout layout : {StateLayout::kVK, StateLayout::kKV}) {
+          PrefillCase pc(
+              gpu_config({1, 63, 0, 64, 65, 127, 128, 129, 700}, ratio, state, layout, seed++),
+              {0, 1, 2, -1, 4, 5, 6, 7, 8}, {0, 11, 12, 13, 14, 15, 16, 17, 8}, 128, 5);
+          pc.checkpoints[size_t(5 * 5)] = 18;  // 127 tokens: never reached
+          pc.checkpoints[size_t(6 * 5)] = 19;  // 128 tokens: after the last
+          pc.checkpoints[size_t(8 * 5 + 2)] = 20;
+          pc.checkpoints[size_t(8 * 5 + 4)] = 21;
+          SCOPED_TRACE(::testing::Message()
+                       << pass_name(pass) << " ratio " << ratio << " state " << to_string(state)
+                       << (layout == StateLayout::kVK ? " vk" : " kv"));
+          expect_matches_reference(pc, 2e-2, run);
+        }
+  }
 }
 
 TEST(PrefillCuda, LongRequestsWithWeakDecayInPlace) {
@@ -183,8 +215,8 @@ TEST(PrefillCuda, OutputVariantsMatchTheCpuPath) {
 // checkpoint the request reaches) or more checkpoint boundaries than columns store nothing, zero
 // their output rows and are counted once; a broken cu_seqlens range writes nothing; the valid
 // rows around them run normally.
-TEST(PrefillCuda, InvalidDeviceRowsWriteNothingAndAreCounted) {
-  GDN_SKIP_WITHOUT_GPU();
+void expect_invalid_rows_write_nothing(StatePass pass) {
+  SCOPED_TRACE(pass_name(pass));
   PrefillCase pc(gpu_config({10, 20, 30, 70, 130, 40}), {0, 99, 2, 3, 4, 5}, {6, 7, 50, 8, 9, 10},
                  64, 1);
   // Row 3 (70 tokens) checkpoints to slot 77 (past the pool); row 4 (130 tokens) crosses two
@@ -195,7 +227,7 @@ TEST(PrefillCuda, InvalidDeviceRowsWriteNothingAndAreCounted) {
   const HostArray before = pc.c.state;
   Params p = pc.params();
   p.error_count = TensorView::make(err.data(), DType::kInt32, {1});
-  const Status s = gpu_prefill(p);
+  const Status s = gpu_prefill(p, pass);
   ASSERT_TRUE(s.is_ok()) << s.reason();
   EXPECT_EQ(err[0], 4);
   const int64_t row_elems = pc.c.HV * pc.c.cfg.V;
@@ -222,10 +254,15 @@ TEST(PrefillCuda, InvalidDeviceRowsWriteNothingAndAreCounted) {
   q.cu_seqlens = TensorView::make(bad.c.cu.data(), DType::kInt32, {3});
   std::vector<int32_t> err2 = {0};
   q.error_count = TensorView::make(err2.data(), DType::kInt32, {1});
-  ASSERT_TRUE(gpu_prefill(q).is_ok());
+  ASSERT_TRUE(gpu_prefill(q, pass).is_ok());
   EXPECT_EQ(err2[0], 1);
   for (int64_t e = 3 * bad.c.slot_stride; e < 4 * bad.c.slot_stride; ++e)
     ASSERT_EQ(bad.c.state.get(e), bad_before.get(e));
+}
+
+TEST(PrefillCuda, InvalidDeviceRowsWriteNothingAndAreCounted) {
+  GDN_SKIP_WITHOUT_GPU();
+  for (const StatePass pass : kPasses) expect_invalid_rows_write_nothing(pass);
 }
 
 // A caller's workspace of cuda_workspace_bytes gives the same bits as the launch's own; a smaller

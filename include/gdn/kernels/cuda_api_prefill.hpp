@@ -10,7 +10,9 @@ namespace gdn::cuda_api {
 
 // Launches prefill on `stream` (on the device that holds the arrays). Validates the arguments on
 // the host; reads no device memory, never synchronises. Requests whose indices are invalid on the
-// device write nothing, get zero outputs and increment `error_count` when given.
-Status prefill(const prefill::Params& params, void* stream);
+// device write nothing, get zero outputs and increment `error_count` when given. `pass` pins how
+// the state pass runs (prefill::StatePass; kAuto chooses by occupancy).
+Status prefill(const prefill::Params& params, void* stream,
+               prefill::StatePass pass = prefill::StatePass::kAuto);
 
 }  // namespace gdn::cuda_api

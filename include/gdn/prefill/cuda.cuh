@@ -1,6 +1,7 @@
 // prefill on CUDA: validates the call on the host, fills the kernels' arguments and launches the
-// chunk kernel (one CTA per chunk slot and value head) and the state kernel (one CTA per request
-// and value head) (gdn/prefill/cuda_kernel.cuh). Reads no device memory and never synchronises;
+// chunk kernel (one CTA per chunk slot and value head), then the state pass: the one-pass kernel
+// (one CTA per request and value head) or the recurrence and output kernels
+// (gdn/prefill/cuda_kernel.cuh; choose_state_pass). Reads no device memory and never synchronises;
 // safe inside CUDA-graph capture for a fixed token budget and number of requests. Without a
 // caller workspace it allocates one stream-ordered (a graph captures the allocation too).
 #pragma once
@@ -84,19 +85,34 @@ inline KernelArgs kernel_args(const Params& p, const Problem& pr) {
 
 }  // namespace cuda_detail
 
+// The state pass for a call (StatePass). A request's chunks run in order, so one CTA per (request,
+// value head) leaves SMs idle when there are few of them: then the recurrence's rows split over
+// four CTAs per head (without the norm a state row never needs another) and the outputs of every
+// chunk run at once afterwards. From about one head per two SMs the one-pass kernel is faster: it
+// saves the workspace round trip of S and Delta.
+inline StatePass choose_state_pass(const Problem& pr, const cuda::DeviceInfo& device) {
+  constexpr int recurrence_bytes =
+      cuda_detail::kRecurrenceSharedBytes<cuda_detail::kRecurrenceWarps,
+                                          cuda_detail::kRecurrenceStages>;
+  return 2 * pr.N * pr.HV <= device.sm_count && device.shared_per_cta >= recurrence_bytes
+             ? StatePass::kRecurrence
+             : StatePass::kOnePass;
+}
+
 // Launches prefill on `stream`, on the current device (gdn::cuda_api::prefill makes the arrays'
 // device current).
-inline Status launch_cuda(const Params& p, cudaStream_t stream) {
+inline Status launch_cuda(const Params& p, cudaStream_t stream, StatePass pass = StatePass::kAuto) {
   Problem pr;
   GDN_RETURN_IF_ERROR(cuda::check_cuda_call(p, &pr));
   GDN_RETURN_IF_ERROR(check_cuda_support(p, pr));
   if (pr.N == 0 || pr.L == 0) return Status::ok();
-  if (pr.N * pr.HV > 0x7fffffff || cuda_chunk_slots(pr.L, pr.N) * pr.HV > 0x7fffffff)
+  if (pr.N * pr.HV * 4 > 0x7fffffff || cuda_chunk_slots(pr.L, pr.N) * pr.HV > 0x7fffffff)
     return Status::unsupported("prefill: N = " + std::to_string(pr.N) +
                                ", L = " + std::to_string(pr.L) + ", HV = " + std::to_string(pr.HV) +
                                " exceed the launch grid");
   cuda::DeviceInfo device;
   GDN_RETURN_IF_ERROR(cuda::device_info(pr.device.index, &device));
+  if (pass == StatePass::kAuto) pass = choose_state_pass(pr, device);
   cuda_detail::KernelArgs args = cuda_detail::kernel_args(p, pr);
   void* owned_workspace = nullptr;
   if (p.workspace.present()) {
@@ -110,14 +126,14 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream) {
           std::string("prefill: cannot allocate its workspace: ") + cudaGetErrorString(err));
     args.workspace = owned_workspace;
   }
+  const unsigned chunk_grid = unsigned(args.chunk_slots * pr.HV);
   const auto launch = [&]<class T>() -> Status {
     namespace d = cuda_detail;
     static std::atomic<int> chunk_shared_set[cuda::kMaxDevices];
     GDN_RETURN_IF_ERROR(cuda::allow_dynamic_shared(d::prefill_chunk_kernel<T>, pr.device.index,
                                                    d::kChunkSharedBytes, chunk_shared_set));
-    d::prefill_chunk_kernel<T>
-        <<<unsigned(args.chunk_slots * pr.HV), d::kThreads, d::kChunkSharedBytes, stream>>>(args);
-    const auto state_pass = [&]<int kStages>() -> Status {
+    d::prefill_chunk_kernel<T><<<chunk_grid, d::kThreads, d::kChunkSharedBytes, stream>>>(args);
+    const auto one_pass = [&]<int kStages>() -> Status {
       static std::atomic<int> state_shared_set[cuda::kMaxDevices];
       constexpr int bytes = d::kStateSharedBytes<T, kStages>;
       GDN_RETURN_IF_ERROR(cuda::allow_dynamic_shared(d::prefill_state_kernel<T, kStages>,
@@ -126,11 +142,26 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream) {
           <<<unsigned(pr.N * pr.HV), d::kThreads, bytes, stream>>>(args);
       return Status::ok();
     };
+    if (pass == StatePass::kRecurrence) {
+      static std::atomic<int> recurrence_shared_set[cuda::kMaxDevices];
+      static std::atomic<int> output_shared_set[cuda::kMaxDevices];
+      constexpr auto recurrence =
+          d::prefill_recurrence_kernel<d::kRecurrenceWarps, d::kRecurrenceStages>;
+      constexpr int bytes = d::kRecurrenceSharedBytes<d::kRecurrenceWarps, d::kRecurrenceStages>;
+      GDN_RETURN_IF_ERROR(
+          cuda::allow_dynamic_shared(recurrence, pr.device.index, bytes, recurrence_shared_set));
+      GDN_RETURN_IF_ERROR(cuda::allow_dynamic_shared(d::prefill_output_kernel<T>, pr.device.index,
+                                                     d::kOutputSharedBytes<T>, output_shared_set));
+      recurrence<<<unsigned(pr.N * pr.HV * (d::kWarps / d::kRecurrenceWarps)),
+                   32 * d::kRecurrenceWarps, bytes, stream>>>(args);
+      d::prefill_output_kernel<T>
+          <<<chunk_grid, d::kThreads, d::kOutputSharedBytes<T>, stream>>>(args);
+      return Status::ok();
+    }
     // Two buffers where the device's shared memory holds them (the next chunk's copy overlaps the
     // current chunk's work), else one.
-    return device.shared_per_cta >= d::kStateSharedBytes<T, 2>
-               ? state_pass.template operator()<2>()
-               : state_pass.template operator()<1>();
+    return device.shared_per_cta >= d::kStateSharedBytes<T, 2> ? one_pass.template operator()<2>()
+                                                               : one_pass.template operator()<1>();
   };
   Status status = Status::unsupported(
       "prefill: mixed_qkv dtype " + std::string(to_string(p.mixed_qkv.dtype)) + " not compiled in");

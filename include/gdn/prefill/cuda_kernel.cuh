@@ -1,5 +1,4 @@
-// prefill's CUDA kernels: the chunked (WY / UT) form of the gated delta rule on tensor cores, in
-// two launches.
+// prefill's CUDA kernels: the chunked (WY / UT) form of the gated delta rule on tensor cores.
 //
 // Per chunk of n <= 64 tokens of a request, with G_t the running sum of the log-decays g inside
 // the chunk (gamma_t = exp(G_t)), k and q L2-normalised (q also scaled), beta_t the write strength
@@ -14,10 +13,18 @@
 //
 // Everything but the last three lines depends on the chunk's own tokens only. The chunk kernel
 // computes it for every (chunk, value head) of the call in parallel and leaves W, U^T, P, the
-// decayed q and k and gamma_end in a workspace; the state kernel then runs each (request, value
-// head) through its chunks in order, with the state in the accumulator registers of its eight
-// warps (warp w owns state rows 16 w..) and the next chunk's tiles copied in while it works on the
-// current one. Tokens past n are zero (k = q = v = 0, g = 0, beta = 0), so they change nothing.
+// decayed q and k and gamma_end in a workspace. The state pass then runs each (request, value
+// head) through its chunks in order, with the state in fp32 accumulator registers (a warp owns 16
+// state rows) and the next chunk's tiles copied in while it works on the current one, in one of
+// two forms (StatePass):
+//   - one pass: one CTA of eight warps per (request, value head) also computes o and the gated
+//     RMSNorm, which needs all 128 rows of a token's output;
+//   - recurrence, then outputs: without the norm the rows are independent, so four CTAs of two
+//     warps share a head's rows and only compute Delta and S'. They store S and Delta^T per chunk
+//     as the bf16 A fragments of the output products, and an output kernel then computes o and
+//     the norm for every (chunk, value head) at once. Fewer, longer requests than SMs keep the
+//     one-pass grid from filling the GPU; this form does.
+// Tokens past n are zero (k = q = v = 0, g = 0, beta = 0), so they change nothing.
 // The products run as mma.sync m16n8k16 with bf16 operands and fp32 accumulation; (I + A)^-1 is
 // computed in fp32 (16 x 16 diagonal blocks by substitution, then merged 16 -> 32 -> 64). The
 // state crosses chunks in fp32 and is rounded to the pool's dtype only where it is stored.
@@ -25,8 +32,9 @@
 // Workspace slots: request i's j-th chunk goes to slot begin_i / 64 + i + j. For non-decreasing
 // cu_seqlens these ranges never overlap, and there are at most L / 64 + N slots. The chunk kernel's
 // CTA for a slot finds its request by binary search and records the owner of the slot; the state
-// kernel runs a request only if it owns all its slots, so broken cu_seqlens can never make one
-// request read another's tiles.
+// pass runs a request only if it owns all its slots, so broken cu_seqlens can never make one
+// request read another's tiles. The output kernel runs a slot only if the recurrence marked it
+// ready in this call.
 //
 // Indices live in device memory and are never synchronised on: the kernels apply prefill's row
 // rules themselves. A request whose token range is not sane writes nothing; one with a slot past
@@ -110,22 +118,39 @@ struct ChunkTiles {
 };
 static_assert(sizeof(ChunkTiles) % 16 == 0, "copied in 16-byte pieces");
 
-static_assert(cuda_workspace_bytes(kChunk, 0, 1) == int64_t(sizeof(ChunkTiles)) + 4 + 4,
+// What the recurrence kernel leaves for the output kernel, per (chunk slot, value head): the state
+// at the chunk's start and the chunk's writes Delta^T, as the bf16 A fragments of the products
+// that read them, indexed [16-row block of the state][k-step][lane] (one 512-byte run per
+// fragment of a warp). The output kernel multiplies exactly the operands the one-pass kernel
+// would have, in the same order.
+struct ChunkFragments {
+  uint4 s[kHeadDim / 16][kHeadDim / 16][32];
+  uint4 delta[kHeadDim / 16][kChunk / 16][32];
+};
+
+static_assert(cuda_workspace_bytes(kChunk, 0, 1) ==
+                  int64_t(sizeof(ChunkTiles) + sizeof(ChunkFragments)) + 4 + 4 + 4,
               "cuda_workspace_bytes matches the workspace's layout");
 
-// The workspace: ChunkTiles[chunk_slots][HV], then gamma_end as float[chunk_slots][HV], then the
-// owning request of each slot as int[chunk_slots] (-1: none).
+// The workspace: ChunkTiles[chunk_slots][HV], ChunkFragments[chunk_slots][HV], then gamma_end as
+// float[chunk_slots][HV], a ready mark int[chunk_slots][HV] (1: the recurrence stored the slot's
+// fragments in this call; the chunk kernel clears it) and the owning request of each slot as
+// int[chunk_slots] (-1: none).
 struct Workspace {
   ChunkTiles* tiles;
+  ChunkFragments* fragments;
   float* gamma_end;
+  int* ready;
   int* owner;
 };
 
 __host__ __device__ inline Workspace workspace_of(void* base, int64_t chunk_slots, int64_t HV) {
   Workspace w;
   w.tiles = static_cast<ChunkTiles*>(base);
-  w.gamma_end = reinterpret_cast<float*>(w.tiles + chunk_slots * HV);
-  w.owner = reinterpret_cast<int*>(w.gamma_end + chunk_slots * HV);
+  w.fragments = reinterpret_cast<ChunkFragments*>(w.tiles + chunk_slots * HV);
+  w.gamma_end = reinterpret_cast<float*>(w.fragments + chunk_slots * HV);
+  w.ready = reinterpret_cast<int*>(w.gamma_end + chunk_slots * HV);
+  w.owner = w.ready + chunk_slots * HV;
   return w;
 }
 
@@ -221,9 +246,11 @@ inline constexpr int kChunkSharedBytes = int(sizeof(ChunkShared));
 
 // Finds the request and chunk of workspace slot `slot` (thread 0): the last request i whose first
 // chunk slot is <= slot, if slot lies within its chunks and its token range is sane. Records the
-// slot's owner (value head 0's CTA).
-__device__ __forceinline__ void find_chunk(const KernelArgs& args, const Workspace& ws,
-                                           ChunkShared& sh, int64_t slot, bool record) {
+// slot's owner (value head 0's CTA of the chunk kernel) if `record`. Sh: a CTA's shared memory
+// with fields request, first_row and n.
+template <class Sh>
+__device__ __forceinline__ void find_chunk(const KernelArgs& args, const Workspace& ws, Sh& sh,
+                                           int64_t slot, bool record) {
   const auto cu = [&](int64_t e) { return gdn::load_index(args.cu_seqlens, args.cu_dtype, e); };
   int64_t lo = 0, hi = args.N - 1;
   while (lo < hi) {
@@ -624,7 +651,10 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_kernel(const Kernel
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int64_t slot = int64_t(blockIdx.x) / args.HV, hv = int64_t(blockIdx.x) % args.HV;
   const Workspace ws = workspace_of(args.workspace, args.chunk_slots, args.HV);
-  if (tid == 0) find_chunk(args, ws, sh, slot, hv == 0);
+  if (tid == 0) {
+    find_chunk(args, ws, sh, slot, hv == 0);
+    ws.ready[slot * args.HV + hv] = 0;
+  }
   __syncthreads();
   if (sh.request < 0) return;
   const int64_t first_row = sh.first_row;
@@ -648,33 +678,11 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_kernel(const Kernel
   if (tid == 0) ws.gamma_end[slot * args.HV + hv] = expf(sh.cum[kChunk - 1]);
 }
 
-// ---- the state kernel ---------------------------------------------------------------------------
+// ---- the state pass: shared pieces --------------------------------------------------------------
 
-// One chunk's tiles in shared memory, and its z rows.
+// Row stride of a z tile in elements (16-byte padded rows).
 template <class Act>
-struct StateBuffer : ChunkTiles {
-  Act z[kChunk][kHeadDim + 16 / sizeof(Act)];
-};
-
-// kStages buffers: with two, the next chunk's tiles are copied in while the current one runs.
-template <class Act, int kStages>
-struct StateShared {
-  StateBuffer<Act> buf[kStages];
-  float partial[kWarps][kChunk];  // each warp's sum of o^2 over its 16 state rows, per token
-  float norm_weight[kHeadDim];
-};
-
-// The fp32 output tile o[t][v] overlays w and q of the chunk's buffer, which are dead by then.
-template <class Act>
-__device__ __forceinline__ float (*output_tile(StateBuffer<Act>& b)) [kLdOut] {
-  static_assert(offsetof(ChunkTiles, q) == sizeof(ChunkTiles::w) &&
-                    2 * sizeof(ChunkTiles::w) >= sizeof(float) * kChunk * kLdOut,
-                "the output tile fits w and q");
-  return reinterpret_cast<float (*)[kLdOut]>(&b.w[0][0]);
-}
-
-template <class Act, int kStages>
-inline constexpr int kStateSharedBytes = int(sizeof(StateShared<Act, kStages>));
+inline constexpr int kLdZ = kHeadDim + 16 / int(sizeof(Act));
 
 // Element offset of state element (v, k) of head hv in slot `slot`.
 __device__ __forceinline__ int64_t state_offset(const KernelArgs& args, int64_t slot, int64_t hv,
@@ -683,15 +691,15 @@ __device__ __forceinline__ int64_t state_offset(const KernelArgs& args, int64_t 
   return head + (args.layout == StateLayout::kVK ? v * kHeadDim + k : k * kHeadDim + v);
 }
 
-// The state accumulators of a warp: rows v = 16 w + lane / 4 (+ 8), columns k = 8 j + 2 (lane % 4)
-// (+ 1), for the 16 column tiles j.
+// The state accumulators of a warp that owns state rows 16 r.. (its row block r): rows
+// v = 16 r + lane / 4 (+ 8), columns k = 8 j + 2 (lane % 4) (+ 1), for the 16 column tiles j.
 struct StateTile {
   float d[16][4];
 };
 
 __device__ __forceinline__ void store_state(const KernelArgs& args, int64_t slot, int64_t hv,
-                                            int warp, int lane, const StateTile& s) {
-  const int v0 = 16 * warp + lane / 4;
+                                            int row_block, int lane, const StateTile& s) {
+  const int v0 = 16 * row_block + lane / 4;
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
     const int k0 = 8 * j + 2 * (lane % 4);
@@ -704,8 +712,8 @@ __device__ __forceinline__ void store_state(const KernelArgs& args, int64_t slot
 
 // The warp's state accumulators from the slot (zeros for a null slot); all 64 loads in flight.
 __device__ __forceinline__ void load_state(const KernelArgs& args, int64_t slot, int64_t hv,
-                                           int warp, int lane, StateTile& s) {
-  const int v0 = 16 * warp + lane / 4;
+                                           int row_block, int lane, StateTile& s) {
+  const int v0 = 16 * row_block + lane / 4;
   if (slot < 0) {
 #pragma unroll
     for (int j = 0; j < 16; ++j)
@@ -726,47 +734,48 @@ __device__ __forceinline__ void load_state(const KernelArgs& args, int64_t slot,
   });
 }
 
-// Starts copying chunk slot `slot`'s tiles and the z rows of its n tokens into `b`, as one
-// cp.async group of this thread. The chunk kernel writes the first ceil(n / 16) blocks of 16 token
-// rows (U^T: columns) only, zero past n; only they are copied, as the products read no others.
-template <class Act>
-__device__ __forceinline__ void start_chunk_copy(const KernelArgs& args, const Workspace& ws,
-                                                 int64_t slot, int64_t hv, int64_t first_row, int n,
-                                                 StateBuffer<Act>& b, int tid) {
-  const ChunkTiles& src = ws.tiles[slot * args.HV + hv];
-  const int rows = 16 * ((n + 15) / 16);
-  // A prefix of `count` 16-byte pieces of a tile.
-  const auto copy = [tid](void* to, const void* from, int count) {
-    for (int e = tid; e < count; e += kThreads)
-      mma::cp_async_16(static_cast<uint4*>(to) + e, static_cast<const uint4*>(from) + e);
-  };
-  constexpr int kWideRow = kLdWide * 2 / 16, kNarrowRow = kLdNarrow * 2 / 16;
-  copy(&b.w[0][0], &src.w[0][0], rows * kWideRow);
-  copy(&b.q[0][0], &src.q[0][0], rows * kWideRow);
-  copy(&b.k[0][0], &src.k[0][0], rows * kWideRow);
-  // U^T: the columns of the used token blocks.
-  const int ut_pieces = rows / 8;
-  for (int e = tid; e < kHeadDim * ut_pieces; e += kThreads) {
-    const int r = e / ut_pieces, c = 8 * (e % ut_pieces);
-    mma::cp_async_16(&b.ut[r][c], &src.ut[r][c]);
+// Copies of a chunk's workspace tiles into shared memory, as cp.async by the `threads` threads of
+// a CTA (the caller commits the group). The chunk kernel writes the first ceil(n / 16) blocks of
+// 16 token rows (U^T: columns) only, zero past n; only they are copied, as the products read no
+// others.
+inline constexpr int kWideRowPieces = kLdWide * 2 / 16;
+inline constexpr int kNarrowRowPieces = kLdNarrow * 2 / 16;
+
+// The first `count` 16-byte pieces of a flat run.
+__device__ __forceinline__ void copy_pieces(void* to, const void* from, int count, int tid,
+                                            int threads) {
+  for (int e = tid; e < count; e += threads)
+    mma::cp_async_16(static_cast<uint4*>(to) + e, static_cast<const uint4*>(from) + e);
+}
+
+// U^T rows r0 .. r0 + rows, the columns of the `used` token rows, to rows 0 .. rows of `to`.
+__device__ __forceinline__ void copy_ut_rows(bf16 (*to)[kLdNarrow], const ChunkTiles& src, int r0,
+                                             int rows, int used, int tid, int threads) {
+  const int pieces = used / 8;
+  for (int e = tid; e < rows * pieces; e += threads) {
+    const int r = e / pieces, c = 8 * (e % pieces);
+    mma::cp_async_16(&to[r][c], &src.ut[r0 + r][c]);
   }
-  copy(&b.p[0][0], &src.p[0][0], rows * kNarrowRow);
-  if (args.z) {
-    const Act* z =
-        static_cast<const Act*>(args.z) + first_row * args.z_row_stride + hv * args.z_head_stride;
-    constexpr int kPer16 = 16 / int(sizeof(Act)), kZPieces = kHeadDim / kPer16;
-    for (int e = tid; e < n * kZPieces; e += kThreads) {
-      const int r = e / kZPieces, c = kPer16 * (e % kZPieces);
-      const Act* from = z + r * args.z_row_stride + c;
-      if (args.z_rows_aligned) {
-        mma::cp_async_16(&b.z[r][c], from);
-      } else {
+}
+
+// The z rows of the chunk's n tokens of value head hv.
+template <class Act>
+__device__ __forceinline__ void copy_z_rows(const KernelArgs& args, Act (*to)[kLdZ<Act>],
+                                            int64_t first_row, int n, int64_t hv, int tid,
+                                            int threads) {
+  const Act* z =
+      static_cast<const Act*>(args.z) + first_row * args.z_row_stride + hv * args.z_head_stride;
+  constexpr int kPer16 = 16 / int(sizeof(Act)), kZPieces = kHeadDim / kPer16;
+  for (int e = tid; e < n * kZPieces; e += threads) {
+    const int r = e / kZPieces, c = kPer16 * (e % kZPieces);
+    const Act* from = z + r * args.z_row_stride + c;
+    if (args.z_rows_aligned) {
+      mma::cp_async_16(&to[r][c], from);
+    } else {
 #pragma unroll
-        for (int x = 0; x < kPer16; ++x) b.z[r][c + x] = from[x];
-      }
+      for (int x = 0; x < kPer16; ++x) to[r][c + x] = from[x];
     }
   }
-  mma::cp_async_commit();
 }
 
 // A-operand fragments (16 x 16, k-step kk) of the fp32 accumulator tiles 2 kk and 2 kk + 1, in
@@ -780,6 +789,16 @@ __device__ __forceinline__ void accumulators_as_a(const float (*d)[4], uint32_t 
     a[kk][2] = Bf16::pack(d[2 * kk + 1][0], d[2 * kk + 1][1]);
     a[kk][3] = Bf16::pack(d[2 * kk + 1][2], d[2 * kk + 1][3]);
   }
+}
+
+__device__ __forceinline__ uint4 fragment_bits(const uint32_t (&a)[4]) {
+  return make_uint4(a[0], a[1], a[2], a[3]);
+}
+__device__ __forceinline__ void fragment_from_bits(uint4 x, uint32_t (&a)[4]) {
+  a[0] = x.x;
+  a[1] = x.y;
+  a[2] = x.z;
+  a[3] = x.w;
 }
 
 // acc[v][t] += sum_k S[v][k] x[t][k] for the warp's 16 state rows (sa: S as A fragments) and the
@@ -817,49 +836,41 @@ __device__ __forceinline__ void state_times_tokens(const uint32_t (&sa)[8][4], c
   }
 }
 
-// act(z): silu(z) = z sigmoid(z), or sigmoid(z); one expression for both keeps the code small.
-__device__ __forceinline__ float gate_value(const KernelArgs& args, float z) {
-  return (args.gate == GateActivation::kSiLU ? z : 1.0f) * dev::fast_sigmoid(z);
-}
-
-// One chunk of one (request, value head), the warp's 16 state rows v0 = 16 w..: Delta^T = U^T -
-// S W^T; o^T = S q~^T + Delta^T P^T; S = gamma_end S + Delta^T k~. The outputs land (fp32, rounded
-// to Act if asked) in the output tile, their partial sums of squares in sh.partial. kFull: n is
-// kChunk, every block is used and the fragments are loaded ahead of their products.
-template <bool kFull, class Act, int kStages>
-__device__ __forceinline__ void run_chunk(const KernelArgs& args, StateShared<Act, kStages>& sh,
-                                          StateBuffer<Act>& b, float gamma_end, int n, int warp,
-                                          int lane, StateTile& s) {
-  const int blocks16 = kFull ? 4 : (n + 15) / 16;  // blocks of 16 token rows the n tokens reach
-  const int v0 = 16 * warp;
-  uint32_t sa[8][4];
-  accumulators_as_a<8>(s.d, sa);
-  float delta[8][4] = {};
-  state_times_tokens<kFull>(sa, &b.w[0][0], lane, blocks16, delta);
+// The chunk's writes for the warp's 16 state rows: Delta^T = U^T - S W^T (ut: the warp's first
+// U^T row in shared memory).
+template <bool kFull>
+__device__ __forceinline__ void chunk_writes(const uint32_t (&sa)[8][4], const bf16* w,
+                                             const bf16 (*ut)[kLdNarrow], int lane, int blocks16,
+                                             float (&delta)[8][4]) {
+  state_times_tokens<kFull>(sa, w, lane, blocks16, delta);
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     const int t = 8 * j + 2 * (lane % 4);
     const float2 ua =
-        __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&b.ut[v0 + lane / 4][t]));
+        __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&ut[lane / 4][t]));
     const float2 ub =
-        __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&b.ut[v0 + lane / 4 + 8][t]));
+        __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&ut[lane / 4 + 8][t]));
     delta[j][0] = ua.x - delta[j][0];
     delta[j][1] = ua.y - delta[j][1];
     delta[j][2] = ub.x - delta[j][2];
     delta[j][3] = ub.y - delta[j][3];
   }
-  uint32_t da[4][4];
-  accumulators_as_a<4>(delta, da);
-  float o[8][4] = {};
-  state_times_tokens<kFull>(sa, &b.q[0][0], lane, blocks16, o);
-  // P is lower triangular: token tiles 2 m, 2 m + 1 need source blocks kk <= m only.
+}
+
+// The chunk's outputs for the warp's 16 state rows: o^T = S q~^T + Delta^T P^T (da: Delta^T as A
+// fragments). P is lower triangular: token tiles 2 m, 2 m + 1 need source blocks kk <= m only.
+template <bool kFull>
+__device__ __forceinline__ void chunk_output(const uint32_t (&sa)[8][4], const uint32_t (&da)[4][4],
+                                             const bf16* q, const bf16* p, int lane, int blocks16,
+                                             float (&o)[8][4]) {
+  state_times_tokens<kFull>(sa, q, lane, blocks16, o);
   if constexpr (kFull) {
     uint32_t bp[4][4][4];  // [m][kk], kk <= m: all ten loads issued before the first product
 #pragma unroll
     for (int m = 0; m < 4; ++m)
 #pragma unroll
       for (int kk = 0; kk <= m; ++kk)
-        mma::load_b_pair(bp[m][kk], &b.p[0][0], kLdNarrow, 16 * m, 16 * kk, lane);
+        mma::load_b_pair(bp[m][kk], p, kLdNarrow, 16 * m, 16 * kk, lane);
 #pragma unroll
     for (int m = 0; m < 4; ++m)
 #pragma unroll
@@ -874,12 +885,19 @@ __device__ __forceinline__ void run_chunk(const KernelArgs& args, StateShared<Ac
 #pragma unroll
       for (int kk = 0; kk <= m; ++kk) {
         uint32_t bp[4];
-        mma::load_b_pair(bp, &b.p[0][0], kLdNarrow, 16 * m, 16 * kk, lane);
+        mma::load_b_pair(bp, p, kLdNarrow, 16 * m, 16 * kk, lane);
         mma::mma_16bit<bf16>(o[2 * m], da[kk], bp[0], bp[1]);
         mma::mma_16bit<bf16>(o[2 * m + 1], da[kk], bp[2], bp[3]);
       }
     }
   }
+}
+
+// The state update for the warp's 16 rows: S = gamma_end S + Delta^T k~.
+template <bool kFull>
+__device__ __forceinline__ void chunk_update(const uint32_t (&da)[4][4], const bf16* k,
+                                             float gamma_end, int lane, int blocks16,
+                                             StateTile& s) {
 #pragma unroll
   for (int j = 0; j < 16; ++j)
 #pragma unroll
@@ -887,16 +905,14 @@ __device__ __forceinline__ void run_chunk(const KernelArgs& args, StateShared<Ac
   if constexpr (kFull) {
     uint32_t bk[8][4];  // rolling, as in state_times_tokens
 #pragma unroll
-    for (int m = 0; m < 8; ++m)
-      mma::load_b_pair_transposed(bk[m], &b.k[0][0], kLdWide, 16 * m, 0, lane);
+    for (int m = 0; m < 8; ++m) mma::load_b_pair_transposed(bk[m], k, kLdWide, 16 * m, 0, lane);
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
 #pragma unroll
       for (int m = 0; m < 8; ++m) {
         mma::mma_16bit<bf16>(s.d[2 * m], da[kk], bk[m][0], bk[m][1]);
         mma::mma_16bit<bf16>(s.d[2 * m + 1], da[kk], bk[m][2], bk[m][3]);
-        if (kk + 1 < 4)
-          mma::load_b_pair_transposed(bk[m], &b.k[0][0], kLdWide, 16 * m, 16 * (kk + 1), lane);
+        if (kk + 1 < 4) mma::load_b_pair_transposed(bk[m], k, kLdWide, 16 * m, 16 * (kk + 1), lane);
       }
     }
   } else {
@@ -906,15 +922,26 @@ __device__ __forceinline__ void run_chunk(const KernelArgs& args, StateShared<Ac
 #pragma unroll
       for (int j = 0; j < 16; j += 2) {
         uint32_t bk[4];
-        mma::load_b_pair_transposed(bk, &b.k[0][0], kLdWide, 8 * j, 16 * kk, lane);
+        mma::load_b_pair_transposed(bk, k, kLdWide, 8 * j, 16 * kk, lane);
         mma::mma_16bit<bf16>(s.d[j], da[kk], bk[0], bk[1]);
         mma::mma_16bit<bf16>(s.d[j + 1], da[kk], bk[2], bk[3]);
       }
     }
   }
-  // Every warp is done with w and q before the output tile overwrites them.
-  __syncthreads();
-  float (*out)[kLdOut] = output_tile(b);
+}
+
+// act(z): silu(z) = z sigmoid(z), or sigmoid(z); one expression for both keeps the code small.
+__device__ __forceinline__ float gate_value(const KernelArgs& args, float z) {
+  return (args.gate == GateActivation::kSiLU ? z : 1.0f) * dev::fast_sigmoid(z);
+}
+
+// Warp w's outputs o^T (state rows 16 w..) into the fp32 output tile o[t][v] (rounded to Act if
+// asked), and its partial sums of squares per token into partial[w].
+template <class Act>
+__device__ __forceinline__ void stage_output(const KernelArgs& args, float (&o)[8][4],
+                                             float (*tile)[kLdOut], float (*partial)[kChunk],
+                                             int warp, int lane) {
+  const int v0 = 16 * warp;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     float ss[2];
@@ -927,8 +954,8 @@ __device__ __forceinline__ void run_chunk(const KernelArgs& args, StateShared<Ac
         x0 = to_f32(from_f32<Act>(x0));
         x1 = to_f32(from_f32<Act>(x1));
       }
-      out[t][v0 + lane / 4] = x0;
-      out[t][v0 + lane / 4 + 8] = x1;
+      tile[t][v0 + lane / 4] = x0;
+      tile[t][v0 + lane / 4 + 8] = x1;
       float x = x0 * x0 + x1 * x1;
       x += __shfl_xor_sync(0xffffffffu, x, 4);
       x += __shfl_xor_sync(0xffffffffu, x, 8);
@@ -936,8 +963,8 @@ __device__ __forceinline__ void run_chunk(const KernelArgs& args, StateShared<Ac
       ss[e] = x;
     }
     if (lane < 4) {
-      sh.partial[warp][8 * j + 2 * lane] = ss[0];
-      sh.partial[warp][8 * j + 2 * lane + 1] = ss[1];
+      partial[warp][8 * j + 2 * lane] = ss[0];
+      partial[warp][8 * j + 2 * lane + 1] = ss[1];
     }
   }
 }
@@ -945,13 +972,13 @@ __device__ __forceinline__ void run_chunk(const KernelArgs& args, StateShared<Ac
 // The gated RMSNorm of the chunk's n output rows from the output tile, stored to out: warp w
 // takes tokens w, w + 8, ..., lane l values 4 l.. of each; all eight tokens' reads are issued
 // before the first result is used.
-template <class Act, int kStages>
-__device__ __forceinline__ void store_outputs(const KernelArgs& args,
-                                              const StateShared<Act, kStages>& sh,
-                                              StateBuffer<Act>& b, int64_t first_row, int n,
-                                              int64_t hv, int warp, int lane) {
+template <class Act>
+__device__ __forceinline__ void store_outputs(const KernelArgs& args, const float (*tile)[kLdOut],
+                                              const float (*partial)[kChunk],
+                                              const float* norm_weight, const Act (*zt)[kLdZ<Act>],
+                                              int64_t first_row, int n, int64_t hv, int warp,
+                                              int lane) {
   constexpr int kPerWarp = kChunk / kWarps;
-  const float (*tile)[kLdOut] = output_tile(b);
   const int v = 4 * lane;
   float y[kPerWarp][4], z[kPerWarp][4], ss[kPerWarp];
 #pragma unroll
@@ -964,9 +991,9 @@ __device__ __forceinline__ void store_outputs(const KernelArgs& args,
     y[r][3] = o4.w;
     ss[r] = 0.0f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) ss[r] += sh.partial[w][t];
+    for (int w = 0; w < kWarps; ++w) ss[r] += partial[w][t];
     if (args.z && t < n) {  // four elements in one 8- or 16-byte read
-      const Bits4<Act> bits = *reinterpret_cast<const Bits4<Act>*>(&b.z[t][v]);
+      const Bits4<Act> bits = *reinterpret_cast<const Bits4<Act>*>(&zt[t][v]);
       bits_to_f32<Act>(bits, z[r]);
     } else {
 #pragma unroll
@@ -975,7 +1002,7 @@ __device__ __forceinline__ void store_outputs(const KernelArgs& args,
   }
   float weight[4];
 #pragma unroll
-  for (int e = 0; e < 4; ++e) weight[e] = sh.norm_weight[v + e];
+  for (int e = 0; e < 4; ++e) weight[e] = norm_weight[v + e];
 #pragma unroll
   for (int r = 0; r < kPerWarp; ++r) {
     const int t = warp + kWarps * r;
@@ -1007,90 +1034,350 @@ __device__ __forceinline__ void store_outputs(const KernelArgs& args,
   }
 }
 
-// Grid N * HV: one CTA per (request, value head), its chunks in order. Act: the element type of
-// z and out.
+// A request's rows and slots, once prefill's row rules accept it.
+struct RequestPlan {
+  int64_t begin, T, chunks, first_slot;
+  int64_t initial, final_slot;  // -1: null
+};
+
+// prefill's row rules for request i, applied by all `threads` threads of a CTA for value head hv.
+// False if the request runs no chunk: its token range is not sane (nothing written) or empty, or
+// it is refused (a slot past the pool, more checkpoints than columns, or chunk slots it does not
+// own): then CTAs with `zero_outputs` zero its output rows of head hv. `reporter` counts a
+// request that is not run and not empty.
+__device__ __forceinline__ bool plan_request(const KernelArgs& args, const Workspace& ws, int64_t i,
+                                             int64_t hv, int tid, int threads, bool reporter,
+                                             bool zero_outputs, RequestPlan& r) {
+  r.begin = gdn::load_index(args.cu_seqlens, args.cu_dtype, i);
+  const int64_t end = gdn::load_index(args.cu_seqlens, args.cu_dtype, i + 1);
+  if (r.begin < 0 || end < r.begin || end > args.L) {  // rows unknown: write nothing
+    if (reporter && args.error_count) atomicAdd(args.error_count, 1);
+    return false;
+  }
+  r.T = end - r.begin;
+  if (r.T == 0) return false;
+  const int64_t initial_id =
+      gdn::load_index(args.initial_state_indices, args.initial_dtype, i * args.initial_stride);
+  const int64_t final_id =
+      gdn::load_index(args.final_state_indices, args.final_dtype, i * args.final_stride);
+  bool bad = initial_id >= args.num_slots || final_id >= args.num_slots;
+  const int64_t checkpoints = args.checkpoint_indices ? r.T / args.checkpoint_every : 0;
+  if (checkpoints > args.checkpoint_columns) bad = true;
+  for (int64_t j = 0; j < checkpoints && !bad; ++j)
+    if (checkpoint_slot(args, i, j) >= args.num_slots) bad = true;
+  r.chunks = (r.T + kChunk - 1) / kChunk;
+  r.first_slot = first_chunk_slot(r.begin, i);
+  bool owned = true;
+  for (int64_t j = tid; j < r.chunks; j += threads) owned &= ws.owner[r.first_slot + j] == int(i);
+  if (!__syncthreads_and(owned)) bad = true;
+  if (bad) {
+    if (reporter && args.error_count) atomicAdd(args.error_count, 1);
+    if (zero_outputs)
+      for (int64_t e = tid; e < r.T * kHeadDim; e += threads)
+        dev::store_value(args.out, args.out_dtype,
+                         ((r.begin + e / kHeadDim) * args.HV + hv) * kHeadDim + e % kHeadDim, 0.0f);
+    return false;
+  }
+  r.initial = initial_id < args.first_valid_slot ? -1 : initial_id;
+  r.final_slot = final_id < args.first_valid_slot ? -1 : final_id;
+  return true;
+}
+
+// Tokens of the request's chunk c.
+__device__ __forceinline__ int chunk_tokens(const RequestPlan& r, int64_t c) {
+  return int(r.T - kChunk * c < kChunk ? r.T - kChunk * c : kChunk);
+}
+
+// Stores the state to the checkpoint slot that ends after `done` tokens, if there is one.
+__device__ __forceinline__ void store_checkpoint(const KernelArgs& args, int64_t i, int64_t hv,
+                                                 int64_t done, int row_block, int lane,
+                                                 const StateTile& s) {
+  if (args.checkpoint_indices && done % args.checkpoint_every == 0) {
+    const int64_t slot = checkpoint_slot(args, i, done / args.checkpoint_every - 1);
+    if (slot >= 0) store_state(args, slot, hv, row_block, lane, s);
+  }
+}
+
+// ---- the one-pass state kernel: recurrence and outputs
+// --------------------------------------------
+
+// One chunk's tiles in shared memory, and its z rows.
+template <class Act>
+struct StateBuffer : ChunkTiles {
+  Act z[kChunk][kLdZ<Act>];
+};
+
+// kStages buffers: with two, the next chunk's tiles are copied in while the current one runs.
+template <class Act, int kStages>
+struct StateShared {
+  StateBuffer<Act> buf[kStages];
+  float partial[kWarps][kChunk];  // each warp's sum of o^2 over its 16 state rows, per token
+  float norm_weight[kHeadDim];
+};
+
+// The fp32 output tile o[t][v] overlays w and q of the chunk's buffer, which are dead by then.
+template <class Act>
+__device__ __forceinline__ float (*output_tile(StateBuffer<Act>& b)) [kLdOut] {
+  static_assert(offsetof(ChunkTiles, q) == sizeof(ChunkTiles::w) &&
+                    2 * sizeof(ChunkTiles::w) >= sizeof(float) * kChunk * kLdOut,
+                "the output tile fits w and q");
+  return reinterpret_cast<float (*)[kLdOut]>(&b.w[0][0]);
+}
+
+template <class Act, int kStages>
+inline constexpr int kStateSharedBytes = int(sizeof(StateShared<Act, kStages>));
+
+// Starts copying chunk slot `slot`'s tiles and the z rows of its n tokens into `b`, as one
+// cp.async group of this thread.
+template <class Act>
+__device__ __forceinline__ void start_chunk_copy(const KernelArgs& args, const Workspace& ws,
+                                                 int64_t slot, int64_t hv, int64_t first_row, int n,
+                                                 StateBuffer<Act>& b, int tid) {
+  const ChunkTiles& src = ws.tiles[slot * args.HV + hv];
+  const int used = 16 * ((n + 15) / 16);
+  copy_pieces(&b.w[0][0], &src.w[0][0], used * kWideRowPieces, tid, kThreads);
+  copy_pieces(&b.q[0][0], &src.q[0][0], used * kWideRowPieces, tid, kThreads);
+  copy_pieces(&b.k[0][0], &src.k[0][0], used * kWideRowPieces, tid, kThreads);
+  copy_ut_rows(b.ut, src, 0, kHeadDim, used, tid, kThreads);
+  copy_pieces(&b.p[0][0], &src.p[0][0], used * kNarrowRowPieces, tid, kThreads);
+  if (args.z) copy_z_rows<Act>(args, b.z, first_row, n, hv, tid, kThreads);
+  mma::cp_async_commit();
+}
+
+// One chunk of one (request, value head), the warp's 16 state rows: the writes, the outputs (to
+// the output tile and sh.partial) and the state update. kFull: n is kChunk, every block is used
+// and the fragments are loaded ahead of their products.
+template <bool kFull, class Act, int kStages>
+__device__ __forceinline__ void run_chunk(const KernelArgs& args, StateShared<Act, kStages>& sh,
+                                          StateBuffer<Act>& b, float gamma_end, int n, int warp,
+                                          int lane, StateTile& s) {
+  const int blocks16 = kFull ? 4 : (n + 15) / 16;  // blocks of 16 token rows the n tokens reach
+  uint32_t sa[8][4];
+  accumulators_as_a<8>(s.d, sa);
+  float delta[8][4] = {};
+  chunk_writes<kFull>(sa, &b.w[0][0], &b.ut[16 * warp], lane, blocks16, delta);
+  uint32_t da[4][4];
+  accumulators_as_a<4>(delta, da);
+  float o[8][4] = {};
+  chunk_output<kFull>(sa, da, &b.q[0][0], &b.p[0][0], lane, blocks16, o);
+  chunk_update<kFull>(da, &b.k[0][0], gamma_end, lane, blocks16, s);
+  // Every warp is done with w and q before the output tile overwrites them.
+  __syncthreads();
+  stage_output<Act>(args, o, output_tile(b), sh.partial, warp, lane);
+}
+
+// Grid N * HV: one CTA per (request, value head), its chunks in order, the state in the eight
+// warps' accumulators (warp w: rows 16 w..). Act: the element type of z and out.
 template <class Act, int kStages>
 __global__ void __launch_bounds__(kThreads, 1) prefill_state_kernel(const KernelArgs args) {
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   StateShared<Act, kStages>& sh = *reinterpret_cast<StateShared<Act, kStages>*>(shared_bytes);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int64_t i = int64_t(blockIdx.x) / args.HV, hv = int64_t(blockIdx.x) % args.HV;
-  const bool reporter = hv == 0 && tid == 0;  // counts the request's error once
   const Workspace ws = workspace_of(args.workspace, args.chunk_slots, args.HV);
-
-  const int64_t begin = gdn::load_index(args.cu_seqlens, args.cu_dtype, i);
-  const int64_t end = gdn::load_index(args.cu_seqlens, args.cu_dtype, i + 1);
-  if (begin < 0 || end < begin || end > args.L) {  // rows unknown: write nothing
-    if (reporter && args.error_count) atomicAdd(args.error_count, 1);
-    return;
-  }
-  const int64_t T = end - begin;
-  if (T == 0) return;
-  const int64_t initial_id =
-      gdn::load_index(args.initial_state_indices, args.initial_dtype, i * args.initial_stride);
-  const int64_t final_id =
-      gdn::load_index(args.final_state_indices, args.final_dtype, i * args.final_stride);
-  bool bad = initial_id >= args.num_slots || final_id >= args.num_slots;
-  const int64_t checkpoints = args.checkpoint_indices ? T / args.checkpoint_every : 0;
-  if (checkpoints > args.checkpoint_columns) bad = true;
-  for (int64_t j = 0; j < checkpoints && !bad; ++j)
-    if (checkpoint_slot(args, i, j) >= args.num_slots) bad = true;
-  const int64_t chunks = (T + kChunk - 1) / kChunk;
-  const int64_t first_slot = first_chunk_slot(begin, i);
-  bool owned = true;
-  for (int64_t j = tid; j < chunks; j += kThreads) owned &= ws.owner[first_slot + j] == int(i);
-  if (!__syncthreads_and(owned)) bad = true;
-  if (bad) {
-    if (reporter && args.error_count) atomicAdd(args.error_count, 1);
-    for (int64_t e = tid; e < T * kHeadDim; e += kThreads)
-      dev::store_value(args.out, args.out_dtype,
-                       ((begin + e / kHeadDim) * args.HV + hv) * kHeadDim + e % kHeadDim, 0.0f);
-    return;
-  }
-  const int64_t initial = initial_id < args.first_valid_slot ? -1 : initial_id;
-  const int64_t final_slot = final_id < args.first_valid_slot ? -1 : final_id;
+  RequestPlan r;
+  if (!plan_request(args, ws, i, hv, tid, kThreads, hv == 0 && tid == 0, true, r)) return;
 
   if (args.norm_weight && tid < kHeadDim)
     sh.norm_weight[tid] = dev::load_value(args.norm_weight, args.norm_weight_dtype, tid);
-  const auto tokens = [&](int64_t c) {
-    return int(T - kChunk * c < kChunk ? T - kChunk * c : kChunk);
-  };
   const auto copy = [&](int64_t c) {
-    start_chunk_copy(args, ws, first_slot + c, hv, begin + kChunk * c, tokens(c),
+    start_chunk_copy(args, ws, r.first_slot + c, hv, r.begin + kChunk * c, chunk_tokens(r, c),
                      sh.buf[kStages == 2 ? c & 1 : 0], tid);
   };
   copy(0);
   StateTile state;
-  load_state(args, initial, hv, warp, lane, state);
-  for (int64_t c = 0; c < chunks; ++c) {
+  load_state(args, r.initial, hv, warp, lane, state);
+  for (int64_t c = 0; c < r.chunks; ++c) {
     StateBuffer<Act>& b = sh.buf[kStages == 2 ? c & 1 : 0];
     // With two buffers the next chunk's copies run during this one; the other buffer was
     // released by the barrier that ended the previous chunk.
-    if (kStages == 2 && c + 1 < chunks) {
+    if (kStages == 2 && c + 1 < r.chunks) {
       copy(c + 1);
       mma::cp_async_wait<1>();
     } else {
       mma::cp_async_wait<0>();
     }
     __syncthreads();
-    const float gamma_end = ws.gamma_end[(first_slot + c) * args.HV + hv];
-    const int n = tokens(c);
-    const int64_t first_row = begin + kChunk * c;
+    const float gamma_end = ws.gamma_end[(r.first_slot + c) * args.HV + hv];
+    const int n = chunk_tokens(r, c);
     if (n == kChunk)
       run_chunk<true>(args, sh, b, gamma_end, n, warp, lane, state);
     else
       run_chunk<false>(args, sh, b, gamma_end, n, warp, lane, state);
     __syncthreads();
-    store_outputs(args, sh, b, first_row, n, hv, warp, lane);
-    const int64_t done = kChunk * c + n;
-    if (args.checkpoint_indices && done % args.checkpoint_every == 0) {
-      const int64_t slot = checkpoint_slot(args, i, done / args.checkpoint_every - 1);
-      if (slot >= 0) store_state(args, slot, hv, warp, lane, state);
-    }
+    store_outputs<Act>(args, output_tile(b), sh.partial, sh.norm_weight, b.z, r.begin + kChunk * c,
+                       n, hv, warp, lane);
+    store_checkpoint(args, i, hv, kChunk * c + n, warp, lane, state);
     __syncthreads();  // every warp is done with this buffer before it is refilled
-    if (kStages == 1 && c + 1 < chunks) copy(c + 1);
+    if (kStages == 1 && c + 1 < r.chunks) copy(c + 1);
   }
-  if (final_slot >= 0) store_state(args, final_slot, hv, warp, lane, state);
+  if (r.final_slot >= 0) store_state(args, r.final_slot, hv, warp, lane, state);
+}
+
+// ---- the recurrence kernel and the output kernel -----------------------------------------------
+
+// A recurrence CTA's copy of one chunk: W, the decayed k and its own U^T rows.
+template <int kRowWarps>
+struct RecurrenceBuffer {
+  bf16 w[kChunk][kLdWide];
+  bf16 k[kChunk][kLdWide];
+  bf16 ut[16 * kRowWarps][kLdNarrow];
+};
+
+// The recurrence's CTA as launched: two warps (32 state rows, four CTAs per head), two buffers
+// (more did not make a single request faster, and two let two CTAs share an SM).
+inline constexpr int kRecurrenceWarps = 2;
+inline constexpr int kRecurrenceStages = 2;
+
+template <int kRowWarps, int kStages>
+inline constexpr int kRecurrenceSharedBytes = int(kStages * sizeof(RecurrenceBuffer<kRowWarps>));
+
+// One chunk of the warp's 16 state rows (row block `row_block`): stores S and Delta^T as A
+// fragments for the output kernel and updates S.
+template <bool kFull, int kRowWarps>
+__device__ __forceinline__ void advance_chunk(const RecurrenceBuffer<kRowWarps>& b,
+                                              ChunkFragments& f, float gamma_end, int n, int warp,
+                                              int row_block, int lane, StateTile& s) {
+  const int blocks16 = kFull ? 4 : (n + 15) / 16;
+  uint32_t sa[8][4];
+  accumulators_as_a<8>(s.d, sa);
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) f.s[row_block][kk][lane] = fragment_bits(sa[kk]);
+  float delta[8][4] = {};
+  chunk_writes<kFull>(sa, &b.w[0][0], &b.ut[16 * warp], lane, blocks16, delta);
+  uint32_t da[4][4];
+  accumulators_as_a<4>(delta, da);
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)
+    if (kFull || kk < blocks16) f.delta[row_block][kk][lane] = fragment_bits(da[kk]);
+  chunk_update<kFull>(da, &b.k[0][0], gamma_end, lane, blocks16, s);
+}
+
+// Grid N * HV * parts: one CTA per (request, value head, 16 kRowWarps state rows), its chunks in
+// order. Without the norm a state row never needs another, so a head's rows split freely over
+// CTAs; each CTA copies the whole W and k~ of every chunk and its own rows of U^T, kStages - 1
+// chunks ahead: a CTA of few warps has little else in flight, and the copies' latency would
+// otherwise bound its pace.
+template <int kRowWarps, int kStages>
+__global__ void __launch_bounds__(32 * kRowWarps, 1)
+    prefill_recurrence_kernel(const KernelArgs args) {
+  constexpr int kParts = kHeadDim / (16 * kRowWarps), kCtaThreads = 32 * kRowWarps;
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  RecurrenceBuffer<kRowWarps>* buf = reinterpret_cast<RecurrenceBuffer<kRowWarps>*>(shared_bytes);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int part = int(blockIdx.x % kParts);
+  const int64_t head = int64_t(blockIdx.x) / kParts;
+  const int64_t i = head / args.HV, hv = head % args.HV;
+  const int row0 = 16 * kRowWarps * part, row_block = row0 / 16 + warp;
+  const Workspace ws = workspace_of(args.workspace, args.chunk_slots, args.HV);
+  RequestPlan r;
+  if (!plan_request(args, ws, i, hv, tid, kCtaThreads, hv == 0 && part == 0 && tid == 0, part == 0,
+                    r))
+    return;
+  // One cp.async group per chunk, empty past the last, so that a fixed wait count always means
+  // "chunk c has landed".
+  const auto copy = [&](int64_t c) {
+    if (c < r.chunks) {
+      const ChunkTiles& src = ws.tiles[(r.first_slot + c) * args.HV + hv];
+      RecurrenceBuffer<kRowWarps>& b = buf[c % kStages];
+      const int used = 16 * ((chunk_tokens(r, c) + 15) / 16);
+      copy_pieces(&b.w[0][0], &src.w[0][0], used * kWideRowPieces, tid, kCtaThreads);
+      copy_pieces(&b.k[0][0], &src.k[0][0], used * kWideRowPieces, tid, kCtaThreads);
+      copy_ut_rows(b.ut, src, row0, 16 * kRowWarps, used, tid, kCtaThreads);
+    }
+    mma::cp_async_commit();
+  };
+  for (int c = 0; c < kStages - 1; ++c) copy(c);
+  StateTile state;
+  load_state(args, r.initial, hv, row_block, lane, state);
+  for (int64_t c = 0; c < r.chunks; ++c) {
+    // Chunk c + kStages - 1 goes to the buffer chunk c - 1 used, released by the barrier that
+    // ended the previous chunk.
+    copy(c + kStages - 1);
+    mma::cp_async_wait<kStages - 1>();
+    __syncthreads();
+    const int64_t slot_head = (r.first_slot + c) * args.HV + hv;
+    if (part == 0 && tid == 0) ws.ready[slot_head] = 1;
+    const float gamma_end = ws.gamma_end[slot_head];
+    const int n = chunk_tokens(r, c);
+    const RecurrenceBuffer<kRowWarps>& b = buf[c % kStages];
+    if (n == kChunk)
+      advance_chunk<true>(b, ws.fragments[slot_head], gamma_end, n, warp, row_block, lane, state);
+    else
+      advance_chunk<false>(b, ws.fragments[slot_head], gamma_end, n, warp, row_block, lane, state);
+    store_checkpoint(args, i, hv, kChunk * c + n, row_block, lane, state);
+    __syncthreads();  // every warp is done with this buffer before it is refilled
+  }
+  if (r.final_slot >= 0) store_state(args, r.final_slot, hv, row_block, lane, state);
+}
+
+// Shared memory of an output CTA: the decayed q and P of its chunk, then (over them) the output
+// tile; the z rows, the partial sums of squares and the norm weight.
+template <class Act>
+struct OutputShared {
+  union {
+    struct {
+      bf16 q[kChunk][kLdWide];
+      bf16 p[kChunk][kLdNarrow];
+    } in;
+    float o[kChunk][kLdOut];
+  } u;
+  Act z[kChunk][kLdZ<Act>];
+  float partial[kWarps][kChunk];
+  float norm_weight[kHeadDim];
+  int64_t request;  // the request whose chunk this CTA runs (-1: none)
+  int64_t first_row;
+  int n;
+};
+
+template <class Act>
+inline constexpr int kOutputSharedBytes = int(sizeof(OutputShared<Act>));
+
+// Grid chunk_slots * HV: one CTA per (chunk slot, value head) the recurrence ran in this call, warp
+// w the state rows 16 w..: o^T = S q~^T + Delta^T P^T from the stored fragments, then the gated
+// RMSNorm. Every chunk of the call at once.
+template <class Act>
+__global__ void __launch_bounds__(kThreads, 2) prefill_output_kernel(const KernelArgs args) {
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  OutputShared<Act>& sh = *reinterpret_cast<OutputShared<Act>*>(shared_bytes);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int64_t slot = int64_t(blockIdx.x) / args.HV, hv = int64_t(blockIdx.x) % args.HV;
+  const int64_t slot_head = slot * args.HV + hv;
+  const Workspace ws = workspace_of(args.workspace, args.chunk_slots, args.HV);
+  if (tid == 0) {
+    find_chunk(args, ws, sh, slot, false);
+    if (ws.ready[slot_head] != 1) sh.request = -1;
+  }
+  __syncthreads();
+  if (sh.request < 0) return;
+  const int n = sh.n;
+  const int64_t first_row = sh.first_row;
+  const int blocks16 = (n + 15) / 16;
+  const ChunkTiles& src = ws.tiles[slot_head];
+  copy_pieces(&sh.u.in.q[0][0], &src.q[0][0], 16 * blocks16 * kWideRowPieces, tid, kThreads);
+  copy_pieces(&sh.u.in.p[0][0], &src.p[0][0], 16 * blocks16 * kNarrowRowPieces, tid, kThreads);
+  if (args.z) copy_z_rows<Act>(args, sh.z, first_row, n, hv, tid, kThreads);
+  mma::cp_async_commit();
+  if (args.norm_weight && tid < kHeadDim)
+    sh.norm_weight[tid] = dev::load_value(args.norm_weight, args.norm_weight_dtype, tid);
+  const ChunkFragments& f = ws.fragments[slot_head];
+  uint32_t sa[8][4], da[4][4] = {};
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) fragment_from_bits(f.s[warp][kk][lane], sa[kk]);
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)
+    if (kk < blocks16) fragment_from_bits(f.delta[warp][kk][lane], da[kk]);
+  mma::cp_async_wait<0>();
+  __syncthreads();
+  float o[8][4] = {};
+  if (n == kChunk)
+    chunk_output<true>(sa, da, &sh.u.in.q[0][0], &sh.u.in.p[0][0], lane, 4, o);
+  else
+    chunk_output<false>(sa, da, &sh.u.in.q[0][0], &sh.u.in.p[0][0], lane, blocks16, o);
+  __syncthreads();  // q and P are dead before the output tile overlays them
+  stage_output<Act>(args, o, sh.u.o, sh.partial, warp, lane);
+  __syncthreads();
+  store_outputs<Act>(args, sh.u.o, sh.partial, sh.norm_weight, sh.z, first_row, n, hv, warp, lane);
 }
 
 }  // namespace gdn::prefill::cuda_detail

@@ -38,12 +38,21 @@ constexpr int64_t cuda_chunk_slots(int64_t L, int64_t N) { return L / kCheckpoin
 
 // Bytes of the CUDA path's workspace for L token rows, N requests and HV value heads (K = V =
 // 128): per chunk slot and value head, three 64 x 128 bf16 tiles, a 128 x 64 and a 64 x 64 one
-// (rows padded by 16 bytes) and one float; per slot one int.
+// (rows padded by 16 bytes), the chunk's starting state (128 x 128) and writes (128 x 64) in bf16,
+// one float and one int; per slot one int.
 constexpr int64_t cuda_workspace_bytes(int64_t L, int64_t N, int64_t HV) {
   const int64_t slots = cuda_chunk_slots(L, N);
-  constexpr int64_t kPerSlotAndHead = (3 * 64 * 136 + 128 * 72 + 64 * 72) * 2 + 4;
+  constexpr int64_t kPerSlotAndHead =
+      (3 * 64 * 136 + 128 * 72 + 64 * 72) * 2 + (128 * 128 + 128 * 64) * 2 + 4 + 4;
   return slots * HV * kPerSlotAndHead + slots * 4;
 }
+
+// How the CUDA path runs each request's chunks in order: one kernel per (request, value head)
+// that also computes the outputs and their norm (kOnePass), or a recurrence kernel over four CTAs
+// per head (32 state rows each) followed by one output kernel over every chunk of the call at once
+// (kRecurrence). kAuto: the launcher chooses by occupancy. Both compute the same state bits; the
+// outputs may differ in the last bit of the norm. Tests and benchmarks pin one.
+enum class StatePass { kAuto, kOnePass, kRecurrence };
 
 // Sizes derived from (and checked against) the arguments: decode_mtp's (S = 1, unused), plus the
 // checkpoint columns C.
