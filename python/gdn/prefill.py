@@ -135,7 +135,7 @@ def prefill(
     ``out``, a 16-bit pool the rounding of the stored states. The CUDA kernel (the chunked form of
     docs prefill.md §3) multiplies bf16 operands with float32 accumulation and keeps the state in
     float32: within 2e-2 relative L2 of the reference (about 5e-3 on random inputs). It runs in
-    two launches with a device workspace of about 1.25 KB per token and value head (C++:
+    two or three launches with a device workspace of about 2 KB per token and value head (C++:
     ``prefill::cuda_workspace_bytes``), allocated stream-ordered for the call (by torch's allocator
     for the torch op).
     ``torch.ops.gdn.prefill`` is the same call as a torch custom op (all but ``stream``).
