@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "gdn/decode_mtp/cpu.hpp"
@@ -30,6 +31,25 @@ TEST(Prefill, BlockEdgesRatiosDtypesAndLayoutsMatchTheReference) {
                        {0, 1, 2, -1, 4, 5}, {0, 11, 12, 13, 14, 15});
         const double tol = state == DType::kFloat32 ? 1e-4 : 2e-2;
         SCOPED_TRACE(::testing::Message() << "ratio " << ratio << " state " << to_string(state));
+        expect_matches_reference(pc, tol, kCpu);
+      }
+}
+
+// The CPU path takes any K and V: unequal and odd head dims, both layouts, across block edges and
+// with checkpoints.
+TEST(Prefill, UnequalHeadDimsMatchTheReference) {
+  uint32_t seed = 60;
+  for (const auto [K, V] : {std::pair<int64_t, int64_t>{8, 24}, {36, 12}, {5, 7}})
+    for (const DType state : {DType::kFloat32, DType::kBFloat16})
+      for (const StateLayout layout : {StateLayout::kVK, StateLayout::kKV}) {
+        CaseConfig g = config({1, 64, 65, 200}, 2, state, layout, seed++);
+        g.K = K;
+        g.V = V;
+        PrefillCase pc(g, {0, -1, 2, 3}, {10, 11, 12, 3}, 64, 3);
+        pc.checkpoints = {-1, -1, -1, 13, -1, -1, 14, -1, -1, 15, 16, 17};
+        const double tol = state == DType::kFloat32 ? 1e-4 : 2e-2;
+        SCOPED_TRACE(::testing::Message()
+                     << "K " << K << " V " << V << " state " << to_string(state));
         expect_matches_reference(pc, tol, kCpu);
       }
 }
