@@ -1256,8 +1256,7 @@ __device__ __forceinline__ void advance_chunk(const RecurrenceBuffer<kRowWarps>&
 // Grid N * HV * parts: one CTA per (request, value head, 16 kRowWarps state rows), its chunks in
 // order. Without the norm a state row never needs another, so a head's rows split freely over
 // CTAs; each CTA copies the whole W and k~ of every chunk and its own rows of U^T, kStages - 1
-// chunks ahead: a CTA of few warps has little else in flight, and the copies' latency would
-// otherwise bound its pace.
+// chunks ahead.
 template <int kRowWarps, int kStages>
 __global__ void __launch_bounds__(32 * kRowWarps, 1)
     prefill_recurrence_kernel(const KernelArgs args) {
