@@ -106,7 +106,8 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream, StatePass pass =
   GDN_RETURN_IF_ERROR(cuda::check_cuda_call(p, &pr));
   GDN_RETURN_IF_ERROR(check_cuda_support(p, pr));
   if (pr.N == 0 || pr.L == 0) return Status::ok();
-  if (pr.N * pr.HV * 4 > 0x7fffffff || cuda_chunk_slots(pr.L, pr.N) * pr.HV > 0x7fffffff)
+  if (pr.N * pr.HV * cuda_detail::kRecurrenceCtasPerHead > 0x7fffffff ||
+      cuda_chunk_slots(pr.L, pr.N) * pr.HV > 0x7fffffff)
     return Status::unsupported("prefill: N = " + std::to_string(pr.N) +
                                ", L = " + std::to_string(pr.L) + ", HV = " + std::to_string(pr.HV) +
                                " exceed the launch grid");
@@ -152,8 +153,8 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream, StatePass pass =
           cuda::allow_dynamic_shared(recurrence, pr.device.index, bytes, recurrence_shared_set));
       GDN_RETURN_IF_ERROR(cuda::allow_dynamic_shared(d::prefill_output_kernel<T>, pr.device.index,
                                                      d::kOutputSharedBytes<T>, output_shared_set));
-      recurrence<<<unsigned(pr.N * pr.HV * (d::kWarps / d::kRecurrenceWarps)),
-                   32 * d::kRecurrenceWarps, bytes, stream>>>(args);
+      recurrence<<<unsigned(pr.N * pr.HV * d::kRecurrenceCtasPerHead), 32 * d::kRecurrenceWarps,
+                   bytes, stream>>>(args);
       d::prefill_output_kernel<T>
           <<<chunk_grid, d::kThreads, d::kOutputSharedBytes<T>, stream>>>(args);
       return Status::ok();

@@ -1228,6 +1228,7 @@ struct RecurrenceBuffer {
 // (more did not make a single request faster, and two let two CTAs share an SM).
 inline constexpr int kRecurrenceWarps = 2;
 inline constexpr int kRecurrenceStages = 2;
+inline constexpr int kRecurrenceCtasPerHead = kWarps / kRecurrenceWarps;
 
 template <int kRowWarps, int kStages>
 inline constexpr int kRecurrenceSharedBytes = int(kStages * sizeof(RecurrenceBuffer<kRowWarps>));
