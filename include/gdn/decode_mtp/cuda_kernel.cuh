@@ -89,8 +89,7 @@ using dev::cluster_arrive_relaxed;
 using dev::cluster_shared_address;
 using dev::cluster_wait;
 using dev::fast_sigmoid;
-using dev::l2_evict_first_policy;
-using dev::l2_evict_normal_policy;
+using dev::l2_policy;
 using dev::load_bits;
 using dev::load_bits4;
 using dev::load_value;
@@ -1248,8 +1247,7 @@ __device__ __forceinline__ void decode_mtp_body(const KernelArgs& args) {
   const int chunk_elems = rows_per_chunk * kHeadDim;
   const uint32_t chunk_bytes = uint32_t(chunk_elems * int(sizeof(StateT)));
   const bool hints = args.evict_hints;
-  const uint64_t policy =
-      bulk && tid == 0 ? (hints ? l2_evict_first_policy() : l2_evict_normal_policy()) : 0;
+  const uint64_t policy = bulk && tid == 0 ? l2_policy(hints) : 0;
   // Chunk c goes to buffer b = c % buffers (chunk_ring).
   auto issue_chunk = [&](int c, int b) {  // one thread
     bulk_load(tile + b * chunk_elems, src + int64_t(row0 + c * rows_per_chunk) * kHeadDim,

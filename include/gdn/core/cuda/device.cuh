@@ -1,8 +1,8 @@
 // Device-side building blocks shared by the CUDA kernels: dtype conversions and loads of
 // run-time-dtype arrays, warp reductions, and thin wrappers over the sm_90 instructions the
 // kernels use (thread-block clusters, programmatic dependent launch, mbarriers and bulk copies).
-// The sm_90 wrappers compile to nothing on older architectures; callers decide at run time
-// (host side) whether a kernel image has them.
+// The sm_90 wrappers compile to nothing on older architectures (hence their [[maybe_unused]]
+// parameters); callers decide at run time (host side) whether a kernel image has them.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -247,7 +247,20 @@ __device__ __forceinline__ float transpose_sum(float (&p)[N], int lane) {
   return p[0];
 }
 
+// An sm_90 instruction without operands that also orders memory (a compiler barrier); nothing in
+// images for older architectures. Undefined after the sm_90 wrappers.
+#if GDN_CUDA_SM90
+#define GDN_SM90_MEMORY_INSTRUCTION(text) asm volatile(text : : : "memory")
+#else
+#define GDN_SM90_MEMORY_INSTRUCTION(text)
+#endif
+
 // ---- thread-block clusters (sm_90) --------------------------------------------------------------
+
+// The shared::cta window address of `p`, a pointer into shared memory.
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
 
 // A relaxed arrive: it orders no memory. It is for lifetime (no CTA exits while a peer may still
 // access it) and, after mbarrier_init_fence, for publishing mbarrier initialisation to the peers.
@@ -255,54 +268,45 @@ __device__ __forceinline__ float transpose_sum(float (&p)[N], int lane) {
 // earlier store of the thread at cluster scope, global ones too, and wait for them to drain
 // (MEMBAR.ALL.GPU).
 __device__ __forceinline__ void cluster_arrive_relaxed() {
-#if GDN_CUDA_SM90
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
-#endif
+  GDN_SM90_MEMORY_INSTRUCTION("barrier.cluster.arrive.relaxed.aligned;\n");
 }
 __device__ __forceinline__ void cluster_wait() {
-#if GDN_CUDA_SM90
-  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-#endif
+  GDN_SM90_MEMORY_INSTRUCTION("barrier.cluster.wait.acquire.aligned;\n");
 }
 // Address of the same shared-memory variable in CTA `rank` of this cluster.
-__device__ __forceinline__ const float* cluster_peer(const float* p, int rank) {
+__device__ __forceinline__ const float* cluster_peer(const float* p, [[maybe_unused]] int rank) {
 #if GDN_CUDA_SM90
   uint64_t out;
   asm volatile("mapa.u64 %0, %1, %2;\n" : "=l"(out) : "l"(p), "r"(rank));
   return reinterpret_cast<const float*>(out);
 #else
-  (void)rank;
   return p;
 #endif
 }
 
 // Shared-memory address (shared::cluster window) of `p`'s counterpart in CTA `rank` of this
 // cluster.
-__device__ __forceinline__ uint32_t cluster_shared_address(const void* p, int rank) {
+__device__ __forceinline__ uint32_t cluster_shared_address([[maybe_unused]] const void* p,
+                                                           [[maybe_unused]] int rank) {
   uint32_t out = 0;
 #if GDN_CUDA_SM90
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n"
                : "=r"(out)
-               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))), "r"(rank));
-#else
-  (void)p;
-  (void)rank;
+               : "r"(shared_address(p)), "r"(rank));
 #endif
   return out;
 }
 // Stores `value` at `addr` in a peer CTA's shared memory and completes 4 bytes of the transaction
 // of the peer's mbarrier at `bar` (both from cluster_shared_address): the peer sees the value once
 // that barrier's phase completes. No fence on either side, unlike a release cluster barrier.
-__device__ __forceinline__ void store_to_peer(uint32_t addr, float value, uint32_t bar) {
+__device__ __forceinline__ void store_to_peer([[maybe_unused]] uint32_t addr,
+                                              [[maybe_unused]] float value,
+                                              [[maybe_unused]] uint32_t bar) {
 #if GDN_CUDA_SM90
   asm volatile(
       "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];\n" ::"r"(addr),
       "f"(value), "r"(bar)
       : "memory");
-#else
-  (void)addr;
-  (void)value;
-  (void)bar;
 #endif
 }
 
@@ -311,84 +315,67 @@ __device__ __forceinline__ void store_to_peer(uint32_t addr, float value, uint32
 // Waits until the grids this launch depends on have completed and their writes are visible (a
 // no-op when launched without the programmatic-serialization attribute).
 __device__ __forceinline__ void wait_for_prior_grids() {
-#if GDN_CUDA_SM90
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
+  GDN_SM90_MEMORY_INSTRUCTION("griddepcontrol.wait;\n");
 }
 // Lets the next launch in the stream start its blocks once every block of this grid has called
 // this or exited (they wait for this grid's completion in wait_for_prior_grids).
 __device__ __forceinline__ void allow_dependent_launch() {
-#if GDN_CUDA_SM90
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
+  GDN_SM90_MEMORY_INSTRUCTION("griddepcontrol.launch_dependents;\n");
 }
 
 // ---- mbarriers and bulk copies global -> shared (sm_90) -----------------------------------------
 
-__device__ __forceinline__ uint32_t shared_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// One thread initialises; the fences make the barrier visible to the bulk-copy (async) proxy.
-__device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t arrivals) {
-#if GDN_CUDA_SM90
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(shared_address(bar)), "r"(arrivals)
-               : "memory");
-#else
-  (void)bar;
-  (void)arrivals;
-#endif
-}
-__device__ __forceinline__ void mbarrier_init_fence() {
-#if GDN_CUDA_SM90
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
-}
-
 // Orders this thread's earlier generic-proxy accesses to shared memory before later bulk copies
 // (async proxy) into it.
 __device__ __forceinline__ void fence_proxy_async() {
-#if GDN_CUDA_SM90
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
+  GDN_SM90_MEMORY_INSTRUCTION("fence.proxy.async.shared::cta;\n");
 }
 
-// L2 policy for data read exactly once (the source state): evict it first.
-__device__ __forceinline__ uint64_t l2_evict_first_policy() {
-  uint64_t policy = 0;
+// One thread initialises; the fences make the barrier visible to the bulk-copy (async) proxy.
+__device__ __forceinline__ void mbarrier_init([[maybe_unused]] uint64_t* bar,
+                                              [[maybe_unused]] uint32_t arrivals) {
 #if GDN_CUDA_SM90
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(shared_address(bar)), "r"(arrivals)
+               : "memory");
 #endif
-  return policy;
 }
-// L2 policy with no eviction preference (what a load without a hint gets).
-__device__ __forceinline__ uint64_t l2_evict_normal_policy() {
+__device__ __forceinline__ void mbarrier_init_fence() {
+  GDN_SM90_MEMORY_INSTRUCTION("fence.mbarrier_init.release.cluster;\n");
+  fence_proxy_async();
+}
+
+// L2 policy of a bulk copy's source: with `evict_first` for data read exactly once (the source
+// state), else with no eviction preference (what a load without a hint gets).
+__device__ __forceinline__ uint64_t l2_policy([[maybe_unused]] bool evict_first) {
   uint64_t policy = 0;
 #if GDN_CUDA_SM90
-  asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(policy));
+  if (evict_first)
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  else
+    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(policy));
 #endif
   return policy;
 }
 
 // Arrives on `bar` (one of its arrivals) and expects `bytes` more of transactions in its phase.
-__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+__device__ __forceinline__ void mbarrier_arrive_expect_tx([[maybe_unused]] uint64_t* bar,
+                                                          [[maybe_unused]] uint32_t bytes) {
 #if GDN_CUDA_SM90
   asm volatile(
       "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(bar)),
       "r"(bytes)
       : "memory");
-#else
-  (void)bar;
-  (void)bytes;
 #endif
 }
 
 // Arms `bar` for `bytes` and copies them from global to shared memory; the barrier's phase
 // completes when they have landed. dst, src and bytes are multiples of 16; policy is an L2 cache
-// policy (l2_evict_first_policy).
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar,
-                                          uint64_t policy) {
+// policy (l2_policy).
+__device__ __forceinline__ void bulk_load([[maybe_unused]] void* dst,
+                                          [[maybe_unused]] const void* src,
+                                          [[maybe_unused]] uint32_t bytes,
+                                          [[maybe_unused]] uint64_t* bar,
+                                          [[maybe_unused]] uint64_t policy) {
 #if GDN_CUDA_SM90
   mbarrier_arrive_expect_tx(bar, bytes);
   asm volatile(
@@ -396,17 +383,12 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
       " [%0], [%1], %2, [%3], %4;\n" ::"r"(shared_address(dst)),
       "l"(src), "r"(bytes), "r"(shared_address(bar)), "l"(policy)
       : "memory");
-#else
-  (void)dst;
-  (void)src;
-  (void)bytes;
-  (void)bar;
-  (void)policy;
 #endif
 }
 
 // Blocks until phase `parity` of `bar` has completed.
-__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+__device__ __forceinline__ void mbarrier_wait([[maybe_unused]] uint64_t* bar,
+                                              [[maybe_unused]] uint32_t parity) {
 #if GDN_CUDA_SM90
   asm volatile(
       "{\n"
@@ -417,10 +399,9 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
       "}\n" ::"r"(shared_address(bar)),
       "r"(parity)
       : "memory");
-#else
-  (void)bar;
-  (void)parity;
 #endif
 }
+
+#undef GDN_SM90_MEMORY_INSTRUCTION
 
 }  // namespace gdn::cuda
