@@ -111,9 +111,7 @@ Status check_conv_arguments(const ConvArgs& p, std::initializer_list<NamedView> 
   GDN_RETURN_IF_ERROR(row_stride_at_least(p.weight, "weight", pr.W));
   pr.device = p.weight.device;
 
-  GDN_RETURN_IF_ERROR(present(p.conv_state, "conv_state"));
-  GDN_RETURN_IF_ERROR(ndim(p.conv_state, "conv_state", 3));
-  GDN_RETURN_IF_ERROR(dtype_in(p.conv_state, "conv_state", ActivationDTypes{}));
+  GDN_RETURN_IF_ERROR(typed(p.conv_state, "conv_state", 3, ActivationDTypes{}));
   const bool channels_major = p.layout == StateLayout::kChannelsMajor;
   const char* layout_shape =
       channels_major ? "[slots, D, Lbuf] (channels_major)" : "[slots, Lbuf, D] (tokens_major)";
@@ -139,9 +137,7 @@ Status check_conv_arguments(const ConvArgs& p, std::initializer_list<NamedView> 
                            " is smaller than one slot (D * Lbuf = " +
                            std::to_string(pr.D * pr.buffer_len) + "): slots would overlap");
 
-  GDN_RETURN_IF_ERROR(present(p.x, "x"));
-  GDN_RETURN_IF_ERROR(ndim(p.x, "x", 2));
-  GDN_RETURN_IF_ERROR(dtype_in(p.x, "x", ActivationDTypes{}));
+  GDN_RETURN_IF_ERROR(typed(p.x, "x", 2, ActivationDTypes{}));
   GDN_RETURN_IF_ERROR(dim(p.x, "x", 1, pr.D, "D (rows of weight)"));
   GDN_RETURN_IF_ERROR(unit_stride(p.x, "x", 1));
   GDN_RETURN_IF_ERROR(nonnegative_strides(p.x, "x"));
@@ -163,9 +159,7 @@ Status check_conv_arguments(const ConvArgs& p, std::initializer_list<NamedView> 
   const char* first_index = indices.begin()->second;
   for (auto [view, name] : indices) {
     if (view == indices.begin()->first) {
-      GDN_RETURN_IF_ERROR(present(*view, name));
-      GDN_RETURN_IF_ERROR(ndim(*view, name, 1));
-      GDN_RETURN_IF_ERROR(dtype_in(*view, name, IndexDTypes{}));
+      GDN_RETURN_IF_ERROR(typed(*view, name, 1, IndexDTypes{}));
       pr.N = view->shape[0];
     } else {
       const std::string what = "N (entries of " + std::string(first_index) + ")";

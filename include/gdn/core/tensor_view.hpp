@@ -182,13 +182,19 @@ inline Status same_device(const TensorView& t, const char* name, Device device) 
   return Status::ok();
 }
 
+// A present array of `rank` dimensions and one of `dtypes`; its sizes and strides are the caller's.
+// Checks in the order present, ndim, dtype_in.
+inline Status typed(const TensorView& t, const char* name, int rank, DTypeSet dtypes) {
+  GDN_RETURN_IF_ERROR(present(t, name));
+  GDN_RETURN_IF_ERROR(ndim(t, name, rank));
+  return dtype_in(t, name, dtypes);
+}
+
 // A present 2-D array of one of `dtypes` whose rows are unit-stride (any row stride, so a column
 // slice of a wider array passes), with no negative stride. Checks in the order present, ndim,
 // dtype_in, unit_stride, nonnegative_strides.
 inline Status unit_stride_rows(const TensorView& t, const char* name, DTypeSet dtypes) {
-  GDN_RETURN_IF_ERROR(present(t, name));
-  GDN_RETURN_IF_ERROR(ndim(t, name, 2));
-  GDN_RETURN_IF_ERROR(dtype_in(t, name, dtypes));
+  GDN_RETURN_IF_ERROR(typed(t, name, 2, dtypes));
   GDN_RETURN_IF_ERROR(unit_stride(t, name, 1));
   return nonnegative_strides(t, name);
 }
@@ -203,9 +209,7 @@ struct Extent {
 // Checks in the order present, ndim, dtype_in, dim 0, dim 1, ...; strides are the caller's.
 inline Status shaped(const TensorView& t, const char* name, DTypeSet dtypes,
                      std::initializer_list<Extent> extents) {
-  GDN_RETURN_IF_ERROR(present(t, name));
-  GDN_RETURN_IF_ERROR(ndim(t, name, int(extents.size())));
-  GDN_RETURN_IF_ERROR(dtype_in(t, name, dtypes));
+  GDN_RETURN_IF_ERROR(typed(t, name, int(extents.size()), dtypes));
   int d = 0;
   for (const Extent& e : extents) GDN_RETURN_IF_ERROR(dim(t, name, d++, e.size, e.what));
   return Status::ok();

@@ -78,9 +78,7 @@ Status check_step_arguments(const StepArgs& p, Problem* out_problem,
                             std::initializer_list<NamedView> own_views) {
   using namespace check;
   Problem pr;
-  GDN_RETURN_IF_ERROR(present(p.state, "state"));
-  GDN_RETURN_IF_ERROR(ndim(p.state, "state", 4));
-  GDN_RETURN_IF_ERROR(dtype_in(p.state, "state", StateDTypes{}));
+  GDN_RETURN_IF_ERROR(typed(p.state, "state", 4, StateDTypes{}));
   pr.device = p.state.device;
   pr.num_slots = p.state.shape[0];
   pr.HV = p.state.shape[1];
@@ -212,9 +210,7 @@ Status check_step_arguments(const StepArgs& p, Problem* out_problem,
 inline Status check_arguments(const Params& p, Problem* out_problem) {
   using namespace check;
   const auto check_sizes = [&p](Problem& pr) -> Status {
-    GDN_RETURN_IF_ERROR(present(p.state_indices, "state_indices"));
-    GDN_RETURN_IF_ERROR(ndim(p.state_indices, "state_indices", 2));
-    GDN_RETURN_IF_ERROR(dtype_in(p.state_indices, "state_indices", IndexDTypes{}));
+    GDN_RETURN_IF_ERROR(typed(p.state_indices, "state_indices", 2, IndexDTypes{}));
     pr.N = p.state_indices.shape[0];
     pr.S = p.state_indices.shape[1];
     // Before the layout check, which cannot judge an array without columns.

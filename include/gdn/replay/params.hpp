@@ -107,9 +107,7 @@ inline Status check_window(const TensorView& t, const char* name, DType dtype, c
 inline Status check_arguments(const Params& p, Problem* out_problem) {
   using namespace check;
   const auto check_sizes = [&p](Problem& pr) -> Status {
-    GDN_RETURN_IF_ERROR(present(p.state_indices, "state_indices"));
-    GDN_RETURN_IF_ERROR(ndim(p.state_indices, "state_indices", 1));
-    GDN_RETURN_IF_ERROR(dtype_in(p.state_indices, "state_indices", IndexDTypes{}));
+    GDN_RETURN_IF_ERROR(typed(p.state_indices, "state_indices", 1, IndexDTypes{}));
     GDN_RETURN_IF_ERROR(nonnegative_strides(p.state_indices, "state_indices"));
     pr.N = p.state_indices.shape[0];
     GDN_RETURN_IF_ERROR(present(p.window_k, "window_k"));
