@@ -51,21 +51,23 @@ static void causal_conv1d_prefill(const FastWritableArray& x, const FastWritable
 
 // Binds a conv call (causal_conv1d_update, causal_conv1d_prefill) as `name`: its own arguments
 // `own...`, then the options both take, named, ordered and defaulted as in their Python
-// signatures.
+// signatures; its docstring is `doc` followed by what the `stream` option does.
 template <class F, class... Own>
 void def_conv(nb::module_& m, const char* name, F* f, const char* doc, const Own&... own) {
+  const std::string full_doc =
+      std::string(doc) +
+      " `stream`: the CUDA stream handle; None launches on the current stream of `conv_state`'s "
+      "framework (torch, CuPy), else on the legacy default stream.";
   m.def(name, f, own..., nb::arg("activation") = "silu", nb::arg("state_layout") = "channels_major",
         nb::arg("first_valid_slot") = 0, nb::arg("error_count").noconvert().none() = nb::none(),
-        nb::arg("stream").none() = nb::none(), doc);
+        nb::arg("stream").none() = nb::none(), full_doc.c_str());
 }
 
 void bind_conv(nb::module_& m) {
   def_conv(
       m, "causal_conv1d_update", &causal_conv1d_update,
       "Depthwise causal conv1d over each request's tokens with speculative rollback of the conv "
-      "state: updates `conv_state` in place and writes `out` (which may be `x`). `stream`: the "
-      "CUDA stream handle; None launches on the current stream of `conv_state`'s framework "
-      "(torch, CuPy), else on the legacy default stream.",
+      "state: updates `conv_state` in place and writes `out` (which may be `x`).",
       nb::arg("x").noconvert(), nb::arg("weight").noconvert(), nb::arg("conv_state").noconvert(),
       nb::arg("conv_state_indices").noconvert(), nb::arg("cu_seqlens").noconvert(),
       nb::arg("out").noconvert(), nb::arg("num_accepted_tokens").noconvert().none() = nb::none());
@@ -73,9 +75,7 @@ void bind_conv(nb::module_& m) {
       m, "causal_conv1d_prefill", &causal_conv1d_prefill,
       "Depthwise causal conv1d over whole requests (prefill): each request's history comes from "
       "its initial slot of `conv_state` (zeros for a null id), its last W - 1 inputs go to its "
-      "final slot; writes `out` (which may be `x`). `stream`: the CUDA stream handle; None "
-      "launches on the current stream of `conv_state`'s framework (torch, CuPy), else on the "
-      "legacy default stream.",
+      "final slot; writes `out` (which may be `x`).",
       nb::arg("x").noconvert(), nb::arg("weight").noconvert(), nb::arg("conv_state").noconvert(),
       nb::arg("initial_state_indices").noconvert(), nb::arg("final_state_indices").noconvert(),
       nb::arg("cu_seqlens").noconvert(), nb::arg("out").noconvert());
