@@ -191,9 +191,7 @@ struct Params {
 namespace detail {
 
 inline Status int32_vector(const TensorView& t, const char* name) {
-  GDN_RETURN_IF_ERROR(check::present(t, name));
-  GDN_RETURN_IF_ERROR(check::ndim(t, name, 1));
-  GDN_RETURN_IF_ERROR(check::dtype_in(t, name, {DType::kInt32}));
+  GDN_RETURN_IF_ERROR(check::typed(t, name, 1, {DType::kInt32}));
   GDN_RETURN_IF_ERROR(check::contiguous_from(t, name, 0));
   return Status::ok();
 }
@@ -211,9 +209,7 @@ inline Status host_int32_vector(const TensorView& t, const char* name, int64_t l
 // A per-group output of the state-row pass: int32 [num_groups, >= rows], contiguous, on `dev`.
 inline Status group_rows(const TensorView& t, const char* name, int64_t num_groups, int64_t rows,
                          Device dev) {
-  GDN_RETURN_IF_ERROR(check::present(t, name));
-  GDN_RETURN_IF_ERROR(check::ndim(t, name, 2));
-  GDN_RETURN_IF_ERROR(check::dtype_in(t, name, {DType::kInt32}));
+  GDN_RETURN_IF_ERROR(check::typed(t, name, 2, {DType::kInt32}));
   GDN_RETURN_IF_ERROR(check::dim(t, name, 0, num_groups, "num_groups"));
   GDN_RETURN_IF_ERROR(check::contiguous_from(t, name, 0));
   if (t.shape[1] < rows)
@@ -278,9 +274,7 @@ inline Status check_state_rows_arguments(const Params& p, DeviceType device) {
   for (int g = 0; g < p.num_groups; ++g) {
     const std::string name = "block_tables[" + std::to_string(g) + "]";
     const TensorView& t = p.block_tables[g];
-    GDN_RETURN_IF_ERROR(check::present(t, name.c_str()));
-    GDN_RETURN_IF_ERROR(check::ndim(t, name.c_str(), 2));
-    GDN_RETURN_IF_ERROR(check::dtype_in(t, name.c_str(), {DType::kInt32}));
+    GDN_RETURN_IF_ERROR(check::typed(t, name.c_str(), 2, {DType::kInt32}));
     GDN_RETURN_IF_ERROR(check::same_device(t, name.c_str(), dev));
     if (t.numel() == 0) continue;  // an empty table: every row is unreadable (strides are moot)
     GDN_RETURN_IF_ERROR(check::unit_stride(t, name.c_str(), 1));
@@ -288,9 +282,7 @@ inline Status check_state_rows_arguments(const Params& p, DeviceType device) {
     GDN_RETURN_IF_ERROR(check::row_stride_at_least(t, name.c_str(), t.shape[1]));
   }
   const TensorView& spec = p.spec_state_indices;
-  GDN_RETURN_IF_ERROR(check::present(spec, "spec_state_indices"));
-  GDN_RETURN_IF_ERROR(check::ndim(spec, "spec_state_indices", 3));
-  GDN_RETURN_IF_ERROR(check::dtype_in(spec, "spec_state_indices", {DType::kInt32}));
+  GDN_RETURN_IF_ERROR(check::typed(spec, "spec_state_indices", 3, {DType::kInt32}));
   GDN_RETURN_IF_ERROR(check::dim(spec, "spec_state_indices", 0, p.num_groups, "num_groups"));
   GDN_RETURN_IF_ERROR(check::dim(spec, "spec_state_indices", 2, S, "S = num_spec + 1"));
   GDN_RETURN_IF_ERROR(check::contiguous_from(spec, "spec_state_indices", 0));
