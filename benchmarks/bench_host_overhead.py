@@ -101,11 +101,11 @@ def make_call(device, B, T, dim, trivial=False):
     pos = (mixed_qkv, a, b, A_log, dt_bias, state, state_indices, cu_seqlens, out)
     kwargs = dict(z=z, norm_weight=norm_weight, num_accepted_tokens=acc)
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
-    binding_args = pos + (z, norm_weight, acc, None, 1e-6, 1e-6, "silu", "vk", 0, 0, False, None, stream)
+    binding_args = pos + (z, norm_weight, acc)  # the binding's optional arguments keep their defaults
     return {
         "gdn.decode_mtp": lambda: gdn.decode_mtp(*pos, **kwargs),
         "torch.ops.gdn.decode_mtp": lambda: torch.ops.gdn.decode_mtp(*pos, **kwargs),
-        "gdn._C.decode_mtp (stream given)": lambda: gdn._C.decode_mtp(*binding_args),
+        "gdn._C.decode_mtp (stream given)": lambda: gdn._C.decode_mtp(*binding_args, stream=stream),
     }
 
 
