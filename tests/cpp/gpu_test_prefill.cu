@@ -48,9 +48,11 @@ Status gpu_prefill(const Params& host, StatePass pass = StatePass::kAuto) {
 const Runner kGpu = [](const Params& p) { return gpu_prefill(p); };
 
 // The state passes a call can take (the small cases here choose the recurrence on their own).
-constexpr StatePass kPasses[] = {StatePass::kOnePass, StatePass::kRecurrence};
+constexpr StatePass kPasses[] = {StatePass::kOnePass, StatePass::kRecurrence, StatePass::kFused};
 const char* pass_name(StatePass pass) {
-  return pass == StatePass::kOnePass ? "one pass" : "recurrence";
+  return pass == StatePass::kOnePass ? "one pass"
+         : pass == StatePass::kFused ? "fused"
+                                     : "recurrence";
 }
 
 // The CUDA kernel's head dims; two key heads.
@@ -83,9 +85,10 @@ TEST(PrefillCuda, ChunkEdgesRatiosDtypesAndLayoutsMatchTheReference) {
       }
 }
 
-// Each state pass pinned: the one-pass kernel (which the launcher takes for many heads) and the
-// recurrence with the output kernel, on chunk edges, null slots, in place, checkpoints, a long
-// request and both layouts.
+// Each state pass pinned: the one-pass kernel, the recurrence with the output kernel and the fused
+// kernel (which the launcher takes for many heads), on chunk edges, null slots, in place,
+// checkpoints, a long request and both layouts; with bf16 state, bf16 activations in rows of whole
+// 16-byte groups (the fused kernel stages them with cp.async), else fp32 ones in unaligned rows.
 TEST(PrefillCuda, EveryStatePassMatchesTheReference) {
   GDN_SKIP_WITHOUT_GPU();
   uint32_t seed = 40;
@@ -94,9 +97,13 @@ TEST(PrefillCuda, EveryStatePassMatchesTheReference) {
     for (const int64_t ratio : {1, 4})
       for (const DType state : {DType::kFloat32, DType::kBFloat16})
         for (const StateLayout layout : {StateLayout::kVK, StateLayout::kKV}) {
-          PrefillCase pc(
-              gpu_config({1, 63, 0, 64, 65, 127, 128, 129, 700}, ratio, state, layout, seed++),
-              {0, 1, 2, -1, 4, 5, 6, 7, 8}, {0, 11, 12, 13, 14, 15, 16, 17, 8}, 128, 5);
+          CaseConfig g =
+              gpu_config({1, 63, 0, 64, 65, 127, 128, 129, 700}, ratio, state, layout, seed++);
+          if (state == DType::kBFloat16) {
+            g.act_dtype = g.out_dtype = DType::kBFloat16;
+            g.qkv_row_pad = 8;
+          }
+          PrefillCase pc(g, {0, 1, 2, -1, 4, 5, 6, 7, 8}, {0, 11, 12, 13, 14, 15, 16, 17, 8}, 128, 5);
           pc.checkpoints[size_t(5 * 5)] = 18;  // 127 tokens: never reached
           pc.checkpoints[size_t(6 * 5)] = 19;  // 128 tokens: after the last
           pc.checkpoints[size_t(8 * 5 + 2)] = 20;
@@ -106,6 +113,39 @@ TEST(PrefillCuda, EveryStatePassMatchesTheReference) {
                        << (layout == StateLayout::kVK ? " vk" : " kv"));
           expect_matches_reference(pc, 2e-2, run);
         }
+  }
+}
+
+// The fused kernel computes the chunk and one-pass kernels' products from the same operands in the
+// same order: the same state bits, and outputs equal but for the norm's last bit in a few places.
+TEST(PrefillCuda, FusedKernelGivesTheOnePassBits) {
+  GDN_SKIP_WITHOUT_GPU();
+  for (const DType act : {DType::kFloat32, DType::kBFloat16}) {
+    CaseConfig g = gpu_config({300, 64, 1, 129, 17}, 2, DType::kFloat32, StateLayout::kVK, 60);
+    g.act_dtype = g.out_dtype = act;
+    if (act == DType::kBFloat16) g.qkv_row_pad = 8;
+    PrefillCase one(g, {0, 1, -1, 3, 4}, {5, 6, 7, 3, 8}, 64, 4);
+    PrefillCase fused(g, {0, 1, -1, 3, 4}, {5, 6, 7, 3, 8}, 64, 4);
+    for (PrefillCase* pc : {&one, &fused}) {
+      pc->checkpoints = {9, 10, 11, 12, 13, -1, -1, -1, -1, -1,
+                         -1, -1, 14, 15, -1, -1, -1, -1, -1, -1};
+      pc->c.poison_out();
+    }
+    ASSERT_TRUE(gpu_prefill(one.params(), StatePass::kOnePass).is_ok());
+    ASSERT_TRUE(gpu_prefill(fused.params(), StatePass::kFused).is_ok());
+    SCOPED_TRACE(to_string(act));
+    for (int64_t e = 0; e < one.c.state.count; ++e)
+      ASSERT_EQ(one.c.state.get(e), fused.c.state.get(e)) << "state element " << e;
+    int64_t differ = 0;
+    for (int64_t e = 0; e < one.c.out.count; ++e) {
+      const float a = one.c.out.get(e), b = fused.c.out.get(e);
+      ASSERT_FALSE(std::isnan(b)) << "output element " << e << " not written";
+      if (a != b) {
+        ++differ;
+        EXPECT_LE(std::fabs(a - b), 1e-2f * std::fabs(a) + 1e-6f) << "output element " << e;
+      }
+    }
+    EXPECT_LE(differ, one.c.out.count / 1000) << "outputs that differ";
   }
 }
 

@@ -80,6 +80,7 @@ inline KernelArgs kernel_args(const Params& p, const Problem& pr) {
   a.out_aligned = aligned(p.out.data);
   a.qkv_vector = reinterpret_cast<uintptr_t>(p.mixed_qkv.data) % (4 * act_bytes) == 0 &&
                  p.mixed_qkv.strides[0] % 4 == 0;
+  a.qkv_rows_aligned = aligned(p.mixed_qkv.data) && (p.mixed_qkv.strides[0] * act_bytes) % 16 == 0;
   return a;
 }
 
@@ -88,14 +89,17 @@ inline KernelArgs kernel_args(const Params& p, const Problem& pr) {
 // The state pass for a call (StatePass). A request's chunks run in order, so one CTA per (request,
 // value head) leaves SMs idle when there are few of them: then the recurrence's rows split over
 // four CTAs per head (without the norm a state row never needs another) and the outputs of every
-// chunk run at once afterwards. From about one head per two SMs the one-pass kernel is faster: it
-// saves the workspace round trip of S and Delta.
+// chunk run at once afterwards. With more heads the fused kernel keeps every chunk's tiles on
+// chip; the one-pass kernel serves devices whose shared memory does not hold the fused kernel's.
 inline StatePass choose_state_pass(const Problem& pr, const cuda::DeviceInfo& device) {
   constexpr int recurrence_bytes =
       cuda_detail::kRecurrenceSharedBytes<cuda_detail::kRecurrenceWarps,
                                           cuda_detail::kRecurrenceStages>;
-  return 2 * pr.N * pr.HV <= device.sm_count && device.shared_per_cta >= recurrence_bytes
-             ? StatePass::kRecurrence
+  if (2 * pr.N * pr.HV <= device.sm_count && device.shared_per_cta >= recurrence_bytes)
+    return StatePass::kRecurrence;
+  // The largest fused CTA: 2-byte activations also stage the next chunk's rows.
+  return device.shared_per_cta >= cuda_detail::kFusedSharedBytes<__nv_bfloat16>
+             ? StatePass::kFused
              : StatePass::kOnePass;
 }
 
@@ -118,7 +122,7 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream, StatePass pass =
   void* owned_workspace = nullptr;
   if (p.workspace.present()) {
     args.workspace = p.workspace.data;
-  } else {
+  } else if (pass != StatePass::kFused) {  // the fused kernel reads no workspace
     const cudaError_t err =
         cudaMallocAsync(&owned_workspace, size_t(cuda_workspace_bytes(pr.L, pr.N, pr.HV)), stream);
     if (err != cudaSuccess)
@@ -130,6 +134,14 @@ inline Status launch_cuda(const Params& p, cudaStream_t stream, StatePass pass =
   const unsigned chunk_grid = unsigned(args.chunk_slots * pr.HV);
   const auto launch = [&]<class T>() -> Status {
     namespace d = cuda_detail;
+    if (pass == StatePass::kFused) {
+      static std::atomic<int> fused_shared_set[cuda::kMaxDevices];
+      GDN_RETURN_IF_ERROR(cuda::allow_dynamic_shared(d::prefill_fused_kernel<T>, pr.device.index,
+                                                     d::kFusedSharedBytes<T>, fused_shared_set));
+      d::prefill_fused_kernel<T>
+          <<<unsigned(pr.N * pr.HV), d::kThreads, d::kFusedSharedBytes<T>, stream>>>(args);
+      return Status::ok();
+    }
     static std::atomic<int> chunk_shared_set[cuda::kMaxDevices];
     GDN_RETURN_IF_ERROR(cuda::allow_dynamic_shared(d::prefill_chunk_kernel<T>, pr.device.index,
                                                    d::kChunkSharedBytes, chunk_shared_set));

@@ -11,19 +11,21 @@
 //   o_t     = S (gamma_t q_t) + sum_s P[t][s] Delta_s
 //   S'      = gamma_end S + sum_s Delta_s (exp(G_end - G_s) k_s)^T
 //
-// Everything but the last three lines depends on the chunk's own tokens only. The chunk kernel
-// computes it for every (chunk, value head) of the call in parallel and leaves W, U^T, P, the
-// decayed q and k and gamma_end in a workspace. The state pass then runs each (request, value
-// head) through its chunks in order, with the state in fp32 accumulator registers (a warp owns 16
-// state rows) and the next chunk's tiles copied in while it works on the current one, in one of
-// two forms (StatePass):
-//   - one pass: one CTA of eight warps per (request, value head) also computes o and the gated
-//     RMSNorm, which needs all 128 rows of a token's output;
-//   - recurrence, then outputs: without the norm the rows are independent, so four CTAs of two
-//     warps share a head's rows and only compute Delta and S'. They store S and Delta^T per chunk
-//     as the bf16 A fragments of the output products, and an output kernel then computes o and
-//     the norm for every (chunk, value head) at once. Fewer, longer requests than SMs keep the
-//     one-pass grid from filling the GPU; this form does.
+// Everything but the last three lines depends on the chunk's own tokens only. Each (request, value
+// head) runs through its chunks in order, with the state in fp32 accumulator registers (a warp
+// owns 16 state rows), in one of three forms (StatePass):
+//   - fused: one CTA of eight warps per (request, value head) computes each chunk's tiles on chip
+//     from its tokens (the next chunk's rows copied in meanwhile), then Delta, o with the gated
+//     RMSNorm (which needs all 128 rows of a token's output) and S';
+//   - chunk kernel, then one pass: the chunk kernel computes the tiles of every (chunk, value
+//     head) of the call in parallel into a workspace (W, U^T, P, the decayed q and k, gamma_end),
+//     and one CTA per (request, value head) copies them in a chunk ahead and does the rest;
+//   - chunk kernel, recurrence, then outputs: without the norm the rows are independent, so four
+//     CTAs of two warps share a head's rows and only compute Delta and S'. They store S and
+//     Delta^T per chunk as the bf16 A fragments of the output products, and an output kernel then
+//     computes o and the norm for every (chunk, value head) at once. Fewer, longer requests than
+//     SMs keep the other forms' grids from filling the GPU; this form does.
+// The three compute the same products from the same operands in the same order.
 // Tokens past n are zero (k = q = v = 0, g = 0, beta = 0), so they change nothing.
 // The products run as mma.sync m16n8k16 with bf16 operands and fp32 accumulation; (I + A)^-1 is
 // computed in fp32 (16 x 16 diagonal blocks by substitution, then merged 16 -> 32 -> 64). The
@@ -88,7 +90,8 @@ struct KernelArgs {
   bool b_is_beta;       // beta = b
   bool qk_l2_norm;      // false: q, k used as given
   bool qkv_vector;      // mixed_qkv's rows start aligned to four elements (vector loads)
-  bool z_rows_aligned;  // z's rows start 16-byte aligned (copied with cp.async)
+  bool qkv_rows_aligned;  // mixed_qkv's rows start 16-byte aligned (copied with cp.async)
+  bool z_rows_aligned;    // z's rows start 16-byte aligned (copied with cp.async)
   bool out_aligned;     // out's data pointer is 16-byte aligned (vector stores)
 };
 
@@ -285,12 +288,28 @@ __device__ __forceinline__ void bits_to_f32(const Bits4<T>& r, float (&out)[4]) 
   for (int e = 0; e < 4; ++e) out[e] = to_f32(h[e]);
 }
 
-// Loads the chunk's tokens: q, k L2-normalised into bf16 tiles, v, g and beta; zeros past n. Warp
-// w takes tokens w, w + 8, ...: all their loads are issued before the first is used.
+// Where the q, k and v rows of token row `first_row` of key head h and value head hv start in
+// mixed_qkv; a token's next row is qkv_row_stride elements on.
 template <class T>
-__device__ __forceinline__ void load_chunk(const KernelArgs& args, ChunkShared& sh,
-                                           int64_t first_row, int n, int64_t h, int64_t hv, float A,
-                                           float dt_bias, int warp, int lane) {
+struct TokenRows {
+  const T *q, *k, *v;
+};
+template <class T>
+__device__ __forceinline__ TokenRows<T> token_rows(const KernelArgs& args, int64_t first_row,
+                                                   int64_t h, int64_t hv) {
+  const T* x = static_cast<const T*>(args.mixed_qkv) + first_row * args.qkv_row_stride;
+  return {x + h * kHeadDim, x + (args.H + h) * kHeadDim, x + (2 * args.H + hv) * kHeadDim};
+}
+
+// Loads the chunk's tokens: q, k L2-normalised into bf16 tiles, v, g and beta; zeros past n. Token
+// t's q, k and v rows start at q0, k0 and v0 plus t * row_stride elements (global memory, or a
+// staged copy of the rows); `vector`: every row is aligned to four elements. Warp w takes tokens
+// w, w + 8, ...: all their loads are issued before the first is used.
+template <class T>
+__device__ __forceinline__ void load_chunk(const KernelArgs& args, ChunkShared& sh, const T* q0,
+                                           const T* k0, const T* v0, int64_t row_stride,
+                                           bool vector, int64_t first_row, int n, int64_t hv,
+                                           float A, float dt_bias, int warp, int lane) {
   constexpr int kPerWarp = kChunk / kWarps;
   // Lane j < 8 of warp w: token w + 8 j's gates.
   if (lane < kPerWarp) {
@@ -306,17 +325,16 @@ __device__ __forceinline__ void load_chunk(const KernelArgs& args, ChunkShared& 
     sh.log_decay[t] = g;
     sh.beta[t] = beta;
   }
-  const T* x = static_cast<const T*>(args.mixed_qkv);
   float q[kPerWarp][4], k[kPerWarp][4], v[kPerWarp][4];
-  if (args.qkv_vector) {  // every load in flight before the first conversion
+  if (vector) {  // every load in flight before the first conversion
     Bits4<T> rq[kPerWarp], rk[kPerWarp], rv[kPerWarp];
 #pragma unroll
     for (int j = 0; j < kPerWarp; ++j) {
       const int t = warp + kWarps * j;
-      const T* row = x + (first_row + (t < n ? t : 0)) * args.qkv_row_stride + 4 * lane;
-      rq[j] = *reinterpret_cast<const Bits4<T>*>(row + h * kHeadDim);
-      rk[j] = *reinterpret_cast<const Bits4<T>*>(row + (args.H + h) * kHeadDim);
-      rv[j] = *reinterpret_cast<const Bits4<T>*>(row + (2 * args.H + hv) * kHeadDim);
+      const int64_t row = (t < n ? t : 0) * row_stride + 4 * lane;
+      rq[j] = *reinterpret_cast<const Bits4<T>*>(q0 + row);
+      rk[j] = *reinterpret_cast<const Bits4<T>*>(k0 + row);
+      rv[j] = *reinterpret_cast<const Bits4<T>*>(v0 + row);
     }
 #pragma unroll
     for (int j = 0; j < kPerWarp; ++j) {
@@ -328,12 +346,12 @@ __device__ __forceinline__ void load_chunk(const KernelArgs& args, ChunkShared& 
 #pragma unroll
     for (int j = 0; j < kPerWarp; ++j) {
       const int t = warp + kWarps * j;
-      const T* row = x + (first_row + (t < n ? t : 0)) * args.qkv_row_stride + 4 * lane;
+      const int64_t row = (t < n ? t : 0) * row_stride + 4 * lane;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        q[j][e] = to_f32(row[h * kHeadDim + e]);
-        k[j][e] = to_f32(row[(args.H + h) * kHeadDim + e]);
-        v[j][e] = to_f32(row[(2 * args.H + hv) * kHeadDim + e]);
+        q[j][e] = to_f32(q0[row + e]);
+        k[j][e] = to_f32(k0[row + e]);
+        v[j][e] = to_f32(v0[row + e]);
       }
     }
   }
@@ -542,10 +560,9 @@ __device__ __forceinline__ int ut_index(int v, int t) {
 }
 
 // U^T = V^T (inv diag(beta))^T (warp w: state rows 16 w..) and W = inv diag(beta gamma) K (warp w:
-// rows 16 (w & 3).., columns 64 (w / 4)..), staged in shared memory (W over v, dead once U^T is
-// done) and then stored 16 bytes at a time.
-__device__ __forceinline__ void store_writes(ChunkShared& sh, ChunkTiles& out, int warp, int lane,
-                                             int tid, int blocks16) {
+// rows 16 (w & 3).., columns 64 (w / 4)..), in shared memory: U^T in ut_staging, W over v (dead
+// once U^T is done). Ends with a barrier.
+__device__ __forceinline__ void compute_writes(ChunkShared& sh, int warp, int lane, int blocks16) {
   bf16* ut = ut_staging(sh);
   {
     float acc[8][4] = {};
@@ -597,7 +614,13 @@ __device__ __forceinline__ void store_writes(ChunkShared& sh, ChunkTiles& out, i
     }
   }
   __syncthreads();
-  // The used token rows of W and columns of U^T only (16-byte pieces).
+}
+
+// Stores W and U^T from compute_writes: the used token rows of W and columns of U^T only (16-byte
+// pieces).
+__device__ __forceinline__ void store_writes(ChunkShared& sh, ChunkTiles& out, int tid,
+                                             int blocks16) {
+  const bf16* ut = ut_staging(sh);
   constexpr int kWide = kHeadDim / 8;
   const int used = 16 * blocks16, narrow = used / 8;
   for (int e = tid; e < used * kWide; e += kThreads) {
@@ -610,19 +633,27 @@ __device__ __forceinline__ void store_writes(ChunkShared& sh, ChunkTiles& out, i
   }
 }
 
-// The used token rows of the decayed q and k and of P, copied 16 bytes at a time.
-__device__ __forceinline__ void store_decayed(const ChunkShared& sh, ChunkTiles& out, int tid,
-                                              int blocks16) {
+// The decayed q and k of the used token rows, gamma_t q_t and exp(G_end - G_t) k_t, to q_to and
+// k_to (sh's own tiles: in place), 16 bytes at a time.
+__device__ __forceinline__ void decay_tokens(const ChunkShared& sh, bf16 (*q_to)[kLdWide],
+                                             bf16 (*k_to)[kLdWide], int tid, int blocks16) {
   const float end = sh.cum[kChunk - 1];
   const int used = 16 * blocks16;
   constexpr int kRowChunks = kHeadDim / 8;
   for (int e = tid; e < used * kRowChunks; e += kThreads) {
     const int t = e / kRowChunks, c = 8 * (e % kRowChunks);
-    *reinterpret_cast<uint4*>(&out.q[t][c]) =
+    *reinterpret_cast<uint4*>(&q_to[t][c]) =
         scale_bf16x8(*reinterpret_cast<const uint4*>(&sh.q[t][c]), expf(sh.cum[t]));
-    *reinterpret_cast<uint4*>(&out.k[t][c]) =
+    *reinterpret_cast<uint4*>(&k_to[t][c]) =
         scale_bf16x8(*reinterpret_cast<const uint4*>(&sh.k[t][c]), expf(end - sh.cum[t]));
   }
+}
+
+// The used token rows of the decayed q and k and of P, stored 16 bytes at a time.
+__device__ __forceinline__ void store_decayed(const ChunkShared& sh, ChunkTiles& out, int tid,
+                                              int blocks16) {
+  decay_tokens(sh, out.q, out.k, tid, blocks16);
+  const int used = 16 * blocks16;
   constexpr int kPRowChunks = kChunk / 8;
   for (int e = tid; e < used * kPRowChunks; e += kThreads) {
     const int t = e / kPRowChunks, c = 8 * (e % kPRowChunks);
@@ -637,7 +668,8 @@ __device__ __forceinline__ void chunk_products(ChunkShared& sh, ChunkTiles& out,
   __syncthreads();
   invert_triangle(sh, tid, blocks16);
   __syncthreads();
-  store_writes(sh, out, warp, lane, tid, blocks16);
+  compute_writes(sh, warp, lane, blocks16);
+  store_writes(sh, out, tid, blocks16);
   store_decayed(sh, out, tid, blocks16);
 }
 
@@ -665,7 +697,9 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_kernel(const Kernel
   const float dt_bias =
       args.a_is_log_decay ? 0.0f : dev::load_value(args.dt_bias, args.dt_bias_dtype, hv);
 
-  load_chunk<Act>(args, sh, first_row, n, h, hv, A, dt_bias, warp, lane);
+  const TokenRows<Act> x = token_rows<Act>(args, first_row, h, hv);
+  load_chunk<Act>(args, sh, x.q, x.k, x.v, args.qkv_row_stride, args.qkv_vector, first_row, n, hv,
+                  A, dt_bias, warp, lane);
   __syncthreads();
   if (warp == 0) cumulative_decay(sh, lane);
   __syncthreads();
@@ -836,20 +870,33 @@ __device__ __forceinline__ void state_times_tokens(const uint32_t (&sa)[8][4], c
   }
 }
 
-// The chunk's writes for the warp's 16 state rows: Delta^T = U^T - S W^T (ut: the warp's first
-// U^T row in shared memory).
-template <bool kFull>
-__device__ __forceinline__ void chunk_writes(const uint32_t (&sa)[8][4], const bf16* w,
-                                             const bf16 (*ut)[kLdNarrow], int lane, int blocks16,
-                                             float (&delta)[8][4]) {
+// U^T in shared memory as the state step reads it: (U^T[v][t], U^T[v][t + 1]) for row v = v0 + r
+// of the warp's 16 (t even). A padded tile whose row 0 is the warp's first row, or the swizzled
+// staging of compute_writes.
+struct UtTile {
+  const bf16 (*rows)[kLdNarrow];
+  __device__ __forceinline__ float2 operator()(int r, int t) const {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&rows[r][t]));
+  }
+};
+struct UtStaged {
+  const bf16* ut;
+  int v0;
+  __device__ __forceinline__ float2 operator()(int r, int t) const {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&ut[ut_index(v0 + r, t)]));
+  }
+};
+
+// The chunk's writes for the warp's 16 state rows: Delta^T = U^T - S W^T.
+template <bool kFull, class Ut>
+__device__ __forceinline__ void chunk_writes(const uint32_t (&sa)[8][4], const bf16* w, Ut ut,
+                                             int lane, int blocks16, float (&delta)[8][4]) {
   state_times_tokens<kFull>(sa, w, lane, blocks16, delta);
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     const int t = 8 * j + 2 * (lane % 4);
-    const float2 ua =
-        __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&ut[lane / 4][t]));
-    const float2 ub =
-        __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&ut[lane / 4 + 8][t]));
+    const float2 ua = ut(lane / 4, t);
+    const float2 ub = ut(lane / 4 + 8, t);
     delta[j][0] = ua.x - delta[j][0];
     delta[j][1] = ua.y - delta[j][1];
     delta[j][2] = ub.x - delta[j][2];
@@ -1042,10 +1089,11 @@ struct RequestPlan {
 
 // prefill's row rules for request i, applied by all `threads` threads of a CTA for value head hv.
 // False if the request runs no chunk: its token range is not sane (nothing written) or empty, or
-// it is refused (a slot past the pool, more checkpoints than columns, or chunk slots it does not
-// own): then CTAs with `zero_outputs` zero its output rows of head hv. `reporter` counts a
-// request that is not run and not empty.
-__device__ __forceinline__ bool plan_request(const KernelArgs& args, const Workspace& ws, int64_t i,
+// it is refused (a slot past the pool, more checkpoints than columns, or, with `owner` (the chunk
+// slots' owners; null: the kernel reads no workspace), chunk slots it does not own): then CTAs
+// with `zero_outputs` zero its output rows of head hv. `reporter` counts a request that is not run
+// and not empty.
+__device__ __forceinline__ bool plan_request(const KernelArgs& args, const int* owner, int64_t i,
                                              int64_t hv, int tid, int threads, bool reporter,
                                              bool zero_outputs, RequestPlan& r) {
   r.begin = gdn::load_index(args.cu_seqlens, args.cu_dtype, i);
@@ -1067,9 +1115,11 @@ __device__ __forceinline__ bool plan_request(const KernelArgs& args, const Works
     if (checkpoint_slot(args, i, j) >= args.num_slots) bad = true;
   r.chunks = (r.T + kChunk - 1) / kChunk;
   r.first_slot = first_chunk_slot(r.begin, i);
-  bool owned = true;
-  for (int64_t j = tid; j < r.chunks; j += threads) owned &= ws.owner[r.first_slot + j] == int(i);
-  if (!__syncthreads_and(owned)) bad = true;
+  if (owner) {
+    bool owned = true;
+    for (int64_t j = tid; j < r.chunks; j += threads) owned &= owner[r.first_slot + j] == int(i);
+    if (!__syncthreads_and(owned)) bad = true;
+  }
   if (bad) {
     if (reporter && args.error_count) atomicAdd(args.error_count, 1);
     if (zero_outputs)
@@ -1144,26 +1194,38 @@ __device__ __forceinline__ void start_chunk_copy(const KernelArgs& args, const W
   mma::cp_async_commit();
 }
 
-// One chunk of one (request, value head), the warp's 16 state rows: the writes, the outputs (to
-// the output tile and sh.partial) and the state update. kFull: n is kChunk, every block is used
-// and the fragments are loaded ahead of their products.
-template <bool kFull, class Act, int kStages>
-__device__ __forceinline__ void run_chunk(const KernelArgs& args, StateShared<Act, kStages>& sh,
-                                          StateBuffer<Act>& b, float gamma_end, int n, int warp,
-                                          int lane, StateTile& s) {
+// One chunk of one (request, value head), the warp's 16 state rows, from its tiles in shared
+// memory (W, U^T as read by ut, the decayed q and k, P): the writes, the outputs (to the output
+// tile and partial) and the state update. kFull: n is kChunk, every block is used and the
+// fragments are loaded ahead of their products. The output tile may overlay the tiles: a barrier
+// separates their last read from its first write.
+template <bool kFull, class Act, class Ut>
+__device__ __forceinline__ void step_chunk(const KernelArgs& args, const bf16* w, Ut ut,
+                                           const bf16* q, const bf16* k, const bf16* p,
+                                           float (*tile)[kLdOut], float (*partial)[kChunk],
+                                           float gamma_end, int n, int warp, int lane,
+                                           StateTile& s) {
   const int blocks16 = kFull ? 4 : (n + 15) / 16;  // blocks of 16 token rows the n tokens reach
   uint32_t sa[8][4];
   accumulators_as_a<8>(s.d, sa);
   float delta[8][4] = {};
-  chunk_writes<kFull>(sa, &b.w[0][0], &b.ut[16 * warp], lane, blocks16, delta);
+  chunk_writes<kFull>(sa, w, ut, lane, blocks16, delta);
   uint32_t da[4][4];
   accumulators_as_a<4>(delta, da);
   float o[8][4] = {};
-  chunk_output<kFull>(sa, da, &b.q[0][0], &b.p[0][0], lane, blocks16, o);
-  chunk_update<kFull>(da, &b.k[0][0], gamma_end, lane, blocks16, s);
-  // Every warp is done with w and q before the output tile overwrites them.
+  chunk_output<kFull>(sa, da, q, p, lane, blocks16, o);
+  chunk_update<kFull>(da, k, gamma_end, lane, blocks16, s);
   __syncthreads();
-  stage_output<Act>(args, o, output_tile(b), sh.partial, warp, lane);
+  stage_output<Act>(args, o, tile, partial, warp, lane);
+}
+
+// step_chunk on a state buffer (its output tile overlays w and q).
+template <bool kFull, class Act, int kStages>
+__device__ __forceinline__ void run_chunk(const KernelArgs& args, StateShared<Act, kStages>& sh,
+                                          StateBuffer<Act>& b, float gamma_end, int n, int warp,
+                                          int lane, StateTile& s) {
+  step_chunk<kFull, Act>(args, &b.w[0][0], UtTile{&b.ut[16 * warp]}, &b.q[0][0], &b.k[0][0],
+                         &b.p[0][0], output_tile(b), sh.partial, gamma_end, n, warp, lane, s);
 }
 
 // Grid N * HV: one CTA per (request, value head), its chunks in order, the state in the eight
@@ -1176,7 +1238,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_state_kernel(const Kernel
   const int64_t i = int64_t(blockIdx.x) / args.HV, hv = int64_t(blockIdx.x) % args.HV;
   const Workspace ws = workspace_of(args.workspace, args.chunk_slots, args.HV);
   RequestPlan r;
-  if (!plan_request(args, ws, i, hv, tid, kThreads, hv == 0 && tid == 0, true, r)) return;
+  if (!plan_request(args, ws.owner, i, hv, tid, kThreads, hv == 0 && tid == 0, true, r)) return;
 
   if (args.norm_weight && tid < kHeadDim)
     sh.norm_weight[tid] = dev::load_value(args.norm_weight, args.norm_weight_dtype, tid);
@@ -1214,6 +1276,138 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_state_kernel(const Kernel
   if (r.final_slot >= 0) store_state(args, r.final_slot, hv, warp, lane, state);
 }
 
+// ---- the fused kernel: each chunk's products and its state step in one CTA -----------------------
+
+// A chunk's q, k and v rows as they stand in mixed_qkv: the next chunk's are copied in while the
+// current one runs (2-byte activations; 4-byte ones would not leave room, and are read directly).
+template <class Act>
+struct StagedRows {
+  Act q[kChunk][kHeadDim];
+  Act k[kChunk][kHeadDim];
+  Act v[kChunk][kHeadDim];
+};
+struct NoStagedRows {};
+template <class Act>
+inline constexpr bool kStagesRows = sizeof(Act) == 2;
+
+template <class Act>
+struct FusedShared {
+  ChunkShared c;  // the chunk's tiles; the fp32 output tile overlays the triangle's bytes (c.u)
+  Act z[kChunk][kLdZ<Act>];
+  float partial[kWarps][kChunk];
+  float norm_weight[kHeadDim];
+  std::conditional_t<kStagesRows<Act>, StagedRows<Act>, NoStagedRows> staged;
+};
+static_assert(sizeof(float) * kChunk * kLdOut <= sizeof(ChunkShared::u),
+              "the output tile fits the triangle's bytes");
+
+template <class Act>
+inline constexpr int kFusedSharedBytes = int(sizeof(FusedShared<Act>));
+
+template <class Act>
+__device__ __forceinline__ float (*fused_output_tile(FusedShared<Act>& sh))[kLdOut] {
+  return reinterpret_cast<float (*)[kLdOut]>(&sh.c.u);
+}
+
+// Starts copying the n token rows at x (16-byte aligned) into `to`.
+template <class Act>
+__device__ __forceinline__ void copy_token_rows(const TokenRows<Act>& x, int64_t row_stride, int n,
+                                                StagedRows<Act>& to, int tid) {
+  constexpr int kPer16 = 16 / int(sizeof(Act)), kPieces = kHeadDim / kPer16;
+  for (int e = tid; e < n * kPieces; e += kThreads) {
+    const int t = e / kPieces, c = kPer16 * (e % kPieces);
+    mma::cp_async_16(&to.q[t][c], x.q + t * row_stride + c);
+    mma::cp_async_16(&to.k[t][c], x.k + t * row_stride + c);
+    mma::cp_async_16(&to.v[t][c], x.v + t * row_stride + c);
+  }
+}
+
+// One chunk after its tokens are loaded (sh.c.q, k, v, beta, log decay): the cumulative decay, the
+// chunk's products (W over v, U^T staged, the decayed q and k in place, P) and the state step.
+template <bool kFull, class Act>
+__device__ __forceinline__ void fused_chunk(const KernelArgs& args, FusedShared<Act>& sh, int n,
+                                            int tid, int warp, int lane, StateTile& s) {
+  const int blocks16 = kFull ? 4 : (n + 15) / 16;
+  if (warp == 0) cumulative_decay(sh.c, lane);
+  __syncthreads();
+  chunk_scores(sh.c, warp, lane, blocks16);
+  __syncthreads();
+  invert_triangle(sh.c, tid, blocks16);
+  __syncthreads();
+  compute_writes(sh.c, warp, lane, blocks16);
+  decay_tokens(sh.c, sh.c.q, sh.c.k, tid, blocks16);
+  __syncthreads();
+  const float gamma_end = expf(sh.c.cum[kChunk - 1]);
+  step_chunk<kFull, Act>(args, &sh.c.v[0][0], UtStaged{ut_staging(sh.c), 16 * warp}, &sh.c.q[0][0],
+                         &sh.c.k[0][0], &sh.c.p[0][0], fused_output_tile(sh), sh.partial,
+                         gamma_end, n, warp, lane, s);
+}
+
+// Grid N * HV: one CTA per (request, value head), its chunks in order, each chunk's products
+// computed on chip from its tokens (no workspace) and the state in the eight warps' accumulators
+// (warp w: rows 16 w..). Computes exactly what the chunk and one-pass kernels do, in the same
+// order and precision. Act: the element type of mixed_qkv, z and out.
+template <class Act>
+__global__ void __launch_bounds__(kThreads, 1) prefill_fused_kernel(const KernelArgs args) {
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  FusedShared<Act>& sh = *reinterpret_cast<FusedShared<Act>*>(shared_bytes);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int64_t i = int64_t(blockIdx.x) / args.HV, hv = int64_t(blockIdx.x) % args.HV;
+  RequestPlan r;
+  if (!plan_request(args, nullptr, i, hv, tid, kThreads, hv == 0 && tid == 0, true, r)) return;
+  const int64_t h = hv / args.ratio;
+  const float A =
+      args.a_is_log_decay ? 0.0f : -expf(dev::load_value(args.A_log, args.A_log_dtype, hv));
+  const float dt_bias =
+      args.a_is_log_decay ? 0.0f : dev::load_value(args.dt_bias, args.dt_bias_dtype, hv);
+  if (args.norm_weight && tid < kHeadDim)
+    sh.norm_weight[tid] = dev::load_value(args.norm_weight, args.norm_weight_dtype, tid);
+  bool staged = false;
+  if constexpr (kStagesRows<Act>) staged = args.qkv_rows_aligned;
+  // Chunk c's rows into sh.staged, as one cp.async group (empty when not staged or past the last
+  // chunk), so that the wait counts below are fixed.
+  const auto stage = [&](int64_t c) {
+    if constexpr (kStagesRows<Act>)
+      if (staged && c < r.chunks)
+        copy_token_rows<Act>(token_rows<Act>(args, r.begin + kChunk * c, h, hv),
+                             args.qkv_row_stride, chunk_tokens(r, c), sh.staged, tid);
+    mma::cp_async_commit();
+  };
+  stage(0);
+  StateTile state;
+  load_state(args, r.initial, hv, warp, lane, state);
+  for (int64_t c = 0; c < r.chunks; ++c) {
+    const int n = chunk_tokens(r, c);
+    const int64_t first_row = r.begin + kChunk * c;
+    mma::cp_async_wait<0>();
+    __syncthreads();  // chunk c's rows have landed; every warp is done with chunk c - 1
+    if constexpr (kStagesRows<Act>) {
+      if (staged)
+        load_chunk<Act>(args, sh.c, &sh.staged.q[0][0], &sh.staged.k[0][0], &sh.staged.v[0][0],
+                        kHeadDim, true, first_row, n, hv, A, dt_bias, warp, lane);
+    }
+    if (!staged) {
+      const TokenRows<Act> x = token_rows<Act>(args, first_row, h, hv);
+      load_chunk<Act>(args, sh.c, x.q, x.k, x.v, args.qkv_row_stride, args.qkv_vector, first_row,
+                      n, hv, A, dt_bias, warp, lane);
+    }
+    __syncthreads();  // the staged rows are free for the next chunk's
+    if (args.z) copy_z_rows<Act>(args, sh.z, first_row, n, hv, tid, kThreads);
+    mma::cp_async_commit();
+    stage(c + 1);
+    if (n == kChunk)
+      fused_chunk<true, Act>(args, sh, n, tid, warp, lane, state);
+    else
+      fused_chunk<false, Act>(args, sh, n, tid, warp, lane, state);
+    mma::cp_async_wait<1>();  // the z rows (the next chunk's rows may still be in flight)
+    __syncthreads();
+    store_outputs<Act>(args, fused_output_tile(sh), sh.partial, sh.norm_weight, sh.z, first_row, n,
+                       hv, warp, lane);
+    store_checkpoint(args, i, hv, kChunk * c + n, warp, lane, state);
+  }
+  if (r.final_slot >= 0) store_state(args, r.final_slot, hv, warp, lane, state);
+}
+
 // ---- the recurrence kernel and the output kernel -----------------------------------------------
 
 // A recurrence CTA's copy of one chunk: W, the decayed k and its own U^T rows.
@@ -1245,7 +1439,7 @@ __device__ __forceinline__ void advance_chunk(const RecurrenceBuffer<kRowWarps>&
 #pragma unroll
   for (int kk = 0; kk < 8; ++kk) f.s[row_block][kk][lane] = fragment_bits(sa[kk]);
   float delta[8][4] = {};
-  chunk_writes<kFull>(sa, &b.w[0][0], &b.ut[16 * warp], lane, blocks16, delta);
+  chunk_writes<kFull>(sa, &b.w[0][0], UtTile{&b.ut[16 * warp]}, lane, blocks16, delta);
   uint32_t da[4][4];
   accumulators_as_a<4>(delta, da);
 #pragma unroll
@@ -1271,7 +1465,7 @@ __global__ void __launch_bounds__(32 * kRowWarps, 1)
   const int row0 = 16 * kRowWarps * part, row_block = row0 / 16 + warp;
   const Workspace ws = workspace_of(args.workspace, args.chunk_slots, args.HV);
   RequestPlan r;
-  if (!plan_request(args, ws, i, hv, tid, kCtaThreads, hv == 0 && part == 0 && tid == 0, part == 0,
+  if (!plan_request(args, ws.owner, i, hv, tid, kCtaThreads, hv == 0 && part == 0 && tid == 0, part == 0,
                     r))
     return;
   // One cp.async group per chunk, empty past the last, so that a fixed wait count always means
