@@ -103,7 +103,8 @@ TEST(PrefillCuda, EveryStatePassMatchesTheReference) {
             g.act_dtype = g.out_dtype = DType::kBFloat16;
             g.qkv_row_pad = 8;
           }
-          PrefillCase pc(g, {0, 1, 2, -1, 4, 5, 6, 7, 8}, {0, 11, 12, 13, 14, 15, 16, 17, 8}, 128, 5);
+          PrefillCase pc(g, {0, 1, 2, -1, 4, 5, 6, 7, 8}, {0, 11, 12, 13, 14, 15, 16, 17, 8}, 128,
+                         5);
           pc.checkpoints[size_t(5 * 5)] = 18;  // 127 tokens: never reached
           pc.checkpoints[size_t(6 * 5)] = 19;  // 128 tokens: after the last
           pc.checkpoints[size_t(8 * 5 + 2)] = 20;
@@ -127,7 +128,7 @@ TEST(PrefillCuda, FusedKernelGivesTheOnePassBits) {
     PrefillCase one(g, {0, 1, -1, 3, 4}, {5, 6, 7, 3, 8}, 64, 4);
     PrefillCase fused(g, {0, 1, -1, 3, 4}, {5, 6, 7, 3, 8}, 64, 4);
     for (PrefillCase* pc : {&one, &fused}) {
-      pc->checkpoints = {9, 10, 11, 12, 13, -1, -1, -1, -1, -1,
+      pc->checkpoints = {9,  10, 11, 12, 13, -1, -1, -1, -1, -1,
                          -1, -1, 14, 15, -1, -1, -1, -1, -1, -1};
       pc->c.poison_out();
     }

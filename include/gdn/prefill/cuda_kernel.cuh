@@ -86,13 +86,13 @@ struct KernelArgs {
   GateActivation gate;
   StateLayout layout;
   bool round_core_output;
-  bool a_is_log_decay;  // g = a (A_log, dt_bias not read)
-  bool b_is_beta;       // beta = b
-  bool qk_l2_norm;      // false: q, k used as given
-  bool qkv_vector;      // mixed_qkv's rows start aligned to four elements (vector loads)
+  bool a_is_log_decay;    // g = a (A_log, dt_bias not read)
+  bool b_is_beta;         // beta = b
+  bool qk_l2_norm;        // false: q, k used as given
+  bool qkv_vector;        // mixed_qkv's rows start aligned to four elements (vector loads)
   bool qkv_rows_aligned;  // mixed_qkv's rows start 16-byte aligned (copied with cp.async)
   bool z_rows_aligned;    // z's rows start 16-byte aligned (copied with cp.async)
-  bool out_aligned;     // out's data pointer is 16-byte aligned (vector stores)
+  bool out_aligned;       // out's data pointer is 16-byte aligned (vector stores)
 };
 
 inline constexpr int kHeadDim = 128;  // K = V on CUDA
@@ -106,6 +106,7 @@ inline constexpr int kLdWide = kHeadDim + 8;  // 128-wide tiles
 inline constexpr int kLdNarrow = kChunk + 8;  // 64-wide tiles
 inline constexpr int kLdF32 = kChunk + 4;     // fp32 64 x 64 tiles
 inline constexpr int kLdOut = kHeadDim + 4;   // fp32 64 x 128 output tile
+inline constexpr int kLdMerge = 32 + 4;       // fp32 32 x 32 merge products
 
 using bf16 = __nv_bfloat16;
 
@@ -235,8 +236,8 @@ struct ChunkShared {
     } inv;
   } u;
   bf16 p[kChunk][kLdNarrow];  // P
-  float merge[32][36];        // products of the inverse's block merges (16-byte rows)
-  float cum[kChunk];          // G_t
+  float merge[32][kLdMerge];  // products of the inverse's block merges
+  float cum[kChunk];          // G_t log2(e): every decay factor is one exp2
   float beta[kChunk];
   float log_decay[kChunk];  // g_t
   int64_t request;          // the request whose chunk this CTA runs (-1: none)
@@ -387,7 +388,8 @@ __device__ __forceinline__ void load_chunk(const KernelArgs& args, ChunkShared& 
   }
 }
 
-// G_t = g_0 + ... + g_t (warp 0; two tokens per lane).
+// G_t = g_0 + ... + g_t, stored as G_t log2(e) so that every decay factor exp(G_t - G_s) is the
+// hardware's exp2 of a difference (warp 0; two tokens per lane).
 __device__ __forceinline__ void cumulative_decay(ChunkShared& sh, int lane) {
   const float g0 = sh.log_decay[2 * lane], g1 = sh.log_decay[2 * lane + 1];
   float incl = g0 + g1;
@@ -397,8 +399,9 @@ __device__ __forceinline__ void cumulative_decay(ChunkShared& sh, int lane) {
     if (lane >= m) incl += up;
   }
   const float before = incl - (g0 + g1);
-  sh.cum[2 * lane] = before + g0;
-  sh.cum[2 * lane + 1] = incl;
+  constexpr float kLog2e = 1.4426950408889634f;
+  sh.cum[2 * lane] = (before + g0) * kLog2e;
+  sh.cum[2 * lane + 1] = incl * kLog2e;
 }
 
 // Rows 16 w.. of [Q; K] (warps 0-3: Q, 4-7: K) times K^T: P (warps 0-3) and A (warps 4-7). Rows
@@ -427,7 +430,7 @@ __device__ __forceinline__ void chunk_scores(ChunkShared& sh, int warp, int lane
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int t = t0 + lane / 4 + 8 * (e / 2), s = 8 * j + 2 * (lane % 4) + e % 2;
-      const float ratio = s <= t ? expf(sh.cum[t] - sh.cum[s]) : 0.0f;
+      const float ratio = s <= t ? dev::fast_exp2(sh.cum[t] - sh.cum[s]) : 0.0f;
       if (is_q)
         sh.p[t][s] = __float2bfloat16_rn(acc[j][e] * ratio);
       else
@@ -467,63 +470,44 @@ __device__ __forceinline__ void invert_triangle(ChunkShared& sh, int tid, int bl
     }
   }
   __syncthreads();
+  // The merges' products run on tensor cores with tf32 operands (fp32 accumulation): the inverse
+  // is rounded to bf16 for its own products afterwards, so tf32's 10-bit mantissas add little.
+  // The sums run over whole blocks: A and inv hold explicit zeros above their diagonals.
   if (blocks16 > 1) {
-    // 16 -> 32: blocks (1, 0) and (3, 2). The sums run over whole blocks: A and inv hold explicit
-    // zeros above their diagonals, so fixed-length unrolled loops need no bounds.
+    // 16 -> 32: blocks (1, 0) and (3, 2), warps 0 and 1: X = A_10 inv_00 into sh.merge, then
+    // inv_10 = -inv_11 X.
+    const int warp = tid / 32, lane = tid % 32;
+    if (warp < 2) {
+      const int lo = 32 * warp, hi = lo + 16;
+      float x[2][4] = {}, y[2][4] = {};
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int e = tid + kThreads * i;
-      const int pair = e / 256, r = (e / 16) % 16, c = e % 16, lo = 32 * pair, hi = lo + 16;
-      float x = 0.0f;
+      for (int nt = 0; nt < 2; ++nt) {
+        mma::product_tf32<2>(x[nt], &a[0][0], kLdF32, hi, lo, &inv[0][0], kLdF32, lo, lo + 8 * nt,
+                             lane);
+        mma::store_accumulators(x[nt], &sh.merge[0][0], kLdMerge, 16 * warp, 8 * nt, 1.0f, lane);
+      }
+      __syncwarp();
 #pragma unroll
-      for (int m = 0; m < 16; ++m) x += a[hi + r][lo + m] * inv[lo + m][lo + c];
-      sh.merge[16 * pair + r][c] = x;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int e = tid + kThreads * i;
-      const int pair = e / 256, r = (e / 16) % 16, c = e % 16, lo = 32 * pair, hi = lo + 16;
-      float x = 0.0f;
-#pragma unroll
-      for (int m = 0; m < 16; ++m) x += inv[hi + r][hi + m] * sh.merge[16 * pair + m][c];
-      inv[hi + r][lo + c] = -x;
+      for (int nt = 0; nt < 2; ++nt) {
+        mma::product_tf32<2>(y[nt], &inv[0][0], kLdF32, hi, hi, &sh.merge[0][0], kLdMerge,
+                             16 * warp, 8 * nt, lane);
+        mma::store_accumulators(y[nt], &inv[0][0], kLdF32, hi, lo + 8 * nt, -1.0f, lane);
+      }
     }
     __syncthreads();
   }
   if (blocks16 > 2) {
-    // 32 -> 64: block (rows 32.., columns ..32). Thread: row tid / 8, columns 4 (tid % 8)..: one
-    // broadcast and one 16-byte read per four products.
-    static_assert(kThreads == 8 * 32, "a thread per four entries of a 32 x 32 block");
-    {
-      const int r = tid / 8, c = 4 * (tid % 8);
-      float x[4] = {};
-#pragma unroll
-      for (int m = 0; m < 32; ++m) {
-        const float am = a[32 + r][m];
-        const float4 im = *reinterpret_cast<const float4*>(&inv[m][c]);
-        x[0] += am * im.x;
-        x[1] += am * im.y;
-        x[2] += am * im.z;
-        x[3] += am * im.w;
-      }
-      *reinterpret_cast<float4*>(&sh.merge[r][c]) = make_float4(x[0], x[1], x[2], x[3]);
-    }
+    // 32 -> 64: block (rows 32.., columns ..32), warp w the 16 x 8 tile (w / 4, w % 4):
+    // X = A_10 inv_00 into sh.merge, then inv_10 = -inv_11 X.
+    const int warp = tid / 32, lane = tid % 32, m0 = 16 * (warp / 4), n0 = 8 * (warp % 4);
+    static_assert(kThreads == 8 * 32, "a warp per 16 x 8 tile of a 32 x 32 block");
+    float x[4] = {}, y[4] = {};
+    mma::product_tf32<4>(x, &a[0][0], kLdF32, 32 + m0, 0, &inv[0][0], kLdF32, 0, n0, lane);
+    mma::store_accumulators(x, &sh.merge[0][0], kLdMerge, m0, n0, 1.0f, lane);
     __syncthreads();
-    {
-      const int r = tid / 8, c = 4 * (tid % 8);
-      float x[4] = {};
-#pragma unroll
-      for (int m = 0; m < 32; ++m) {
-        const float im = inv[32 + r][32 + m];
-        const float4 xm = *reinterpret_cast<const float4*>(&sh.merge[m][c]);
-        x[0] += im * xm.x;
-        x[1] += im * xm.y;
-        x[2] += im * xm.z;
-        x[3] += im * xm.w;
-      }
-      *reinterpret_cast<float4*>(&inv[32 + r][c]) = make_float4(-x[0], -x[1], -x[2], -x[3]);
-    }
+    mma::product_tf32<4>(y, &inv[0][0], kLdF32, 32 + m0, 32, &sh.merge[0][0], kLdMerge, 0, n0,
+                         lane);
+    mma::store_accumulators(y, &inv[0][0], kLdF32, 32 + m0, n0, -1.0f, lane);
     __syncthreads();
   }
   // The scaled copies overlay the fp32 triangle: read all of this thread's entries first.
@@ -542,7 +526,7 @@ __device__ __forceinline__ void invert_triangle(ChunkShared& sh, int tid, int bl
     if (t >= used || s >= used) continue;
     const float xb = x[r] * sh.beta[s];
     sh.u.inv.times_beta[t][s] = __float2bfloat16_rn(xb);
-    sh.u.inv.times_beta_gamma[t][s] = __float2bfloat16_rn(xb * expf(sh.cum[s]));
+    sh.u.inv.times_beta_gamma[t][s] = __float2bfloat16_rn(xb * dev::fast_exp2(sh.cum[s]));
   }
 }
 
@@ -643,9 +627,9 @@ __device__ __forceinline__ void decay_tokens(const ChunkShared& sh, bf16 (*q_to)
   for (int e = tid; e < used * kRowChunks; e += kThreads) {
     const int t = e / kRowChunks, c = 8 * (e % kRowChunks);
     *reinterpret_cast<uint4*>(&q_to[t][c]) =
-        scale_bf16x8(*reinterpret_cast<const uint4*>(&sh.q[t][c]), expf(sh.cum[t]));
+        scale_bf16x8(*reinterpret_cast<const uint4*>(&sh.q[t][c]), dev::fast_exp2(sh.cum[t]));
     *reinterpret_cast<uint4*>(&k_to[t][c]) =
-        scale_bf16x8(*reinterpret_cast<const uint4*>(&sh.k[t][c]), expf(end - sh.cum[t]));
+        scale_bf16x8(*reinterpret_cast<const uint4*>(&sh.k[t][c]), dev::fast_exp2(end - sh.cum[t]));
   }
 }
 
@@ -709,7 +693,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_chunk_kernel(const Kernel
     chunk_products(sh, out, warp, lane, tid, kChunk / 16);
   else
     chunk_products(sh, out, warp, lane, tid, (n + 15) / 16);
-  if (tid == 0) ws.gamma_end[slot * args.HV + hv] = expf(sh.cum[kChunk - 1]);
+  if (tid == 0) ws.gamma_end[slot * args.HV + hv] = dev::fast_exp2(sh.cum[kChunk - 1]);
 }
 
 // ---- the state pass: shared pieces --------------------------------------------------------------
@@ -1276,7 +1260,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_state_kernel(const Kernel
   if (r.final_slot >= 0) store_state(args, r.final_slot, hv, warp, lane, state);
 }
 
-// ---- the fused kernel: each chunk's products and its state step in one CTA -----------------------
+// ---- the fused kernel: each chunk's products and its state step in one CTA
+// -----------------------
 
 // A chunk's q, k and v rows as they stand in mixed_qkv: the next chunk's are copied in while the
 // current one runs (2-byte activations; 4-byte ones would not leave room, and are read directly).
@@ -1305,9 +1290,8 @@ template <class Act>
 inline constexpr int kFusedSharedBytes = int(sizeof(FusedShared<Act>));
 
 template <class Act>
-__device__ __forceinline__ float (*fused_output_tile(FusedShared<Act>& sh))[kLdOut] {
-  return reinterpret_cast<float (*)[kLdOut]>(&sh.c.u);
-}
+__device__ __forceinline__ float (*fused_output_tile(FusedShared<Act>& sh))
+    [kLdOut] { return reinterpret_cast<float (*)[kLdOut]>(&sh.c.u); }
 
 // Starts copying the n token rows at x (16-byte aligned) into `to`.
 template <class Act>
@@ -1337,10 +1321,10 @@ __device__ __forceinline__ void fused_chunk(const KernelArgs& args, FusedShared<
   compute_writes(sh.c, warp, lane, blocks16);
   decay_tokens(sh.c, sh.c.q, sh.c.k, tid, blocks16);
   __syncthreads();
-  const float gamma_end = expf(sh.c.cum[kChunk - 1]);
+  const float gamma_end = dev::fast_exp2(sh.c.cum[kChunk - 1]);
   step_chunk<kFull, Act>(args, &sh.c.v[0][0], UtStaged{ut_staging(sh.c), 16 * warp}, &sh.c.q[0][0],
-                         &sh.c.k[0][0], &sh.c.p[0][0], fused_output_tile(sh), sh.partial,
-                         gamma_end, n, warp, lane, s);
+                         &sh.c.k[0][0], &sh.c.p[0][0], fused_output_tile(sh), sh.partial, gamma_end,
+                         n, warp, lane, s);
 }
 
 // Grid N * HV: one CTA per (request, value head), its chunks in order, each chunk's products
@@ -1388,8 +1372,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_fused_kernel(const Kernel
     }
     if (!staged) {
       const TokenRows<Act> x = token_rows<Act>(args, first_row, h, hv);
-      load_chunk<Act>(args, sh.c, x.q, x.k, x.v, args.qkv_row_stride, args.qkv_vector, first_row,
-                      n, hv, A, dt_bias, warp, lane);
+      load_chunk<Act>(args, sh.c, x.q, x.k, x.v, args.qkv_row_stride, args.qkv_vector, first_row, n,
+                      hv, A, dt_bias, warp, lane);
     }
     __syncthreads();  // the staged rows are free for the next chunk's
     if (args.z) copy_z_rows<Act>(args, sh.z, first_row, n, hv, tid, kThreads);
@@ -1465,8 +1449,8 @@ __global__ void __launch_bounds__(32 * kRowWarps, 1)
   const int row0 = 16 * kRowWarps * part, row_block = row0 / 16 + warp;
   const Workspace ws = workspace_of(args.workspace, args.chunk_slots, args.HV);
   RequestPlan r;
-  if (!plan_request(args, ws.owner, i, hv, tid, kCtaThreads, hv == 0 && part == 0 && tid == 0, part == 0,
-                    r))
+  if (!plan_request(args, ws.owner, i, hv, tid, kCtaThreads, hv == 0 && part == 0 && tid == 0,
+                    part == 0, r))
     return;
   // One cp.async group per chunk, empty past the last, so that a fixed wait count always means
   // "chunk c has landed".

@@ -1,6 +1,6 @@
 // Warp-level tensor-core building blocks (sm_80 and later): mma.sync m16n8k16 with 16-bit inputs
-// and fp32 accumulators, ldmatrix fragment loads from 16-bit tiles in shared memory, and the
-// cp.async copies that stage those tiles.
+// and m16n8k8 with tf32 inputs, fp32 accumulators, ldmatrix fragment loads from 16-bit tiles in
+// shared memory, and the cp.async copies that stage those tiles.
 //
 // Fragment layout (PTX ISA, m16n8k16): an accumulator tile d[4] holds rows lane / 4 (d[0], d[1])
 // and lane / 4 + 8 (d[2], d[3]), columns 2 * (lane % 4) and the next one. A tile's rows start at a
@@ -38,6 +38,55 @@ __device__ __forceinline__ void mma_16bit(float (&d)[4], const uint32_t (&a)[4],
 #elif defined(__CUDA_ARCH__)
   __trap();
 #endif
+}
+
+// d += a b (16 x 8 x 8) with tf32 inputs (fp32 values with 10-bit mantissas) and fp32
+// accumulators; traps on images older than sm_80, which no launcher runs.
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#elif defined(__CUDA_ARCH__)
+  __trap();
+#endif
+}
+
+// x rounded to the nearest tf32 value.
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r = __float_as_uint(x);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+#endif
+  return r;
+}
+
+// d += rows m0.. (16) of the fp32 tile a times columns n0.. (8) of the fp32 tile b, over kSteps
+// steps of 8 from a's column ak0 and b's row bk0; both tiles row-major (row strides a_ld, b_ld).
+template <int kSteps>
+__device__ __forceinline__ void product_tf32(float (&d)[4], const float* a, int a_ld, int m0,
+                                             int ak0, const float* b, int b_ld, int bk0, int n0,
+                                             int lane) {
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s) {
+    const float* ar = a + (m0 + g) * a_ld + ak0 + 8 * s + t;
+    const uint32_t af[4] = {to_tf32(ar[0]), to_tf32(ar[8 * a_ld]), to_tf32(ar[4]),
+                            to_tf32(ar[8 * a_ld + 4])};
+    const float* bc = b + (bk0 + 8 * s + t) * b_ld + n0 + g;
+    mma_tf32(d, af, to_tf32(bc[0]), to_tf32(bc[4 * b_ld]));
+  }
+}
+
+// Stores the accumulator tile d (16 x 8) times `sign` at (r0, c0) of a row-major fp32 tile.
+__device__ __forceinline__ void store_accumulators(const float (&d)[4], float* tile, int ld, int r0,
+                                                   int c0, float sign, int lane) {
+  float* p = tile + (r0 + lane / 4) * ld + c0 + 2 * (lane % 4);
+  *reinterpret_cast<float2*>(p) = make_float2(sign * d[0], sign * d[1]);
+  *reinterpret_cast<float2*>(p + 8 * ld) = make_float2(sign * d[2], sign * d[3]);
 }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const __nv_bfloat16* p) {
