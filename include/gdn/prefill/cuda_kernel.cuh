@@ -444,6 +444,7 @@ __device__ __forceinline__ void chunk_scores(ChunkShared& sh, int warp, int lane
 // substitution (one thread per column), then merges 16 -> 32 and 32 -> 64 with X = A_lo,hi-off
 // inv_diag and inv_off = -inv_lower_diag X. Only the leading 16 blocks16 rows and columns are
 // complete (merges past them are skipped) and copied: the products read no others.
+template <bool kGammaCopy = true>
 __device__ __forceinline__ void invert_triangle(ChunkShared& sh, int tid, int blocks16) {
   float (&a)[kChunk][kLdF32] = sh.u.tri.a;
   float (&inv)[kChunk][kLdF32] = sh.u.tri.inv;
@@ -526,7 +527,8 @@ __device__ __forceinline__ void invert_triangle(ChunkShared& sh, int tid, int bl
     if (t >= used || s >= used) continue;
     const float xb = x[r] * sh.beta[s];
     sh.u.inv.times_beta[t][s] = __float2bfloat16_rn(xb);
-    sh.u.inv.times_beta_gamma[t][s] = __float2bfloat16_rn(xb * dev::fast_exp2(sh.cum[s]));
+    if constexpr (kGammaCopy)
+      sh.u.inv.times_beta_gamma[t][s] = __float2bfloat16_rn(xb * dev::fast_exp2(sh.cum[s]));
   }
 }
 
@@ -888,26 +890,25 @@ __device__ __forceinline__ void chunk_writes(const uint32_t (&sa)[8][4], const b
   }
 }
 
-// The chunk's outputs for the warp's 16 state rows: o^T = S q~^T + Delta^T P^T (da: Delta^T as A
-// fragments). P is lower triangular: token tiles 2 m, 2 m + 1 need source blocks kk <= m only.
+// acc[v][t] += sum_s a[v][s] l[t][s] for the warp's 16 rows of a (A fragments, 64 deep) and a
+// 64 x 64 tile l (row stride kLdNarrow) that is lower triangular in blocks of 16: token tiles
+// 2 m, 2 m + 1 need source blocks kk <= m only.
 template <bool kFull>
-__device__ __forceinline__ void chunk_output(const uint32_t (&sa)[8][4], const uint32_t (&da)[4][4],
-                                             const bf16* q, const bf16* p, int lane, int blocks16,
-                                             float (&o)[8][4]) {
-  state_times_tokens<kFull>(sa, q, lane, blocks16, o);
+__device__ __forceinline__ void times_lower(const uint32_t (&a)[4][4], const bf16* l, int lane,
+                                            int blocks16, float (&acc)[8][4]) {
   if constexpr (kFull) {
-    uint32_t bp[4][4][4];  // [m][kk], kk <= m: all ten loads issued before the first product
+    uint32_t bl[4][4][4];  // [m][kk], kk <= m: all ten loads issued before the first product
 #pragma unroll
     for (int m = 0; m < 4; ++m)
 #pragma unroll
       for (int kk = 0; kk <= m; ++kk)
-        mma::load_b_pair(bp[m][kk], p, kLdNarrow, 16 * m, 16 * kk, lane);
+        mma::load_b_pair(bl[m][kk], l, kLdNarrow, 16 * m, 16 * kk, lane);
 #pragma unroll
     for (int m = 0; m < 4; ++m)
 #pragma unroll
       for (int kk = 0; kk <= m; ++kk) {
-        mma::mma_16bit<bf16>(o[2 * m], da[kk], bp[m][kk][0], bp[m][kk][1]);
-        mma::mma_16bit<bf16>(o[2 * m + 1], da[kk], bp[m][kk][2], bp[m][kk][3]);
+        mma::mma_16bit<bf16>(acc[2 * m], a[kk], bl[m][kk][0], bl[m][kk][1]);
+        mma::mma_16bit<bf16>(acc[2 * m + 1], a[kk], bl[m][kk][2], bl[m][kk][3]);
       }
   } else {
 #pragma unroll
@@ -915,13 +916,23 @@ __device__ __forceinline__ void chunk_output(const uint32_t (&sa)[8][4], const u
       if (m >= blocks16) break;
 #pragma unroll
       for (int kk = 0; kk <= m; ++kk) {
-        uint32_t bp[4];
-        mma::load_b_pair(bp, p, kLdNarrow, 16 * m, 16 * kk, lane);
-        mma::mma_16bit<bf16>(o[2 * m], da[kk], bp[0], bp[1]);
-        mma::mma_16bit<bf16>(o[2 * m + 1], da[kk], bp[2], bp[3]);
+        uint32_t bl[4];
+        mma::load_b_pair(bl, l, kLdNarrow, 16 * m, 16 * kk, lane);
+        mma::mma_16bit<bf16>(acc[2 * m], a[kk], bl[0], bl[1]);
+        mma::mma_16bit<bf16>(acc[2 * m + 1], a[kk], bl[2], bl[3]);
       }
     }
   }
+}
+
+// The chunk's outputs for the warp's 16 state rows: o^T = S q~^T + Delta^T P^T (da: Delta^T as A
+// fragments; P is lower triangular).
+template <bool kFull>
+__device__ __forceinline__ void chunk_output(const uint32_t (&sa)[8][4], const uint32_t (&da)[4][4],
+                                             const bf16* q, const bf16* p, int lane, int blocks16,
+                                             float (&o)[8][4]) {
+  state_times_tokens<kFull>(sa, q, lane, blocks16, o);
+  times_lower<kFull>(da, p, lane, blocks16, o);
 }
 
 // The state update for the warp's 16 rows: S = gamma_end S + Delta^T k~.
@@ -1281,6 +1292,8 @@ struct FusedShared {
   Act z[kChunk][kLdZ<Act>];
   float partial[kWarps][kChunk];
   float norm_weight[kHeadDim];
+  float gamma[kChunk];  // gamma_t = exp(G_t)
+  float tail[kChunk];   // exp(G_end - G_t)
   std::conditional_t<kStagesRows<Act>, StagedRows<Act>, NoStagedRows> staged;
 };
 static_assert(sizeof(float) * kChunk * kLdOut <= sizeof(ChunkShared::u),
@@ -1306,31 +1319,103 @@ __device__ __forceinline__ void copy_token_rows(const TokenRows<Act>& x, int64_t
   }
 }
 
-// One chunk after its tokens are loaded (sh.c.q, k, v, beta, log decay): the cumulative decay, the
-// chunk's products (W over v, U^T staged, the decayed q and k in place, P) and the state step.
+// Two bf16 values (low half first) as floats.
+__device__ __forceinline__ float2 unpack_bf16x2(uint32_t x) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x));
+}
+
+// The fused kernel's state step for the warp's 16 state rows (v0 = 16 warp), from the chunk's q,
+// k, v (as loaded, not decayed), P and T diag(beta) with T = (I + A)^-1:
+//   X^T = S K^T, Y^T = V^T - X^T diag(gamma)      (each token's value minus what S predicts)
+//   Delta^T = Y^T (T diag(beta))^T                (= U^T - S W^T)
+//   o^T = S Q^T diag(gamma) + Delta^T P^T
+//   S' = gamma_end S + (Delta^T diag(tail)) K     (tail_t = exp(G_end - G_t))
+// The decay factors act on fp32 accumulators, so no decayed copy of q or k and no W or U^T is
+// made. Writes the outputs to the output tile and partial after a barrier.
+template <bool kFull, class Act>
+__device__ __forceinline__ void fused_step(const KernelArgs& args, FusedShared<Act>& sh, int n,
+                                           int warp, int lane, StateTile& s) {
+  const int blocks16 = kFull ? 4 : (n + 15) / 16;
+  uint32_t sa[8][4];
+  accumulators_as_a<8>(s.d, sa);
+  float x[8][4] = {}, o[8][4] = {};
+  state_times_tokens<kFull>(sa, &sh.c.k[0][0], lane, blocks16, x);
+  state_times_tokens<kFull>(sa, &sh.c.q[0][0], lane, blocks16, o);
+  // Column pairs t, t + 1 of token tile j: t = 8 j + 2 (lane % 4).
+  float2 gamma[8], tail[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int t = 8 * j + 2 * (lane % 4);
+    gamma[j] = *reinterpret_cast<const float2*>(&sh.gamma[t]);
+    tail[j] = *reinterpret_cast<const float2*>(&sh.tail[t]);
+  }
+  uint32_t ya[4][4] = {};
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    if (!kFull && kk >= blocks16) break;  // v and x are zero past n
+    uint32_t va[4];
+    mma::load_a_transposed(va, &sh.c.v[0][0], kLdWide, 16 * warp, 16 * kk, lane);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // token tile j = 2 kk + h: rows lane / 4 and lane / 4 + 8
+      const int j = 2 * kk + h;
+      const float2 top = unpack_bf16x2(va[2 * h]), bottom = unpack_bf16x2(va[2 * h + 1]);
+      ya[kk][2 * h] = Bf16::pack(top.x - gamma[j].x * x[j][0], top.y - gamma[j].y * x[j][1]);
+      ya[kk][2 * h + 1] =
+          Bf16::pack(bottom.x - gamma[j].x * x[j][2], bottom.y - gamma[j].y * x[j][3]);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    o[j][0] *= gamma[j].x;
+    o[j][1] *= gamma[j].y;
+    o[j][2] *= gamma[j].x;
+    o[j][3] *= gamma[j].y;
+  }
+  float delta[8][4] = {};
+  times_lower<kFull>(ya, &sh.c.u.inv.times_beta[0][0], lane, blocks16, delta);
+  uint32_t da[4][4];
+  accumulators_as_a<4>(delta, da);
+  times_lower<kFull>(da, &sh.c.p[0][0], lane, blocks16, o);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    delta[j][0] *= tail[j].x;
+    delta[j][1] *= tail[j].y;
+    delta[j][2] *= tail[j].x;
+    delta[j][3] *= tail[j].y;
+  }
+  accumulators_as_a<4>(delta, da);
+  chunk_update<kFull>(da, &sh.c.k[0][0], sh.gamma[kChunk - 1], lane, blocks16, s);
+  __syncthreads();  // every warp is done with the triangle's bytes before the output tile
+  stage_output<Act>(args, o, fused_output_tile(sh), sh.partial, warp, lane);
+}
+
+// One chunk after its tokens are loaded (sh.c.q, k, v, beta, log decay): the cumulative decay and
+// its factors, the scores (P, A), T diag(beta) and the state step.
 template <bool kFull, class Act>
 __device__ __forceinline__ void fused_chunk(const KernelArgs& args, FusedShared<Act>& sh, int n,
                                             int tid, int warp, int lane, StateTile& s) {
   const int blocks16 = kFull ? 4 : (n + 15) / 16;
-  if (warp == 0) cumulative_decay(sh.c, lane);
+  if (warp == 0) {
+    cumulative_decay(sh.c, lane);
+    __syncwarp();
+    const float end = sh.c.cum[kChunk - 1];
+#pragma unroll
+    for (int t = 2 * lane; t < 2 * lane + 2; ++t) {
+      sh.gamma[t] = dev::fast_exp2(sh.c.cum[t]);
+      sh.tail[t] = dev::fast_exp2(end - sh.c.cum[t]);
+    }
+  }
   __syncthreads();
   chunk_scores(sh.c, warp, lane, blocks16);
   __syncthreads();
-  invert_triangle(sh.c, tid, blocks16);
+  invert_triangle<false>(sh.c, tid, blocks16);
   __syncthreads();
-  compute_writes(sh.c, warp, lane, blocks16);
-  decay_tokens(sh.c, sh.c.q, sh.c.k, tid, blocks16);
-  __syncthreads();
-  const float gamma_end = dev::fast_exp2(sh.c.cum[kChunk - 1]);
-  step_chunk<kFull, Act>(args, &sh.c.v[0][0], UtStaged{ut_staging(sh.c), 16 * warp}, &sh.c.q[0][0],
-                         &sh.c.k[0][0], &sh.c.p[0][0], fused_output_tile(sh), sh.partial, gamma_end,
-                         n, warp, lane, s);
+  fused_step<kFull, Act>(args, sh, n, warp, lane, s);
 }
 
 // Grid N * HV: one CTA per (request, value head), its chunks in order, each chunk's products
 // computed on chip from its tokens (no workspace) and the state in the eight warps' accumulators
-// (warp w: rows 16 w..). Computes exactly what the chunk and one-pass kernels do, in the same
-// order and precision. Act: the element type of mixed_qkv, z and out.
+// (warp w: rows 16 w..). Act: the element type of mixed_qkv, z and out.
 template <class Act>
 __global__ void __launch_bounds__(kThreads, 1) prefill_fused_kernel(const KernelArgs args) {
   extern __shared__ __align__(16) unsigned char shared_bytes[];
