@@ -13,4 +13,9 @@ Status prefill(const prefill::Params& params, void* stream, prefill::StatePass p
   });
 }
 
+Status prefill_workspace_bytes(const prefill::Params& params, int64_t* bytes) {
+  return cuda::on_array_device("prefill", params.state, "state",
+                               [&] { return prefill::cuda_workspace_bytes(params, bytes); });
+}
+
 }  // namespace gdn::cuda_api

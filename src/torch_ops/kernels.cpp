@@ -152,11 +152,12 @@ void prefill(const at::Tensor& mixed_qkv, const at::Tensor& a, const at::Tensor&
     run_call(
         p.state, "state", state, [&] { return prefill::run_cpu(p); },
         [&](auto stream) {
-          // The CUDA path's workspace comes from torch's caching allocator (graph-safe, and no
-          // stream-ordered allocation per call).
+          // The CUDA path's workspace, where the call's form needs one, comes from torch's
+          // caching allocator (graph-safe, and no stream-ordered allocation per call).
+          int64_t bytes = 0;
+          GDN_RETURN_IF_ERROR(cuda_api::prefill_workspace_bytes(p, &bytes));
+          if (bytes == 0) return cuda_api::prefill(p, stream);
           prefill::Params with_workspace = p;
-          const int64_t bytes = prefill::cuda_workspace_bytes(
-              mixed_qkv.size(0), initial_state_indices.size(0), a.size(1));
           const at::Tensor workspace =
               at::empty({(bytes + 3) / 4}, state.options().dtype(at::kInt));
           with_workspace.workspace = view_of(workspace, "workspace");

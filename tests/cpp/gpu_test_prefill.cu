@@ -25,7 +25,9 @@ namespace {
 
 using namespace testing;
 
-Status gpu_prefill(const Params& host, StatePass pass = StatePass::kAuto) {
+// f(p) with p's arrays mirrored on the GPU.
+template <class F>
+Status on_gpu(const Params& host, F&& f) {
   Params p = host;
   std::vector<TensorView*> views = {&p.mixed_qkv,
                                     &p.a,
@@ -42,7 +44,11 @@ Status gpu_prefill(const Params& host, StatePass pass = StatePass::kAuto) {
                                     &p.final_state_indices,
                                     &p.checkpoint_indices,
                                     &p.workspace};
-  return gdn::testing::run_mirrored(views, [&] { return cuda_api::prefill(p, nullptr, pass); });
+  return gdn::testing::run_mirrored(views, [&] { return f(p); });
+}
+
+Status gpu_prefill(const Params& host, StatePass pass = StatePass::kAuto) {
+  return on_gpu(host, [&](const Params& p) { return cuda_api::prefill(p, nullptr, pass); });
 }
 
 const Runner kGpu = [](const Params& p) { return gpu_prefill(p); };
@@ -271,6 +277,36 @@ void expect_invalid_rows_write_nothing(StatePass pass) {
 TEST(PrefillCuda, InvalidDeviceRowsWriteNothingAndAreCounted) {
   GDN_SKIP_WITHOUT_GPU();
   for (const StatePass pass : kPasses) expect_invalid_rows_write_nothing(pass);
+}
+
+// The workspace query follows the form the launch takes: cuda_workspace_bytes(L, N, HV) for the
+// chunk kernel's forms (few heads: the recurrence), none for the fused kernel (one head per SM and
+// more); a launch without a workspace then matches the reference either way.
+TEST(PrefillCuda, WorkspaceQueryFollowsTheForm) {
+  GDN_SKIP_WITHOUT_GPU();
+  int sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  for (const int64_t requests : {int64_t(1), int64_t(sms)}) {
+    CaseConfig g = gpu_config(std::vector<int64_t>(size_t(requests), 70), 2, DType::kFloat32,
+                              StateLayout::kVK, 70);
+    g.slots = 2 * requests + 1;
+    std::vector<int64_t> initial(static_cast<size_t>(requests)), final_slot(initial);
+    for (int64_t i = 0; i < requests; ++i) {
+      initial[size_t(i)] = i % 3 == 0 ? -1 : i;  // some new requests (null slots)
+      final_slot[size_t(i)] = requests + i;
+    }
+    PrefillCase pc(g, initial, final_slot);
+    int64_t bytes = -1;
+    const Status s = on_gpu(
+        pc.params(), [&](const Params& p) { return cuda_api::prefill_workspace_bytes(p, &bytes); });
+    ASSERT_TRUE(s.is_ok()) << s.reason();
+    SCOPED_TRACE(::testing::Message() << requests << " requests");
+    if (requests == 1)
+      EXPECT_EQ(bytes, cuda_workspace_bytes(pc.c.L, pc.c.N, pc.c.HV));
+    else
+      EXPECT_EQ(bytes, 0);
+    expect_matches_reference(pc, 2e-2, kGpu);
+  }
 }
 
 // A caller's workspace of cuda_workspace_bytes gives the same bits as the launch's own; a smaller

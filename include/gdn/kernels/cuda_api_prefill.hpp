@@ -15,4 +15,8 @@ namespace gdn::cuda_api {
 Status prefill(const prefill::Params& params, void* stream,
                prefill::StatePass pass = prefill::StatePass::kAuto);
 
+// The workspace bytes prefill(params, stream) needs on the arrays' device (0: none), for a caller
+// that takes it from its own allocator. Validates the arguments like prefill; launches nothing.
+Status prefill_workspace_bytes(const prefill::Params& params, int64_t* bytes);
+
 }  // namespace gdn::cuda_api

@@ -103,6 +103,21 @@ inline StatePass choose_state_pass(const Problem& pr, const cuda::DeviceInfo& de
              : StatePass::kOnePass;
 }
 
+// The workspace a call with kAuto needs on its arrays' device (0: the fused form, which reads
+// none). A caller that passes a workspace of this size (or none when it is 0) makes the launch
+// allocate nothing.
+inline Status cuda_workspace_bytes(const Params& p, int64_t* bytes) {
+  Problem pr;
+  GDN_RETURN_IF_ERROR(cuda::check_cuda_call(p, &pr));
+  GDN_RETURN_IF_ERROR(check_cuda_support(p, pr));
+  cuda::DeviceInfo device;
+  GDN_RETURN_IF_ERROR(cuda::device_info(pr.device.index, &device));
+  *bytes = pr.N == 0 || pr.L == 0 || choose_state_pass(pr, device) == StatePass::kFused
+               ? 0
+               : cuda_workspace_bytes(pr.L, pr.N, pr.HV);
+  return Status::ok();
+}
+
 // Launches prefill on `stream`, on the current device (gdn::cuda_api::prefill makes the arrays'
 // device current).
 inline Status launch_cuda(const Params& p, cudaStream_t stream, StatePass pass = StatePass::kAuto) {
