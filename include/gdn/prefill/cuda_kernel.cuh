@@ -1324,6 +1324,18 @@ __device__ __forceinline__ float2 unpack_bf16x2(uint32_t x) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x));
 }
 
+// acc (the accumulator tiles of 64 token columns) times a factor per column: f[j] holds those of
+// tile j's columns 2 (lane % 4) and the next.
+__device__ __forceinline__ void scale_columns(float (&acc)[8][4], const float2 (&f)[8]) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    acc[j][0] *= f[j].x;
+    acc[j][1] *= f[j].y;
+    acc[j][2] *= f[j].x;
+    acc[j][3] *= f[j].y;
+  }
+}
+
 // The fused kernel's state step for the warp's 16 state rows (v0 = 16 warp), from the chunk's q,
 // k, v (as loaded, not decayed), P and T diag(beta) with T = (I + A)^-1:
 //   X^T = S K^T, Y^T = V^T - X^T diag(gamma)      (each token's value minus what S predicts)
@@ -1364,25 +1376,13 @@ __device__ __forceinline__ void fused_step(const KernelArgs& args, FusedShared<A
           Bf16::pack(bottom.x - gamma[j].x * x[j][2], bottom.y - gamma[j].y * x[j][3]);
     }
   }
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    o[j][0] *= gamma[j].x;
-    o[j][1] *= gamma[j].y;
-    o[j][2] *= gamma[j].x;
-    o[j][3] *= gamma[j].y;
-  }
+  scale_columns(o, gamma);
   float delta[8][4] = {};
   times_lower<kFull>(ya, &sh.c.u.inv.times_beta[0][0], lane, blocks16, delta);
   uint32_t da[4][4];
   accumulators_as_a<4>(delta, da);
   times_lower<kFull>(da, &sh.c.p[0][0], lane, blocks16, o);
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    delta[j][0] *= tail[j].x;
-    delta[j][1] *= tail[j].y;
-    delta[j][2] *= tail[j].x;
-    delta[j][3] *= tail[j].y;
-  }
+  scale_columns(delta, tail);
   accumulators_as_a<4>(delta, da);
   chunk_update<kFull>(da, &sh.c.k[0][0], sh.gamma[kChunk - 1], lane, blocks16, s);
   __syncthreads();  // every warp is done with the triangle's bytes before the output tile
