@@ -34,7 +34,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -45,6 +45,19 @@ NULL_BLOCK = 0  # block 0 of every pool is the null block (vLLM convention): fir
 
 #: A GDN layer's leading recurrence arguments: mixed_qkv, a, b, A_log, dt_bias and its state pool.
 LayerInputs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class LayerCalls:
+    """What a GDN layer's kernel calls take over some token rows (views of their in_proj
+    outputs)."""
+
+    mixed_qkv: torch.Tensor  # [L, conv_dim]: the conv's input and, in place, its output
+    conv: Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # leading conv arguments: x, weight, conv state pool
+    conv_options: Dict[str, Any]  # keywords of every conv call: state layout, null slot, error count
+    ssm: LayerInputs
+    ssm_options: Dict[str, Any]  # keywords of every recurrence call: z, norm weight, null slot, error count
+    window: Optional[gdn.ReplayWindow]  # the layer's replay window; None without replay
 
 
 @dataclass
@@ -203,7 +216,7 @@ class GDNCache:
     ):
         cfg, dev = model.cfg, model.device
         self.cfg = cfg
-        self.num_spec, self.S, self.conv_layout = num_spec, num_spec + 1, conv_layout
+        self.num_rows, self.num_spec, self.S, self.conv_layout = num_rows, num_spec, num_spec + 1, conv_layout
         self.num_blocks = 1 + num_rows * self.S
         lbuf = cfg.conv_width - 1 + num_spec
         conv_shape = (
@@ -383,28 +396,36 @@ class DecodePath:
         """Target forward over token rows [0, rows) of self.tokens; writes self.pred[:rows]
         (greedy next token after each row). `event_log`, when given, receives (name, start, end)
         CUDA events instead of `timer` (used while capturing a graph)."""
-        m, cfg = self.model, self.model.cfg
-        h = self.h[:rows]
-        torch.index_select(m.embed, 0, self.tokens[:rows], out=h)
-        for li, layer in enumerate(m.layers):
-            g = cfg.group_of(li)
-            proj = self.proj[:rows]
-            proj.copy_(exact_linear(exact_rms_norm(h, layer["norm"]), layer["in_proj"]))
+        decode_accepted = slots.num_accepted_tokens if slots.decode_accepted is None else slots.decode_accepted
+
+        def gdn_part(li: int, layer, g: int, proj: torch.Tensor, core: torch.Tensor) -> None:
             self._gdn_layer(
-                li,
-                layer,
-                proj,
-                self.core[:rows],
+                self._layer_calls(li, layer, proj),
+                core,
                 slots.cu_seqlens,
                 slots.conv_indices[g],
                 slots.state_indices[g],
                 slots.num_accepted_tokens,
-                slots.num_accepted_tokens if slots.decode_accepted is None else slots.decode_accepted,
+                decode_accepted,
                 slots.replay_counts,
                 timer,
                 event_log,
             )
-            h.add_(exact_linear(self.core[:rows].view(rows, cfg.HV * cfg.V), layer["out_proj"]))
+
+        self._run_layers(rows, gdn_part)
+
+    def _run_layers(self, rows: int, gdn_part: Callable[[int, Any, int, torch.Tensor, torch.Tensor], None]) -> None:
+        """The model over token rows [0, rows) of self.tokens, the greedy next token after each row
+        to self.pred[:rows]: the embedding, then per layer its in_proj rows, ``gdn_part(layer
+        index, layer, its group, in_proj rows, core)`` (writes the GDN core output to ``core``)
+        and the residual out_proj."""
+        m, cfg = self.model, self.model.cfg
+        h, proj, core = self.h[:rows], self.proj[:rows], self.core[:rows]
+        torch.index_select(m.embed, 0, self.tokens[:rows], out=h)
+        for li, layer in enumerate(m.layers):
+            proj.copy_(exact_linear(exact_rms_norm(h, layer["norm"]), layer["in_proj"]))
+            gdn_part(li, layer, cfg.group_of(li), proj, core)
+            h.add_(exact_linear(core.view(rows, cfg.HV * cfg.V), layer["out_proj"]))
         torch.argmax(m.logits(h), dim=-1, out=self.pred[:rows])
 
     def non_spec_rows(self, md, timer: Timer) -> NonSpecRows:
@@ -442,9 +463,7 @@ class DecodePath:
 
     def _gdn_layer(
         self,
-        li: int,
-        layer,
-        proj: torch.Tensor,
+        calls: LayerCalls,
         out: torch.Tensor,
         cu_seqlens,
         column0,
@@ -455,49 +474,40 @@ class DecodePath:
         timer: Optional[Timer],
         event_log=None,
     ) -> None:
-        """GDN layer `li` over token rows `proj` (its in_proj outputs): the conv update in place
-        (conv state in each row's column-0 block), then decode_mtp over `state_indices` or, with
-        `replay_counts`, replay verify with the column-0 block as the checkpoint; core output to
-        `out`."""
-        mixed_qkv, ssm_inputs, ssm_options = self._layer_inputs(li, layer, proj)
+        """A GDN layer's calls over its token rows: the conv update in place (conv state in each
+        row's column-0 block), then decode_mtp over `state_indices` or, with `replay_counts`,
+        replay verify with the column-0 block as the checkpoint; core output to `out`."""
         with self._region(timer, event_log, "conv"):
             # In place: the post-conv activations overwrite the raw q|k|v columns.
             gdn.causal_conv1d_update(
-                mixed_qkv,
-                layer["conv_w"],
-                self.cache.conv[li],
+                *calls.conv,
                 column0,
                 cu_seqlens,
-                mixed_qkv,
+                calls.mixed_qkv,
                 num_accepted_tokens=conv_accepted,
-                **self._conv_options(),
+                **calls.conv_options,
             )
         if replay_counts is not None:
-            assert self.cache.windows is not None, "replay counts need a replay cache"
+            assert calls.window is not None, "replay counts need a replay cache"
             with self._region(timer, event_log, "replay"):
-                window = self.cache.windows[li]
+                w = calls.window  # window_k, window_v, window_a, window_b, window_len
                 gdn.decode_mtp_replay(
-                    *ssm_inputs,
+                    *calls.ssm,
                     column0,
                     cu_seqlens,
                     out,
-                    window_k=window.k,
-                    window_v=window.v,
-                    window_a=window.a,
-                    window_b=window.b,
-                    window_len=window.len,
+                    w.k,
+                    w.v,
+                    w.a,
+                    w.b,
+                    w.len,
                     num_accepted_tokens=replay_counts,
-                    **ssm_options,
+                    **calls.ssm_options,
                 )
         else:
             with self._region(timer, event_log, "decode_mtp"):
                 gdn.decode_mtp(
-                    *ssm_inputs,
-                    state_indices,
-                    cu_seqlens,
-                    out,
-                    num_accepted_tokens=decode_accepted,
-                    **ssm_options,
+                    *calls.ssm, state_indices, cu_seqlens, out, num_accepted_tokens=decode_accepted, **calls.ssm_options
                 )
 
     def forward_mixed(self, rows: int, md, replay_counts, timer: Timer) -> None:
@@ -515,8 +525,7 @@ class DecodePath:
         checkpoint; the prefill calls write the state after the prompt to it (the window stays
         empty). Conv state lives in column 0 for every kind. Fresh one-token rows (see
         :meth:`non_spec_rows`) start from their zeroed destination and replay nothing."""
-        m, cfg = self.model, self.model.cfg
-        dev = self.h.device
+        cfg, dev = self.model.cfg, self.h.device
         kinds = []  # per kind of row: its token rows, offsets, counts and per-group slots
         if md.num_spec_decodes > 0:
             n = md.num_spec_decodes
@@ -539,25 +548,19 @@ class DecodePath:
             )
         if md.non_spec_rows > 0 and md.num_non_spec_tokens > 0:
             kinds += self._non_spec_kinds(md, replay_counts, timer)
-        h = self.h[:rows]
-        torch.index_select(m.embed, 0, self.tokens[:rows], out=h)
-        for li, layer in enumerate(m.layers):
-            g = cfg.group_of(li)
-            proj = self.proj[:rows]
-            proj.copy_(exact_linear(exact_rms_norm(h, layer["norm"]), layer["in_proj"]))
-            core = self.core[:rows]
+
+        def gdn_part(li: int, layer, g: int, proj: torch.Tensor, core: torch.Tensor) -> None:
             for k in kinds:
-                part = proj.index_select(0, k["idx"])  # this kind's token rows, contiguous
-                out = torch.empty(part.shape[0], cfg.HV, cfg.V, device=dev)
+                # This kind's token rows, contiguous.
+                calls = self._layer_calls(li, layer, proj.index_select(0, k["idx"]))
+                out = torch.empty(len(k["idx"]), cfg.HV, cfg.V, device=dev)
                 if k["kind"] == "prefill":
                     self._gdn_prefill_layer(
-                        li, layer, part, out, k["cu"], k["conv_initial"][g], k["ssm_initial"][g], k["final"][g], timer
+                        calls, out, k["cu"], k["conv_initial"][g], k["ssm_initial"][g], k["final"][g], timer
                     )
                 else:
                     self._gdn_layer(
-                        li,
-                        layer,
-                        part,
+                        calls,
                         out,
                         k["cu"],
                         k["column0"][g],
@@ -568,8 +571,8 @@ class DecodePath:
                         timer,
                     )
                 core.index_copy_(0, k["idx"], out)
-            h.add_(exact_linear(core.reshape(rows, cfg.HV * cfg.V), layer["out_proj"]))
-        torch.argmax(m.logits(h), dim=-1, out=self.pred[:rows])
+
+        self._run_layers(rows, gdn_part)
 
     def _non_spec_kinds(self, md, replay_counts, timer: Timer) -> List[dict]:
         """The step's non-spec rows split into one-token rows (decode_mtp / replay) and prefill
@@ -633,9 +636,7 @@ class DecodePath:
 
     def _gdn_prefill_layer(
         self,
-        li: int,
-        layer,
-        proj: torch.Tensor,
+        calls: LayerCalls,
         out: torch.Tensor,
         cu_seqlens,
         conv_initial,
@@ -643,47 +644,35 @@ class DecodePath:
         final,
         timer: Optional[Timer],
     ) -> None:
-        """GDN layer `li` over the prefill rows' token rows `proj` (its in_proj outputs): one
-        gdn.causal_conv1d_prefill call in place (history from `conv_initial`, the last W - 1
-        inputs to `final`, where the next causal_conv1d_update reads them), then one gdn.prefill
-        call from the states in `ssm_initial` (null: a zero state) to `final`; core output to
-        `out`."""
-        mixed_qkv, ssm_inputs, ssm_options = self._layer_inputs(li, layer, proj)
+        """A GDN layer's calls over the prefill rows' token rows: one gdn.causal_conv1d_prefill
+        call in place (history from `conv_initial`, the last W - 1 inputs to `final`, where the
+        next causal_conv1d_update reads them), then one gdn.prefill call from the states in
+        `ssm_initial` (null: a zero state) to `final`; core output to `out`."""
         with self._region(timer, None, "conv"):
             gdn.causal_conv1d_prefill(
-                mixed_qkv,
-                layer["conv_w"],
-                self.cache.conv[li],
-                conv_initial,
-                final,
-                cu_seqlens,
-                mixed_qkv,
-                **self._conv_options(),
+                *calls.conv, conv_initial, final, cu_seqlens, calls.mixed_qkv, **calls.conv_options
             )
         with self._region(timer, None, "prefill"):
-            gdn.prefill(*ssm_inputs, ssm_initial, final, cu_seqlens, out, **ssm_options)
+            gdn.prefill(*calls.ssm, ssm_initial, final, cu_seqlens, out, **calls.ssm_options)
 
-    def _conv_options(self) -> Dict[str, Any]:
-        """The keyword arguments every conv call of the model takes: the cache's conv state
-        layout, the null slot and the error count."""
-        return dict(state_layout=self.cache.conv_layout, first_valid_slot=NULL_BLOCK + 1, error_count=self.error_count)
-
-    def _layer_inputs(self, li: int, layer, proj: torch.Tensor) -> Tuple[torch.Tensor, LayerInputs, Dict[str, Any]]:
-        """GDN layer `li`'s inputs from its in_proj output rows `proj` (views, in the column order
-        in_proj writes them): mixed_qkv [L, conv_dim], the recurrence's leading arguments
-        (mixed_qkv, a, b, A_log, dt_bias, the layer's state pool) and the keyword arguments every
-        recurrence call of the layer takes (z, the norm weight, the null slot, the error count)."""
+    def _layer_calls(self, li: int, layer, proj: torch.Tensor) -> LayerCalls:
+        """GDN layer `li`'s call arguments over its in_proj output rows `proj` (views, in the
+        column order in_proj writes them)."""
         cfg = self.model.cfg
         D, HVV = cfg.conv_dim, cfg.HV * cfg.V
         mixed_qkv = proj[:, :D]
         z = proj[:, D : D + HVV].unflatten(1, (cfg.HV, cfg.V))
         b = proj[:, D + HVV : D + HVV + cfg.HV]
         a = proj[:, D + HVV + cfg.HV :]
-        inputs = (mixed_qkv, a, b, layer["A_log"], layer["dt_bias"], self.cache.ssm[li])
-        options: Dict[str, Any] = dict(
-            z=z, norm_weight=layer["gnorm"], first_valid_slot=NULL_BLOCK + 1, error_count=self.error_count
+        null_and_errors = dict(first_valid_slot=NULL_BLOCK + 1, error_count=self.error_count)
+        return LayerCalls(
+            mixed_qkv=mixed_qkv,
+            conv=(mixed_qkv, layer["conv_w"], self.cache.conv[li]),
+            conv_options=dict(state_layout=self.cache.conv_layout, **null_and_errors),
+            ssm=(mixed_qkv, a, b, layer["A_log"], layer["dt_bias"], self.cache.ssm[li]),
+            ssm_options=dict(z=z, norm_weight=layer["gnorm"], **null_and_errors),
+            window=None if self.cache.windows is None else self.cache.windows[li],
         )
-        return mixed_qkv, inputs, options
 
     @staticmethod
     @contextmanager

@@ -108,6 +108,13 @@ examples:
 """
 
 
+def _add_number(group, flag: str, default: Any, text: str, *, shown: Any = None, kind: type = int) -> None:
+    """Adds the numeric option `flag` (an int, or a `kind`) to `group`, its help `text` followed by
+    its default (or by `shown`, what a default of None means)."""
+    shown = default if shown is None else shown
+    group.add_argument(flag, type=kind, default=default, help=f"{text} (default: {shown})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m gdn demo",
@@ -151,83 +158,68 @@ def build_parser() -> argparse.ArgumentParser:
         "token-by-token: prompts go one token per step through causal_conv1d_update + "
         "decode_mtp, and no other run (default: calls)",
     )
-    run.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="seed of the weights, the prompts, the block tables and the garbage in free blocks (default: 0)",
-    )
+    _add_number(run, "--seed", 0, "seed of the weights, the prompts, the block tables and the garbage in free blocks")
     run.add_argument("--no-progress", action="store_true", help="do not draw the progress bars")
     work = p.add_argument_group("workload")
-    work.add_argument(
-        "--requests", type=int, default=8, help="rows of the batch: requests decoded together, one per row (default: 8)"
-    )
-    work.add_argument(
+    _add_number(work, "--requests", 8, "rows of the batch: requests decoded together, one per row")
+    _add_number(
+        work,
         "--late-requests",
-        type=int,
-        default=None,
-        help="requests waiting in a queue: each takes over the row of a finished "
-        "request at the next step; every third has a one-token prompt; 0: "
-        "no row changes hands (default: as many as --requests)",
+        None,
+        "requests waiting in a queue: each takes over the row of a finished request at the next step; every "
+        "third has a one-token prompt; 0: no row changes hands",
+        shown="as many as --requests",
     )
-    work.add_argument("--min-prompt", type=int, default=4, help="shortest prompt, in tokens (default: 4)")
-    work.add_argument(
-        "--max-prompt",
-        type=int,
-        default=24,
-        help="longest prompt, in tokens; prompt lengths are spread over [min, max] (default: 24)",
-    )
-    work.add_argument("--new-tokens", type=int, default=64, help="tokens generated per request (default: 64)")
-    work.add_argument(
+    _add_number(work, "--min-prompt", 4, "shortest prompt, in tokens")
+    _add_number(work, "--max-prompt", 24, "longest prompt, in tokens; prompt lengths are spread over [min, max]")
+    _add_number(work, "--new-tokens", 64, "tokens generated per request")
+    _add_number(
+        work,
         "--repeats",
-        type=int,
-        default=3,
-        help="runs of each mode: the first warms up (and is checked), the speed-up "
-        "is the ratio of the median decode rates of the others (default: 3)",
+        3,
+        "runs of each mode: the first warms up (and is checked), the speed-up is the ratio of the median "
+        "decode rates of the others",
     )
-    work.add_argument(
+    _add_number(
+        work,
         "--mixed-every",
-        type=int,
-        default=4,
-        help="every K-th step, a third of the decoding requests draft nothing "
-        "(a plain one-token row next to the verify rows, as engines see when "
-        "drafts run out); 0: never (default: 4)",
+        4,
+        "every K-th step, a third of the decoding requests draft nothing (a plain one-token row next to the "
+        "verify rows, as engines see when drafts run out); 0: never",
     )
-    work.add_argument(
+    _add_number(
+        work,
         "--num-spec",
-        type=int,
-        default=3,
-        help="draft tokens proposed per request and step; the target verifies "
-        "T = num_spec + 1 tokens per request (default: 3)",
+        3,
+        "draft tokens proposed per request and step; the target verifies T = num_spec + 1 tokens per request",
     )
     model = p.add_argument_group("model")
-    model.add_argument("--vocab", type=int, default=256, help="vocabulary size (default: 256)")
-    model.add_argument("--hidden", type=int, default=128, help="residual width, at most 2048 (default: 128)")
-    model.add_argument("--layers", type=int, default=4, help="GDN layers (default: 4)")
-    model.add_argument(
+    _add_number(model, "--vocab", 256, "vocabulary size")
+    _add_number(model, "--hidden", 128, "residual width, at most 2048")
+    _add_number(model, "--layers", 4, "GDN layers")
+    _add_number(
+        model,
         "--groups",
-        type=int,
-        default=2,
-        help="KV-cache groups the layers are split into (layer l -> group l %% G), "
-        "each with its own state pools and block table; >= 2 (default: 2)",
+        2,
+        "KV-cache groups the layers are split into (layer l -> group l %% G), each with its own state pools "
+        "and block table; >= 2",
     )
-    model.add_argument("--heads", type=int, default=2, help="key heads H (default: 2)")
-    model.add_argument(
-        "--value-heads", type=int, default=4, help="value heads HV, a multiple of H (default: 4, ratio 2)"
-    )
-    model.add_argument(
+    _add_number(model, "--heads", 2, "key heads H")
+    _add_number(model, "--value-heads", 4, "value heads HV, a multiple of H", shown="4, ratio 2")
+    _add_number(
+        model,
         "--head-dim",
-        type=int,
-        default=None,
-        help="K = V per head (default: 32 on cpu, 128 on cuda, which its decode_mtp kernel needs)",
+        None,
+        "K = V per head",
+        shown="32 on cpu, 128 on cuda, which its decode_mtp kernel needs",
     )
-    model.add_argument(
+    _add_number(
+        model,
         "--layer-strength",
-        type=float,
-        default=0.2,
-        help="scale of the GDN layers' residual contribution; the drafter skips "
-        "the layers, so a smaller value means more accepted drafts "
-        "(default: 0.2)",
+        0.2,
+        "scale of the GDN layers' residual contribution; the drafter skips the layers, so a smaller value "
+        "means more accepted drafts",
+        kind=float,
     )
     model.add_argument(
         "--conv-layout",
@@ -314,28 +306,20 @@ class RunStats:
 
 
 class Engine:
-    """One decoding run: its own caches (one block-table row per batch row), metadata builder and
-    decode path. `garbage_seed` seeds the garbage its free blocks hold."""
+    """One decoding run on its own `cache` (a GDNCache: one block-table row per batch row, its
+    sizes and its state mode are the run's), with its metadata builder and decode path; prompts
+    up to `max_prompt` tokens prefill in one step."""
 
-    def __init__(
-        self,
-        model,
-        num_rows: int,
-        num_spec: int,
-        conv_layout: str,
-        seed: int,
-        replay: bool = False,
-        garbage_seed: int = 0,
-        max_prompt: int = 1,
-    ):
+    def __init__(self, model, cache, max_prompt: int = 1):
         import torch
 
         import gdn
-        from gdn._demo_model import NULL_BLOCK, DecodePath, GDNCache
+        from gdn._demo_model import NULL_BLOCK, DecodePath
 
         self.torch = torch
+        num_rows, num_spec, replay = cache.num_rows, cache.num_spec, cache.windows is not None
         self.model, self.N, self.num_spec, self.T = model, num_rows, num_spec, num_spec + 1
-        self.cache = GDNCache(model, num_rows, num_spec, conv_layout, seed, replay=replay, garbage_seed=garbage_seed)
+        self.cache = cache
         self.replay = replay
         # A step feeds T tokens per row, or a whole prompt to a row that prefills it in one step.
         self.max_tokens = num_rows * max(self.T, max_prompt)
@@ -674,19 +658,13 @@ def run_plain(
     """Plain greedy decoding of the workload: every occupied row feeds one token per step, or,
     with `prefill_calls`, a row that prefills feeds its whole prompt in the step that admits it
     (the prefill calls)."""
-    from gdn._demo_model import Timer
+    from gdn._demo_model import GDNCache, Timer
 
     stats = RunStats()
     B = args.requests
-    engine = Engine(
-        model,
-        B,
-        0,
-        args.conv_layout,
-        args.seed + 1,  # T = 1 pools
-        garbage_seed=_garbage_seed(args, garbage_run),
-        max_prompt=max(map(len, prompts)) if prefill_calls else 1,
-    )
+    # The T = 1 pools of plain decoding.
+    cache = GDNCache(model, B, 0, args.conv_layout, args.seed + 1, garbage_seed=_garbage_seed(args, garbage_run))
+    engine = Engine(model, cache, max_prompt=max(map(len, prompts)) if prefill_calls else 1)
     sched = Scheduler(prompts, B, args.new_tokens, whole_prompts=prefill_calls)
     _sync(model)
     timer = Timer(model.device)
@@ -724,20 +702,13 @@ def run_speculative(
     With `prefill_calls` a prefilling row feeds its whole prompt in the step that admits it."""
     import torch
 
-    from gdn._demo_model import Timer
+    from gdn._demo_model import GDNCache, Timer
 
     stats = RunStats()
     B, ns = args.requests, args.num_spec
-    engine = Engine(
-        model,
-        B,
-        ns,
-        args.conv_layout,
-        args.seed + 2,
-        replay=replay,
-        garbage_seed=_garbage_seed(args, 2 if replay else 1),
-        max_prompt=max(map(len, prompts)) if prefill_calls else 1,
-    )
+    garbage_seed = _garbage_seed(args, 2 if replay else 1)
+    cache = GDNCache(model, B, ns, args.conv_layout, args.seed + 2, replay=replay, garbage_seed=garbage_seed)
+    engine = Engine(model, cache, max_prompt=max(map(len, prompts)) if prefill_calls else 1)
     sched = Scheduler(prompts, B, args.new_tokens, whole_prompts=prefill_calls)
     if args.graphs:
         engine.capture_verify_graph(sched.context)
