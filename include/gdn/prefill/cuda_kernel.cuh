@@ -1286,18 +1286,27 @@ struct NoStagedRows {};
 template <class Act>
 inline constexpr bool kStagesRows = sizeof(Act) == 2;
 
+// z and staged are written by 16-byte cp.async and read 16 bytes at a time: aligned to 16 bytes
+// whatever ChunkShared's size.
 template <class Act>
 struct FusedShared {
   ChunkShared c;  // the chunk's tiles; the fp32 output tile overlays the triangle's bytes (c.u)
-  Act z[kChunk][kLdZ<Act>];
+  alignas(16) Act z[kChunk][kLdZ<Act>];
   float partial[kWarps][kChunk];
   float norm_weight[kHeadDim];
   float gamma[kChunk];  // gamma_t = exp(G_t)
   float tail[kChunk];   // exp(G_end - G_t)
-  std::conditional_t<kStagesRows<Act>, StagedRows<Act>, NoStagedRows> staged;
+  alignas(16) std::conditional_t<kStagesRows<Act>, StagedRows<Act>, NoStagedRows> staged;
 };
 static_assert(sizeof(float) * kChunk * kLdOut <= sizeof(ChunkShared::u),
               "the output tile fits the triangle's bytes");
+static_assert(offsetof(FusedShared<__nv_bfloat16>, z) % 16 == 0 &&
+                  offsetof(FusedShared<__nv_bfloat16>, staged) % 16 == 0 &&
+                  offsetof(FusedShared<float>, z) % 16 == 0 &&
+                  (kLdZ<__nv_bfloat16> * sizeof(__nv_bfloat16)) % 16 == 0 &&
+                  (kLdZ<float> * sizeof(float)) % 16 == 0 &&
+                  (kHeadDim * sizeof(__nv_bfloat16)) % 16 == 0,
+              "rows of z and of the staged tokens start on 16 bytes");
 
 template <class Act>
 inline constexpr int kFusedSharedBytes = int(sizeof(FusedShared<Act>));
