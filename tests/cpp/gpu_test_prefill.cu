@@ -164,9 +164,10 @@ TEST(PrefillCuda, BlockEdgesAndALongRequestWithEveryCheckpoint) {
   expect_matches_reference(pc, 2e-2, kGpu);
 }
 
-// Output and input variants against the CPU path (itself bit-exact against decode_mtp): no gate,
-// no norm, the sigmoid gate, the core output rounded to out's dtype, bf16 activations, null first
-// slots, and the input options (a as the log-decay, b as beta, q and k without L2 norm).
+// Output and input variants against the CPU path (itself bit-exact against decode_mtp), through
+// every state pass: no gate, no norm, the sigmoid gate, the core output rounded to out's dtype,
+// bf16 activations in unaligned rows, fp16 ones in 16-byte rows (staged by the fused kernel), null
+// first slots, and the input options (a as the log-decay, b as beta, q and k without L2 norm).
 TEST(PrefillCuda, OutputVariantsMatchTheCpuPath) {
   GDN_SKIP_WITHOUT_GPU();
   struct Variant {
@@ -188,41 +189,48 @@ TEST(PrefillCuda, OutputVariantsMatchTheCpuPath) {
          g.act_dtype = DType::kBFloat16;
          g.out_dtype = DType::kBFloat16;
        }},
+      {"fp16 activations in 16-byte rows",
+       [](CaseConfig& g) {
+         g.act_dtype = DType::kFloat16;
+         g.out_dtype = DType::kFloat16;
+         g.qkv_row_pad = 8;
+       }},
       {"first_valid_slot 1", [](CaseConfig& g) { g.first_valid_slot = 1; }},
       {"a is the log-decay (no A_log, dt_bias)", [](CaseConfig& g) { g.a_is_log_decay = true; }},
       {"b is beta", [](CaseConfig& g) { g.b_is_beta = true; }},
       {"q, k without L2 norm", [](CaseConfig& g) { g.qk_l2_norm = false; }},
   };
   uint32_t seed = 40;
-  for (const Variant& v : variants) {
-    SCOPED_TRACE(v.name);
-    CaseConfig g = gpu_config({5, 70, 0, 150}, 2, DType::kFloat32, StateLayout::kVK, seed++);
-    v.apply(g);
-    PrefillCase cpu(g, {0, 1, 2, 3}, {4, 5, 6, 7}), gpu(g, {0, 1, 2, 3}, {4, 5, 6, 7});
-    cpu.c.poison_out();
-    gpu.c.poison_out();
-    ASSERT_TRUE(run_cpu(cpu.params()).is_ok());
-    const Status s = gpu_prefill(gpu.params());
-    ASSERT_TRUE(s.is_ok()) << s.reason();
-    double num = 0, den = 0;
-    for (int64_t e = 0; e < cpu.c.out.count; ++e) {
-      const double want = cpu.c.out.get(e), got = gpu.c.out.get(e);
-      if (std::isnan(want)) {  // a padded row: never written
-        ASSERT_TRUE(std::isnan(got)) << e;
-        continue;
+  for (const Variant& v : variants)
+    for (const StatePass pass : kPasses) {
+      SCOPED_TRACE(::testing::Message() << v.name << ", " << pass_name(pass));
+      CaseConfig g = gpu_config({5, 70, 0, 150}, 2, DType::kFloat32, StateLayout::kVK, seed++);
+      v.apply(g);
+      PrefillCase cpu(g, {0, 1, 2, 3}, {4, 5, 6, 7}), gpu(g, {0, 1, 2, 3}, {4, 5, 6, 7});
+      cpu.c.poison_out();
+      gpu.c.poison_out();
+      ASSERT_TRUE(run_cpu(cpu.params()).is_ok());
+      const Status s = gpu_prefill(gpu.params(), pass);
+      ASSERT_TRUE(s.is_ok()) << s.reason();
+      double num = 0, den = 0;
+      for (int64_t e = 0; e < cpu.c.out.count; ++e) {
+        const double want = cpu.c.out.get(e), got = gpu.c.out.get(e);
+        if (std::isnan(want)) {  // a padded row: never written
+          ASSERT_TRUE(std::isnan(got)) << e;
+          continue;
+        }
+        num += (got - want) * (got - want);
+        den += want * want;
       }
-      num += (got - want) * (got - want);
-      den += want * want;
+      EXPECT_LT(std::sqrt(num / den), 2e-2);
+      num = den = 0;
+      for (int64_t e = 0; e < cpu.c.state.count; ++e) {
+        const double want = cpu.c.state.get(e), got = gpu.c.state.get(e);
+        num += (got - want) * (got - want);
+        den += want * want;
+      }
+      EXPECT_LT(std::sqrt(num / den), 2e-2);
     }
-    EXPECT_LT(std::sqrt(num / den), 2e-2);
-    num = den = 0;
-    for (int64_t e = 0; e < cpu.c.state.count; ++e) {
-      const double want = cpu.c.state.get(e), got = gpu.c.state.get(e);
-      num += (got - want) * (got - want);
-      den += want * want;
-    }
-    EXPECT_LT(std::sqrt(num / den), 2e-2);
-  }
 }
 
 // Rows whose indices are invalid on the device: a slot past the pool (initial, final, or a

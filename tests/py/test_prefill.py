@@ -314,3 +314,36 @@ def test_cuda_invalid_rows_zeroed_and_counted(gen):
     assert not torch.isnan(c["out"]).any()
     keep = [s for s in range(24) if s not in (int(c["final_state_indices"][0]), int(c["final_state_indices"][2]))]
     assert torch.equal(c["state"][keep], before[keep])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("form", ["recurrence", "fused"])
+def test_cuda_op_equals_function_eager_and_in_a_graph(gen, form):
+    """torch.ops.gdn.prefill, eager and replayed from a CUDA graph, equals gdn.prefill bit for bit
+    in both kinds of launch: few heads (the chunk kernel's forms: the op allocates their workspace
+    from torch's allocator, inside the graph's pool when captured) and more than half the SMs' worth
+    of heads (the fused kernel: no workspace at all); both near the CPU path."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    HV = 8
+    N = 1 if form == "recurrence" else sms // (2 * HV) + 1  # 2 N HV <= SMs takes the recurrence
+    c = make_case(gen, H=2, ratio=4, K=128, V=128, T=(70,) * N, act=torch.bfloat16, slots=2 * N + 2)
+    cpu = {k: v.clone() for k, v in c.items()}
+    fn, op, warm, graphed = ({k: v.cuda() for k, v in c.items()} for _ in range(4))
+    run(fn)
+    run(op, fn=torch.ops.gdn.prefill)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run(warm, fn=torch.ops.gdn.prefill)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(graphed, fn=torch.ops.gdn.prefill)
+    graph.replay()
+    torch.cuda.synchronize()
+    for other in (op, graphed):
+        assert torch.equal(other["out"], fn["out"]) and torch.equal(other["state"], fn["state"])
+    run(cpu)
+    assert rel_l2(fn["out"].double().cpu(), cpu["out"].double()) <= CUDA_BAR
+    assert rel_l2(fn["state"].double().cpu(), cpu["state"].double()) <= CUDA_BAR

@@ -1,9 +1,10 @@
-// prefill on CUDA: validates the call on the host, fills the kernels' arguments and launches the
-// chunk kernel (one CTA per chunk slot and value head), then the state pass: the one-pass kernel
-// (one CTA per request and value head) or the recurrence and output kernels
-// (gdn/prefill/cuda_kernel.cuh; choose_state_pass). Reads no device memory and never synchronises;
-// safe inside CUDA-graph capture for a fixed token budget and number of requests. Without a
-// caller workspace it allocates one stream-ordered (a graph captures the allocation too).
+// prefill on CUDA: validates the call on the host, fills the kernels' arguments and launches
+// either the fused kernel (one CTA per request and value head, no workspace) or the chunk kernel
+// (one CTA per chunk slot and value head) followed by a state pass: the one-pass kernel (one CTA
+// per request and value head) or the recurrence and output kernels (gdn/prefill/cuda_kernel.cuh;
+// choose_state_pass). Reads no device memory and never synchronises; safe inside CUDA-graph
+// capture for a fixed token budget and number of requests. A form with a workspace and no caller
+// workspace allocates one stream-ordered (a graph captures the allocation too).
 #pragma once
 
 #include <cuda_runtime.h>
