@@ -6,14 +6,13 @@
 //
 // Work layout. A CTA owns a slice of kRowThreads * V channels (V elements of x in 16 bytes, so a
 // row of the slice is one 128-byte line) over a segment of token rows, which it walks in tiles of
-// kTileRows rows (one run of kRunRows rows per kRowThreads threads). Thread (rl, cl) of a tile
-// holds the kRunRows consecutive rows of run rl, V channels each, as 16-byte loads, and slides a W
-// - 1 row window (the taps before the current row, as fp32) down its run. The W - 1 rows before a
-// run (its halo) come from the run before it through shared memory: every thread publishes the last
-// rows of its run before barrier A; the first run of a tile takes the previous tile's last run,
-// copied aside by run 0 before barrier B; the first run of a segment reads x (out of place) or
-// needs none (in place, see below). So every row of x is loaded from global memory by one thread,
-// once.
+// kTileRows rows (one run of kRunRows rows per kRowThreads threads). The tiles stream through a
+// ring of kStages tiles in shared memory (cp.async): tile t + 1 is in flight while tile t is
+// computed, and tile t - 1 is still there. Thread (rl, cl) of a tile reads the kRunRows consecutive
+// rows of run rl from the ring, V channels each, and slides a W - 1 row window (the taps before
+// the current row, as fp32) down its run. The W - 1 rows before a run (its halo) are the ring's
+// rows before it, in tile t or t - 1; the first run of a segment reads x (out of place) or needs
+// none (in place, see below). So every row of x is loaded from global memory once, into the ring.
 //
 // A row's taps before its request's first row read the request's history from the initial slot
 // instead (zeros for a null id); a run that starts a request resets its window there.
@@ -29,13 +28,12 @@
 //   it is written, whichever CTA runs first.
 // - out is x. A row's output overwrites an input that the next W - 1 rows still read, so the rows
 //   of a request are never split between CTAs: a CTA owns the requests that begin in its segment
-//   and no other CTA reads or writes their rows. Inside the CTA each row of x is loaded by the
-//   thread that later overwrites it, and every other use of it goes through shared memory or
-//   registers: (1) a thread loads its rows of tile t before barrier A_t (the next tile's rows are
-//   prefetched after A_(t-1)), and no thread stores a row of tile t before A_t; (2) it publishes
-//   its last rows before A_t, the consumers read them after A_t and before B_t, and the next
-//   publication is after B_t; (3) a thread stores only rows of its own run, after A_t, and the
-//   loads issued after A_t are of tile t + 1, other rows. The history of a request is read by the
+//   and no other CTA reads or writes their rows. Inside the CTA every use of a row's input goes
+//   through the ring: (1) tile t is loaded into the ring before barrier A_t (its cp.async group is
+//   waited for before A_t), by any thread, and no thread stores a row of tile t before A_t; (2) a
+//   thread stores only rows of its own run, after A_t, and the loads issued after A_t are of tile t
+//   + 2, other rows; (3) the ring's stage of tile t - 1, which holds halos read after A_t, is
+//   refilled only after B_t. The history of a request is read by the
 //   threads whose runs hold its first W - 1 rows, in tiles up to the one of its last row; its final
 //   slot is written by the thread of its last row after barrier B of that tile (the window after
 //   that row, kept until then), so after every read of the initial slot. Segments begin at request
@@ -58,6 +56,7 @@
 #include "gdn/conv_prefill/params.hpp"
 #include "gdn/core/cuda/device.cuh"
 #include "gdn/core/cuda/launch.cuh"
+#include "gdn/core/cuda/mma.cuh"
 #include "gdn/core/dispatch.hpp"
 
 namespace gdn::conv_prefill {
@@ -89,11 +88,13 @@ inline constexpr int kThreads = 256;
 inline constexpr int kRowThreads = 8;                     // threads across a row of the slice
 inline constexpr int kRowLanes = kThreads / kRowThreads;  // runs per tile
 inline constexpr int64_t kSegmentRows = 1024;             // rows of a CTA (in place: start)
-// Rows per run (>= W - 1). In place a CTA prefetches its next tile and runs alone on its SM: long
-// runs. Out of place two CTAs share an SM within 128 registers a thread: short runs.
-template <bool kInPlace, int kHalo>
-inline constexpr int kRunRowsOf = kInPlace || kHalo > 4 ? 8 : 4;
-static_assert(kConvMaxWidth - 1 <= 8, "a halo must fit in one run");
+inline constexpr int kRunRows = 4;                        // consecutive rows of a thread
+inline constexpr int kTileRows = kRowLanes * kRunRows;
+// Tiles of x in the CTA's shared ring: while one is computed the next is in flight, and the one
+// before it still holds the first run's halo. Two CTAs share an SM within 128 registers a thread.
+inline constexpr int kStages = 3;
+static_assert(kConvMaxWidth - 1 <= kTileRows, "a halo lies in the tile before at most");
+static_assert(kSegmentRows % kTileRows == 0);
 
 // The 16-byte vector of x / out elements a thread holds per row: V elements, fp32 <-> raw bits.
 template <class T>
@@ -269,16 +270,21 @@ __device__ inline int64_t boundary_at_or_after(const KernelArgs& a, int64_t r) {
 
 // T: x's element type (and out's when kSameOut; otherwise out is stored through a.out_dtype).
 // kWidth = kRuntimeValue (0): width taken from a.W (<= kConvMaxWidth).
+// Starts a 16-byte copy global -> shared (both aligned); a plain copy on images without cp.async.
+__device__ __forceinline__ void copy_16(uint4* to, const void* from) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  dev::mma::cp_async_16(to, from);
+#else
+  *to = *static_cast<const uint4*>(from);
+#endif
+}
+
 template <class T, bool kSameOut, int kWidth, bool kInPlace>
-__global__ void __launch_bounds__(kThreads, kInPlace ? 1 : 2)
-    conv_prefill_kernel(const KernelArgs a) {
+__global__ void __launch_bounds__(kThreads, 2) conv_prefill_kernel(const KernelArgs a) {
   constexpr int kV = 16 / int(sizeof(T));
   constexpr int kMax = kWidth == kRuntimeValue ? kConvMaxWidth : kWidth;
   constexpr int kHalo = kMax - 1;
-  constexpr int kRunRows = kRunRowsOf<kInPlace, kHalo>;
-  constexpr int kTileRows = kRowLanes * kRunRows;
-  static_assert(kSegmentRows % kTileRows == 0);
-  __shared__ uint4 published[kRowLanes + 1][kHalo][kRowThreads];  // [0]: carry into run 0
+  __shared__ uint4 ring[kStages][kTileRows][kRowThreads];  // tile k in ring[k % kStages]
 
   const int H = kWidth == kRuntimeValue ? int(a.W) - 1 : kHalo;
   const int tid = int(threadIdx.x);
@@ -312,12 +318,25 @@ __global__ void __launch_bounds__(kThreads, kInPlace ? 1 : 2)
     return n > 0 ? load_row(x + r * a.x_row_stride + c0, n, a.x_vector && n == kV)
                  : uint4{0u, 0u, 0u, 0u};
   };
-  // Runs of tile t0 hold rows t0 + rl * kRunRows + q; rows at or past `last` are not loaded.
-  const auto load_run = [&](int64_t t0, uint4(&rows)[kRunRows]) {
-    const int64_t r0 = t0 + int64_t(rl) * kRunRows;
+  // Starts loading tile k (rows first + k kTileRows ..) into its ring stage as one cp.async
+  // group (empty past the last tile, so that a fixed wait count means "tile k has landed"); the
+  // thread copies the rows rl, rl + kRowLanes, .. of its own channels. Rows at or past `last` are
+  // zeros. Unaligned or partial rows are copied by the thread itself, visible after the next
+  // barrier like the rest.
+  const auto fill = [&](int64_t k) {
+    const int64_t t0 = first + k * kTileRows;
+    if (t0 < last) {
+      uint4(*to)[kRowThreads] = ring[k % kStages];
 #pragma unroll
-    for (int q = 0; q < kRunRows; ++q)
-      rows[q] = r0 + q < last ? load(r0 + q) : uint4{0u, 0u, 0u, 0u};
+      for (int row = rl; row < kTileRows; row += kRowLanes) {
+        const int64_t r = t0 + row;
+        if (r < last && n == kV && a.x_vector)
+          copy_16(&to[row][cl], x + r * a.x_row_stride + c0);
+        else
+          to[row][cl] = r < last ? load(r) : uint4{0u, 0u, 0u, 0u};
+      }
+    }
+    dev::mma::cp_async_commit();
   };
   const auto stored_as_state = [&](float (&v)[kV]) {
     if (a.round_to_state)
@@ -362,35 +381,30 @@ __global__ void __launch_bounds__(kThreads, kInPlace ? 1 : 2)
     w_cur[k] = k < n ? dev::load_value(a.weight, a.weight_dtype, row + H) : 0.0f;
   }
 
-  uint4 cur[kRunRows];
-  load_run(first, cur);
-  for (int64_t t0 = first; t0 < last; t0 += kTileRows) {
+  fill(0);
+  fill(1);
+  int64_t tile_index = 0;
+  for (int64_t t0 = first; t0 < last; t0 += kTileRows, ++tile_index) {
     const int64_t r0 = t0 + int64_t(rl) * kRunRows;
-#pragma unroll
-    for (int s = 0; s < kHalo; ++s) published[rl + 1][s][cl] = cur[kRunRows - kHalo + s];
-    __syncthreads();  // A: this tile's rows are loaded and its runs' last rows published
+    dev::mma::cp_async_wait<kStages - 2>();
+    __syncthreads();  // A: this tile has landed (and the one before it is still in the ring)
+    const uint4(*tile)[kRowThreads] = ring[tile_index % kStages];
+    const uint4(*before)[kRowThreads] = ring[(tile_index + kStages - 1) % kStages];
 
-    // halo[s] is row r0 - kHalo + s. The segment's first run: out of place from x; in place the
-    // rows before a segment belong to other requests and are never a tap.
+    // halo[s] is row r0 - kHalo + s: from this tile or the one before it; before the segment's
+    // first tile, out of place from x, in place none (those rows belong to other requests and are
+    // never a tap).
     uint4 halo[kHalo];
 #pragma unroll
     for (int s = 0; s < kHalo; ++s) {
-      const int64_t r = r0 - kHalo + s;
-      if (rl > 0 || t0 > first)
-        halo[s] = published[rl][s][cl];
+      const int at_row = rl * kRunRows - kHalo + s;  // row within the tile
+      if (at_row >= 0)
+        halo[s] = tile[at_row][cl];
+      else if (t0 > first)
+        halo[s] = before[kTileRows + at_row][cl];
       else
-        halo[s] = !kInPlace && r >= 0 ? load(r) : uint4{0u, 0u, 0u, 0u};
+        halo[s] = !kInPlace && r0 - kHalo + s >= 0 ? load(r0 - kHalo + s) : uint4{0u, 0u, 0u, 0u};
     }
-    if (rl == 0)
-#pragma unroll
-      for (int s = 0; s < kHalo; ++s) published[0][s][cl] = published[kRowLanes][s][cl];
-
-    // In place (one CTA per SM) the next tile's loads fly while this one is computed; out of place
-    // other CTAs overlap them, and the registers go to occupancy instead.
-    uint4 next[kInPlace ? kRunRows : 1];
-    const bool more = t0 + kTileRows < last;
-    if constexpr (kInPlace)
-      if (more) load_run(t0 + kTileRows, next);
 
     RowOwner o = find_owner(a, r0 < a.L ? r0 : a.L - 1);
     float win[kHalo][kV] = {};
@@ -425,7 +439,7 @@ __global__ void __launch_bounds__(kThreads, kInPlace ? 1 : 2)
       uint4 raw;
       if (q < kRunRows) {
         if (r >= last) break;
-        raw = cur[q];
+        raw = tile[rl * kRunRows + q][cl];
       } else {
         if (r >= zone_end) break;
         raw = load(r);
@@ -512,19 +526,13 @@ __global__ void __launch_bounds__(kThreads, kInPlace ? 1 : 2)
         write_final(h, f);
       }
     }
-    __syncthreads();  // B: every read of `published` and of this tile's history is done
+    __syncthreads();  // B: every read of the tile before this one and of this tile's history is
+                      // done
     if constexpr (kInPlace) {
 #pragma unroll 1
       for (int i = 0; i < finals; ++i) write_final(find_owner(a, final_rows[i]), pending[i]);
     }
-    if (more) {
-      if constexpr (kInPlace) {
-#pragma unroll
-        for (int q = 0; q < kRunRows; ++q) cur[q] = next[q];
-      } else {
-        load_run(t0 + kTileRows, cur);
-      }
-    }
+    fill(tile_index + kStages - 1);  // into the stage of the tile before this one
   }
 }
 
