@@ -152,7 +152,7 @@ TEST(GpuConvPrefill, MixedDtypesStridesAndManyShortRequests) {
 TEST(GpuConvPrefill, RequestsAcrossRunTileAndSegmentEdges) {
   GDN_SKIP_WITHOUT_GPU();
   for (DType act : {DType::kBFloat16, DType::kFloat32})
-    for (int W : {4, 5})
+    for (int W : {4, 5, 8})  // W = 8: a run's halo reaches back past the run before it
       for (bool in_place : {false, true}) {
         Config g;
         g.D = 72;  // a partial channel block for every element size
