@@ -12,7 +12,9 @@
 // rows of run rl from the ring, V channels each, and slides a W - 1 row window (the taps before
 // the current row, as fp32) down its run. The W - 1 rows before a run (its halo) are the ring's
 // rows before it, in tile t or t - 1; the first run of a segment reads x (out of place) or needs
-// none (in place, see below). So every row of x is loaded from global memory once, into the ring.
+// none (in place, see below). So every row of x is loaded from global memory once, into the ring;
+// out of place a few are read again from x: the first halo of a segment, and the rows a request's
+// head reads past its run (see below).
 //
 // A row's taps before its request's first row read the request's history from the initial slot
 // instead (zeros for a null id); a run that starts a request resets its window there.
@@ -268,8 +270,6 @@ __device__ inline int64_t boundary_at_or_after(const KernelArgs& a, int64_t r) {
   return b < 0 ? 0 : (b > a.L ? a.L : b);
 }
 
-// T: x's element type (and out's when kSameOut; otherwise out is stored through a.out_dtype).
-// kWidth = kRuntimeValue (0): width taken from a.W (<= kConvMaxWidth).
 // Starts a 16-byte copy global -> shared (both aligned); a plain copy on images without cp.async.
 __device__ __forceinline__ void copy_16(uint4* to, const void* from) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -279,6 +279,8 @@ __device__ __forceinline__ void copy_16(uint4* to, const void* from) {
 #endif
 }
 
+// T: x's element type (and out's when kSameOut; otherwise out is stored through a.out_dtype).
+// kWidth = kRuntimeValue (0): width taken from a.W (<= kConvMaxWidth).
 template <class T, bool kSameOut, int kWidth, bool kInPlace>
 __global__ void __launch_bounds__(kThreads, 2) conv_prefill_kernel(const KernelArgs a) {
   constexpr int kV = 16 / int(sizeof(T));
