@@ -135,8 +135,9 @@ def prefill(
     ``out``, a 16-bit pool the rounding of the stored states. The CUDA kernel (the chunked form of
     docs prefill.md §3) multiplies bf16 operands with float32 accumulation and keeps the state in
     float32: within 2e-2 relative L2 of the reference (about 5e-3 on random inputs). With more
-    (request, value head) pairs than half the SMs it runs as one kernel and needs no workspace,
-    where the device holds that kernel's shared memory (Hopper); otherwise in two or three launches
+    (request, value head) pairs than half the SMs and requests of 512 tokens or more on average
+    (token budget / requests) it runs as one kernel and needs no workspace, where the device holds
+    that kernel's shared memory (Hopper); otherwise in two or three launches
     with a device workspace of about 2 KB per token and value head (C++:
     ``cuda_api::prefill_workspace_bytes``), allocated stream-ordered for the call (by torch's
     allocator for the torch op).

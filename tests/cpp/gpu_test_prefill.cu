@@ -288,31 +288,38 @@ TEST(PrefillCuda, InvalidDeviceRowsWriteNothingAndAreCounted) {
 }
 
 // The workspace query follows the form the launch takes: cuda_workspace_bytes(L, N, HV) for the
-// chunk kernel's forms (few heads: the recurrence), none for the fused kernel (one head per SM and
-// more); a launch without a workspace then matches the reference either way.
+// chunk kernel's forms (few heads: the recurrence; many heads in short requests: the one-pass
+// kernel), none for the fused kernel (many heads in long requests); a launch without a workspace
+// then matches the reference either way.
 TEST(PrefillCuda, WorkspaceQueryFollowsTheForm) {
   GDN_SKIP_WITHOUT_GPU();
   int sms = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
-  for (const int64_t requests : {int64_t(1), int64_t(sms)}) {
-    CaseConfig g = gpu_config(std::vector<int64_t>(size_t(requests), 70), 2, DType::kFloat32,
-                              StateLayout::kVK, 70);
-    g.slots = 2 * requests + 1;
-    std::vector<int64_t> initial(static_cast<size_t>(requests)), final_slot(initial);
-    for (int64_t i = 0; i < requests; ++i) {
+  constexpr int64_t kHV = 16;                // H = 8, ratio 2
+  const int64_t many = sms / (2 * kHV) + 1;  // 2 N HV > SMs
+  const int64_t long_request = kFusedMinMeanTokens + 6;
+  struct Form {
+    int64_t requests, tokens;
+    bool fused;
+  };
+  const Form forms[] = {{1, 70, false}, {many, 70, false}, {many, long_request, true}};
+  for (const Form& f : forms) {
+    CaseConfig g = gpu_config(std::vector<int64_t>(size_t(f.requests), f.tokens), 2,
+                              DType::kFloat32, StateLayout::kVK, 70);
+    g.H = kHV / 2;
+    g.slots = 2 * f.requests + 1;
+    std::vector<int64_t> initial(static_cast<size_t>(f.requests)), final_slot(initial);
+    for (int64_t i = 0; i < f.requests; ++i) {
       initial[size_t(i)] = i % 3 == 0 ? -1 : i;  // some new requests (null slots)
-      final_slot[size_t(i)] = requests + i;
+      final_slot[size_t(i)] = f.requests + i;
     }
     PrefillCase pc(g, initial, final_slot);
     int64_t bytes = -1;
     const Status s = on_gpu(
         pc.params(), [&](const Params& p) { return cuda_api::prefill_workspace_bytes(p, &bytes); });
     ASSERT_TRUE(s.is_ok()) << s.reason();
-    SCOPED_TRACE(::testing::Message() << requests << " requests");
-    if (requests == 1)
-      EXPECT_EQ(bytes, cuda_workspace_bytes(pc.c.L, pc.c.N, pc.c.HV));
-    else
-      EXPECT_EQ(bytes, 0);
+    SCOPED_TRACE(::testing::Message() << f.requests << " requests of " << f.tokens << " tokens");
+    EXPECT_EQ(bytes, f.fused ? 0 : cuda_workspace_bytes(pc.c.L, pc.c.N, pc.c.HV));
     expect_matches_reference(pc, 2e-2, kGpu);
   }
 }

@@ -90,16 +90,21 @@ inline KernelArgs kernel_args(const Params& p, const Problem& pr) {
 // The state pass for a call (StatePass). A request's chunks run in order, so one CTA per (request,
 // value head) leaves SMs idle when there are few of them: then the recurrence's rows split over
 // four CTAs per head (without the norm a state row never needs another) and the outputs of every
-// chunk run at once afterwards. With more heads the fused kernel keeps every chunk's tiles on
-// chip; the one-pass kernel serves devices whose shared memory does not hold the fused kernel's.
+// chunk run at once afterwards. With more heads and long requests the fused kernel keeps every
+// chunk's tiles on chip; short requests, and devices whose shared memory does not hold the fused
+// kernel's, take the one-pass kernel.
 inline StatePass choose_state_pass(const Problem& pr, const cuda::DeviceInfo& device) {
   constexpr int recurrence_bytes =
       cuda_detail::kRecurrenceSharedBytes<cuda_detail::kRecurrenceWarps,
                                           cuda_detail::kRecurrenceStages>;
   if (2 * pr.N * pr.HV <= device.sm_count && device.shared_per_cta >= recurrence_bytes)
     return StatePass::kRecurrence;
-  // The largest fused CTA: 2-byte activations also stage the next chunk's rows.
-  return device.shared_per_cta >= cuda_detail::kFusedSharedBytes<__nv_bfloat16>
+  // The fused kernel runs a request's chunks in sequence, one CTA per (request, value head), and
+  // loads and stores the state once per CTA with nothing to overlap it: short requests (on
+  // average over the token budget) run faster through the chunk-parallel one-pass kernel. Its
+  // largest CTA: 2-byte activations also stage the next chunk's rows.
+  const bool long_requests = pr.L >= kFusedMinMeanTokens * pr.N;
+  return long_requests && device.shared_per_cta >= cuda_detail::kFusedSharedBytes<__nv_bfloat16>
              ? StatePass::kFused
              : StatePass::kOnePass;
 }

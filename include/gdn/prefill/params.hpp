@@ -52,11 +52,14 @@ constexpr int64_t cuda_workspace_bytes(int64_t L, int64_t N, int64_t HV) {
 // the outputs and their norm (kOnePass), or a recurrence kernel over four CTAs per head (32 state
 // rows each) followed by one output kernel over every chunk of the call at once (kRecurrence).
 // Or one kernel per (request, value head) that computes each chunk's products on chip as well and
-// reads no workspace (kFused). kAuto: the launcher chooses by occupancy. The one-pass and
-// recurrence forms compute the same state bits (the outputs may differ in the last bit of the
-// norm); the fused form rounds other intermediates to bf16, within the same error of the exact
-// result. Tests and benchmarks pin one.
+// reads no workspace (kFused). kAuto: the launcher chooses by occupancy and request length. The
+// one-pass and recurrence forms compute the same state bits (the outputs may differ in the last bit
+// of the norm); the fused form rounds other intermediates to bf16, within the same error of the
+// exact result. Tests and benchmarks pin one.
 enum class StatePass { kAuto, kOnePass, kRecurrence, kFused };
+
+// The mean request length (token budget / requests, eight chunks) from which kAuto takes kFused.
+inline constexpr int64_t kFusedMinMeanTokens = 8 * kCheckpointGranule;
 
 // Sizes derived from (and checked against) the arguments: decode_mtp's (S = 1, unused), plus the
 // checkpoint columns C.
