@@ -17,6 +17,7 @@
 #include "device_mirror.hpp"
 #include "gdn/kernels/cuda_api_prefill.hpp"
 #include "gdn/prefill/cpu.hpp"
+#include "gdn/prefill/cuda_kernel.cuh"
 #include "gpu_skip.hpp"
 #include "prefill_case.hpp"
 
@@ -55,6 +56,15 @@ const Runner kGpu = [](const Params& p) { return gpu_prefill(p); };
 
 // The state passes a call can take (the small cases here choose the recurrence on their own).
 constexpr StatePass kPasses[] = {StatePass::kOnePass, StatePass::kRecurrence, StatePass::kFused};
+// The fused kernel's shared memory does not fit every device (Hopper holds it, an A100 does not):
+// there the launcher never takes it, and the tests do not pin it.
+bool runs_here(StatePass pass) {
+  if (pass != StatePass::kFused) return true;
+  int optin = 0;
+  return cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0) ==
+             cudaSuccess &&
+         optin >= cuda_detail::kFusedSharedBytes<__nv_bfloat16>;
+}
 const char* pass_name(StatePass pass) {
   return pass == StatePass::kOnePass ? "one pass"
          : pass == StatePass::kFused ? "fused"
@@ -92,13 +102,15 @@ TEST(PrefillCuda, ChunkEdgesRatiosDtypesAndLayoutsMatchTheReference) {
 }
 
 // Each state pass pinned: the one-pass kernel, the recurrence with the output kernel and the fused
-// kernel (which the launcher takes for many heads), on chunk edges, null slots, in place,
-// checkpoints, a long request and both layouts; with bf16 state, bf16 activations in rows of whole
-// 16-byte groups (the fused kernel stages them with cp.async), else fp32 ones in unaligned rows.
+// kernel (which the launcher takes for many heads in long requests), on chunk edges, null slots, in
+// place, checkpoints, a long request and both layouts; with bf16 state, bf16 activations in rows of
+// whole 16-byte groups (the fused kernel stages them with cp.async), else fp32 ones in unaligned
+// rows.
 TEST(PrefillCuda, EveryStatePassMatchesTheReference) {
   GDN_SKIP_WITHOUT_GPU();
   uint32_t seed = 40;
   for (const StatePass pass : kPasses) {
+    if (!runs_here(pass)) continue;
     const Runner run = [pass](const Params& p) { return gpu_prefill(p, pass); };
     for (const int64_t ratio : {1, 4})
       for (const DType state : {DType::kFloat32, DType::kBFloat16})
@@ -203,6 +215,7 @@ TEST(PrefillCuda, OutputVariantsMatchTheCpuPath) {
   uint32_t seed = 40;
   for (const Variant& v : variants)
     for (const StatePass pass : kPasses) {
+      if (!runs_here(pass)) continue;
       SCOPED_TRACE(::testing::Message() << v.name << ", " << pass_name(pass));
       CaseConfig g = gpu_config({5, 70, 0, 150}, 2, DType::kFloat32, StateLayout::kVK, seed++);
       v.apply(g);
@@ -284,7 +297,8 @@ void expect_invalid_rows_write_nothing(StatePass pass) {
 
 TEST(PrefillCuda, InvalidDeviceRowsWriteNothingAndAreCounted) {
   GDN_SKIP_WITHOUT_GPU();
-  for (const StatePass pass : kPasses) expect_invalid_rows_write_nothing(pass);
+  for (const StatePass pass : kPasses)
+    if (runs_here(pass)) expect_invalid_rows_write_nothing(pass);
 }
 
 // The workspace query follows the form the launch takes: cuda_workspace_bytes(L, N, HV) for the
@@ -319,7 +333,8 @@ TEST(PrefillCuda, WorkspaceQueryFollowsTheForm) {
         pc.params(), [&](const Params& p) { return cuda_api::prefill_workspace_bytes(p, &bytes); });
     ASSERT_TRUE(s.is_ok()) << s.reason();
     SCOPED_TRACE(::testing::Message() << f.requests << " requests of " << f.tokens << " tokens");
-    EXPECT_EQ(bytes, f.fused ? 0 : cuda_workspace_bytes(pc.c.L, pc.c.N, pc.c.HV));
+    const bool fused = f.fused && runs_here(StatePass::kFused);
+    EXPECT_EQ(bytes, fused ? 0 : cuda_workspace_bytes(pc.c.L, pc.c.N, pc.c.HV));
     expect_matches_reference(pc, 2e-2, kGpu);
   }
 }

@@ -325,7 +325,12 @@ def test_cuda_op_equals_function_eager_and_in_a_graph(gen, form):
     from torch's allocator, inside the graph's pool when captured) and more than half the SMs' worth
     of heads in requests of 512 tokens or more (the fused kernel: no workspace at all); both near
     the CPU path."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    props = torch.cuda.get_device_properties(0)
+    optin = getattr(props, "shared_memory_per_block_optin", None)  # not in every torch
+    fits = optin >= 171 * 1024 if optin is not None else props.major in (9, 10)
+    if form == "fused" and not fits:
+        pytest.skip("the fused form needs about 171 KB of shared memory per CTA (Hopper)")
+    sms = props.multi_processor_count
     HV = 8
     N = 1 if form == "recurrence" else sms // (2 * HV) + 1  # 2 N HV <= SMs takes the recurrence
     T = 70 if form == "recurrence" else 520

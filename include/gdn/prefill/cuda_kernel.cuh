@@ -25,18 +25,23 @@
 //     Delta^T per chunk as the bf16 A fragments of the output products, and an output kernel then
 //     computes o and the norm for every (chunk, value head) at once. Fewer, longer requests than
 //     SMs keep the other forms' grids from filling the GPU; this form does.
-// The three compute the same products from the same operands in the same order.
+// The one-pass and recurrence forms compute the same products from the same operands in the same
+// order; the fused form applies the decay factors to fp32 accumulators and rounds other
+// intermediates to bf16 (Y instead of W and U), within the same tolerance.
 // Tokens past n are zero (k = q = v = 0, g = 0, beta = 0), so they change nothing.
 // The products run as mma.sync m16n8k16 with bf16 operands and fp32 accumulation; (I + A)^-1 is
-// computed in fp32 (16 x 16 diagonal blocks by substitution, then merged 16 -> 32 -> 64). The
-// state crosses chunks in fp32 and is rounded to the pool's dtype only where it is stored.
+// computed in fp32 (16 x 16 diagonal blocks by substitution, then merged 16 -> 32 -> 64 on tensor
+// cores with tf32 operands). The norms' reciprocal square roots and the decay factors come from
+// the hardware's approximations (rsqrt, exp2). The state crosses chunks in fp32 and is rounded to
+// the pool's dtype only where it is stored.
 //
 // Workspace slots: request i's j-th chunk goes to slot begin_i / 64 + i + j. For non-decreasing
 // cu_seqlens these ranges never overlap, and there are at most L / 64 + N slots. The chunk kernel's
 // CTA for a slot finds its request by binary search and records the owner of the slot; the state
 // pass runs a request only if it owns all its slots, so broken cu_seqlens can never make one
 // request read another's tiles. The output kernel runs a slot only if the recurrence marked it
-// ready in this call.
+// ready in this call. The fused form has no slots: it runs every request whose own range is sane,
+// so with broken cu_seqlens the rows it writes and counts differ from the chunk forms'.
 //
 // Indices live in device memory and are never synchronised on: the kernels apply prefill's row
 // rules themselves. A request whose token range is not sane writes nothing; one with a slot past

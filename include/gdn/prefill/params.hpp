@@ -27,8 +27,8 @@ struct Params : decode_mtp::StepArgs {
   TensorView checkpoint_indices;     // [N, C] int32/int64 or absent: its checkpoint slots
   int64_t checkpoint_every = 0;      // E: a checkpoint after every E tokens (0: none)
   // CUDA only, optional: scratch device memory (any dtype) of at least cuda_workspace_bytes(L, N,
-  // HV) bytes, 16-byte aligned, on the arrays' device. Absent: the launch allocates it
-  // stream-ordered (cudaMallocAsync) and frees it after the call.
+  // HV) bytes, 16-byte aligned, on the arrays' device, whatever form the launch takes. Absent: a
+  // form that needs one allocates it stream-ordered (cudaMallocAsync) and frees it after the call.
   TensorView workspace;
 };
 
