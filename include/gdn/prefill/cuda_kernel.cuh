@@ -553,9 +553,10 @@ __device__ __forceinline__ int ut_index(int v, int t) {
 }
 
 // U^T = V^T (inv diag(beta))^T (warp w: state rows 16 w..) and W = inv diag(beta gamma) K (warp w:
-// rows 16 (w & 3).., columns 64 (w / 4)..), in shared memory: U^T in ut_staging, W over v (dead
-// once U^T is done). Ends with a barrier.
-__device__ __forceinline__ void compute_writes(ChunkShared& sh, int warp, int lane, int blocks16) {
+// rows 16 (w & 3).., columns 64 (w / 4)..), staged in shared memory (U^T in ut_staging, W over v,
+// dead once U^T is done) and then stored 16 bytes at a time.
+__device__ __forceinline__ void store_writes(ChunkShared& sh, ChunkTiles& out, int warp, int lane,
+                                             int tid, int blocks16) {
   bf16* ut = ut_staging(sh);
   {
     float acc[8][4] = {};
@@ -607,13 +608,7 @@ __device__ __forceinline__ void compute_writes(ChunkShared& sh, int warp, int la
     }
   }
   __syncthreads();
-}
-
-// Stores W and U^T from compute_writes: the used token rows of W and columns of U^T only (16-byte
-// pieces).
-__device__ __forceinline__ void store_writes(ChunkShared& sh, ChunkTiles& out, int tid,
-                                             int blocks16) {
-  const bf16* ut = ut_staging(sh);
+  // The used token rows of W and columns of U^T only (16-byte pieces).
   constexpr int kWide = kHeadDim / 8;
   const int used = 16 * blocks16, narrow = used / 8;
   for (int e = tid; e < used * kWide; e += kThreads) {
@@ -626,27 +621,20 @@ __device__ __forceinline__ void store_writes(ChunkShared& sh, ChunkTiles& out, i
   }
 }
 
-// The decayed q and k of the used token rows, gamma_t q_t and exp(G_end - G_t) k_t, to q_to and
-// k_to (sh's own tiles: in place), 16 bytes at a time.
-__device__ __forceinline__ void decay_tokens(const ChunkShared& sh, bf16 (*q_to)[kLdWide],
-                                             bf16 (*k_to)[kLdWide], int tid, int blocks16) {
+// The used token rows of the decayed q and k (gamma_t q_t, exp(G_end - G_t) k_t) and of P,
+// copied 16 bytes at a time.
+__device__ __forceinline__ void store_decayed(const ChunkShared& sh, ChunkTiles& out, int tid,
+                                              int blocks16) {
   const float end = sh.cum[kChunk - 1];
   const int used = 16 * blocks16;
   constexpr int kRowChunks = kHeadDim / 8;
   for (int e = tid; e < used * kRowChunks; e += kThreads) {
     const int t = e / kRowChunks, c = 8 * (e % kRowChunks);
-    *reinterpret_cast<uint4*>(&q_to[t][c]) =
+    *reinterpret_cast<uint4*>(&out.q[t][c]) =
         scale_bf16x8(*reinterpret_cast<const uint4*>(&sh.q[t][c]), dev::fast_exp2(sh.cum[t]));
-    *reinterpret_cast<uint4*>(&k_to[t][c]) =
+    *reinterpret_cast<uint4*>(&out.k[t][c]) =
         scale_bf16x8(*reinterpret_cast<const uint4*>(&sh.k[t][c]), dev::fast_exp2(end - sh.cum[t]));
   }
-}
-
-// The used token rows of the decayed q and k and of P, stored 16 bytes at a time.
-__device__ __forceinline__ void store_decayed(const ChunkShared& sh, ChunkTiles& out, int tid,
-                                              int blocks16) {
-  decay_tokens(sh, out.q, out.k, tid, blocks16);
-  const int used = 16 * blocks16;
   constexpr int kPRowChunks = kChunk / 8;
   for (int e = tid; e < used * kPRowChunks; e += kThreads) {
     const int t = e / kPRowChunks, c = 8 * (e % kPRowChunks);
@@ -661,8 +649,7 @@ __device__ __forceinline__ void chunk_products(ChunkShared& sh, ChunkTiles& out,
   __syncthreads();
   invert_triangle(sh, tid, blocks16);
   __syncthreads();
-  compute_writes(sh, warp, lane, blocks16);
-  store_writes(sh, out, tid, blocks16);
+  store_writes(sh, out, warp, lane, tid, blocks16);
   store_decayed(sh, out, tid, blocks16);
 }
 
@@ -863,33 +850,20 @@ __device__ __forceinline__ void state_times_tokens(const uint32_t (&sa)[8][4], c
   }
 }
 
-// U^T in shared memory as the state step reads it: (U^T[v][t], U^T[v][t + 1]) for row v = v0 + r
-// of the warp's 16 (t even). A padded tile whose row 0 is the warp's first row, or the swizzled
-// staging of compute_writes.
-struct UtTile {
-  const bf16 (*rows)[kLdNarrow];
-  __device__ __forceinline__ float2 operator()(int r, int t) const {
-    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&rows[r][t]));
-  }
-};
-struct UtStaged {
-  const bf16* ut;
-  int v0;
-  __device__ __forceinline__ float2 operator()(int r, int t) const {
-    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&ut[ut_index(v0 + r, t)]));
-  }
-};
-
-// The chunk's writes for the warp's 16 state rows: Delta^T = U^T - S W^T.
-template <bool kFull, class Ut>
-__device__ __forceinline__ void chunk_writes(const uint32_t (&sa)[8][4], const bf16* w, Ut ut,
-                                             int lane, int blocks16, float (&delta)[8][4]) {
+// The chunk's writes for the warp's 16 state rows: Delta^T = U^T - S W^T (ut: the warp's first
+// U^T row in shared memory).
+template <bool kFull>
+__device__ __forceinline__ void chunk_writes(const uint32_t (&sa)[8][4], const bf16* w,
+                                             const bf16 (*ut)[kLdNarrow], int lane, int blocks16,
+                                             float (&delta)[8][4]) {
   state_times_tokens<kFull>(sa, w, lane, blocks16, delta);
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     const int t = 8 * j + 2 * (lane % 4);
-    const float2 ua = ut(lane / 4, t);
-    const float2 ub = ut(lane / 4 + 8, t);
+    const float2 ua =
+        __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&ut[lane / 4][t]));
+    const float2 ub =
+        __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&ut[lane / 4 + 8][t]));
     delta[j][0] = ua.x - delta[j][0];
     delta[j][1] = ua.y - delta[j][1];
     delta[j][2] = ub.x - delta[j][2];
@@ -1196,38 +1170,26 @@ __device__ __forceinline__ void start_chunk_copy(const KernelArgs& args, const W
   mma::cp_async_commit();
 }
 
-// One chunk of one (request, value head), the warp's 16 state rows, from its tiles in shared
-// memory (W, U^T as read by ut, the decayed q and k, P): the writes, the outputs (to the output
-// tile and partial) and the state update. kFull: n is kChunk, every block is used and the
-// fragments are loaded ahead of their products. The output tile may overlay the tiles: a barrier
-// separates their last read from its first write.
-template <bool kFull, class Act, class Ut>
-__device__ __forceinline__ void step_chunk(const KernelArgs& args, const bf16* w, Ut ut,
-                                           const bf16* q, const bf16* k, const bf16* p,
-                                           float (*tile)[kLdOut], float (*partial)[kChunk],
-                                           float gamma_end, int n, int warp, int lane,
-                                           StateTile& s) {
-  const int blocks16 = kFull ? 4 : (n + 15) / 16;  // blocks of 16 token rows the n tokens reach
-  uint32_t sa[8][4];
-  accumulators_as_a<8>(s.d, sa);
-  float delta[8][4] = {};
-  chunk_writes<kFull>(sa, w, ut, lane, blocks16, delta);
-  uint32_t da[4][4];
-  accumulators_as_a<4>(delta, da);
-  float o[8][4] = {};
-  chunk_output<kFull>(sa, da, q, p, lane, blocks16, o);
-  chunk_update<kFull>(da, k, gamma_end, lane, blocks16, s);
-  __syncthreads();
-  stage_output<Act>(args, o, tile, partial, warp, lane);
-}
-
-// step_chunk on a state buffer (its output tile overlays w and q).
+// One chunk of one (request, value head), the warp's 16 state rows: the writes, the outputs (to
+// the output tile and sh.partial) and the state update. kFull: n is kChunk, every block is used
+// and the fragments are loaded ahead of their products.
 template <bool kFull, class Act, int kStages>
 __device__ __forceinline__ void run_chunk(const KernelArgs& args, StateShared<Act, kStages>& sh,
                                           StateBuffer<Act>& b, float gamma_end, int n, int warp,
                                           int lane, StateTile& s) {
-  step_chunk<kFull, Act>(args, &b.w[0][0], UtTile{&b.ut[16 * warp]}, &b.q[0][0], &b.k[0][0],
-                         &b.p[0][0], output_tile(b), sh.partial, gamma_end, n, warp, lane, s);
+  const int blocks16 = kFull ? 4 : (n + 15) / 16;  // blocks of 16 token rows the n tokens reach
+  uint32_t sa[8][4];
+  accumulators_as_a<8>(s.d, sa);
+  float delta[8][4] = {};
+  chunk_writes<kFull>(sa, &b.w[0][0], &b.ut[16 * warp], lane, blocks16, delta);
+  uint32_t da[4][4];
+  accumulators_as_a<4>(delta, da);
+  float o[8][4] = {};
+  chunk_output<kFull>(sa, da, &b.q[0][0], &b.p[0][0], lane, blocks16, o);
+  chunk_update<kFull>(da, &b.k[0][0], gamma_end, lane, blocks16, s);
+  // Every warp is done with w and q before the output tile overwrites them.
+  __syncthreads();
+  stage_output<Act>(args, o, output_tile(b), sh.partial, warp, lane);
 }
 
 // Grid N * HV: one CTA per (request, value head), its chunks in order, the state in the eight
@@ -1278,8 +1240,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_state_kernel(const Kernel
   if (r.final_slot >= 0) store_state(args, r.final_slot, hv, warp, lane, state);
 }
 
-// ---- the fused kernel: each chunk's products and its state step in one CTA
-// -----------------------
+// ---- the fused kernel: a chunk's products and its state step in one CTA --------------------
 
 // A chunk's q, k and v rows as they stand in mixed_qkv: the next chunk's are copied in while the
 // current one runs (2-byte activations; 4-byte ones would not leave room, and are read directly).
@@ -1524,7 +1485,7 @@ __device__ __forceinline__ void advance_chunk(const RecurrenceBuffer<kRowWarps>&
 #pragma unroll
   for (int kk = 0; kk < 8; ++kk) f.s[row_block][kk][lane] = fragment_bits(sa[kk]);
   float delta[8][4] = {};
-  chunk_writes<kFull>(sa, &b.w[0][0], UtTile{&b.ut[16 * warp]}, lane, blocks16, delta);
+  chunk_writes<kFull>(sa, &b.w[0][0], &b.ut[16 * warp], lane, blocks16, delta);
   uint32_t da[4][4];
   accumulators_as_a<4>(delta, da);
 #pragma unroll
