@@ -270,15 +270,6 @@ __device__ inline int64_t boundary_at_or_after(const KernelArgs& a, int64_t r) {
   return b < 0 ? 0 : (b > a.L ? a.L : b);
 }
 
-// Starts a 16-byte copy global -> shared (both aligned); a plain copy on images without cp.async.
-__device__ __forceinline__ void copy_16(uint4* to, const void* from) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  dev::mma::cp_async_16(to, from);
-#else
-  *to = *static_cast<const uint4*>(from);
-#endif
-}
-
 // T: x's element type (and out's when kSameOut; otherwise out is stored through a.out_dtype).
 // kWidth = kRuntimeValue (0): width taken from a.W (<= kConvMaxWidth).
 template <class T, bool kSameOut, int kWidth, bool kInPlace>
@@ -333,7 +324,7 @@ __global__ void __launch_bounds__(kThreads, 2) conv_prefill_kernel(const KernelA
       for (int row = rl; row < kTileRows; row += kRowLanes) {
         const int64_t r = t0 + row;
         if (r < last && n == kV && a.x_vector)
-          copy_16(&to[row][cl], x + r * a.x_row_stride + c0);
+          dev::mma::cp_async_16(&to[row][cl], x + r * a.x_row_stride + c0);
         else
           to[row][cl] = r < last ? load(r) : uint4{0u, 0u, 0u, 0u};
       }

@@ -129,11 +129,14 @@ __device__ __forceinline__ void load_b_pair_transposed(uint32_t (&b)[4], const _
       b, tile + (k0 + (lane & 7) + (((lane >> 3) & 1) << 3)) * ld + n0 + ((lane >> 4) << 3));
 }
 
-// Starts a 16-byte copy global -> shared that bypasses L1 (both addresses 16-byte aligned).
+// Starts a 16-byte copy global -> shared that bypasses L1 (both addresses 16-byte aligned); a
+// plain copy on images without cp.async, where the commits and waits below do nothing.
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_address(dst)), "l"(src)
                : "memory");
+#else
+  *static_cast<uint4*>(dst) = *static_cast<const uint4*>(src);
 #endif
 }
 
